@@ -1,0 +1,1 @@
+"""The `grpo` command line, launchers and deployment configs."""

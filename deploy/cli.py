@@ -1,0 +1,111 @@
+"""The ``grpo`` command. Each subcommand is a small function; heavy imports (torch, transformers) happen inside
+them so ``grpo --help`` is instant.
+
+Errors the user can fix (a bad config key, a missing file) are printed as one clear message with exit code 2,
+never as a bare traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from importlib import metadata
+
+from shared.config import ConfigError
+
+
+class UsageError(Exception):
+    """A problem with what the user asked for; printed without a traceback."""
+
+
+def _version() -> str:
+    try:
+        return metadata.version("grpo-stack")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def cmd_config_reference(args: argparse.Namespace) -> int:
+    """Print every config field with its default and description (Markdown table)."""
+    from shared.config import config_reference
+
+    print("| key | default | description |")
+    print("|---|---|---|")
+    for key, default, description in config_reference():
+        print(f"| `{key}` | {default if default == '(section)' else f'`{default}`'} | {description} |")
+    return 0
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    """Validate a YAML config (with overrides) and print the resolved values."""
+    import yaml
+
+    from shared.config import load_config
+
+    config = load_config(args.config, args.set)
+    print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
+    return 0
+
+
+def cmd_tiny_model(args: argparse.Namespace) -> int:
+    """Build the tiny local Llama model with its character tokenizer, warm it up, and save it."""
+    import json
+    from dataclasses import replace
+
+    from shared.tasks.arithmetic import ArithmeticTask
+    from shared.tiny_model import TinyModelSpec, build_tiny_model_dir
+    from shared.warmup import WarmupConfig
+
+    warmup = WarmupConfig()
+    warmup = replace(warmup, seed=args.seed, **({"steps": args.warmup_steps} if args.warmup_steps is not None else {}))
+    stats = build_tiny_model_dir(args.out, task=ArithmeticTask(), warmup=warmup, spec=TinyModelSpec(seed=args.seed))
+    print(json.dumps(stats, indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="grpo",
+        description="grpo-stack: a distributed GRPO trainer (vLLM generators, a FastAPI reference server and "
+        "rollout hub, a DeepSpeed learner).",
+    )
+    parser.add_argument("--version", action="version", version=f"grpo-stack {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    def add(name: str, fn: Callable[[argparse.Namespace], int], help_text: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(func=fn)
+        return p
+
+    p = add("tiny-model", cmd_tiny_model,
+            "Build the ~1M-parameter local Llama model (character tokenizer, arithmetic warm-up) into a folder "
+            "that AutoModelForCausalLM and AutoTokenizer load. Downloads nothing.")
+    p.add_argument("--out", required=True, help="Folder to write the model to (created if missing).")
+    p.add_argument("--warmup-steps", type=int, default=None, help="Supervised warm-up steps (default: built-in).")
+    p.add_argument("--seed", type=int, default=0, help="Seed for the weights and the warm-up data.")
+
+    p = add("check-config", cmd_check_config, "Validate a YAML config and print it with every default filled in.")
+    p.add_argument("config", help="Path to the YAML config.")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="Override a config key, e.g. --set algorithm.loss.beta=0.0 (repeatable).")
+
+    add("config-reference", cmd_config_reference, "Print every config field, its default and its meaning.")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    try:
+        return args.func(args)
+    except (ConfigError, UsageError) as exc:
+        print(f"grpo {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The learner: DeepSpeed GRPO training loop, weight publishing, checkpoints and metrics."""

@@ -1,0 +1,222 @@
+"""Per-token logprobs (and entropy) of a causal LM's completion tokens, without a ``[B, T, V]`` log-softmax.
+
+The naive way, ``model(ids).logits.log_softmax(-1).gather(...)``, materialises two ``[B, T, V]`` float tensors:
+at vocab 151936 and T 4096 that is 5 GB for one sequence, and autograd keeps them for backward. Here the
+backbone's hidden states are taken once, only the completion positions are kept, and the LM head is applied in
+chunks of tokens: each chunk's logits live only while that chunk is reduced to ``logsumexp`` and the target's
+logit. With gradients on, each chunk is wrapped in activation checkpointing, so backward recomputes one chunk's
+logits at a time instead of keeping all of them.
+
+Positions: row i of ``input_ids`` is ``prompt (prompt_lengths[i] tokens) + completion (completion_lengths[i]
+tokens) + right padding``; the result's row i holds, at column j, ``log p(token at prompt_lengths[i] + j |
+everything before it)`` computed from ``logits / temperature``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from shared.masks import lengths_to_mask
+
+# Default working-set size of one chunk's fp32 logits. 128 MiB is 220 tokens at vocab 151936: big enough that
+# the LM-head matmul stays efficient, small enough that a chunk's temporaries are a few hundred MB at most.
+DEFAULT_CHUNK_BYTES = 128 * 2**20
+
+
+@dataclass
+class TokenLogprobs:
+    """Result of :func:`sequence_logprobs`: ``[B, L]`` left-aligned completion tensors, 0 at padding."""
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor | None
+    completion_lengths: torch.Tensor
+
+    @property
+    def mask(self) -> torch.Tensor:
+        return lengths_to_mask(self.completion_lengths, self.logprobs.shape[1])
+
+
+def chunk_tokens_for(vocab_size: int, max_chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
+    """Tokens per chunk so that one chunk's fp32 logits take at most ``max_chunk_bytes``."""
+    return max(1, max_chunk_bytes // (4 * vocab_size))
+
+
+def _final_logit_transform(model: nn.Module):
+    """Scalings some architectures apply to the LM head's output inside ``forward`` (we bypass ``forward``).
+
+    Gemma 2/3 soft-cap the logits, Cohere multiplies them and Granite divides them; without this the logprobs
+    of those models would silently differ from ``model(...).logits``.
+    """
+    config = getattr(model, "config", None)
+    softcap = getattr(config, "final_logit_softcapping", None)
+    multiply = getattr(config, "logit_scale", None)
+    divide = getattr(config, "logits_scaling", None)
+
+    def transform(logits: torch.Tensor) -> torch.Tensor:
+        if multiply is not None:
+            logits = logits * multiply
+        if divide is not None:
+            logits = logits / divide
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        return logits
+
+    return transform
+
+
+def logprobs_from_hidden(
+    hidden: torch.Tensor,
+    lm_head: nn.Module,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    chunk_tokens: int | None = None,
+    logit_transform=None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``log softmax(lm_head(hidden) / temperature)[targets]`` for ``hidden [N, H]``, ``targets [N]``, in chunks.
+
+    .. math::  \\log p(y_n) = z_{n,y_n} - \\log\\sum_v e^{z_{n,v}},\\quad z = \\mathrm{head}(h)/\\tau
+    .. math::  H_n = \\log\\sum_v e^{z_{n,v}} - \\sum_v p_{n,v} z_{n,v}
+
+    Returns fp32 ``[N]`` logprobs and, with ``with_entropy``, fp32 ``[N]`` entropies of the tempered distribution.
+    Peak extra memory is a few chunk-sized ``[chunk, V]`` fp32 tensors, never ``[N, V]``.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
+        raise ValueError(f"hidden must be [N, H] and targets [N], got {tuple(hidden.shape)}, {tuple(targets.shape)}")
+    transform = logit_transform or (lambda logits: logits)
+    if chunk_tokens is None:
+        weight = getattr(lm_head, "weight", None)
+        vocab = getattr(lm_head, "out_features", None) or (weight.shape[0] if weight is not None else 2**17)
+        chunk_tokens = chunk_tokens_for(vocab)
+
+    def reduce_chunk(h: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = transform(lm_head(h).float())
+        if temperature != 1.0:
+            logits = logits / temperature
+        lse = torch.logsumexp(logits, dim=-1)
+        logp = logits.gather(-1, y.unsqueeze(-1)).squeeze(-1) - lse
+        if not with_entropy:
+            return logp, torch.zeros_like(logp)
+        probs = torch.softmax(logits, dim=-1)
+        return logp, lse - (probs * logits).sum(dim=-1)
+
+    needs_grad = torch.is_grad_enabled() and (
+        hidden.requires_grad or any(p.requires_grad for p in lm_head.parameters())
+    )
+    logps, entropies = [], []
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        h, y = hidden[start:start + chunk_tokens], targets[start:start + chunk_tokens]
+        if needs_grad:
+            logp, ent = checkpoint(reduce_chunk, h, y, use_reentrant=False)
+        else:
+            logp, ent = reduce_chunk(h, y)
+        logps.append(logp)
+        entropies.append(ent)
+    empty = hidden.new_zeros(0, dtype=torch.float32)
+    logprobs = torch.cat(logps) if logps else empty
+    entropy = (torch.cat(entropies) if entropies else empty) if with_entropy else None
+    return logprobs, entropy
+
+
+def _check_lengths(input_ids: torch.Tensor, prompt_lengths: torch.Tensor, completion_lengths: torch.Tensor) -> None:
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
+    batch, seq_len = input_ids.shape
+    if prompt_lengths.shape != (batch,) or completion_lengths.shape != (batch,):
+        raise ValueError("prompt_lengths and completion_lengths must be [B]")
+    if batch and int(prompt_lengths.min()) < 1:
+        raise ValueError("every prompt needs at least one token (the first completion token is predicted from it)")
+    if batch and int(completion_lengths.min()) < 0:
+        raise ValueError("completion_lengths must be >= 0")
+    if batch and int((prompt_lengths + completion_lengths).max()) > seq_len:
+        raise ValueError("prompt_lengths + completion_lengths exceeds the sequence length")
+
+
+def _split_model(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """The transformer body (returns hidden states) and the LM head of a Hugging Face causal LM."""
+    head = model.get_output_embeddings()
+    body = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if body is None or body is model:
+        body = getattr(model, getattr(model, "base_model_prefix", "model"), None)
+    if head is None or body is None:
+        raise TypeError(f"{type(model).__name__} does not expose a decoder body and an LM head")
+    return body, head
+
+
+def sequence_logprobs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    prompt_lengths: torch.Tensor,
+    completion_lengths: torch.Tensor | None = None,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    chunk_tokens: int | None = None,
+) -> TokenLogprobs:
+    """Per-token logprobs of each row's completion under ``model`` (see the module docstring for layout).
+
+    ``completion_lengths`` defaults to ``T - prompt_lengths`` (no padding). Returns ``[B, max(completion)]``.
+    Gradients flow when autograd is on; wrap in ``torch.no_grad()`` for scoring.
+    """
+    prompt_lengths = torch.as_tensor(prompt_lengths, device=input_ids.device)
+    if completion_lengths is None:
+        completion_lengths = input_ids.shape[1] - prompt_lengths
+    completion_lengths = torch.as_tensor(completion_lengths, device=input_ids.device)
+    _check_lengths(input_ids, prompt_lengths, completion_lengths)
+
+    body, head = _split_model(model)
+    total_lengths = prompt_lengths + completion_lengths
+    attention_mask = lengths_to_mask(total_lengths, input_ids.shape[1]).long()
+    hidden = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+
+    max_completion = int(completion_lengths.max()) if completion_lengths.numel() else 0
+    mask = lengths_to_mask(completion_lengths, max_completion)
+    rows, cols = mask.nonzero(as_tuple=True)
+    # The token at position p is predicted by the hidden state at p - 1.
+    target_positions = prompt_lengths[rows] + cols
+    logp, entropy = logprobs_from_hidden(
+        hidden[rows, target_positions - 1],
+        head,
+        input_ids[rows, target_positions],
+        temperature=temperature,
+        with_entropy=with_entropy,
+        chunk_tokens=chunk_tokens,
+        logit_transform=_final_logit_transform(model),
+    )
+    logprobs = logp.new_zeros(mask.shape).index_put((rows, cols), logp)
+    entropies = entropy.new_zeros(mask.shape).index_put((rows, cols), entropy) if entropy is not None else None
+    return TokenLogprobs(logprobs=logprobs, entropy=entropies, completion_lengths=completion_lengths)
+
+
+def naive_sequence_logprobs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    prompt_lengths: torch.Tensor,
+    completion_lengths: torch.Tensor | None = None,
+    *,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """The reference the chunked path is tested against: full ``log_softmax`` over ``[B, T, V]`` + gather.
+
+    Only for tests and benchmarks: it materialises the whole vocabulary distribution of every position.
+    """
+    prompt_lengths = torch.as_tensor(prompt_lengths)
+    if completion_lengths is None:
+        completion_lengths = input_ids.shape[1] - prompt_lengths
+    completion_lengths = torch.as_tensor(completion_lengths)
+    attention_mask = lengths_to_mask(prompt_lengths + completion_lengths, input_ids.shape[1]).long()
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits.float()
+    all_logprobs = (logits[:, :-1] / temperature).log_softmax(dim=-1)
+    per_position = all_logprobs.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)  # [B, T-1]
+    max_completion = int(completion_lengths.max()) if completion_lengths.numel() else 0
+    out = torch.zeros(input_ids.shape[0], max_completion)
+    for i, (p, c) in enumerate(zip(prompt_lengths.tolist(), completion_lengths.tolist())):
+        out[i, :c] = per_position[i, p - 1:p - 1 + c]
+    return out

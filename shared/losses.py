@@ -1,0 +1,247 @@
+"""The GRPO policy loss: clipped surrogate (token or sequence ratio), dual clip, truncated importance weights,
+beta * KL, and the aggregation over tokens.
+
+Per-token tensors are ``[B, L]`` over completion tokens, left-aligned; validity comes from
+``completion_lengths`` (see :mod:`shared.masks`). Everything a config can choose is a registry entry:
+
+* :data:`POLICY_LOSSES`: ``"grpo"`` (per-token ratio, DeepSeekMath) and ``"gspo"`` (per-sequence ratio);
+* :data:`AGGREGATIONS`: ``"token-mean"`` (DAPO), ``"seq-mean-token-mean"`` (original GRPO),
+  ``"seq-mean-token-sum-norm"`` (Dr. GRPO);
+* the KL estimator, from :data:`shared.kl.KL_ESTIMATORS`.
+
+The full objective, per valid token t of completion i (minimised):
+
+.. math::
+    \\ell_{i,t} = w_{i,t}\\,\\max\\big(-\\rho_{i,t} A_{i,t},\\; -\\mathrm{clip}(\\rho_{i,t}, 1-\\epsilon_{low},
+    1+\\epsilon_{high}) A_{i,t}\\big) + \\beta\\,\\mathrm{KL}_{i,t}
+
+then aggregated. ``rho`` is ``pi_theta / pi_old``; ``w`` the truncated importance weight (1 when off).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shared.config import LossConfig
+from shared.kl import kl_penalty
+from shared.masks import lengths_to_mask, masked_mean, masked_min_max, masked_sum
+from shared.registry import Registry
+
+POLICY_LOSSES: Registry = Registry("policy loss")
+AGGREGATIONS: Registry = Registry("loss aggregation")
+
+# exp() of a log-ratio beyond this overflows float32 to inf, and inf * 0 in backward is NaN. Clamping there
+# changes nothing a clipped loss would use: such ratios are far outside any clip range.
+_MAX_LOG_RATIO = 20.0
+
+
+@dataclass
+class SurrogateTerms:
+    """Per-token pieces of a clipped surrogate, all ``[B, L]``."""
+
+    loss: torch.Tensor
+    ratio: torch.Tensor
+    clipped_low: torch.Tensor
+    clipped_high: torch.Tensor
+    dual_clipped: torch.Tensor
+
+
+def clipped_surrogate(
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    eps_low: float,
+    eps_high: float,
+    dual_clip: float | None = None,
+) -> SurrogateTerms:
+    """PPO's pessimistic clipped surrogate with clip-higher (DAPO) and optional dual clip.
+
+    .. math::
+        \\ell = \\max\\big(-\\rho A,\\; -\\mathrm{clip}(\\rho, 1-\\epsilon_{low}, 1+\\epsilon_{high}) A\\big)
+
+    With dual clip ``c > 1`` (Ye et al. 2020), for ``A < 0``: ``\\ell = \\min(\\ell, -c A)``, which bounds the
+    loss when a negative-advantage token's ratio has grown very large.
+
+    Example: A ``[1,-1,2]``, rho ``[0.5,1,1.5]``, eps 0.2 give ``[-0.5, 1, -2.4]`` (token mean -0.6333);
+    A ``[1,-1,-4]``, rho ``[0.5,1,10]``, c 3 give ``[-0.5, 1, 12]``.
+    """
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+    unclipped = -ratio * advantages
+    clipped = -ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * advantages
+    loss = torch.maximum(unclipped, clipped)
+    # A clip is "active" when the clipped branch wins, i.e. the gradient through rho is cut off there.
+    clipped_low = (ratio < 1.0 - eps_low) & (advantages < 0)
+    clipped_high = (ratio > 1.0 + eps_high) & (advantages > 0)
+    dual_clipped = torch.zeros_like(clipped_low)
+    if dual_clip is not None:
+        bound = -dual_clip * advantages
+        dual_clipped = (advantages < 0) & (loss > bound)
+        loss = torch.where(dual_clipped, bound, loss)
+    return SurrogateTerms(loss, ratio, clipped_low, clipped_high, dual_clipped)
+
+
+@POLICY_LOSSES.register("grpo", "vanilla")
+def token_ratio_loss(
+    log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, cfg: LossConfig
+) -> SurrogateTerms:
+    """GRPO / PPO: one ratio per token, ``rho_{i,t} = exp(log pi_theta(o_t) - log pi_old(o_t))``."""
+    ratio = torch.exp(log_ratio.clamp(max=_MAX_LOG_RATIO))
+    return clipped_surrogate(ratio, advantages, eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip=cfg.dual_clip)
+
+
+@POLICY_LOSSES.register("gspo")
+def sequence_ratio_loss(
+    log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, cfg: LossConfig
+) -> SurrogateTerms:
+    """GSPO: one ratio per sequence, the geometric mean of its token ratios.
+
+    .. math::  s_i = \\exp\\Big(\\frac{1}{|o_i|}\\sum_t \\log\\frac{\\pi_\\theta(o_{i,t})}{\\pi_{old}(o_{i,t})}\\Big)
+
+    Written in GSPO's token form ``s_{i,t} = sg[s_i] * pi_theta(o_t) / sg[pi_theta(o_t)]``: every token carries
+    the value s_i (so the whole sequence is clipped or not together) and the gradient
+    ``s_i * A * grad log pi_theta(o_t)``, which also allows per-token advantages.
+    """
+    seq_log_ratio = masked_mean(log_ratio, mask, dim=-1).clamp(max=_MAX_LOG_RATIO)
+    token_log_ratio = seq_log_ratio.detach().unsqueeze(-1) + (log_ratio - log_ratio.detach())
+    ratio = torch.exp(token_log_ratio)
+    return clipped_surrogate(ratio, advantages, eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip=cfg.dual_clip)
+
+
+@AGGREGATIONS.register("token-mean")
+def token_mean(
+    values: torch.Tensor, mask: torch.Tensor, *, num_tokens: float | None, num_seqs: float | None,
+    norm_len: int | None,
+) -> torch.Tensor:
+    """DAPO: ``sum_{i,t} l_{i,t} / N_tokens``, where ``N_tokens`` is the GLOBAL count of valid tokens.
+
+    Passing the global count (all ranks, all accumulation micro-batches) makes the sum of the per-piece losses
+    equal the loss of the whole batch, however the batch is split. Defaults to the local count.
+    """
+    denominator = mask.sum() if num_tokens is None else num_tokens
+    return masked_sum(values, mask) / max(float(denominator), 1.0)
+
+
+@AGGREGATIONS.register("seq-mean-token-mean")
+def seq_mean_token_mean(
+    values: torch.Tensor, mask: torch.Tensor, *, num_tokens: float | None, num_seqs: float | None,
+    norm_len: int | None,
+) -> torch.Tensor:
+    """Original GRPO (seed 001): ``(1/N_seqs) sum_i (1/|o_i|) sum_t l_{i,t}``.
+
+    ``N_seqs`` counts the non-empty completions of the global batch (a zero-length completion contributes
+    nothing, neither to the sum nor to the count); defaults to the local count.
+    """
+    per_sequence = masked_mean(values, mask, dim=-1)
+    denominator = (mask.sum(dim=-1) > 0).sum() if num_seqs is None else num_seqs
+    return per_sequence.sum() / max(float(denominator), 1.0)
+
+
+@AGGREGATIONS.register("seq-mean-token-sum-norm")
+def seq_mean_token_sum_norm(
+    values: torch.Tensor, mask: torch.Tensor, *, num_tokens: float | None, num_seqs: float | None,
+    norm_len: int | None,
+) -> torch.Tensor:
+    """Dr. GRPO: ``(1/N_seqs) sum_i (1/L) sum_t l_{i,t}`` with a CONSTANT L (the generation's max length),
+    so long and short completions are weighted per token alike and no length bias enters the gradient."""
+    if norm_len is None or norm_len < 1:
+        raise ValueError("seq-mean-token-sum-norm needs a constant norm_len >= 1 (the max completion length)")
+    per_sequence = masked_sum(values, mask, dim=-1) / float(norm_len)
+    denominator = (mask.sum(dim=-1) > 0).sum() if num_seqs is None else num_seqs
+    return per_sequence.sum() / max(float(denominator), 1.0)
+
+
+def loss_normalizers(completion_lengths: torch.Tensor) -> tuple[int, int]:
+    """``(num_tokens, num_seqs)`` of a (micro-)batch: the counts to sum over ranks and accumulation steps and
+    pass back to :func:`compute_policy_loss` as the global normalisers."""
+    lengths = torch.as_tensor(completion_lengths)
+    return int(lengths.clamp(min=0).sum()), int((lengths > 0).sum())
+
+
+@dataclass
+class PolicyLossOutput:
+    """The scalar loss to backpropagate, the per-token loss before aggregation (detached), and detached metric
+    scalars computed over this piece's valid tokens (the learner averages them across pieces)."""
+
+    loss: torch.Tensor
+    token_loss: torch.Tensor
+    metrics: dict[str, torch.Tensor]
+
+
+def compute_policy_loss(
+    logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    completion_lengths: torch.Tensor,
+    cfg: LossConfig,
+    *,
+    old_logprobs: torch.Tensor | None = None,
+    behaviour_logprobs: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    num_tokens: float | None = None,
+    num_seqs: float | None = None,
+) -> PolicyLossOutput:
+    """The GRPO loss of one (micro-)batch. Shapes: per-token ``[B, L]``, ``advantages`` ``[B]`` or ``[B, L]``.
+
+    * ``old_logprobs``: pi_old of the ratio. ``None`` means one update per batch (old = current): the ratio is
+      ``exp(logp - logp.detach())``, value 1 with the policy gradient flowing (seed 004).
+    * ``behaviour_logprobs``: the sampler's logprobs (vLLM). With ``cfg.tis_cap`` set, each token's loss is
+      weighted by the truncated importance weight ``w = min(pi_old / pi_behaviour, cap)`` (detached), which
+      corrects the mismatch between the sampler and the trainer. Pass ``None`` when ``old_logprobs`` already
+      are the behaviour logprobs (then the ratio itself corrects it).
+    * ``ref_logprobs``: required when ``cfg.beta > 0``; the KL term is ``beta * KL_estimator``.
+    * ``num_tokens`` / ``num_seqs``: the global normalisers from :func:`loss_normalizers`.
+    """
+    if logprobs.dim() != 2:
+        raise ValueError(f"logprobs must be [B, L], got shape {tuple(logprobs.shape)}")
+    mask = lengths_to_mask(torch.as_tensor(completion_lengths, device=logprobs.device), logprobs.shape[1])
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1).expand_as(logprobs)
+    if cfg.beta > 0 and ref_logprobs is None:
+        raise ValueError("beta > 0 needs ref_logprobs")
+
+    def clean(t: torch.Tensor) -> torch.Tensor:
+        # Zero padded positions *before* any arithmetic: a -inf or NaN there would otherwise turn into NaN
+        # gradients through exp() even though the mask drops its value.
+        return torch.where(mask, t.to(logprobs.dtype), torch.zeros((), dtype=logprobs.dtype, device=t.device))
+
+    logprobs = clean(logprobs)
+    advantages = clean(advantages).detach()
+    old = logprobs.detach() if old_logprobs is None else clean(old_logprobs).detach()
+
+    terms = POLICY_LOSSES.get(cfg.policy_loss)(logprobs - old, advantages, mask, cfg)
+    token_loss = terms.loss
+    metrics: dict[str, torch.Tensor] = {}
+
+    if behaviour_logprobs is not None and cfg.tis_cap is not None:
+        weight = torch.exp((old - clean(behaviour_logprobs)).clamp(max=_MAX_LOG_RATIO)).clamp(max=cfg.tis_cap)
+        token_loss = token_loss * weight.detach()
+    else:
+        weight = torch.ones_like(logprobs)
+    w_min, w_max = masked_min_max(weight.detach(), mask)
+    metrics.update(is_weight_mean=masked_mean(weight.detach(), mask), is_weight_min=w_min, is_weight_max=w_max)
+
+    aggregate = AGGREGATIONS.get(cfg.aggregation)
+    norms = dict(num_tokens=num_tokens, num_seqs=num_seqs, norm_len=cfg.norm_len)
+    metrics["pg_loss"] = aggregate(token_loss.detach(), mask, **norms)
+    if ref_logprobs is not None:
+        kl = kl_penalty(
+            logprobs, clean(ref_logprobs), cfg.kl_estimator,
+            log_ratio_clamp=cfg.kl_log_ratio_clamp, value_clamp=cfg.kl_value_clamp,
+        )
+        metrics["kl_mean"] = masked_mean(kl.detach(), mask)
+        if cfg.beta > 0:
+            token_loss = token_loss + cfg.beta * kl
+    loss = aggregate(token_loss, mask, **norms)
+
+    ratio = terms.ratio.detach()
+    r_min, r_max = masked_min_max(ratio, mask)
+    metrics.update(
+        ratio_mean=masked_mean(ratio, mask), ratio_min=r_min, ratio_max=r_max,
+        clip_frac_low=masked_mean(terms.clipped_low.to(ratio.dtype), mask),
+        clip_frac_high=masked_mean(terms.clipped_high.to(ratio.dtype), mask),
+        dual_clip_frac=masked_mean(terms.dual_clipped.to(ratio.dtype), mask),
+        num_tokens=mask.sum().to(ratio.dtype),
+    )
+    return PolicyLossOutput(loss=loss, token_loss=token_loss.detach(), metrics=metrics)

@@ -1,0 +1,52 @@
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+from deploy.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVICES = {"ref_server", "generator", "learner", "deploy"}
+
+
+def test_console_script_help():
+    grpo = Path(sys.executable).parent / "grpo"
+    assert grpo.exists(), "the grpo console script is not installed in this environment"
+    result = subprocess.run([str(grpo), "--help"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0
+    assert "usage: grpo" in result.stdout and "tiny-model" in result.stdout
+
+
+def test_shared_imports_nothing_from_the_services():
+    offenders = []
+    for path in (ROOT / "shared").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            offenders += [f"{path.name}: {n}" for n in names if n.split(".")[0] in SERVICES]
+    assert offenders == []
+
+
+def test_check_config_reports_unknown_key_without_traceback(tmp_path, capsys):
+    path = tmp_path / "c.yaml"
+    path.write_text("algorithm:\n  los: {}\n")
+    assert main(["check-config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "algorithm.los: unknown key" in err and "Traceback" not in err
+
+
+def test_check_config_prints_resolved_values(tmp_path, capsys):
+    path = tmp_path / "c.yaml"
+    path.write_text("seed: 5\n")
+    assert main(["check-config", str(path), "--set", "algorithm.loss.beta=0"]) == 0
+    out = capsys.readouterr().out
+    assert "seed: 5" in out and "beta: 0" in out and "kl_estimator: k3" in out
+
+
+def test_config_reference_lists_every_field(capsys):
+    assert main(["config-reference"]) == 0
+    out = capsys.readouterr().out
+    assert "| `algorithm.loss.tis_cap` | `2.0` |" in out

@@ -1,0 +1,154 @@
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, Qwen2Config
+
+from shared.logprobs import chunk_tokens_for, logprobs_from_hidden, naive_sequence_logprobs, sequence_logprobs
+
+VOCAB = 97
+
+
+def _tiny(config_cls=LlamaConfig, **extra):
+    torch.manual_seed(0)
+    config = config_cls(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, head_dim=8,
+                        **extra)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return _tiny()
+
+
+def _batch(seed=0, batch=4, seq=24):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (batch, seq), generator=gen)
+    prompts = torch.tensor([1, 5, 9, 3][:batch])
+    completions = torch.tensor([23, 0, 10, 17][:batch])
+    return ids, prompts, completions
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 7, 10_000])
+@pytest.mark.parametrize("temperature", [1.0, 0.6, 1.7])
+def test_parity_with_naive_log_softmax(model, chunk_tokens, temperature):
+    ids, prompts, completions = _batch()
+    with torch.no_grad():
+        got = sequence_logprobs(model, ids, prompts, completions, temperature=temperature, chunk_tokens=chunk_tokens)
+        want = naive_sequence_logprobs(model, ids, prompts, completions, temperature=temperature)
+    assert got.logprobs.shape == (4, 23) and got.logprobs.dtype == torch.float32
+    torch.testing.assert_close(got.logprobs, want, atol=1e-5, rtol=0)
+    assert got.mask.sum().item() == 23 + 0 + 10 + 17
+    assert (got.logprobs[~got.mask] == 0).all() and (got.logprobs[got.mask] < 0).all()
+
+
+def test_values_are_the_models_next_token_logprobs(model):
+    """Entry j of row i is log p(ids[i, P+j] | ids[i, :P+j]) from model(...).logits, checked position by position."""
+    ids, prompts, completions = _batch(seed=3)
+    with torch.no_grad():
+        got = sequence_logprobs(model, ids, prompts, completions, temperature=0.5)
+        for i in range(ids.shape[0]):
+            for j in range(int(completions[i])):
+                pos = int(prompts[i]) + j
+                logits = model(ids[i:i + 1, :pos]).logits[0, -1] / 0.5
+                expected = logits.log_softmax(-1)[ids[i, pos]]
+                assert abs(got.logprobs[i, j].item() - expected.item()) < 1e-5
+
+
+def test_padding_after_the_completion_does_not_change_values(model):
+    ids, prompts, completions = _batch(seed=5, batch=2)
+    with torch.no_grad():
+        base = sequence_logprobs(model, ids[:, :12], prompts[:2], torch.tensor([11, 0]))
+        padded = torch.cat([ids[:, :12], torch.zeros(2, 9, dtype=torch.long)], dim=1)
+        wide = sequence_logprobs(model, padded, prompts[:2], torch.tensor([11, 0]))
+    torch.testing.assert_close(wide.logprobs, base.logprobs, atol=1e-6, rtol=0)
+
+
+def test_entropy_matches_full_distribution(model):
+    ids, prompts, completions = _batch(seed=1)
+    with torch.no_grad():
+        got = sequence_logprobs(model, ids, prompts, completions, temperature=0.8, with_entropy=True, chunk_tokens=5)
+        logits = model(ids).logits.float() / 0.8
+    logp = logits.log_softmax(-1)
+    full_entropy = -(logp.exp() * logp).sum(-1)  # [B, T]
+    for i in range(4):
+        p, c = int(prompts[i]), int(completions[i])
+        torch.testing.assert_close(got.entropy[i, :c], full_entropy[i, p - 1:p - 1 + c], atol=1e-5, rtol=0)
+    assert (got.entropy[~got.mask] == 0).all()
+    assert got.entropy[got.mask].max() <= torch.log(torch.tensor(float(VOCAB))) + 1e-5
+
+
+def test_gradients_match_naive(model):
+    ids, prompts, completions = _batch(seed=2)
+    weights = torch.randn(4, 23, generator=torch.Generator().manual_seed(9))
+    grads = []
+    for fn in (lambda: sequence_logprobs(model, ids, prompts, completions, temperature=0.7, chunk_tokens=6).logprobs,
+               lambda: naive_sequence_logprobs(model, ids, prompts, completions, temperature=0.7)):
+        model.zero_grad()
+        (fn() * weights).sum().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for chunked, naive in zip(*grads):
+        torch.testing.assert_close(chunked, naive, atol=2e-5, rtol=1e-4)
+
+
+def test_logprobs_from_hidden_matches_log_softmax_and_entropy_gradient():
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=True)
+    hidden = torch.randn(13, 16, requires_grad=True)
+    targets = torch.randint(0, 50, (13,))
+    logp, ent = logprobs_from_hidden(hidden, head, targets, temperature=0.9, with_entropy=True, chunk_tokens=4)
+    (logp.sum() + ent.sum()).backward()
+    chunked_grad = hidden.grad.clone()
+    hidden.grad = None
+    full = (head(hidden) / 0.9).log_softmax(-1)
+    ref_logp = full.gather(-1, targets[:, None]).squeeze(-1)
+    ref_ent = -(full.exp() * full).sum(-1)
+    torch.testing.assert_close(logp, ref_logp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=0)
+    (ref_logp.sum() + ref_ent.sum()).backward()
+    torch.testing.assert_close(chunked_grad, hidden.grad, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma2"])
+def test_other_architectures(arch):
+    """Any AutoModelForCausalLM: Gemma 2 soft-caps its final logits inside forward(), which we must reproduce."""
+    if arch == "qwen2":
+        model = _tiny(Qwen2Config)
+    else:
+        model = _tiny(Gemma2Config, final_logit_softcapping=2.0, attn_logit_softcapping=None)
+    ids, prompts, completions = _batch(seed=4)
+    with torch.no_grad():
+        got = sequence_logprobs(model, ids, prompts, completions, chunk_tokens=5)
+        want = naive_sequence_logprobs(model, ids, prompts, completions)
+    torch.testing.assert_close(got.logprobs, want, atol=1e-5, rtol=0)
+
+
+def test_rejects_bad_lengths_and_temperature(model):
+    ids = torch.randint(0, VOCAB, (2, 8))
+    with pytest.raises(ValueError, match="at least one token"):
+        sequence_logprobs(model, ids, torch.tensor([0, 2]), torch.tensor([3, 3]))
+    with pytest.raises(ValueError, match="exceeds the sequence length"):
+        sequence_logprobs(model, ids, torch.tensor([4, 2]), torch.tensor([5, 3]))
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        sequence_logprobs(model, ids, torch.tensor([4, 2]), torch.tensor([1, 3]), temperature=0.0)
+
+
+def test_chunk_size_from_byte_budget():
+    assert chunk_tokens_for(151936) == 220
+    assert chunk_tokens_for(10**9) == 1
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.lists(st.tuples(st.integers(1, 6), st.integers(0, 6)), min_size=1, max_size=4),
+       chunk=st.integers(1, 9), seed=st.integers(0, 1000))
+def test_ragged_batches_property(model, rows, chunk, seed):
+    prompts = torch.tensor([p for p, _ in rows])
+    completions = torch.tensor([c for _, c in rows])
+    width = int((prompts + completions).max()) + 2
+    ids = torch.randint(0, VOCAB, (len(rows), width), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        got = sequence_logprobs(model, ids, prompts, completions, chunk_tokens=chunk)
+        want = naive_sequence_logprobs(model, ids, prompts, completions)
+    assert got.logprobs.shape == (len(rows), int(completions.max()))
+    torch.testing.assert_close(got.logprobs, want, atol=1e-5, rtol=0)
