@@ -48,6 +48,31 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load_with_flags(args: argparse.Namespace, flag_keys: dict[str, str]):
+    """The config file (or defaults), then ``--set`` overrides, then the dedicated flags (which win)."""
+    from shared.config import load_config
+
+    overrides = list(args.set)
+    for attr, key in flag_keys.items():
+        value = getattr(args, attr)
+        if value is not None:
+            overrides.append(f"{key}={value}")
+    return load_config(args.config, overrides)
+
+
+def cmd_ref_server(args: argparse.Namespace) -> int:
+    """Serve reference logprobs, the rollout hub and the weight relay."""
+    from ref_server.server import ModelLoadError, serve
+
+    config = _load_with_flags(args, {"model": "ref_server.model", "host": "ref_server.host",
+                                     "port": "ref_server.port", "token": "ref_server.token"})
+    try:
+        serve(config)
+    except ModelLoadError as exc:
+        raise UsageError(str(exc)) from None
+    return 0
+
+
 def cmd_tiny_model(args: argparse.Namespace) -> int:
     """Build the tiny local Llama model with its character tokenizer, warm it up, and save it."""
     import json
@@ -62,6 +87,16 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
     stats = build_tiny_model_dir(args.out, task=ArithmeticTask(), warmup=warmup, spec=TinyModelSpec(seed=args.seed))
     print(json.dumps(stats, indent=2))
     return 0
+
+
+def _add_set_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="Override a config key, e.g. --set algorithm.loss.beta=0.0 (repeatable).")
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="YAML config file (every field: grpo config-reference).")
+    _add_set_arg(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,10 +120,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-steps", type=int, default=None, help="Supervised warm-up steps (default: built-in).")
     p.add_argument("--seed", type=int, default=0, help="Seed for the weights and the warm-up data.")
 
+    p = add("ref-server", cmd_ref_server,
+            "Reference server: per-token reference logprobs over HTTP (POST /v1/logprobs), the rollout hub and "
+            "the weight relay. Binds 127.0.0.1 unless told otherwise.")
+    p.add_argument("--model", help="Reference model folder (overrides ref_server.model).")
+    p.add_argument("--host", help="Address to bind (default 127.0.0.1).")
+    p.add_argument("--port", type=int, help="Port (default 8470).")
+    p.add_argument("--token", help="Require this bearer token (also read from GRPO_TOKEN).")
+    _add_config_args(p)
+
     p = add("check-config", cmd_check_config, "Validate a YAML config and print it with every default filled in.")
     p.add_argument("config", help="Path to the YAML config.")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="Override a config key, e.g. --set algorithm.loss.beta=0.0 (repeatable).")
+    _add_set_arg(p)
 
     add("config-reference", cmd_config_reference, "Print every config field, its default and its meaning.")
     return parser

@@ -1,0 +1,55 @@
+"""Prometheus metrics of the reference server (one registry per app, so tests can run several apps)."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+if TYPE_CHECKING:
+    from fastapi import Request
+
+    from ref_server.app import ServerState
+
+_ENDPOINTS = {"/healthz", "/metrics", "/v1/logprobs", "/v1/rollouts", "/v1/batch", "/v1/learner/version",
+              "/v1/hub/stats", "/v1/weights"}
+
+
+class ServerMetrics:
+    def __init__(self, state: ServerState) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("grpo_ref_requests", "HTTP requests by endpoint and status code",
+                                ["endpoint", "status"], registry=self.registry)
+        self.latency = Histogram("grpo_ref_request_seconds", "Request latency by endpoint", ["endpoint"],
+                                 buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+                                 registry=self.registry)
+        self.tokens_scored = Counter("grpo_ref_tokens_scored", "Completion tokens given a reference logprob",
+                                     registry=self.registry)
+        gauges = {
+            "grpo_hub_queue_depth": ("Rollout groups held by the hub", state.hub.depth),
+            "grpo_hub_ready_groups": ("Groups with reference logprobs attached", state.hub.ready_depth),
+            "grpo_scorer_queue_depth": ("Scoring requests waiting for the model",
+                                        lambda: state.scorer.queue_depth() if state.scorer else 0),
+            "grpo_learner_version": ("Policy version last reported by the learner",
+                                     lambda: state.hub.learner_version),
+            "grpo_weights_version": ("Newest published weights version (-1: none)",
+                                     lambda: -1 if state.weights.current is None else state.weights.current),
+        }
+        for name, (doc, fn) in gauges.items():
+            Gauge(name, doc, registry=self.registry).set_function(fn)
+        counters = state.hub.counters
+        hub_events = Gauge("grpo_hub_groups", "Rollout groups by what happened to them", ["event"],
+                           registry=self.registry)
+        for event in ("accepted", "duplicates", "dropped_stale", "dropped_ref_failure", "consumed",
+                      "rejected_full", "spool_reloaded", "spool_corrupt"):
+            hub_events.labels(event=event).set_function(lambda e=event: getattr(counters, e))
+
+    def observe(self, request: Request, status: int, started: float) -> None:
+        path = request.url.path
+        endpoint = "/v1/weights" if path.startswith("/v1/weights") else path if path in _ENDPOINTS else "other"
+        self.requests.labels(endpoint=endpoint, status=str(status)).inc()
+        self.latency.labels(endpoint=endpoint).observe(time.perf_counter() - started)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

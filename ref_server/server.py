@@ -1,0 +1,113 @@
+"""Building the server's state from config (loading the model) and running it under uvicorn."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+from pathlib import Path
+
+import torch
+
+from ref_server.app import ServerState, create_app
+from ref_server.hub import RolloutHub
+from ref_server.scorer import ReferenceScorer
+from ref_server.weights import WeightStore
+from shared.config import GRPOConfig, RefServerConfig
+
+log = logging.getLogger("grpo.ref_server")
+
+
+class ModelLoadError(RuntimeError):
+    """The reference model folder is missing or unreadable; the message names the folder."""
+
+
+def resolve_device(spec: str) -> torch.device:
+    """'auto' -> cuda:0 if a GPU is visible else cpu; 'cuda:N' indexes the visible GPUs."""
+    if spec == "auto":
+        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    device = torch.device(spec)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"device {spec!r} asked for, but no GPU is visible")
+    return device
+
+
+def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
+    if spec == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, spec)
+
+
+def load_reference_model(path: str, device: torch.device, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise ModelLoadError(f"reference model folder {path!r} has no config.json")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load reference model from {path!r}: {exc}") from None
+    model.to(device).eval().requires_grad_(False)
+    return model
+
+
+def model_limits(model_dir: str) -> tuple[int | None, int | None]:
+    """(vocab_size, max_context) from a model folder's config.json, without loading weights."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None, None
+    config = config.get("text_config", config)
+    return config.get("vocab_size"), config.get("max_position_embeddings")
+
+
+def build_state(config: GRPOConfig) -> ServerState:
+    cfg: RefServerConfig = config.ref_server
+    scorer = None
+    vocab_size = max_context = None
+    if cfg.model is not None:
+        vocab_size, max_context = model_limits(cfg.model)
+    if config.algorithm.loss.beta > 0:
+        if cfg.model is None:
+            raise ModelLoadError("algorithm.loss.beta > 0 needs ref_server.model (or --model)")
+        device = resolve_device(cfg.device)
+        model = load_reference_model(cfg.model, device, resolve_dtype(cfg.dtype, device))
+        vocab_size = model.config.get_text_config().vocab_size
+        max_context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+        scorer = ReferenceScorer(model, vocab_size=vocab_size, max_context=max_context or 2**31,
+                                 batch_tokens=cfg.batch_tokens)
+    hub = RolloutHub(capacity=cfg.queue_capacity, max_staleness=cfg.max_staleness, scorer=scorer,
+                     vocab_size=vocab_size, spool_dir=cfg.spool_dir,
+                     advantage=config.algorithm.advantage.model_dump())
+    weights = WeightStore(cfg.weights_dir, keep=cfg.keep_weight_versions, max_bytes=cfg.max_weight_bytes)
+    return ServerState(
+        scorer=scorer, hub=hub, weights=weights, model_name=cfg.model, vocab_size=vocab_size,
+        max_context=max_context, max_request_bytes=cfg.max_request_bytes,
+        max_request_tokens=cfg.max_request_tokens, max_long_poll_s=cfg.max_long_poll_s,
+        token=cfg.token or os.environ.get("GRPO_TOKEN") or None,
+    )
+
+
+def serve(config: GRPOConfig) -> None:
+    import uvicorn
+
+    cfg = config.ref_server
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    state = build_state(config)
+    if state.token is None and cfg.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("binding %s without a token: anyone who can reach it can read and write the hub", cfg.host)
+    app = create_app(state, on_ready=lambda: log.info(
+        "ref-server ready on http://%s:%d (model: %s, beta=%s, hub capacity %d)", cfg.host, cfg.port,
+        cfg.model or "none", config.algorithm.loss.beta, cfg.queue_capacity))
+
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM and then re-raises the signal to the handler that was
+    # installed before it; this one turns that into a normal return, so a requested stop exits with status 0.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda num, frame: log.info("ref-server stopped (%s)", signal.Signals(num).name))
+    try:
+        uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, timeout_graceful_shutdown=5)
+    finally:
+        if state.scorer is not None:
+            state.scorer.close()

@@ -1,0 +1,107 @@
+"""The weight relay: versioned safetensors files on disk, written as they stream in and served as files.
+
+Neither direction holds a state dict in memory: an upload is copied chunk by chunk into a temporary file that is
+renamed into place only once complete and valid (so a half-written version is never served), and a download is a
+file response. The newest ``keep`` versions are kept; older ones are deleted.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from shared.wire import WireError, read_header
+
+log = logging.getLogger("grpo.ref_server.weights")
+_NAME = re.compile(r"^v(\d{10})\.safetensors$")
+
+
+class WeightsRejected(ValueError):
+    """An upload that cannot become a version (not newer than the current one, malformed, too large)."""
+
+
+class WeightsTooLarge(WeightsRejected):
+    """The upload passed the configured size limit (HTTP 413)."""
+
+
+class WeightsConflict(WeightsRejected):
+    """The version is not newer than the current one (HTTP 409)."""
+
+
+class WeightStore:
+    def __init__(self, directory: str | Path, *, keep: int = 2, max_bytes: int) -> None:
+        if keep < 1:
+            raise ValueError("keep must be >= 1")
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.keep = keep
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        for tmp in self.directory.glob("*.partial"):
+            tmp.unlink()
+        self.versions = sorted(int(m.group(1)) for p in self.directory.iterdir() if (m := _NAME.match(p.name)))
+
+    @property
+    def current(self) -> int | None:
+        return self.versions[-1] if self.versions else None
+
+    def path_for(self, version: int) -> Path | None:
+        path = self.directory / f"v{version:010d}.safetensors"
+        return path if version in self.versions and path.exists() else None
+
+    async def receive(self, version: int, chunks: AsyncIterator[bytes]) -> int:
+        """Stream an upload to disk; publish it as ``version`` once complete. Returns the byte count."""
+        if version < 0 or version >= 10**10:
+            raise WeightsRejected(f"version must be in [0, 1e10), got {version}")
+        current = self.current
+        if current is not None and version <= current:
+            raise WeightsConflict(f"version {version} is not newer than the current version {current}")
+        final = self.directory / f"v{version:010d}.safetensors"
+        partial = final.with_suffix(".partial")
+        size = 0
+        try:
+            with open(partial, "wb") as fh:
+                async for chunk in chunks:
+                    size += len(chunk)
+                    if size > self.max_bytes:
+                        raise WeightsTooLarge(f"upload exceeds the {self.max_bytes}-byte limit for weights")
+                    fh.write(chunk)
+                fh.flush()
+                os.fsync(fh.fileno())
+            self._check_file(partial, size)
+            with self._lock:
+                current = self.current
+                if current is not None and version <= current:
+                    raise WeightsConflict(f"version {version} is not newer than the current version {current}")
+                os.replace(partial, final)
+                self.versions.append(version)
+                self._prune()
+        finally:
+            partial.unlink(missing_ok=True)
+        log.info("published weights version %d (%.1f MB)", version, size / 2**20)
+        return size
+
+    def _check_file(self, path: Path, size: int) -> None:
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                raise WeightsRejected("weights upload is not safetensors: shorter than 8 bytes")
+            header_size = int.from_bytes(head, "little")
+            if header_size > size - 8:
+                raise WeightsRejected("weights upload is not safetensors: truncated header")
+            try:
+                header = read_header(head + fh.read(min(header_size, 2**27)))
+            except WireError as exc:
+                raise WeightsRejected(f"weights upload: {exc}") from None
+        end = max((spec["data_offsets"][1] for name, spec in header.items() if name != "__metadata__"), default=0)
+        if 8 + header_size + end != size:
+            raise WeightsRejected(f"weights upload is truncated: {size} bytes, header describes {8 + header_size + end}")
+
+    def _prune(self) -> None:
+        while len(self.versions) > self.keep:
+            old = self.versions.pop(0)
+            (self.directory / f"v{old:010d}.safetensors").unlink(missing_ok=True)

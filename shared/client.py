@@ -1,0 +1,162 @@
+"""HTTP client of the reference server / hub, used by generators, the learner and any other tool.
+
+* one ``requests.Session`` (connection reuse), a timeout on every call;
+* retries with exponential backoff (honouring ``Retry-After``) on connection errors, 429 and 5xx;
+* a server that stays unreachable raises :class:`HubUnavailable` after ``max_retry_s`` — it never looks like an
+  empty queue; an empty queue is ``None`` from :meth:`HubClient.get_batch` (HTTP 204);
+* any other 4xx raises :class:`HubError` carrying the server's ``detail``.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import requests
+
+from shared.protocol import (
+    RolloutGroup,
+    TrainBatch,
+    decode_logprob_response,
+    encode_logprob_request,
+)
+
+log = logging.getLogger("grpo.client")
+OCTET = "application/octet-stream"
+RETRY_STATUSES = {429, 500, 502, 503, 504}
+
+
+class HubError(RuntimeError):
+    """The server answered with an error that retrying will not fix (4xx other than 429)."""
+
+    def __init__(self, status: int, detail: object, url: str) -> None:
+        super().__init__(f"{url} answered {status}: {detail}")
+        self.status, self.detail, self.url = status, detail, url
+
+
+class HubUnavailable(ConnectionError):
+    """The server could not be reached (or kept answering 429/5xx) for longer than the retry budget."""
+
+
+@dataclass
+class RetryPolicy:
+    max_retry_s: float = 60.0     # give up after retrying this long
+    initial_backoff_s: float = 0.2
+    max_backoff_s: float = 5.0
+
+
+class HubClient:
+    def __init__(self, base_url: str, *, token: str | None = None, timeout_s: float = 60.0,
+                 retry: RetryPolicy | None = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.retry = retry or RetryPolicy()
+        self.session = requests.Session()
+        if token:
+            self.session.headers["Authorization"] = f"Bearer {token}"
+
+    def close(self) -> None:
+        self.session.close()
+
+    # -- transport ----------------------------------------------------------------------------------------
+    def _request(self, method: str, path: str, *, ok: tuple[int, ...] = (200,), timeout_s: float | None = None,
+                 rewind: Callable[[], None] | None = None, **kwargs) -> requests.Response:
+        url = f"{self.base_url}{path}"
+        deadline = time.monotonic() + self.retry.max_retry_s
+        backoff = self.retry.initial_backoff_s
+        attempt = 0
+        while True:
+            attempt += 1
+            problem: str
+            wait = backoff
+            if rewind is not None:
+                rewind()  # a streamed body must start from its beginning on every attempt
+            try:
+                response = self.session.request(method, url, timeout=timeout_s or self.timeout_s, **kwargs)
+            except (requests.ConnectionError, requests.Timeout) as exc:
+                problem = f"cannot reach {url}: {type(exc).__name__}"
+            else:
+                if response.status_code in ok:
+                    return response
+                if response.status_code not in RETRY_STATUSES:
+                    raise HubError(response.status_code, _detail(response), url)
+                problem = f"{url} answered {response.status_code}: {_detail(response)}"
+                retry_after = response.headers.get("Retry-After", "")
+                if retry_after.replace(".", "", 1).isdigit():
+                    wait = max(wait, float(retry_after))
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise HubUnavailable(f"{problem} (gave up after {attempt} attempts, {self.retry.max_retry_s:.0f}s)")
+            wait = min(wait * (0.75 + 0.5 * random.random()), remaining)
+            log.warning("%s; retrying in %.1fs", problem, wait)
+            time.sleep(wait)
+            backoff = min(backoff * 2, self.retry.max_backoff_s)
+
+    # -- reference logprobs ---------------------------------------------------------------------------------
+    def health(self) -> dict:
+        return self._request("GET", "/healthz").json()
+
+    def logprobs(self, input_ids: list[list[int]], prompt_lengths: list[int], *, temperature: float = 1.0,
+                 binary: bool = True) -> list[list[float]]:
+        """Reference logprobs of each row's completion tokens (see the /v1/logprobs contract)."""
+        if binary:
+            body = encode_logprob_request(input_ids, prompt_lengths, temperature)
+            response = self._request("POST", "/v1/logprobs", data=body, headers={"Content-Type": OCTET})
+            return [row.tolist() for row in decode_logprob_response(response.content)]
+        payload = {"input_ids": input_ids, "prompt_lengths": prompt_lengths, "temperature": temperature}
+        return self._request("POST", "/v1/logprobs", json=payload).json()["logprobs"]
+
+    # -- hub ----------------------------------------------------------------------------------------------
+    def upload_group(self, group: RolloutGroup) -> dict:
+        """Queue a group; retried (with backoff) while the hub is full. Answer includes ``queue_depth``."""
+        response = self._request("POST", "/v1/rollouts", data=group.to_bytes(), headers={"Content-Type": OCTET})
+        return response.json()
+
+    def get_batch(self, num_groups: int, *, wait_s: float = 0.0) -> TrainBatch | None:
+        """A batch of ``num_groups`` groups, or None if the hub did not have them within ``wait_s``."""
+        response = self._request("GET", "/v1/batch", params={"num_groups": num_groups, "timeout": wait_s},
+                                 ok=(200, 204), timeout_s=self.timeout_s + wait_s)
+        return None if response.status_code == 204 else TrainBatch.from_bytes(response.content)
+
+    def report_version(self, version: int) -> dict:
+        return self._request("POST", "/v1/learner/version", json={"version": version}).json()
+
+    def hub_stats(self) -> dict:
+        return self._request("GET", "/v1/hub/stats").json()
+
+    # -- weights ------------------------------------------------------------------------------------------
+    def weights_version(self) -> int | None:
+        return self._request("GET", "/v1/weights").json()["version"]
+
+    def upload_weights(self, version: int, path: str | Path) -> dict:
+        """Stream a safetensors file to the relay as ``version`` (bounded memory: one chunk at a time)."""
+        with open(path, "rb") as fh:
+            # requests streams a file object in blocks and sends its size as Content-Length.
+            return self._request("PUT", f"/v1/weights/{version}", data=fh, rewind=lambda: fh.seek(0),
+                                 headers={"Content-Type": OCTET}, timeout_s=max(self.timeout_s, 600.0)).json()
+
+    def download_weights(self, version: int, dest: str | Path, chunk_bytes: int = 8 * 2**20) -> Path:
+        """Stream a published version to ``dest`` (written to a temporary name, then renamed)."""
+        dest = Path(dest)
+        partial = dest.with_name(dest.name + ".partial")
+        response = self._request("GET", f"/v1/weights/{version}", stream=True, timeout_s=max(self.timeout_s, 600.0))
+        try:
+            with open(partial, "wb") as fh:
+                for block in response.iter_content(chunk_bytes):
+                    fh.write(block)
+            partial.replace(dest)
+        finally:
+            response.close()
+            partial.unlink(missing_ok=True)
+        return dest
+
+
+def _detail(response: requests.Response) -> object:
+    try:
+        return response.json().get("detail", response.text[:500])
+    except ValueError:
+        return response.text[:500]

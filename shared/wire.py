@@ -1,0 +1,73 @@
+"""The wire format: safetensors bytes (tensors) plus one JSON string in the safetensors metadata.
+
+Never pickle, never ``torch.load``: safetensors holds only raw arrays and a JSON header, so decoding bytes that came
+over the network cannot execute code. Decoding checks the header before anything is allocated and turns every
+problem into a :class:`WireError` with a message fit for a 4xx answer.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+FORMAT_KEY = "grpo_format"
+JSON_KEY = "grpo_json"
+ALLOWED_DTYPES = {"BOOL", "U8", "I8", "I16", "I32", "I64", "F16", "BF16", "F32", "F64"}
+# A safetensors header is JSON describing the tensors; anything larger than this is not a rollout or batch.
+MAX_HEADER_BYTES = 16 * 2**20
+
+
+class WireError(ValueError):
+    """Bytes that are not a valid grpo-stack message; the message says what is wrong."""
+
+
+def encode(kind: str, tensors: dict[str, torch.Tensor], fields: dict[str, Any]) -> bytes:
+    """Serialise ``tensors`` (made contiguous, moved to CPU) and JSON-able ``fields`` as one safetensors blob."""
+    metadata = {FORMAT_KEY: kind, JSON_KEY: json.dumps(fields, separators=(",", ":"))}
+    return st_save({name: t.detach().cpu().contiguous() for name, t in tensors.items()}, metadata=metadata)
+
+
+def read_header(data: bytes | memoryview) -> dict[str, Any]:
+    """Parse and sanity-check the safetensors header (8-byte little-endian size, then JSON) without the payload."""
+    if len(data) < 8:
+        raise WireError("body is not safetensors: shorter than its 8-byte header size")
+    (header_size,) = struct.unpack("<Q", bytes(data[:8]))
+    if header_size > MAX_HEADER_BYTES or header_size > len(data) - 8:
+        raise WireError(f"body is not safetensors: header size {header_size} does not fit a {len(data)}-byte body")
+    try:
+        header = json.loads(bytes(data[8:8 + header_size]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise WireError(f"body is not safetensors: header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise WireError("body is not safetensors: header is not a JSON object")
+    for name, spec in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(spec, dict) or spec.get("dtype") not in ALLOWED_DTYPES:
+            raise WireError(f"tensor {name!r}: unsupported or missing dtype")
+    return header
+
+
+def decode(data: bytes, kind: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Inverse of :func:`encode`; checks that the blob is a ``kind`` message."""
+    header = read_header(data)
+    metadata = header.get("__metadata__") or {}
+    if metadata.get(FORMAT_KEY) != kind:
+        raise WireError(f"expected a {kind!r} message, got {metadata.get(FORMAT_KEY)!r}")
+    try:
+        fields = json.loads(metadata.get(JSON_KEY, "{}"))
+    except json.JSONDecodeError as exc:
+        raise WireError(f"metadata field {JSON_KEY!r} is not JSON ({exc})") from None
+    if not isinstance(fields, dict):
+        raise WireError(f"metadata field {JSON_KEY!r} is not a JSON object")
+    try:
+        tensors = st_load(bytes(data))
+    except (SafetensorError, RuntimeError, ValueError) as exc:
+        raise WireError(f"malformed safetensors body: {exc}") from None
+    return tensors, fields

@@ -1,0 +1,18 @@
+"""Fixtures shared by every test folder: the tiny local model (built once per session, nothing downloaded)."""
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """An untrained tiny Llama + character tokenizer saved with save_pretrained (a second or so to build)."""
+    from shared.tiny_model import TinyModelSpec, build_char_tokenizer, build_tiny_model, save_model_dir
+
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_model(tokenizer, TinyModelSpec(seed=1))
+    return save_model_dir(model, tokenizer, tmp_path_factory.mktemp("tiny-model"))

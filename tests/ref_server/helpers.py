@@ -1,0 +1,21 @@
+"""Building rollout groups for hub tests."""
+
+import torch
+
+from shared.protocol import RolloutGroup, SamplingParams
+
+
+def make_group(version=0, group_size=4, prompt=(1, 2, 3), lengths=(3, 1, 4, 2), rewards=None, seed=0,
+               temperature=1.0, generator_id="gen-test") -> RolloutGroup:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = list(lengths)[:group_size]
+    width = max(lengths)
+    completion_ids = torch.randint(4, 40, (group_size, width), generator=gen)
+    rewards = torch.tensor(rewards if rewards is not None else [float(i % 2) for i in range(group_size)])
+    return RolloutGroup(
+        prompt_ids=torch.tensor(prompt), completion_ids=completion_ids, completion_lengths=torch.tensor(lengths),
+        behaviour_logprobs=-torch.rand(group_size, width, generator=gen), rewards=rewards,
+        finish_reasons=["stop"] * (group_size - 1) + ["length"], policy_version=version, generator_id=generator_id,
+        sampling=SamplingParams(temperature=temperature, max_tokens=width),
+        reward_components={"correct": rewards.clone()}, task={"answer": "7"},
+    )
