@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import asdict, dataclass, field
-from typing import Any
 
 import torch
 
-from shared.advantages import compute_advantages
+from shared.advantages import compute_advantages, process_advantages
 from shared.wire import WireError, decode, encode
 
 FINISH_REASONS = ("stop", "length")
@@ -176,6 +175,8 @@ class TrainBatch:
         refs = torch.zeros(rows, max_c) if ref_logprobs is not None else None
         prompt_lengths, advantages, group_index, versions, truncated = [], [], [], [], []
         components = {name for g in groups for name in g.reward_components}
+        # With process rewards anywhere in the batch, advantages are per token ([B, L]) for every row.
+        process = any(g.step_rewards is not None for g in groups)
         row = 0
         for index, group in enumerate(groups):
             p = group.prompt_ids.numel()
@@ -186,7 +187,10 @@ class TrainBatch:
                 behaviour[row + i, :c] = group.behaviour_logprobs[i, :c]
                 if refs is not None:
                     refs[row + i, :c] = ref_logprobs[index][i, :c]
-            advantages.append(compute_advantages(group.rewards.unsqueeze(0), estimator, scale=scale, eps=eps)[0])
+            if process:
+                advantages.append(_token_advantages(group, max_c, estimator, scale, eps))
+            else:
+                advantages.append(compute_advantages(group.rewards.unsqueeze(0), estimator, scale=scale, eps=eps)[0])
             prompt_lengths += [p] * group.group_size
             group_index += [index] * group.group_size
             versions += [group.policy_version] * group.group_size
@@ -235,6 +239,14 @@ class TrainBatch:
             raise WireError(f"train batch is missing {exc}") from None
 
 
+def _token_advantages(group: RolloutGroup, width: int, estimator: str, scale: str, eps: float) -> torch.Tensor:
+    """``[G, width]`` advantages: process rewards per token, or the outcome advantage on every token."""
+    if group.step_rewards is not None:
+        return process_advantages(group.step_rewards, group.step_ends, group.num_steps, width, eps=eps)
+    outcome = compute_advantages(group.rewards.unsqueeze(0), estimator, scale=scale, eps=eps)[0]
+    return outcome.unsqueeze(1).expand(-1, width).clone()
+
+
 def encode_logprob_request(input_ids: list[list[int]], prompt_lengths: list[int], temperature: float) -> bytes:
     """Binary form of ``POST /v1/logprobs``: flat ids + per-row lengths (rows may differ in length)."""
     flat = torch.tensor([t for row in input_ids for t in row], dtype=torch.long)
@@ -272,10 +284,3 @@ def encode_logprob_response(logprobs: list[list[float]] | list[torch.Tensor]) ->
 def decode_logprob_response(data: bytes) -> list[torch.Tensor]:
     tensors, _ = decode(data, "logprob_response/v1")
     return list(torch.split(tensors["logprobs"], tensors["row_lengths"].tolist()))
-
-
-def describe(obj: Any) -> str:
-    """Short human description of a message for logs."""
-    if isinstance(obj, RolloutGroup):
-        return f"group {obj.group_id[:8]} G={obj.group_size} v{obj.policy_version} from {obj.generator_id}"
-    return type(obj).__name__

@@ -153,3 +153,18 @@ def test_hub_unit_drops_group_when_reference_scoring_fails():
     hub = RolloutHub(capacity=4, max_staleness=2, scorer=FailingScorer())
     hub.put(make_group().to_bytes())
     assert hub.depth() == 0 and hub.counters.dropped_ref_failure == 1
+
+
+def test_process_rewards_give_per_token_advantages_in_the_batch():
+    with_steps = make_group(seed=1, lengths=(3, 2, 4, 1))
+    with_steps.step_rewards = torch.tensor([[1.0, 0.0], [0.5, 0.0], [0.0, 0.0], [1.0, 0.0]])
+    with_steps.step_ends = torch.tensor([[0, 2], [1, 0], [3, 0], [0, 0]])
+    with_steps.num_steps = torch.tensor([2, 1, 1, 1])
+    plain = make_group(seed=2, rewards=[1.0, 0.0, 0.0, 0.0])
+    back = RolloutGroup.from_bytes(with_steps.to_bytes())
+    batch = TrainBatch.from_groups([back, plain], None, eps=0.0)
+    assert batch.advantages.shape == (8, 4)
+    steps = torch.tensor([1.0, 0.0, 0.5, 0.0, 1.0])
+    norm = (with_steps.step_rewards - steps.mean()) / steps.std()
+    torch.testing.assert_close(batch.advantages[0, :3], torch.stack([norm[0, 0] + norm[0, 1], norm[0, 1], norm[0, 1]]))
+    torch.testing.assert_close(batch.advantages[4], torch.full((4,), 1.5))  # outcome advantage on every token
