@@ -16,7 +16,11 @@ from shared.config import ConfigError
 
 
 class UsageError(Exception):
-    """A problem with what the user asked for; printed without a traceback."""
+    """A problem with what the user asked for; printed without a traceback (exit code 2)."""
+
+
+class ServiceError(Exception):
+    """A service that had to give up (e.g. the hub stayed unreachable); printed without a traceback (exit 1)."""
 
 
 def _version() -> str:
@@ -33,7 +37,8 @@ def cmd_config_reference(args: argparse.Namespace) -> int:
     print("| key | default | description |")
     print("|---|---|---|")
     for key, default, description in config_reference():
-        print(f"| `{key}` | {default if default == '(section)' else f'`{default}`'} | {description} |")
+        shown = default if default.startswith("(") else f"`{default}`"
+        print(f"| `{key}` | {shown} | {description} |")
     return 0
 
 
@@ -70,6 +75,27 @@ def cmd_ref_server(args: argparse.Namespace) -> int:
         serve(config)
     except ModelLoadError as exc:
         raise UsageError(str(exc)) from None
+    return 0
+
+
+def cmd_generator(args: argparse.Namespace) -> int:
+    """Sample groups of completions, score them, upload them to the hub."""
+    import logging
+
+    from generator.main import GeneratorSetupError, run_generator
+    from shared.client import HubUnavailable
+    from shared.datasets import DatasetError
+    from shared.rewards import RewardConfigError
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    config = _load_with_flags(args, {"model": "generator.model", "hub": "generator.hub_url", "id": "generator.id",
+                                     "max_groups": "generator.max_groups"})
+    try:
+        run_generator(config)
+    except (GeneratorSetupError, DatasetError, RewardConfigError) as exc:
+        raise UsageError(str(exc)) from None
+    except HubUnavailable as exc:
+        raise ServiceError(f"the hub stayed unreachable: {exc}") from None
     return 0
 
 
@@ -129,6 +155,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token", help="Require this bearer token (also read from GRPO_TOKEN).")
     _add_config_args(p)
 
+    p = add("generator", cmd_generator,
+            "Generator: sample G completions per prompt, score them, upload the groups to the hub, and load new "
+            "policy weights as the learner publishes them.")
+    p.add_argument("--model", help="Model folder (overrides generator.model).")
+    p.add_argument("--hub", help="Ref server / hub URL (overrides generator.hub_url).")
+    p.add_argument("--id", help="Generator name (overrides generator.id; also seeds its prompt order).")
+    p.add_argument("--max-groups", type=int, help="Stop after this many uploaded groups.")
+    _add_config_args(p)
+
     p = add("check-config", cmd_check_config, "Validate a YAML config and print it with every default filled in.")
     p.add_argument("config", help="Path to the YAML config.")
     _add_set_arg(p)
@@ -148,6 +183,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, UsageError) as exc:
         print(f"grpo {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except ServiceError as exc:
+        print(f"grpo {args.command}: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -147,6 +147,7 @@ class TrainBatch:
     truncated: torch.Tensor             # [B] bool, finish reason "length"
     reward_components: dict[str, torch.Tensor]  # name -> [B]
     group_ids: list[str]                # one per group
+    generator_ids: list[str]            # one per group: which generator sampled it
     temperature: float                  # sampling temperature shared by every group of the batch
 
     @property
@@ -206,7 +207,8 @@ class TrainBatch:
                 name: torch.cat([g.reward_components.get(name, torch.full((g.group_size,), float("nan")))
                                  for g in groups]) for name in sorted(components)
             },
-            group_ids=[g.group_id for g in groups], temperature=temperatures.pop(),
+            group_ids=[g.group_id for g in groups], generator_ids=[g.generator_id for g in groups],
+            temperature=temperatures.pop(),
         )
 
     def to_bytes(self) -> bytes:
@@ -219,7 +221,8 @@ class TrainBatch:
         if self.ref_logprobs is not None:
             tensors["ref_logprobs"] = self.ref_logprobs.float()
         tensors.update({f"reward/{k}": v.float() for k, v in self.reward_components.items()})
-        return encode("train_batch/v1", tensors, {"group_ids": self.group_ids, "temperature": self.temperature})
+        return encode("train_batch/v1", tensors, {"group_ids": self.group_ids, "generator_ids": self.generator_ids,
+                                                  "temperature": self.temperature})
 
     @classmethod
     def from_bytes(cls, data: bytes) -> TrainBatch:
@@ -233,7 +236,8 @@ class TrainBatch:
                 policy_versions=tensors["policy_versions"], truncated=tensors["truncated"],
                 reward_components={k.removeprefix("reward/"): v for k, v in tensors.items()
                                    if k.startswith("reward/")},
-                group_ids=[str(g) for g in fields["group_ids"]], temperature=float(fields["temperature"]),
+                group_ids=[str(g) for g in fields["group_ids"]],
+                generator_ids=[str(g) for g in fields["generator_ids"]], temperature=float(fields["temperature"]),
             )
         except KeyError as exc:
             raise WireError(f"train batch is missing {exc}") from None

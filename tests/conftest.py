@@ -16,3 +16,11 @@ def tiny_model_dir(tmp_path_factory):
     tokenizer = build_char_tokenizer()
     model = build_tiny_model(tokenizer, TinyModelSpec(seed=1))
     return save_model_dir(model, tokenizer, tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()

@@ -4,7 +4,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
-from .conftest import LiveServer, make_config
+from tests.live_server import LiveServer, make_config
 
 
 @pytest.fixture(scope="module")

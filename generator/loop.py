@@ -1,0 +1,160 @@
+"""The rollout loop: draw prompts, sample G completions each, score, upload groups with backpressure, and pick up
+new policy weights between batches.
+
+Stopping: :meth:`RolloutLoop.run` checks ``stop`` between steps, so Ctrl-C / SIGTERM (which set it) let the
+current upload finish. An unreachable hub is retried by the client with backoff while the finished groups wait;
+when the retry budget runs out, :class:`shared.client.HubUnavailable` propagates and the command exits with a
+message — never silently.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from generator.engines.base import Engine, SampledCompletion
+from generator.progress import Progress
+from shared.client import HubClient
+from shared.datasets import Example, PromptStream, render_prompt
+from shared.protocol import RolloutGroup, SamplingParams
+from shared.rewards import RewardSet
+
+log = logging.getLogger("grpo.generator")
+
+
+@dataclass
+class LoopStats:
+    groups_uploaded: int = 0
+    groups_dropped_constant: int = 0
+    groups_refused_stale: int = 0
+    prompts: int = 0
+    completion_tokens: int = 0
+    reward_errors: int = 0
+    weight_updates: int = 0
+    reward_sum: float = 0.0
+    reward_count: int = 0
+    component_sums: dict[str, float] = field(default_factory=dict)
+    last_queue_depth: int | None = None
+
+    @property
+    def mean_reward(self) -> float:
+        return self.reward_sum / self.reward_count if self.reward_count else 0.0
+
+
+class RolloutLoop:
+    def __init__(self, *, engine: Engine, tokenizer, client: HubClient, rewards: RewardSet, prompts: PromptStream,
+                 sampling: SamplingParams, group_size: int, prompts_per_batch: int, generator_id: str,
+                 weights_dir: str | Path, system_prompt: str | None = None, template: str | None = None,
+                 drop_constant_groups: bool = False, seed: int = 0, progress: Progress | None = None) -> None:
+        self.engine, self.tokenizer, self.client = engine, tokenizer, client
+        self.rewards, self.prompts, self.sampling = rewards, prompts, sampling
+        self.group_size, self.prompts_per_batch = group_size, prompts_per_batch
+        self.generator_id = generator_id
+        self.weights_dir = Path(weights_dir)
+        self.system_prompt, self.template = system_prompt, template
+        self.drop_constant_groups = drop_constant_groups
+        self.seed = seed
+        self.policy_version = 0
+        self.stats = LoopStats()
+        self.progress = progress or Progress(enabled=False)
+        self._batch_index = 0
+
+    # -- weights --------------------------------------------------------------------------------------------
+    def sync_weights(self) -> bool:
+        """Load the hub's newest weights version if it is newer than ours. Returns whether it changed."""
+        latest = self.client.weights_version()
+        if latest is None or latest <= self.policy_version:
+            return False
+        self.weights_dir.mkdir(parents=True, exist_ok=True)
+        path = self.client.download_weights(latest, self.weights_dir / f"v{latest:010d}.safetensors")
+        started = time.perf_counter()
+        self.engine.load_weights(path)
+        log.info("policy version %d -> %d (loaded in %.2fs)", self.policy_version, latest,
+                 time.perf_counter() - started)
+        self.policy_version = latest
+        self.stats.weight_updates += 1
+        for old in self.weights_dir.glob("v*.safetensors"):
+            if old != path:
+                old.unlink(missing_ok=True)
+        return True
+
+    # -- one step -------------------------------------------------------------------------------------------
+    def encode_prompt(self, example: Example) -> list[int]:
+        text = render_prompt(self.tokenizer, example.question, self.system_prompt, self.template)
+        chat = self.template is None and bool(getattr(self.tokenizer, "chat_template", None))
+        # a chat template already contains the special tokens it wants
+        return self.tokenizer(text, add_special_tokens=not chat)["input_ids"]
+
+    def build_group(self, example: Example, prompt_ids: list[int], samples: list[SampledCompletion]
+                    ) -> RolloutGroup | None:
+        texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
+        scores = self.rewards.score_group(example.question, texts, example.data)
+        self.stats.reward_errors += sum(scores.errors.values())
+        if self.drop_constant_groups and len(set(scores.total)) == 1:
+            self.stats.groups_dropped_constant += 1
+            return None
+        width = max(1, max(len(s.token_ids) for s in samples))
+        completion_ids = torch.zeros(len(samples), width, dtype=torch.long)
+        logprobs = torch.zeros(len(samples), width)
+        for i, s in enumerate(samples):
+            completion_ids[i, :len(s.token_ids)] = torch.tensor(s.token_ids, dtype=torch.long)
+            logprobs[i, :len(s.logprobs)] = torch.tensor(s.logprobs)
+        return RolloutGroup(
+            prompt_ids=torch.tensor(prompt_ids, dtype=torch.long), completion_ids=completion_ids,
+            completion_lengths=torch.tensor([len(s.token_ids) for s in samples]), behaviour_logprobs=logprobs,
+            rewards=torch.tensor(scores.total), finish_reasons=[s.finish_reason for s in samples],
+            policy_version=self.policy_version, generator_id=self.generator_id, sampling=self.sampling,
+            reward_components={k: torch.tensor(v) for k, v in scores.components.items()},
+            task={k: str(v) for k, v in example.data.items() if isinstance(v, (str, int, float))}
+                 | {"example_id": example.example_id},
+        )
+
+    def step(self) -> list[RolloutGroup]:
+        """One engine call: ``prompts_per_batch`` prompts x G completions, scored (not yet uploaded)."""
+        examples = self.prompts.take(self.prompts_per_batch)
+        prompt_ids = [self.encode_prompt(e) for e in examples]
+        digest = hashlib.sha256(f"{self.seed}/{self.generator_id}/{self._batch_index}".encode()).digest()
+        seed = int.from_bytes(digest[:4], "big") & 0x7FFFFFFF  # reproducible, unlike Python's salted hash()
+        self._batch_index += 1
+        samples = self.engine.generate(prompt_ids, self.sampling, self.group_size, seed=seed)
+        groups = []
+        for example, ids, group_samples in zip(examples, prompt_ids, samples):
+            group = self.build_group(example, ids, group_samples)
+            self.stats.prompts += 1
+            self.stats.completion_tokens += sum(len(s.token_ids) for s in group_samples)
+            if group is not None:
+                groups.append(group)
+        return groups
+
+    def upload(self, group: RolloutGroup) -> None:
+        answer = self.client.upload_group(group)  # retried by the client on 429 / 5xx / connection errors
+        self.stats.last_queue_depth = answer.get("queue_depth")
+        if answer.get("accepted"):
+            self.stats.groups_uploaded += 1
+            self.stats.reward_sum += float(group.rewards.sum())
+            self.stats.reward_count += group.group_size
+            for name, values in group.reward_components.items():
+                self.stats.component_sums[name] = self.stats.component_sums.get(name, 0.0) + float(values.sum())
+        elif answer.get("dropped") == "stale":
+            self.stats.groups_refused_stale += 1
+
+    # -- the loop -------------------------------------------------------------------------------------------
+    def run(self, stop: threading.Event, max_groups: int | None = None) -> LoopStats:
+        self.sync_weights()  # a generator that joins late starts from the current version
+        while not stop.is_set() and (max_groups is None or self.stats.groups_uploaded < max_groups):
+            groups = self.step()
+            for group in groups:  # uploads finish even when a stop was requested meanwhile
+                if max_groups is not None and self.stats.groups_uploaded >= max_groups:
+                    break
+                self.upload(group)
+            self.progress.update(self.stats, self.policy_version)
+            if not stop.is_set():
+                self.sync_weights()
+        self.progress.close(self.stats, self.policy_version)
+        return self.stats

@@ -1,0 +1,108 @@
+"""``grpo generator``: build the engine, prompts and rewards from config and run the rollout loop."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+
+import torch
+
+from generator.loop import LoopStats, RolloutLoop
+from generator.progress import Progress
+from shared.client import HubClient, RetryPolicy
+from shared.datasets import R1_SYSTEM_PROMPT, PromptStream, arithmetic_examples, hf_examples, jsonl_examples
+from shared.protocol import SamplingParams
+from shared.rewards import RewardSet
+from shared.schema import DatasetConfig, GRPOConfig
+from shared.tasks.arithmetic import ArithmeticTask
+
+log = logging.getLogger("grpo.generator")
+
+
+class GeneratorSetupError(RuntimeError):
+    """The generator cannot start (no model, unknown engine...); the message says which setting."""
+
+
+def load_examples(cfg: DatasetConfig, seed: int):
+    if cfg.kind == "arithmetic":
+        return arithmetic_examples(ArithmeticTask(**cfg.arithmetic), cfg.split, cfg.arithmetic_pool, seed)
+    if cfg.kind == "jsonl":
+        return jsonl_examples(cfg.path, cfg.question_field, cfg.answer_field)
+    return hf_examples(cfg.path, split=cfg.split, subset=cfg.subset, question_field=cfg.question_field,
+                       answer_field=cfg.answer_field)
+
+
+def system_prompt_for(cfg: DatasetConfig) -> str | None:
+    if cfg.system_prompt is not None:
+        return cfg.system_prompt or None
+    return None if cfg.kind == "arithmetic" else R1_SYSTEM_PROMPT
+
+
+def resolve_engine_name(requested: str) -> str:
+    if requested != "auto":
+        return requested
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return "transformers"
+    return "vllm" if torch.cuda.is_available() or os.environ.get("GRPO_VLLM_ON_CPU") == "1" else "transformers"
+
+
+def build_engine(config: GRPOConfig):
+    cfg = config.generator
+    if cfg.model is None:
+        raise GeneratorSetupError("generator.model is not set (pass --model or set it in the config)")
+    name = resolve_engine_name(cfg.engine)
+    if name == "vllm":
+        from generator.engines.vllm_engine import VLLMEngine
+
+        return VLLMEngine(cfg.model, tensor_parallel_size=cfg.tensor_parallel_size,
+                          gpu_memory_utilization=cfg.gpu_memory_utilization, max_model_len=cfg.max_model_len,
+                          device=cfg.device, seed=config.seed)
+    from generator.engines.hf import TransformersEngine
+
+    device = cfg.device if cfg.device != "auto" else ("cuda:0" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return TransformersEngine(cfg.model, device=device, dtype=dtype)
+
+
+def build_loop(config: GRPOConfig, engine, client: HubClient, progress: Progress) -> RolloutLoop:
+    cfg = config.generator
+    from transformers import AutoTokenizer
+
+    tokenizer = getattr(engine, "tokenizer", None) or AutoTokenizer.from_pretrained(cfg.model)
+    generator_id = cfg.id or f"{socket.gethostname()}-{os.getpid()}"
+    return RolloutLoop(
+        engine=engine, tokenizer=tokenizer, client=client, rewards=RewardSet.from_specs(cfg.rewards),
+        prompts=PromptStream(load_examples(cfg.dataset, config.seed), seed=config.seed, generator_id=generator_id),
+        sampling=SamplingParams(**cfg.sampling.model_dump()), group_size=cfg.group_size,
+        prompts_per_batch=cfg.prompts_per_batch, generator_id=generator_id, weights_dir=cfg.weights_dir,
+        system_prompt=system_prompt_for(cfg.dataset), template=cfg.dataset.template,
+        drop_constant_groups=cfg.drop_constant_groups, seed=config.seed, progress=progress)
+
+
+def run_generator(config: GRPOConfig, stop: threading.Event | None = None) -> LoopStats:
+    """Run until ``max_groups`` are uploaded or a stop is requested (SIGINT/SIGTERM in the main thread)."""
+    stop = stop or threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        def request_stop(signum, frame):
+            log.info("%s received: finishing the current upload, then exiting", signal.Signals(signum).name)
+            stop.set()
+
+        signal.signal(signal.SIGINT, request_stop)
+        signal.signal(signal.SIGTERM, request_stop)
+    cfg = config.generator
+    client = HubClient(cfg.hub_url, token=config.ref_server.token or os.environ.get("GRPO_TOKEN"),
+                       retry=RetryPolicy(max_retry_s=cfg.retry_max_s))
+    engine = build_engine(config)
+    try:
+        loop = build_loop(config, engine, client, Progress(total=cfg.max_groups))
+        log.info("generator %s: engine %s, G=%d, %d prompts per batch, hub %s", loop.generator_id, engine.name,
+                 cfg.group_size, cfg.prompts_per_batch, cfg.hub_url)
+        return loop.run(stop, max_groups=cfg.max_groups)
+    finally:
+        engine.close()
+        client.close()

@@ -1,0 +1,56 @@
+"""Console progress of a generator: a tqdm bar on a terminal, a log line every few seconds otherwise."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from generator.loop import LoopStats
+
+log = logging.getLogger("grpo.generator")
+
+
+class Progress:
+    def __init__(self, *, enabled: bool = True, log_every_s: float = 10.0, total: int | None = None) -> None:
+        self.enabled = enabled
+        self.log_every_s = log_every_s
+        self.started = time.monotonic()
+        self._last_log = self.started
+        self._bar = None
+        if enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, unit="group", desc="rollouts", dynamic_ncols=True)
+
+    def summary(self, stats: LoopStats, version: int) -> dict[str, float | int | None]:
+        elapsed = max(time.monotonic() - self.started, 1e-9)
+        return {
+            "prompts/s": round(stats.prompts / elapsed, 2),
+            "tokens/s": round(stats.completion_tokens / elapsed, 1),
+            "reward": round(stats.mean_reward, 3),
+            "version": version,
+            "queue": stats.last_queue_depth,
+        }
+
+    def update(self, stats: LoopStats, version: int) -> None:
+        if not self.enabled:
+            return
+        fields = self.summary(stats, version)
+        if self._bar is not None:
+            self._bar.n = stats.groups_uploaded
+            self._bar.set_postfix(fields, refresh=True)
+        elif time.monotonic() - self._last_log >= self.log_every_s:
+            self._last_log = time.monotonic()
+            log.info("groups %d | %s", stats.groups_uploaded, " | ".join(f"{k} {v}" for k, v in fields.items()))
+
+    def close(self, stats: LoopStats, version: int) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self.enabled:
+            means = {k: round(v / max(stats.reward_count, 1), 3) for k, v in stats.component_sums.items()}
+            log.info("done: %d groups uploaded, %d dropped (constant reward), %d refused as stale, %d reward "
+                     "errors, per-reward means %s, %s", stats.groups_uploaded, stats.groups_dropped_constant,
+                     stats.groups_refused_stale, stats.reward_errors, means, self.summary(stats, version))

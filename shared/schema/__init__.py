@@ -1,0 +1,22 @@
+"""The config schema, one module per section; ``GRPOConfig`` is the whole file."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from shared.schema.algorithm import AdvantageConfig, AlgorithmConfig, LossConfig
+from shared.schema.base import StrictModel
+from shared.schema.generator import DatasetConfig, GeneratorConfig, RewardSpec, SamplingConfig
+from shared.schema.ref_server import RefServerConfig
+
+__all__ = ["AdvantageConfig", "AlgorithmConfig", "DatasetConfig", "GRPOConfig", "GeneratorConfig", "LossConfig",
+           "RefServerConfig", "RewardSpec", "SamplingConfig", "StrictModel"]
+
+
+class GRPOConfig(StrictModel):
+    """The whole run. Services read their own sections; all of them share ``algorithm`` and ``seed``."""
+
+    seed: int = Field(0, description="Base random seed; each service and generator derives its own from it.")
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="The GRPO algorithm.")
+    ref_server: RefServerConfig = Field(default_factory=RefServerConfig, description="The reference server.")
+    generator: GeneratorConfig = Field(default_factory=GeneratorConfig, description="The generators.")

@@ -1,0 +1,97 @@
+"""The generator section (generator/): engine, sampling, prompts, rewards and the rollout loop."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from shared.schema.base import StrictModel, check_registered
+
+
+class SamplingConfig(StrictModel):
+    """How completions are sampled. The ref server and learner use the same temperature for their logprobs."""
+
+    temperature: float = Field(1.0, ge=0, description="Softmax temperature; 0 is greedy (evaluation only).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling: keep the smallest set of tokens with this "
+                         "much probability. 1 disables it.")
+    top_k: int = Field(-1, ge=-1, description="Keep only the k most likely tokens; -1 disables it.")
+    max_tokens: int = Field(64, ge=1, description="Most tokens generated per completion (then finish_reason "
+                            "'length').")
+
+
+class RewardSpec(StrictModel):
+    """One reward function of the weighted sum."""
+
+    name: str = Field(description="Registered reward: format, math, arithmetic, code, http or python.")
+    label: str | None = Field(None, description="Name used in metrics (default: name); needed when one reward "
+                              "appears twice.")
+    weight: float = Field(1.0, description="Weight in the total reward.")
+    on_error: float = Field(0.0, description="Score given when the reward raises or returns a non-finite value.")
+    args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the reward's factory, "
+                                 "e.g. {match: 1.25, mismatch: -1} for format or {function: 'mod:fn'} for python.")
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, value: str) -> str:
+        return check_registered("shared.rewards", "REWARDS", value)
+
+
+class DatasetConfig(StrictModel):
+    """Where prompts come from and how they are rendered."""
+
+    kind: Literal["arithmetic", "jsonl", "hf"] = Field(
+        "arithmetic", description="'arithmetic' (built-in task), 'jsonl' (a file) or 'hf' (a Hugging Face dataset "
+        "name or a save_to_disk folder).")
+    path: str | None = Field(None, description="The JSONL file, or the Hugging Face dataset name/folder.")
+    split: str = Field("train", description="Dataset split to train on ('train' or 'test' for arithmetic).")
+    subset: str | None = Field(None, description="Hugging Face dataset configuration, e.g. 'main' for gsm8k.")
+    question_field: str = Field("question", description="Field holding the question.")
+    answer_field: str | None = Field("answer", description="Field holding the reference answer (null: none).")
+    system_prompt: str | None = Field(
+        None, description="System prompt; null means none for arithmetic and the R1-style prompt otherwise. Use "
+        "an empty string for no system prompt with other datasets.")
+    template: str | None = Field(
+        None, description="Python format string with {question} and {system}; overrides the chat template.")
+    arithmetic: dict[str, Any] = Field(
+        default_factory=dict, description="ArithmeticTask settings: min_value, max_value, ops, num_operands, "
+        "heldout_fraction.")
+    arithmetic_pool: int = Field(20000, ge=1, description="Arithmetic problems drawn (with a fixed seed) into "
+                                 "the training pool.")
+
+    @model_validator(mode="after")
+    def _path_when_needed(self) -> DatasetConfig:
+        if self.kind in ("jsonl", "hf") and not self.path:
+            raise ValueError(f"dataset kind {self.kind!r} needs a path")
+        return self
+
+
+class GeneratorConfig(StrictModel):
+    """A generator: samples groups of completions, scores them and uploads them to the hub."""
+
+    model: str | None = Field(None, description="Model folder to generate with (the initial policy).")
+    engine: Literal["auto", "vllm", "transformers"] = Field(
+        "auto", description="'vllm' (GPU), 'transformers' (CPU or one GPU), or 'auto': vLLM when importable "
+        "and a GPU is visible, else transformers.")
+    id: str | None = Field(None, description="Generator name in provenance and logs (default: host-pid). Also "
+                           "seeds its prompt order, so two generators draw different prompts.")
+    hub_url: str = Field("http://127.0.0.1:8470", description="The ref server's address.")
+    device: str = Field("auto", description="'auto', 'cpu' or 'cuda:N' (N indexes the node's visible GPUs).")
+    group_size: int = Field(8, ge=1, description="G: completions sampled per prompt.")
+    prompts_per_batch: int = Field(4, ge=1, description="Prompts generated together in one engine call.")
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="Sampling parameters.")
+    dataset: DatasetConfig = Field(default_factory=DatasetConfig, description="Prompt source.")
+    rewards: list[RewardSpec] = Field(
+        default_factory=lambda: [RewardSpec(name="arithmetic")],
+        description="Rewards, summed with their weights; each is reported separately too.")
+    drop_constant_groups: bool = Field(
+        False, description="Dynamic sampling: do not upload groups whose rewards are all equal (no signal); "
+        "they are counted.")
+    max_groups: int | None = Field(None, ge=1, description="Stop after uploading this many groups (null: run "
+                                   "until stopped).")
+    tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallel size.")
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="vLLM's share of GPU memory.")
+    max_model_len: int | None = Field(None, ge=1, description="vLLM context length (default: the model's).")
+    weights_dir: str = Field("runs/generator/weights", description="Where downloaded weight versions are kept.")
+    retry_max_s: float = Field(600.0, gt=0, description="How long to keep retrying an unreachable hub before "
+                               "exiting with an error (finished groups are kept meanwhile).")

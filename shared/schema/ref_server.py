@@ -1,0 +1,40 @@
+"""The reference server section (ref_server/)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from shared.schema.base import StrictModel
+
+
+class RefServerConfig(StrictModel):
+    """The reference server: reference logprobs, the rollout hub and the weight relay (ref_server/)."""
+
+    model: str | None = Field(
+        None, description="Folder of the reference model (any AutoModelForCausalLM). Not loaded when "
+        "algorithm.loss.beta is 0; the hub and weight relay work without it.")
+    host: str = Field("127.0.0.1", description="Address to bind. Keep 127.0.0.1 unless a token is set.")
+    port: int = Field(8470, ge=1, le=65535, description="TCP port; every other process is told this address.")
+    token: str | None = Field(
+        None, description="Bearer token required on every endpoint except /healthz (or set GRPO_TOKEN). Off when null.")
+    device: str = Field("auto", description="'auto' (first visible GPU, else CPU), 'cpu', or 'cuda:N' (N indexes "
+                        "the node's visible GPUs).")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Reference model dtype; 'auto' is bfloat16 on GPU and float32 on CPU.")
+    batch_tokens: int = Field(8192, ge=1, description="Token budget of one scoring micro-batch (padded rows x width).")
+    max_request_bytes: int = Field(64 * 2**20, ge=1024, description="Largest request body accepted (413 above).")
+    max_request_tokens: int = Field(262144, ge=1, description="Most tokens one logprob request may hold (413 above).")
+    queue_capacity: int = Field(256, ge=1, description="Rollout groups the hub holds; uploads get 429 when full.")
+    max_staleness: int = Field(
+        4, ge=0, description="Drop groups sampled more than this many policy versions before the learner's.")
+    spool_dir: str | None = Field(
+        "runs/ref_server/spool", description="Where accepted groups are spooled until consumed, so a restart loses "
+        "none. Null keeps them in memory only.")
+    weights_dir: str = Field("runs/ref_server/weights", description="Where published weight versions are stored.")
+    keep_weight_versions: int = Field(2, ge=1, description="How many newest weight versions to keep on disk.")
+    max_weight_bytes: int = Field(
+        256 * 2**30, ge=1024, description="Largest weights upload accepted (one safetensors file per version).")
+    max_long_poll_s: float = Field(30.0, ge=0, description="Longest wait a batch request may ask for.")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Server log level.")

@@ -1,0 +1,136 @@
+import threading
+import time
+
+import pytest
+import requests
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
+
+from generator.engines.hf import TransformersEngine
+from generator.loop import RolloutLoop
+from shared.client import HubClient, RetryPolicy
+from shared.datasets import PromptStream, arithmetic_examples
+from shared.protocol import SamplingParams
+from shared.rewards import RewardSet
+from shared.schema import RewardSpec
+from shared.tasks.arithmetic import ArithmeticTask
+from tests.live_server import LiveServer, make_config
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    return TransformersEngine(tiny_model_dir)
+
+
+def make_loop(engine, url, tmp_path, generator_id="gen-a", rewards=None, retry_s=30.0, **kw):
+    examples = arithmetic_examples(ArithmeticTask(), "train", 200, seed=0)
+    return RolloutLoop(
+        engine=engine, tokenizer=engine.tokenizer,
+        client=HubClient(url, retry=RetryPolicy(max_retry_s=retry_s, initial_backoff_s=0.1, max_backoff_s=0.5)),
+        rewards=rewards or RewardSet.from_specs([RewardSpec(name="arithmetic"), RewardSpec(name="format",
+                                                                                          weight=0.1)]),
+        prompts=PromptStream(examples, seed=0, generator_id=generator_id),
+        sampling=SamplingParams(temperature=1.0, max_tokens=8), group_size=4, prompts_per_batch=2,
+        generator_id=generator_id, weights_dir=tmp_path / f"w-{generator_id}", **kw)
+
+
+def test_groups_reach_the_hub_with_provenance(engine, tmp_path, tiny_model_dir):
+    with LiveServer(make_config(tmp_path, tiny_model_dir)) as live:
+        loop = make_loop(engine, live.url, tmp_path)
+        stats = loop.run(threading.Event(), max_groups=3)
+        assert stats.groups_uploaded == 3 and stats.prompts == 4  # two engine calls of two prompts
+        batch = HubClient(live.url).get_batch(3, wait_s=20)
+    assert batch.batch_size == 12 and batch.policy_versions.tolist() == [0] * 12
+    assert batch.temperature == 1.0 and set(batch.reward_components) == {"arithmetic", "format"}
+    torch.testing.assert_close(batch.rewards, batch.reward_components["arithmetic"]
+                               + 0.1 * batch.reward_components["format"])
+    assert ((batch.completion_lengths >= 1) & (batch.completion_lengths <= 8)).all()
+    # truncated flag agrees with lengths: a completion cut at max_tokens has exactly 8 tokens
+    assert (batch.completion_lengths[batch.truncated] == 8).all()
+    assert batch.ref_logprobs is not None and (batch.ref_logprobs[:, 0] < 0).all()
+    assert stats.mean_reward == pytest.approx(float(batch.rewards.mean()), abs=1e-5)
+
+
+def test_dynamic_sampling_drops_constant_groups_and_counts_them(engine, tmp_path):
+    constant = RewardSet.from_specs([RewardSpec(name="python", args={
+        "function": "tests.generator.test_loop:constant_reward"})])
+    with LiveServer(make_config(tmp_path)) as live:
+        loop = make_loop(engine, live.url, tmp_path, rewards=constant, drop_constant_groups=True)
+        for _ in range(2):
+            assert loop.step() == []
+        assert loop.stats.groups_dropped_constant == 4 and live.state.hub.depth() == 0
+
+
+def constant_reward(prompt, completion, example):
+    return 0.5
+
+
+def test_new_weights_are_picked_up_between_batches(engine, tmp_path, tiny_model_dir):
+    with LiveServer(make_config(tmp_path)) as live:
+        loop = make_loop(engine, live.url, tmp_path)
+        loop.run(threading.Event(), max_groups=1)
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1.01)
+        path = tmp_path / "v7.safetensors"
+        save_file({k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}, str(path))
+        HubClient(live.url).upload_weights(7, path)
+        loop.run(threading.Event(), max_groups=3)
+        assert loop.policy_version == 7 and loop.stats.weight_updates == 1
+        batch = HubClient(live.url).get_batch(3, wait_s=10)
+        assert batch.policy_versions.tolist()[:4] == [0] * 4 and set(batch.policy_versions.tolist()[4:]) == {7}
+        torch.testing.assert_close(engine.model.model.norm.weight, model.model.norm.weight)
+
+
+def test_late_joiner_starts_from_the_current_version(engine, tmp_path, tiny_model_dir):
+    with LiveServer(make_config(tmp_path)) as live:
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+        path = tmp_path / "v3.safetensors"
+        save_file({k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}, str(path))
+        HubClient(live.url).upload_weights(3, path)
+        loop = make_loop(engine, live.url, tmp_path, generator_id="late")
+        loop.run(threading.Event(), max_groups=1)
+        assert HubClient(live.url).get_batch(1).policy_versions.tolist() == [3] * 4
+
+
+def test_generator_survives_a_hub_restart(engine, tmp_path):
+    first = LiveServer(make_config(tmp_path)).__enter__()
+    port = int(first.url.rsplit(":", 1)[1])
+    loop = make_loop(engine, first.url, tmp_path, retry_s=60.0)
+    loop.run(threading.Event(), max_groups=1)
+    first.__exit__(None, None, None)
+    restarted = {}
+
+    def restart():
+        time.sleep(2.0)
+        restarted["server"] = LiveServer(make_config(tmp_path), port=port).__enter__()
+
+    threading.Thread(target=restart).start()
+    loop.run(threading.Event(), max_groups=3)  # uploads fail until the restart, then go through
+    second = restarted["server"]
+    try:
+        stats = requests.get(f"{second.url}/v1/hub/stats", timeout=10).json()
+        assert stats["spool_reloaded"] == 1 and stats["accepted"] == 2 and stats["queue_depth"] == 3
+        assert loop.stats.groups_uploaded == 3
+    finally:
+        second.__exit__(None, None, None)
+
+
+def test_two_generators_at_once_draw_different_prompts(engine, tmp_path, tiny_model_dir):
+    with LiveServer(make_config(tmp_path)) as live:
+        loops = [make_loop(engine, live.url, tmp_path, generator_id=name) for name in ("gen-a", "gen-b")]
+        threads = [threading.Thread(target=loop.run, args=(threading.Event(), 2)) for loop in loops]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=300)
+        batch = HubClient(live.url).get_batch(4, wait_s=10)
+    assert sorted(batch.generator_ids) == ["gen-a", "gen-a", "gen-b", "gen-b"]
+    prompts = {}
+    for index, generator in enumerate(batch.generator_ids):
+        row = int((batch.group_index == index).nonzero()[0])
+        prompts.setdefault(generator, []).append(batch.input_ids[row, :batch.prompt_lengths[row]].tolist())
+    assert prompts["gen-a"] != prompts["gen-b"]
+    assert loops[0].prompts.examples == loops[1].prompts.examples  # same pool, different private orders
