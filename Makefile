@@ -7,7 +7,10 @@ PY := $(VENV)/bin/python
 # release with several GB of CUDA wheels. On a GPU machine, override e.g. TORCH_SPEC="torch==2.13.0" with
 # your CUDA index configured, or install torch yourself before `make`.
 TORCH_SPEC ?= torch==2.13.0
-PIP := $(PY) -m pip install -q --disable-pip-version-check
+# The exact versions the test suite was run with (pyproject.toml states the wider tested ranges).
+# `make CONSTRAINTS=` installs without them, e.g. on a GPU machine with its own torch.
+CONSTRAINTS ?= constraints.txt
+PIP := $(PY) -m pip install -q --disable-pip-version-check $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 STAMP := $(VENV)/.grpo-stack-installed
 PYTEST_ARGS ?=
 
@@ -17,7 +20,7 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 # Re-installs when pyproject.toml changes.
-$(STAMP): pyproject.toml | $(PY)
+$(STAMP): pyproject.toml $(CONSTRAINTS) | $(PY)
 	$(PIP) "$(TORCH_SPEC)"
 	$(PIP) "$(TORCH_SPEC)" -e ".[dev]"
 	touch $@

@@ -69,15 +69,16 @@ def build_engine(config: GRPOConfig):
     return TransformersEngine(cfg.model, device=device, dtype=dtype)
 
 
-def build_loop(config: GRPOConfig, engine, client: HubClient, progress: Progress) -> RolloutLoop:
+def build_loop(config: GRPOConfig, engine, client: HubClient, progress: Progress, rewards: RewardSet,
+               examples: list) -> RolloutLoop:
     cfg = config.generator
     from transformers import AutoTokenizer
 
     tokenizer = getattr(engine, "tokenizer", None) or AutoTokenizer.from_pretrained(cfg.model)
     generator_id = cfg.id or f"{socket.gethostname()}-{os.getpid()}"
     return RolloutLoop(
-        engine=engine, tokenizer=tokenizer, client=client, rewards=RewardSet.from_specs(cfg.rewards),
-        prompts=PromptStream(load_examples(cfg.dataset, config.seed), seed=config.seed, generator_id=generator_id),
+        engine=engine, tokenizer=tokenizer, client=client, rewards=rewards,
+        prompts=PromptStream(examples, seed=config.seed, generator_id=generator_id),
         sampling=SamplingParams(**cfg.sampling.model_dump()), group_size=cfg.group_size,
         prompts_per_batch=cfg.prompts_per_batch, generator_id=generator_id, weights_dir=cfg.weights_dir,
         system_prompt=system_prompt_for(cfg.dataset), template=cfg.dataset.template,
@@ -95,11 +96,14 @@ def run_generator(config: GRPOConfig, stop: threading.Event | None = None) -> Lo
         signal.signal(signal.SIGINT, request_stop)
         signal.signal(signal.SIGTERM, request_stop)
     cfg = config.generator
+    # Rewards and prompts first: a config mistake there should not wait for a model to load.
+    rewards = RewardSet.from_specs(cfg.rewards)
+    examples = load_examples(cfg.dataset, config.seed)
     client = HubClient(cfg.hub_url, token=config.ref_server.token or os.environ.get("GRPO_TOKEN"),
                        retry=RetryPolicy(max_retry_s=cfg.retry_max_s))
     engine = build_engine(config)
     try:
-        loop = build_loop(config, engine, client, Progress(total=cfg.max_groups))
+        loop = build_loop(config, engine, client, Progress(total=cfg.max_groups), rewards, examples)
         log.info("generator %s: engine %s, G=%d, %d prompts per batch, hub %s", loop.generator_id, engine.name,
                  cfg.group_size, cfg.prompts_per_batch, cfg.hub_url)
         return loop.run(stop, max_groups=cfg.max_groups)

@@ -1,0 +1,85 @@
+import json
+import re
+
+import pytest
+from transformers import AutoTokenizer
+
+from shared.datasets import (
+    R1_SYSTEM_PROMPT,
+    DatasetError,
+    Example,
+    PromptStream,
+    arithmetic_examples,
+    hf_examples,
+    jsonl_examples,
+    render_prompt,
+)
+from shared.tasks.arithmetic import ArithmeticTask
+
+
+def test_jsonl_keeps_every_field_and_maps_the_answer(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"q": "1+1?", "sol": "#### 2", "tests": ["assert True"]}) + "\n\n"
+                    + json.dumps({"q": "2+2?", "sol": "4"}) + "\n")
+    examples = jsonl_examples(path, question_field="q", answer_field="sol")
+    assert [e.question for e in examples] == ["1+1?", "2+2?"]
+    assert examples[0].data["answer"] == "#### 2" and examples[0].data["tests"] == ["assert True"]
+    assert examples[1].example_id == "d.jsonl:3"
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"question": "q", "answer": 1}\n{not json\n', "d.jsonl:2: not valid JSON"),
+    ('{"question": "q"}\n', "no 'answer' field"),
+    ('{"prompt": "q", "answer": 1}\n', "no 'question' field (fields: ['answer', 'prompt'])"),
+    ('[1, 2]\n', "expected a JSON object"),
+    ("\n", "holds no examples"),
+])
+def test_jsonl_errors_name_file_line_and_field(tmp_path, content, message):
+    path = tmp_path / "d.jsonl"
+    path.write_text(content)
+    with pytest.raises(DatasetError, match=re.escape(message)):
+        jsonl_examples(path)
+    with pytest.raises(DatasetError, match="cannot read dataset file"):
+        jsonl_examples(tmp_path / "absent.jsonl")
+
+
+def test_hf_dataset_from_a_local_folder_in_gsm8k_layout(tmp_path):
+    import datasets
+
+    rows = {"question": ["Tom has 3 apples and buys 4. How many?", "What is 6 * 7?"],
+            "answer": ["3 + 4 = 7\n#### 7", "#### 42"]}
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows)}).save_to_disk(str(tmp_path / "gsm"))
+    examples = hf_examples(str(tmp_path / "gsm"), split="train")
+    assert [e.question for e in examples] == rows["question"]
+    assert examples[1].data["answer"] == "#### 42"
+    with pytest.raises(DatasetError, match="cannot load dataset"):
+        hf_examples(str(tmp_path / "gsm"), split="validation")
+
+
+def test_arithmetic_examples_come_from_the_requested_split():
+    task = ArithmeticTask()
+    examples = arithmetic_examples(task, "test", 50, seed=3)
+    assert len(examples) == 50 and all(e.data["answer"] for e in examples)
+    assert all(e.question.endswith("=") for e in examples)
+    assert examples == arithmetic_examples(task, "test", 50, seed=3)
+
+
+def test_prompt_streams_are_private_per_generator_and_cover_each_epoch():
+    pool = [Example(f"q{i}", {"answer": str(i)}) for i in range(20)]
+    a = PromptStream(pool, seed=0, generator_id="a").take(20)
+    b = PromptStream(pool, seed=0, generator_id="b").take(20)
+    assert a != b and sorted(e.question for e in a) == sorted(e.question for e in pool)
+    assert a == PromptStream(pool, seed=0, generator_id="a").take(20)
+    assert a != PromptStream(pool, seed=1, generator_id="a").take(20)
+
+
+def test_render_prompt_with_and_without_chat_template(tiny_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert render_prompt(tokenizer, "12+3=", None) == "12+3="
+    assert render_prompt(tokenizer, "q", "sys") == "sys\nq"
+    assert render_prompt(tokenizer, "q", "sys", "<s>{system}|{question}") == "<s>sys|q"
+    tokenizer.chat_template = (
+        "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}[assistant]{% endif %}")
+    assert render_prompt(tokenizer, "q", R1_SYSTEM_PROMPT).startswith("[system]You are a helpful assistant.")
+    assert render_prompt(tokenizer, "q", None) == "[user]q[assistant]"
