@@ -99,6 +99,26 @@ def cmd_generator(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_learner(args: argparse.Namespace) -> int:
+    """Train: pull batches from the hub, GRPO step with DeepSpeed, publish weights."""
+    import logging
+
+    from learner.engine import LearnerSetupError
+    from learner.main import NonFiniteLossError, run_learner
+    from shared.client import HubUnavailable
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    config = _load_with_flags(args, {"model": "learner.model", "hub": "learner.hub_url",
+                                     "max_steps": "learner.max_steps"})
+    try:
+        run_learner(config, resume=args.resume)
+    except LearnerSetupError as exc:
+        raise UsageError(str(exc)) from None
+    except (HubUnavailable, NonFiniteLossError) as exc:
+        raise ServiceError(str(exc)) from None
+    return 0
+
+
 def cmd_tiny_model(args: argparse.Namespace) -> int:
     """Build the tiny local Llama model with its character tokenizer, warm it up, and save it."""
     import json
@@ -162,6 +182,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hub", help="Ref server / hub URL (overrides generator.hub_url).")
     p.add_argument("--id", help="Generator name (overrides generator.id; also seeds its prompt order).")
     p.add_argument("--max-groups", type=int, help="Stop after this many uploaded groups.")
+    _add_config_args(p)
+
+    p = add("learner", cmd_learner,
+            "Learner: pull batches (reference logprobs attached) from the hub, apply the GRPO step with DeepSpeed, "
+            "publish weights. Several ranks: torchrun --nproc_per_node N -m deploy.cli learner ... (or the deepspeed "
+            "launcher with --module deploy.cli).")
+    p.add_argument("--model", help="Initial policy folder (overrides learner.model).")
+    p.add_argument("--hub", help="Ref server / hub URL (overrides learner.hub_url).")
+    p.add_argument("--max-steps", type=int, help="Stop after this many optimizer steps.")
+    p.add_argument("--resume", action="store_true", help="Continue from the newest complete checkpoint.")
     _add_config_args(p)
 
     p = add("check-config", cmd_check_config, "Validate a YAML config and print it with every default filled in.")

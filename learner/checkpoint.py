@@ -1,0 +1,82 @@
+"""DeepSpeed checkpoints that a kill half-way through can never corrupt.
+
+Each checkpoint is a DeepSpeed tag folder ``step00000042``; once every rank has written its part, rank 0 writes
+``COMPLETE`` (JSON: step, policy version) into it. Resuming picks the newest tag that has ``COMPLETE``, so a
+checkpoint interrupted mid-write is ignored (and later pruned). Client state holds the step, the version and the
+RNG states of torch, Python and NumPy; these files are our own, never network input.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("grpo.learner")
+_TAG = re.compile(r"^step(\d{8})$")
+MARKER = "COMPLETE"
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def complete_tags(directory: str | Path) -> list[str]:
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    return sorted(p.name for p in root.iterdir() if _TAG.match(p.name) and (p / MARKER).is_file())
+
+
+def save_checkpoint(engine, directory: str | Path, *, step: int, version: int, keep: int, rank: int) -> str:
+    tag = f"step{step:08d}"
+    rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    engine.save_checkpoint(str(directory), tag=tag, client_state={"step": step, "version": version, "rng": rng},
+                           save_latest=False)
+    _barrier()
+    if rank == 0:
+        (Path(directory) / tag / MARKER).write_text(json.dumps({"step": step, "version": version}) + "\n")
+        _prune(Path(directory), keep)
+    _barrier()
+    log.info("checkpoint %s written", tag)
+    return tag
+
+
+def _prune(root: Path, keep: int) -> None:
+    complete = complete_tags(root)
+    newest = complete[-1] if complete else None
+    for path in root.iterdir():
+        if not _TAG.match(path.name) or path.name == newest:
+            continue
+        stale_incomplete = not (path / MARKER).is_file() and (newest is None or path.name < newest)
+        if path.name in complete[:-keep] or stale_incomplete:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def load_latest(engine, directory: str | Path) -> dict | None:
+    """Restore the newest complete checkpoint into ``engine``; returns its client state (None if there is none)."""
+    tags = complete_tags(directory)
+    if not tags:
+        return None
+    path, state = engine.load_checkpoint(str(directory), tag=tags[-1], load_optimizer_states=True,
+                                         load_lr_scheduler_states=True)
+    if path is None:
+        raise RuntimeError(f"DeepSpeed could not load checkpoint {tags[-1]} from {directory}")
+    rng = state["rng"]
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
+    log.info("resumed from %s (step %d, version %d)", tags[-1], state["step"], state["version"])
+    return state

@@ -1,0 +1,123 @@
+"""DeepSpeed set-up: the distributed environment, the DeepSpeed config generated from ours, the engine."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shared.schema import LearnerConfig
+
+log = logging.getLogger("grpo.learner")
+
+
+class LearnerSetupError(RuntimeError):
+    """The learner cannot start; the message names the setting or file."""
+
+
+def ensure_single_process_env() -> None:
+    """DeepSpeed needs a process group even for one process; without a launcher, describe a world of one."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def resolve_device(spec: str) -> torch.device:
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if spec == "cpu" or (spec == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise LearnerSetupError(f"learner.device is {spec!r} but no GPU is visible")
+    device = torch.device("cuda", local_rank)  # LOCAL_RANK indexes this node's visible GPUs
+    torch.cuda.set_device(device)
+    return device
+
+
+def uses_bf16(cfg: LearnerConfig, device: torch.device) -> bool:
+    return cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
+
+
+def lr_multiplier(cfg: LearnerConfig, step: int) -> float:
+    """Fraction of ``cfg.lr`` used by optimizer step ``step`` (0-based).
+
+    Warm-up is linear and reaches the full rate at step ``warmup_steps - 1`` (the first step is never at lr 0);
+    then constant, cosine decay to ``min_lr_ratio`` at ``max_steps``, or linear decay towards 0.
+    """
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.lr_schedule == "constant":
+        return 1.0
+    span = max(cfg.max_steps - cfg.warmup_steps, 1)
+    progress = min((step - cfg.warmup_steps) / span, 1.0)
+    if cfg.lr_schedule == "cosine":
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return 1.0 - progress
+
+
+def deepspeed_config(cfg: LearnerConfig, world_size: int, device: torch.device) -> dict[str, Any]:
+    """The DeepSpeed JSON for this learner config (or the user's raw file, with our batch bookkeeping)."""
+    if cfg.deepspeed_config is not None:
+        path = Path(cfg.deepspeed_config)
+        try:
+            config = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise LearnerSetupError(f"cannot read learner.deepspeed_config {path}: {exc}") from None
+    else:
+        zero: dict[str, Any] = {"stage": cfg.zero_stage}
+        if cfg.offload_optimizer:
+            if cfg.zero_stage == 0:
+                raise LearnerSetupError("learner.offload_optimizer needs zero_stage >= 1")
+            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": device.type == "cuda"}
+        config = {
+            "optimizer": {"type": "AdamW", "params": {"lr": cfg.lr, "betas": list(cfg.adam_betas),
+                                                      "eps": cfg.adam_eps, "weight_decay": cfg.weight_decay}},
+            "gradient_clipping": cfg.grad_clip,
+            "zero_optimization": zero,
+            "bf16": {"enabled": uses_bf16(cfg, device)},
+            "zero_allow_untested_optimizer": True,
+            "zero_force_ds_cpu_optimizer": False,
+            "steps_per_print": 2**31 - 1,
+            "wall_clock_breakdown": False,
+        }
+    # One "sample" = one group. The learner owns accumulation: every backward only accumulates, and step() is
+    # called once per optimizer step (so a NaN micro-batch can drop the whole step's gradients).
+    config.update({
+        "train_micro_batch_size_per_gpu": max(1, cfg.groups_per_step // cfg.micro_batches),
+        "gradient_accumulation_steps": cfg.micro_batches,
+        "managed_gradient_accumulation": False,
+    })
+    config.pop("train_batch_size", None)
+    return config
+
+
+def create_engine(cfg: LearnerConfig, model: torch.nn.Module, device: torch.device):
+    """``deepspeed.initialize`` on ``model`` with the generated config; returns the engine."""
+    import deepspeed
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    config = deepspeed_config(cfg, world_size, device)
+    def scheduler(optimizer):  # DeepSpeed calls this with the optimizer it built, and checkpoints its state
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(cfg, step))
+
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()
+                                                                     if p.requires_grad],
+                                      config=config, lr_scheduler=scheduler if "scheduler" not in config else None)
+    return engine
+
+
+def init_distributed(device: torch.device) -> None:
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")

@@ -1,0 +1,124 @@
+"""Writing the policy as a safetensors file one parameter at a time, and publishing it to the hub.
+
+The safetensors header (names, dtypes, shapes, offsets) is known from parameter metadata alone, so the file is
+written header first and then each tensor as soon as it is gathered: memory never holds more than one full
+parameter beyond the model itself. Under ZeRO-3 every rank takes part in each gather (a collective); only rank 0
+writes. Names are the Hugging Face model's, so generators and ``from_pretrained`` load the file as is (a tied LM
+head appears once, under the embedding's name, as in ``named_parameters``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("grpo.learner")
+
+_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+           torch.int64: "I64", torch.int32: "I32", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def _full_shape(param: torch.nn.Parameter) -> tuple[int, ...]:
+    return tuple(getattr(param, "ds_shape", param.shape))  # ZeRO-3 keeps the unpartitioned shape in ds_shape
+
+
+def _gathered(param: torch.nn.Parameter):
+    if hasattr(param, "ds_id"):  # partitioned by ZeRO-3: gather the full tensor on every rank
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters([param], modifier_rank=None)
+    return contextlib.nullcontext()
+
+
+def iter_parameters(model: torch.nn.Module, dtype: torch.dtype | None = None
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, full tensor on CPU)`` per parameter, gathering ZeRO-3 partitions one at a time (collective)."""
+    for name, param in model.named_parameters():
+        with _gathered(param):
+            tensor = param.detach()
+            yield name, tensor.to(dtype=dtype or tensor.dtype, device="cpu").contiguous()
+
+
+def header_for(model: torch.nn.Module, dtype: torch.dtype | None = None,
+               metadata: dict[str, str] | None = None) -> tuple[bytes, int]:
+    """The safetensors header for ``model``'s parameters (in ``named_parameters`` order) and the data size."""
+    header: dict[str, object] = {"__metadata__": {"format": "pt", **(metadata or {})}}
+    offset = 0
+    for name, param in model.named_parameters():
+        torch_dtype = dtype or param.dtype
+        size = torch.Size(_full_shape(param)).numel() * torch_dtype.itemsize
+        header[name] = {"dtype": _DTYPES[torch_dtype], "shape": list(_full_shape(param)),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # pad so tensor data starts 8-byte aligned
+    return struct.pack("<Q", len(raw)) + raw, offset
+
+
+def write_safetensors(model: torch.nn.Module, path: str | Path, *, is_writer: bool, dtype: torch.dtype | None = None,
+                      metadata: dict[str, str] | None = None) -> int:
+    """Stream ``model``'s parameters into ``path`` (written as ``path.partial`` then renamed). All ranks must call
+    this under ZeRO-3; only the ``is_writer`` rank touches the file. Returns the file size on the writer."""
+    path = Path(path)
+    header, data_size = header_for(model, dtype, metadata)
+    fh = open(path.with_name(path.name + ".partial"), "wb") if is_writer else None
+    try:
+        if fh is not None:
+            fh.write(header)
+        for _, tensor in iter_parameters(model, dtype):
+            if fh is not None:
+                fh.write(tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+        if fh is not None:
+            fh.flush()
+            os.fsync(fh.fileno())
+    finally:
+        if fh is not None:
+            fh.close()
+    if not is_writer:
+        return 0
+    os.replace(path.with_name(path.name + ".partial"), path)
+    return len(header) + data_size
+
+
+def publish(engine, client, version: int, staging_dir: str | Path, *, rank: int, dtype: torch.dtype | None = None
+            ) -> float | None:
+    """Write the policy (all ranks gather, rank 0 writes) and upload it as ``version``. Returns MB on rank 0."""
+    staging = Path(staging_dir)
+    if rank == 0:
+        staging.mkdir(parents=True, exist_ok=True)
+    path = staging / f"v{version:010d}.safetensors"
+    size = write_safetensors(engine.module, path, is_writer=rank == 0, dtype=dtype,
+                             metadata={"grpo_version": str(version)})
+    megabytes = None
+    if rank == 0:
+        try:
+            client.upload_weights(version, path)
+        finally:
+            path.unlink(missing_ok=True)
+        megabytes = size / 2**20
+    if dist.is_initialized():
+        dist.barrier()
+    return megabytes
+
+
+def export_hf_folder(engine, source_dir: str | Path, out_dir: str | Path, *, rank: int) -> None:
+    """A Hugging Face folder of the current policy: config, tokenizer and generation files copied from the initial
+    model folder, weights written as ``model.safetensors``. ``AutoModelForCausalLM`` loads it."""
+    out = Path(out_dir)
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        for item in Path(source_dir).iterdir():
+            if item.is_file() and not item.name.endswith((".safetensors", ".bin", ".pt", ".index.json")):
+                shutil.copy2(item, out / item.name)
+    write_safetensors(engine.module, out / "model.safetensors", is_writer=rank == 0)
+    if dist.is_initialized():
+        dist.barrier()

@@ -1,0 +1,198 @@
+"""The GRPO step on one pulled batch: old logprobs, micro-batches, the loss with global normalisers, backward.
+
+Normalisation: the loss of every micro-batch on every rank is divided by the token (and sequence) counts of the
+*global* batch, all-reduced once per step. The sum of the pieces' losses is then the loss of the whole batch,
+whatever the number of ranks or micro-batches. DeepSpeed averages gradients over data-parallel ranks, so each
+rank backpropagates ``world_size x`` its piece to turn that average back into the sum.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from shared.logprobs import sequence_logprobs
+from shared.losses import compute_policy_loss, loss_normalizers
+from shared.protocol import TrainBatch
+from shared.schema import LossConfig
+
+# How each metric combines over micro-batches and ranks: token-weighted mean, min or max.
+_MIN_KEYS = {"ratio_min", "is_weight_min"}
+_MAX_KEYS = {"ratio_max", "is_weight_max"}
+
+
+@dataclass
+class MicroBatch:
+    input_ids: torch.Tensor
+    prompt_lengths: torch.Tensor
+    completion_lengths: torch.Tensor      # true lengths (what the logprobs are computed over)
+    loss_lengths: torch.Tensor            # lengths that count in the loss (0 for masked truncated rows)
+    advantages: torch.Tensor
+    behaviour_logprobs: torch.Tensor
+    ref_logprobs: torch.Tensor | None
+    old_logprobs: torch.Tensor | None = None
+
+
+@dataclass
+class StepOutcome:
+    finite: bool
+    loss: float
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def split_micro_batches(batch: TrainBatch, parts: int, mask_truncated: bool, device: torch.device
+                        ) -> list[MicroBatch]:
+    """Split by whole groups into ``parts`` contiguous micro-batches, each trimmed to its own widths."""
+    num_groups = int(batch.group_index.max()) + 1
+    if parts > num_groups:
+        raise ValueError(f"cannot split {num_groups} groups into {parts} micro-batches")
+    bounds = [round(i * num_groups / parts) for i in range(parts + 1)]
+    loss_lengths = batch.completion_lengths.clone()
+    if mask_truncated:
+        loss_lengths[batch.truncated] = 0
+    pieces = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        rows = ((batch.group_index >= start) & (batch.group_index < end)).nonzero().flatten()
+        completion = batch.completion_lengths[rows]
+        width_c = max(int(completion.max()), 1)
+        width = int((batch.prompt_lengths[rows] + completion).max())
+
+        def take(t: torch.Tensor | None, cols: int | None = None, rows=rows) -> torch.Tensor | None:
+            if t is None:
+                return None
+            t = t[rows]
+            return (t[:, :cols] if cols is not None and t.dim() == 2 else t).to(device)
+
+        pieces.append(MicroBatch(
+            input_ids=take(batch.input_ids, width), prompt_lengths=take(batch.prompt_lengths),
+            completion_lengths=take(batch.completion_lengths), loss_lengths=take(loss_lengths),
+            advantages=take(batch.advantages, width_c), behaviour_logprobs=take(batch.behaviour_logprobs, width_c),
+            ref_logprobs=take(batch.ref_logprobs, width_c)))
+    return pieces
+
+
+def all_reduce(values: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        values = values.clone()
+        dist.all_reduce(values, op=op)
+    return values
+
+
+def policy_logprobs(model, mb: MicroBatch, temperature: float, *, with_entropy: bool, chunk_tokens: int | None):
+    out = sequence_logprobs(model, mb.input_ids, mb.prompt_lengths, mb.completion_lengths,
+                            temperature=temperature, with_entropy=with_entropy, chunk_tokens=chunk_tokens)
+    width = mb.behaviour_logprobs.shape[1]
+    pad = width - out.logprobs.shape[1]  # a micro-batch of empty completions still has width >= 1
+    logprobs = torch.nn.functional.pad(out.logprobs, (0, pad))
+    entropy = torch.nn.functional.pad(out.entropy, (0, pad)) if out.entropy is not None else None
+    return logprobs, entropy
+
+
+@torch.no_grad()
+def recompute_old_logprobs(model, micro_batches: list[MicroBatch], temperature: float,
+                           chunk_tokens: int | None) -> None:
+    """pi_old from the current weights, before the first update of the batch (kept fixed for all mu updates)."""
+    for mb in micro_batches:
+        mb.old_logprobs, _ = policy_logprobs(model, mb, temperature, with_entropy=False, chunk_tokens=chunk_tokens)
+
+
+def grpo_step(engine, micro_batches: list[MicroBatch], loss_cfg: LossConfig, *, temperature: float,
+              old_mode: str, world_size: int, log_entropy: bool, chunk_tokens: int | None) -> StepOutcome:
+    """Forward/backward over the micro-batches, then one optimizer step (skipped if any loss is not finite)."""
+    model = engine.module
+    device = micro_batches[0].input_ids.device
+    local = torch.tensor([sum(loss_normalizers(mb.loss_lengths)[i] for mb in micro_batches) for i in (0, 1)],
+                         dtype=torch.float64, device=device)
+    num_tokens, num_seqs = all_reduce(local).tolist()
+    sums: dict[str, float] = {}
+    mins: dict[str, float] = {}
+    maxs: dict[str, float] = {}
+    total_loss = 0.0
+    finite = True
+    for mb in micro_batches:
+        logprobs, entropy = policy_logprobs(model, mb, temperature, with_entropy=log_entropy,
+                                            chunk_tokens=chunk_tokens)
+        if old_mode == "behaviour":
+            old, behaviour = mb.behaviour_logprobs, None
+        else:
+            old, behaviour = mb.old_logprobs, mb.behaviour_logprobs
+        result = compute_policy_loss(
+            logprobs, mb.advantages, mb.loss_lengths, loss_cfg, old_logprobs=old, behaviour_logprobs=behaviour,
+            ref_logprobs=mb.ref_logprobs, num_tokens=num_tokens, num_seqs=num_seqs)
+        ok = all_reduce(torch.tensor([float(torch.isfinite(result.loss))], device=device), dist.ReduceOp.MIN)
+        if ok.item() < 1.0:
+            finite = False
+            break
+        engine.backward(result.loss * world_size, scale_wrt_gas=False)
+        total_loss += float(result.loss.detach())
+        weight = float(result.metrics["num_tokens"])
+        for key, value in result.metrics.items():
+            value = float(value)
+            if key in _MIN_KEYS:
+                mins[key] = min(mins.get(key, math.inf), value)
+            elif key in _MAX_KEYS:
+                maxs[key] = max(maxs.get(key, -math.inf), value)
+            elif key in ("num_tokens", "pg_loss"):
+                sums[key] = sums.get(key, 0.0) + value
+            else:
+                sums[key] = sums.get(key, 0.0) + value * weight
+        if entropy is not None:
+            mask = torch.arange(entropy.shape[1], device=device) < mb.completion_lengths.unsqueeze(1)
+            sums["entropy"] = sums.get("entropy", 0.0) + float(entropy.detach()[mask].sum())
+            sums["entropy_tokens"] = sums.get("entropy_tokens", 0.0) + float(mask.sum())
+    if not finite:
+        # drop whatever the earlier micro-batches accumulated; no optimizer or scheduler step
+        engine.optimizer.zero_grad()
+        engine.zero_grad()
+        return StepOutcome(False, math.nan)
+    engine.step()
+    return StepOutcome(True, float(all_reduce(torch.tensor([total_loss], device=device))[0]),
+                       _reduce_metrics(sums, mins, maxs, device, grad_norm=engine.get_global_grad_norm()))
+
+
+def _reduce_metrics(sums, mins, maxs, device, grad_norm) -> dict[str, float]:
+    keys = sorted(sums)
+    summed = all_reduce(torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=device)).tolist()
+    totals = dict(zip(keys, summed))
+    tokens = max(totals.get("num_tokens", 0.0), 1.0)
+    metrics = {k: v / tokens for k, v in totals.items() if k not in ("num_tokens", "pg_loss", "entropy",
+                                                                       "entropy_tokens")}
+    metrics["pg_loss"] = totals.get("pg_loss", 0.0)
+    metrics["loss_tokens"] = totals.get("num_tokens", 0.0)
+    if "entropy" in totals:
+        metrics["entropy"] = totals["entropy"] / max(totals["entropy_tokens"], 1.0)
+    for source, op in ((mins, dist.ReduceOp.MIN), (maxs, dist.ReduceOp.MAX)):
+        names = sorted(source)
+        if names:
+            reduced = all_reduce(torch.tensor([source[k] for k in names], dtype=torch.float64, device=device), op)
+            metrics.update(zip(names, reduced.tolist()))
+    if grad_norm is not None:
+        metrics["grad_norm"] = float(grad_norm)
+    return metrics
+
+
+def batch_metrics(batch: TrainBatch, current_version: int) -> dict[str, float]:
+    """What the pulled batch says about the rollouts (before any update)."""
+    rewards = batch.rewards.float()
+    lengths = batch.completion_lengths.float()
+    groups = int(batch.group_index.max()) + 1
+    constant = sum(1 for g in range(groups) if rewards[batch.group_index == g].unique().numel() == 1)
+    adv = batch.advantages.float()
+    staleness = (current_version - batch.policy_versions).float()
+    metrics = {
+        "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+        "advantage_mean": float(adv.mean()), "advantage_std": float(adv.std()) if adv.numel() > 1 else 0.0,
+        "advantage_min": float(adv.min()), "advantage_max": float(adv.max()),
+        "completion_len_mean": float(lengths.mean()), "completion_len_min": float(lengths.min()),
+        "completion_len_max": float(lengths.max()), "truncated_frac": float(batch.truncated.float().mean()),
+        "zero_variance_group_frac": constant / groups,
+        "staleness_mean": float(staleness.mean()), "staleness_max": float(staleness.max()),
+    }
+    for name, values in batch.reward_components.items():
+        valid = values[~torch.isnan(values)]
+        if valid.numel():
+            metrics[f"reward/{name}"] = float(valid.mean())
+    return metrics
