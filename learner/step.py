@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from shared.logprobs import sequence_logprobs
-from shared.losses import compute_policy_loss, loss_normalizers
+from shared.losses import PolicyLossOutput, compute_policy_loss, loss_normalizers
 from shared.protocol import TrainBatch
 from shared.schema import LossConfig
 
@@ -99,6 +99,23 @@ def recompute_old_logprobs(model, micro_batches: list[MicroBatch], temperature: 
         mb.old_logprobs, _ = policy_logprobs(model, mb, temperature, with_entropy=False, chunk_tokens=chunk_tokens)
 
 
+def micro_batch_loss(model, mb: MicroBatch, loss_cfg: LossConfig, *, temperature: float, old_mode: str,
+                     num_tokens: float, num_seqs: float, log_entropy: bool = False,
+                     chunk_tokens: int | None = None) -> tuple[PolicyLossOutput, torch.Tensor | None]:
+    """The loss of one micro-batch, normalised by the global counts (``old_mode``: see learner.old_logprobs)."""
+    logprobs, entropy = policy_logprobs(model, mb, temperature, with_entropy=log_entropy, chunk_tokens=chunk_tokens)
+    if old_mode == "behaviour":
+        old, behaviour = mb.behaviour_logprobs, None
+    else:
+        if mb.old_logprobs is None:
+            raise ValueError("old_logprobs='recompute' needs recompute_old_logprobs() before the first update")
+        old, behaviour = mb.old_logprobs, mb.behaviour_logprobs
+    result = compute_policy_loss(logprobs, mb.advantages, mb.loss_lengths, loss_cfg, old_logprobs=old,
+                                 behaviour_logprobs=behaviour, ref_logprobs=mb.ref_logprobs,
+                                 num_tokens=num_tokens, num_seqs=num_seqs)
+    return result, entropy
+
+
 def grpo_step(engine, micro_batches: list[MicroBatch], loss_cfg: LossConfig, *, temperature: float,
               old_mode: str, world_size: int, log_entropy: bool, chunk_tokens: int | None) -> StepOutcome:
     """Forward/backward over the micro-batches, then one optimizer step (skipped if any loss is not finite)."""
@@ -113,15 +130,9 @@ def grpo_step(engine, micro_batches: list[MicroBatch], loss_cfg: LossConfig, *, 
     total_loss = 0.0
     finite = True
     for mb in micro_batches:
-        logprobs, entropy = policy_logprobs(model, mb, temperature, with_entropy=log_entropy,
-                                            chunk_tokens=chunk_tokens)
-        if old_mode == "behaviour":
-            old, behaviour = mb.behaviour_logprobs, None
-        else:
-            old, behaviour = mb.old_logprobs, mb.behaviour_logprobs
-        result = compute_policy_loss(
-            logprobs, mb.advantages, mb.loss_lengths, loss_cfg, old_logprobs=old, behaviour_logprobs=behaviour,
-            ref_logprobs=mb.ref_logprobs, num_tokens=num_tokens, num_seqs=num_seqs)
+        result, entropy = micro_batch_loss(model, mb, loss_cfg, temperature=temperature, old_mode=old_mode,
+                                           num_tokens=num_tokens, num_seqs=num_seqs, log_entropy=log_entropy,
+                                           chunk_tokens=chunk_tokens)
         ok = all_reduce(torch.tensor([float(torch.isfinite(result.loss))], device=device), dist.ReduceOp.MIN)
         if ok.item() < 1.0:
             finite = False

@@ -1,0 +1,34 @@
+"""Train batches whose completions were actually sampled from the tiny model (so behaviour ~= policy)."""
+
+import torch
+
+from generator.engines.hf import TransformersEngine
+from shared.protocol import RolloutGroup, SamplingParams, TrainBatch
+
+
+def sampled_groups(model_dir, rewards_per_group, *, seed=0, temperature=1.0, max_tokens=6, version=0):
+    engine = TransformersEngine(model_dir)
+    prompts = [[5 + i, 6 + i, 7 + i] for i in range(len(rewards_per_group))]
+    sampling = SamplingParams(temperature=temperature, max_tokens=max_tokens)
+    samples = engine.generate(prompts, sampling, n=len(rewards_per_group[0]), seed=seed)
+    groups = []
+    for prompt, group_samples, rewards in zip(prompts, samples, rewards_per_group):
+        width = max(len(s.token_ids) for s in group_samples)
+        ids = torch.zeros(len(group_samples), width, dtype=torch.long)
+        logprobs = torch.zeros(len(group_samples), width)
+        for i, s in enumerate(group_samples):
+            ids[i, :len(s.token_ids)] = torch.tensor(s.token_ids)
+            logprobs[i, :len(s.token_ids)] = torch.tensor(s.logprobs)
+        groups.append(RolloutGroup(
+            prompt_ids=torch.tensor(prompt), completion_ids=ids,
+            completion_lengths=torch.tensor([len(s.token_ids) for s in group_samples]), behaviour_logprobs=logprobs,
+            rewards=torch.tensor(rewards, dtype=torch.float32), finish_reasons=[s.finish_reason for s in group_samples],
+            policy_version=version, generator_id="test", sampling=sampling))
+    return groups
+
+
+def batch_of(groups, with_ref=False):
+    refs = None
+    if with_ref:
+        refs = [g.behaviour_logprobs - 0.1 * torch.arange(g.behaviour_logprobs.shape[1]) for g in groups]
+    return TrainBatch.from_groups(groups, refs, eps=1e-4)

@@ -1,0 +1,49 @@
+"""One learner step under torchrun (or alone): used by test_distributed.py.
+
+    torchrun --nproc_per_node W tests/learner/dist_step.py MODEL_DIR GROUPS_DIR OUT_DIR MICRO_BATCHES
+
+Rank r takes its share of the groups (in order); rank 0 writes the loss, metrics and parameters after the step."""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
+
+from learner.engine import create_engine, ensure_single_process_env, init_distributed
+from learner.step import grpo_step, split_micro_batches
+from shared.protocol import RolloutGroup, TrainBatch
+from shared.schema import LearnerConfig, LossConfig
+
+
+def main() -> None:
+    model_dir, groups_dir, out_dir, micro = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])
+    ensure_single_process_env()
+    init_distributed(torch.device("cpu"))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    groups = [RolloutGroup.from_bytes(p.read_bytes()) for p in sorted(groups_dir.glob("*.group"))]
+    share = len(groups) // world
+    mine = groups[rank * share:(rank + 1) * share]
+    refs = [g.behaviour_logprobs - 0.1 * torch.arange(g.behaviour_logprobs.shape[1]) for g in mine]
+    batch = TrainBatch.from_groups(mine, refs, eps=1e-4)
+    # adam_eps 1 makes the first AdamW update ~ lr * g: smooth in g, so two runs can be compared closely
+    cfg = LearnerConfig(model=model_dir, groups_per_step=share, micro_batches=micro, lr=1e-2, adam_eps=1.0,
+                        grad_clip=1.0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    engine = create_engine(cfg, model, torch.device("cpu"))
+    outcome = grpo_step(engine, split_micro_batches(batch, micro, False, torch.device("cpu")),
+                        LossConfig(beta=0.04, aggregation="token-mean"), temperature=1.0, old_mode="behaviour",
+                        world_size=world, log_entropy=False, chunk_tokens=None)
+    if rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "result.json").write_text(json.dumps({"loss": outcome.loss, **outcome.metrics}))
+        save_file({n: p.detach().contiguous() for n, p in engine.module.named_parameters()},
+                  str(out_dir / "params.safetensors"))
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()

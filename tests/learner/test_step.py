@@ -1,0 +1,154 @@
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from learner.engine import (
+    create_engine,
+    deepspeed_config,
+    ensure_single_process_env,
+    init_distributed,
+    lr_multiplier,
+)
+from learner.step import grpo_step, micro_batch_loss, recompute_old_logprobs, split_micro_batches
+from shared.logprobs import naive_sequence_logprobs
+from shared.losses import loss_normalizers
+from shared.schema import LearnerConfig, LossConfig
+
+from .batches import batch_of, sampled_groups
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def distributed():
+    ensure_single_process_env()
+    init_distributed(CPU)
+
+
+def make_engine(model_dir, **learner):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    cfg = LearnerConfig(model=str(model_dir), tensorboard_dir=None, metrics_jsonl=None, **learner)
+    return create_engine(cfg, model, CPU)
+
+
+def completion_logprob_sums(model, batch):
+    with torch.no_grad():
+        lp = naive_sequence_logprobs(model, batch.input_ids, batch.prompt_lengths, batch.completion_lengths)
+    return lp.sum(dim=1)
+
+
+def test_one_step_moves_logprobs_the_way_the_advantages_say(distributed, tiny_model_dir):
+    groups = sampled_groups(tiny_model_dir, [[1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 1.0, 1.0]], seed=1)
+    batch = batch_of(groups)
+    engine = make_engine(tiny_model_dir, lr=1e-3, grad_clip=0.0, micro_batches=2, groups_per_step=2)
+    before = completion_logprob_sums(engine.module, batch)
+    micro = split_micro_batches(batch, 2, False, CPU)
+    outcome = grpo_step(engine, micro, LossConfig(beta=0.0), temperature=1.0, old_mode="behaviour",
+                        world_size=1, log_entropy=True, chunk_tokens=None)
+    assert outcome.finite and math.isfinite(outcome.loss)
+    assert outcome.metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-3)  # sampled from this very model
+    change = completion_logprob_sums(engine.module, batch) - before
+    positive, negative = batch.advantages > 0, batch.advantages < 0
+    assert (change[positive] > 0).all() and (change[negative] < 0).all(), (batch.advantages, change)
+
+
+def hand_written_loss(model, batch, beta, eps):
+    """Seed 001's objective written out token by token: token-mean of -min(rA, clip(r)A) + beta * k3."""
+    logp_full = naive_sequence_logprobs(model, batch.input_ids, batch.prompt_lengths, batch.completion_lengths)
+    total = torch.zeros(())
+    count = 0
+    for i in range(batch.batch_size):
+        for t in range(int(batch.completion_lengths[i])):
+            logp = logp_full[i, t]
+            ratio = torch.exp(logp - batch.behaviour_logprobs[i, t])
+            adv = batch.advantages[i]
+            surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - eps, 1 + eps) * adv)
+            log_r = batch.ref_logprobs[i, t] - logp
+            k3 = torch.exp(log_r) - log_r - 1
+            total = total - surrogate + beta * k3
+            count += 1
+    return total / count
+
+
+def test_loss_and_gradients_equal_a_hand_written_reference(tiny_model_dir):
+    groups = sampled_groups(tiny_model_dir, [[1.0, 0.0, 0.5], [0.0, 2.0, 1.0]], seed=2)
+    batch = batch_of(groups, with_ref=True)
+    batch.behaviour_logprobs = batch.behaviour_logprobs - 0.2 * torch.rand(batch.behaviour_logprobs.shape)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    cfg = LossConfig(beta=0.1, eps_low=0.2, eps_high=0.2, kl_estimator="k3")
+    (mb,) = split_micro_batches(batch, 1, False, CPU)
+    num_tokens, num_seqs = loss_normalizers(mb.loss_lengths)
+    result, _ = micro_batch_loss(model, mb, cfg, temperature=1.0, old_mode="behaviour", num_tokens=num_tokens,
+                                 num_seqs=num_seqs)
+    result.loss.backward()
+    ours = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    reference = hand_written_loss(model, batch, beta=0.1, eps=0.2)
+    reference.backward()
+    assert result.loss.item() == pytest.approx(reference.item(), abs=1e-6)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(ours[name], param.grad, atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_mu_updates_keep_old_logprobs_fixed(distributed, tiny_model_dir):
+    batch = batch_of(sampled_groups(tiny_model_dir, [[1.0, 0.0, 0.0, 1.0]], seed=3))
+    engine = make_engine(tiny_model_dir, lr=5e-3, groups_per_step=1, old_logprobs="recompute")
+    micro = split_micro_batches(batch, 1, False, CPU)
+    recompute_old_logprobs(engine.module, micro, 1.0, None)
+    fixed = micro[0].old_logprobs.clone()
+    first = grpo_step(engine, micro, LossConfig(beta=0.0), temperature=1.0, old_mode="recompute", world_size=1,
+                      log_entropy=False, chunk_tokens=None)
+    second = grpo_step(engine, micro, LossConfig(beta=0.0), temperature=1.0, old_mode="recompute", world_size=1,
+                       log_entropy=False, chunk_tokens=None)
+    assert torch.equal(micro[0].old_logprobs, fixed)
+    assert first.metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+    assert abs(second.metrics["ratio_mean"] - 1.0) > 1e-4  # the policy moved away from the fixed pi_old
+    # truncated IS weights compare the recomputed old logprobs with the sampler's: equal here -> 1
+    assert first.metrics["is_weight_max"] == pytest.approx(1.0, abs=1e-3)
+
+
+def test_nonfinite_loss_skips_the_step_and_keeps_parameters(distributed, tiny_model_dir):
+    batch = batch_of(sampled_groups(tiny_model_dir, [[1.0, 0.0, 0.0, 1.0]], seed=4))
+    batch.behaviour_logprobs[0, 0] = float("nan")  # poisons the ratio of a valid token
+    engine = make_engine(tiny_model_dir, lr=1e-2, groups_per_step=1)
+    before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    outcome = grpo_step(engine, split_micro_batches(batch, 1, False, CPU), LossConfig(beta=0.0), temperature=1.0,
+                        old_mode="behaviour", world_size=1, log_entropy=False, chunk_tokens=None)
+    assert not outcome.finite
+    for name, param in engine.module.named_parameters():
+        assert torch.equal(param, before[name]), name
+    assert all(p.grad is None or not p.grad.abs().sum() for p in engine.module.parameters())
+
+
+def test_mask_truncated_drops_cut_completions_from_the_loss(tiny_model_dir):
+    batch = batch_of(sampled_groups(tiny_model_dir, [[1.0, 0.0, 0.0, 1.0]], seed=5, max_tokens=3))
+    batch.truncated = torch.tensor([True, False, True, False])
+    (mb,) = split_micro_batches(batch, 1, True, CPU)
+    assert mb.loss_lengths.tolist() == [0, int(batch.completion_lengths[1]), 0, int(batch.completion_lengths[3])]
+
+
+def test_lr_schedule_values():
+    cfg = LearnerConfig(lr=1.0, warmup_steps=2, lr_schedule="cosine", max_steps=6, min_lr_ratio=0.1)
+    values = [lr_multiplier(cfg, s) for s in range(7)]
+    assert values[:3] == [0.5, 1.0, 1.0]
+    assert values[4] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert values[6] == pytest.approx(0.1)
+    linear = LearnerConfig(lr=1.0, lr_schedule="linear", max_steps=4)
+    assert [lr_multiplier(linear, s) for s in range(4)] == [1.0, 0.75, 0.5, 0.25]
+    assert lr_multiplier(LearnerConfig(), 0) == 1.0
+
+
+def test_deepspeed_config_from_learner_config():
+    config = deepspeed_config(LearnerConfig(zero_stage=2, offload_optimizer=True, groups_per_step=8,
+                                            micro_batches=4, grad_clip=0.5, lr=3e-6), 2, CPU)
+    assert config["zero_optimization"] == {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": False}}
+    assert config["gradient_accumulation_steps"] == 4 and config["train_micro_batch_size_per_gpu"] == 2
+    assert config["gradient_clipping"] == 0.5 and config["optimizer"]["params"]["lr"] == 3e-6
+    assert config["bf16"] == {"enabled": False} and config["managed_gradient_accumulation"] is False
+    assert deepspeed_config(LearnerConfig(precision="bf16"), 1, CPU)["bf16"] == {"enabled": True}
+    with pytest.raises(ValueError, match="micro_batches"):
+        LearnerConfig(groups_per_step=2, micro_batches=3)
+    with pytest.raises(ValueError, match="needs max_steps"):
+        LearnerConfig(lr_schedule="cosine")
