@@ -92,22 +92,42 @@ def test_gradients_match_naive(model):
         torch.testing.assert_close(chunked, naive, atol=2e-5, rtol=1e-4)
 
 
-def test_logprobs_from_hidden_matches_log_softmax_and_entropy_gradient():
+@pytest.mark.parametrize("bias", [False, True], ids=["fused-backward", "checkpointed"])
+@pytest.mark.parametrize("temperature", [1.0, 0.9])
+def test_logprobs_from_hidden_matches_log_softmax_and_entropy_gradient(bias, temperature):
     torch.manual_seed(0)
-    head = torch.nn.Linear(16, 50, bias=True)
+    head = torch.nn.Linear(16, 50, bias=bias)
     hidden = torch.randn(13, 16, requires_grad=True)
     targets = torch.randint(0, 50, (13,))
-    logp, ent = logprobs_from_hidden(hidden, head, targets, temperature=0.9, with_entropy=True, chunk_tokens=4)
-    (logp.sum() + ent.sum()).backward()
-    chunked_grad = hidden.grad.clone()
+    weights = torch.randn(13, generator=torch.Generator().manual_seed(1))
+    logp, ent = logprobs_from_hidden(hidden, head, targets, temperature=temperature, with_entropy=True,
+                                     chunk_tokens=4)
+    ((logp * weights).sum() + 0.3 * ent.sum()).backward()
+    chunked_grads = [hidden.grad.clone(), head.weight.grad.clone()]
     hidden.grad = None
-    full = (head(hidden) / 0.9).log_softmax(-1)
+    head.weight.grad = None
+    full = (head(hidden) / temperature).log_softmax(-1)
     ref_logp = full.gather(-1, targets[:, None]).squeeze(-1)
     ref_ent = -(full.exp() * full).sum(-1)
     torch.testing.assert_close(logp, ref_logp, atol=1e-5, rtol=0)
     torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=0)
-    (ref_logp.sum() + ref_ent.sum()).backward()
-    torch.testing.assert_close(chunked_grad, hidden.grad, atol=1e-5, rtol=1e-4)
+    ((ref_logp * weights).sum() + 0.3 * ref_ent.sum()).backward()
+    torch.testing.assert_close(chunked_grads[0], hidden.grad, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(chunked_grads[1], head.weight.grad, atol=1e-5, rtol=1e-4)
+
+
+def test_fused_path_gradient_without_entropy_and_only_weight_grad():
+    torch.manual_seed(3)
+    head = torch.nn.Linear(8, 30, bias=False)
+    hidden = torch.randn(9, 8)  # no grad wanted for the input
+    targets = torch.randint(0, 30, (9,))
+    logp, ent = logprobs_from_hidden(hidden, head, targets, chunk_tokens=2)
+    assert ent is None
+    logp.sum().backward()
+    fused = head.weight.grad.clone()
+    head.weight.grad = None
+    head(hidden).log_softmax(-1).gather(-1, targets[:, None]).sum().backward()
+    torch.testing.assert_close(fused, head.weight.grad, atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "gemma2"])
