@@ -1,0 +1,138 @@
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from generator.engines.hf import TransformersEngine
+from learner.checkpoint import complete_tags
+from learner.publish import header_for, write_safetensors
+from shared.client import HubClient
+from shared.protocol import SamplingParams
+from tests.live_server import LiveServer, make_config
+
+from .batches import sampled_groups
+
+GRPO = str(Path(sys.executable).parent / "grpo")
+
+
+def test_streamed_file_is_a_valid_safetensors_of_every_parameter(tiny_model_dir, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    path = tmp_path / "w.safetensors"
+    size = write_safetensors(model, path, is_writer=True, metadata={"grpo_version": "3"})
+    header, data = header_for(model, metadata={"grpo_version": "3"})
+    assert size == path.stat().st_size == len(header) + data
+    loaded = load_file(str(path))
+    params = dict(model.named_parameters())
+    assert set(loaded) == set(params) and "lm_head.weight" not in loaded  # tied head written once
+    for name, value in loaded.items():
+        assert torch.equal(value, params[name].detach())
+    bf16 = tmp_path / "b.safetensors"
+    write_safetensors(model, bf16, is_writer=True, dtype=torch.bfloat16)
+    assert load_file(str(bf16))["model.norm.weight"].dtype == torch.bfloat16
+
+
+def learner_config(tmp_path, url, model_dir, **learner):
+    fields = {"model": str(model_dir), "hub_url": url, "groups_per_step": 2, "lr": 1e-3,
+              "checkpoint_dir": str(tmp_path / "ckpt"), "output_dir": str(tmp_path / "final"),
+              "metrics_jsonl": str(tmp_path / "metrics.jsonl"), "tensorboard_dir": None, "batch_wait_s": 1.0,
+              **learner}
+    path = tmp_path / "learner.yaml"
+    path.write_text(json.dumps({"learner": fields}))  # JSON is YAML
+    return path
+
+
+def fill_hub(url, model_dir, groups, seed=0):
+    client = HubClient(url)
+    rewards = [[1.0, 0.0, 0.0], [0.0, 1.0, 0.5]] * (groups // 2)
+    for group in sampled_groups(model_dir, rewards, seed=seed):
+        client.upload_group(group)
+
+
+def run_learner(config, *extra, timeout=600):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([GRPO, "learner", "--config", str(config), *extra], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+@pytest.mark.slow
+def test_published_version_gives_the_learners_greedy_outputs(tiny_model_dir, tmp_path):
+    with LiveServer(make_config(tmp_path, tiny_model_dir)) as live:
+        fill_hub(live.url, tiny_model_dir, 4)
+        config = learner_config(tmp_path, live.url, tiny_model_dir, max_steps=2, lr=1e-2)
+        result = run_learner(config)
+        assert result.returncode == 0, result.stderr[-3000:]
+        client = HubClient(live.url)
+        assert client.weights_version() == 2 and live.state.hub.learner_version == 2
+        path = client.download_weights(2, tmp_path / "v2.safetensors")
+    engine = TransformersEngine(tiny_model_dir)
+    prompts = [[5, 6, 7], [10, 11], [20, 21, 22, 23]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12)
+    before = [g[0].token_ids for g in engine.generate(prompts, greedy, n=1)]
+    engine.load_weights(path)
+    after = [g[0].token_ids for g in engine.generate(prompts, greedy, n=1)]
+    learner_model = TransformersEngine(tmp_path / "final")  # the HF folder the learner exported at the end
+    assert after == [g[0].token_ids for g in learner_model.generate(prompts, greedy, n=1)]
+    assert after != before or not torch.equal(
+        engine.model.model.norm.weight, AutoModelForCausalLM.from_pretrained(tiny_model_dir).model.norm.weight)
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2] and all(m["lr"] == 1e-2 for m in metrics)
+    for key in ("loss", "kl_mean", "entropy", "clip_frac_low", "clip_frac_high", "ratio_mean", "is_weight_max",
+                "reward_mean", "completion_len_mean", "truncated_frac", "zero_variance_group_frac",
+                "staleness_mean", "time_wait_s", "time_compute_s", "time_publish_s", "tokens_per_s"):
+        assert key in metrics[0], key
+
+
+@pytest.mark.slow
+def test_resume_after_kill_continues_with_the_same_step_parameters_and_lr(tiny_model_dir, tmp_path):
+    with LiveServer(make_config(tmp_path, tiny_model_dir)) as live:
+        fill_hub(live.url, tiny_model_dir, 12)
+        config = learner_config(tmp_path, live.url, tiny_model_dir, max_steps=4, checkpoint_every=1,
+                                lr_schedule="cosine", warmup_steps=1, batch_wait_s=30.0)
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.Popen([GRPO, "learner", "--config", str(config)], stderr=subprocess.PIPE, text=True,
+                                env=env)
+        deadline = time.monotonic() + 300
+        while len(complete_tags(tmp_path / "ckpt")) < 2 or "step00000002" not in complete_tags(tmp_path / "ckpt"):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate(timeout=60)
+        newest = complete_tags(tmp_path / "ckpt")[-1]
+        step = int(newest.removeprefix("step"))
+        # a checkpoint killed half-way: a newer tag folder without the COMPLETE marker is never picked up
+        half = tmp_path / "ckpt" / f"step{step + 1:08d}"
+        half.mkdir()
+        (half / "mp_rank_00_model_states.pt").write_bytes(b"truncated")
+        published = HubClient(live.url).download_weights(step, tmp_path / "at_checkpoint.safetensors")
+        # resume with max_steps = the checkpoint's step: no training, only the export of what was restored
+        same = learner_config(tmp_path, live.url, tiny_model_dir, max_steps=step, checkpoint_every=1,
+                              lr_schedule="cosine", warmup_steps=1, output_dir=str(tmp_path / "restored"))
+        result = run_learner(same, "--resume")
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert f"resumed from step{step:08d} (step {step}, version {step})" in result.stderr
+        restored = load_file(str(tmp_path / "restored" / "model.safetensors"))
+        for name, value in load_file(str(published)).items():
+            assert torch.equal(restored[name], value), name
+        # and continuing gives the next step with the schedule's learning rate for it
+        more = learner_config(tmp_path, live.url, tiny_model_dir, max_steps=4, checkpoint_every=1,
+                              lr_schedule="cosine", warmup_steps=1)
+        result = run_learner(more, "--resume")
+        assert result.returncode == 0, result.stderr[-3000:]
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    resumed = [m for m in metrics if m["step"] > step]
+    assert [m["step"] for m in resumed][-(4 - step):] == list(range(step + 1, 5))
+    from learner.engine import lr_multiplier
+    from shared.schema import LearnerConfig
+
+    cfg = LearnerConfig(lr=1e-3, lr_schedule="cosine", warmup_steps=1, max_steps=4)
+    for m in resumed[-(4 - step):]:
+        assert m["lr"] == pytest.approx(1e-3 * lr_multiplier(cfg, m["step"] - 1), rel=1e-6)
+    assert complete_tags(tmp_path / "ckpt")[-1] == "step00000004"
