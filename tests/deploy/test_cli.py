@@ -50,3 +50,10 @@ def test_config_reference_lists_every_field(capsys):
     assert main(["config-reference"]) == 0
     out = capsys.readouterr().out
     assert "| `algorithm.loss.tis_cap` | `2.0` |" in out
+
+
+def test_config_reference_doc_is_current(capsys):
+    assert main(["config-reference"]) == 0
+    generated = capsys.readouterr().out
+    document = (ROOT / "docs" / "config.md").read_text()
+    assert generated in document, "docs/config.md is stale: regenerate it with `grpo config-reference`"
