@@ -136,3 +136,47 @@ def test_resume_after_kill_continues_with_the_same_step_parameters_and_lr(tiny_m
     for m in resumed[-(4 - step):]:
         assert m["lr"] == pytest.approx(1e-3 * lr_multiplier(cfg, m["step"] - 1), rel=1e-6)
     assert complete_tags(tmp_path / "ckpt")[-1] == "step00000004"
+
+
+@pytest.mark.slow
+def test_sigterm_while_waiting_checkpoints_and_exits_cleanly(tiny_model_dir, tmp_path):
+    with LiveServer(make_config(tmp_path)) as live:  # an empty hub: the learner waits
+        config = learner_config(tmp_path, live.url, tiny_model_dir, tensorboard_dir=str(tmp_path / "tb"))
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.Popen([GRPO, "learner", "--config", str(config)], stderr=subprocess.PIPE, text=True,
+                                env=env)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # until the learner has reported its version 0 and polls for batches
+            if live.get("/metrics").text.count('endpoint="/v1/batch"') and proc.poll() is None:
+                break
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "SIGTERM received" in stderr and "waiting for 2 groups" in stderr
+    assert complete_tags(tmp_path / "ckpt") == ["step00000000"]
+    assert (tmp_path / "final" / "model.safetensors").exists()
+
+
+def test_unreachable_hub_fails_with_the_reason(tiny_model_dir, tmp_path):
+    config = learner_config(tmp_path, "http://127.0.0.1:9", tiny_model_dir, retry_max_s=1.0)
+    result = run_learner(config)
+    assert result.returncode == 1
+    assert "grpo learner: error: cannot reach http://127.0.0.1:9" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_tensorboard_and_jsonl_metrics(tiny_model_dir, tmp_path):
+    with LiveServer(make_config(tmp_path, tiny_model_dir)) as live:
+        fill_hub(live.url, tiny_model_dir, 2)
+        config = learner_config(tmp_path, live.url, tiny_model_dir, max_steps=1, tensorboard_dir=str(tmp_path / "tb"))
+        result = run_learner(config)
+        assert result.returncode == 0, result.stderr[-3000:]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert {"loss", "kl_mean", "reward_mean", "entropy"} <= set(events.Tags()["scalars"])
+    jsonl = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    assert events.Scalars("loss")[0].value == pytest.approx(jsonl["loss"], rel=1e-5)

@@ -152,3 +152,26 @@ def test_deepspeed_config_from_learner_config():
         LearnerConfig(groups_per_step=2, micro_batches=3)
     with pytest.raises(ValueError, match="needs max_steps"):
         LearnerConfig(lr_schedule="cosine")
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_stages_step_and_publish_full_parameters(distributed, tiny_model_dir, tmp_path, stage):
+    from safetensors.torch import load_file
+
+    from learner.publish import write_safetensors
+
+    engine = make_engine(tiny_model_dir, zero_stage=stage, lr=1e-3, groups_per_step=1)
+    if stage == 3:
+        assert all(hasattr(p, "ds_id") for p in engine.module.parameters())  # partitioned, gathered on demand
+    write_safetensors(engine.module, tmp_path / "before.safetensors", is_writer=True)
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    before = load_file(str(tmp_path / "before.safetensors"))
+    for name, param in reference.named_parameters():
+        assert torch.equal(before[name], param.detach()), name
+    batch = batch_of(sampled_groups(tiny_model_dir, [[1.0, 0.0, 0.0, 1.0]], seed=6))
+    outcome = grpo_step(engine, split_micro_batches(batch, 1, False, CPU), LossConfig(beta=0.0), temperature=1.0,
+                        old_mode="behaviour", world_size=1, log_entropy=True, chunk_tokens=None)
+    assert outcome.finite and outcome.metrics["grad_norm"] > 0
+    write_safetensors(engine.module, tmp_path / "after.safetensors", is_writer=True)
+    after = load_file(str(tmp_path / "after.safetensors"))
+    assert set(after) == set(before) and any(not torch.equal(after[n], before[n]) for n in before)
