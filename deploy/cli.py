@@ -119,6 +119,14 @@ def cmd_learner(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_run(args: argparse.Namespace) -> int:
+    """All three services on one node from one YAML."""
+    from deploy.launcher import run
+
+    config = _load_with_flags(args, {"run_dir": "run.run_dir"})
+    return run(config)
+
+
 def cmd_tiny_model(args: argparse.Namespace) -> int:
     """Build the tiny local Llama model with its character tokenizer, warm it up, and save it."""
     import json
@@ -193,6 +201,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-steps", type=int, help="Stop after this many optimizer steps.")
     p.add_argument("--resume", action="store_true", help="Continue from the newest complete checkpoint.")
     _add_config_args(p)
+
+    p = add("run", cmd_run,
+            "Start the ref server, the generators and the learner on this node from one YAML, prefix their logs, "
+            "and stop them all when the learner finishes, on Ctrl-C, or when any of them dies.")
+    p.add_argument("config", help="YAML config (every field: grpo config-reference).")
+    p.add_argument("--run-dir", help="Where logs and the resolved config go (overrides run.run_dir).")
+    _add_set_arg(p)
 
     p = add("check-config", cmd_check_config, "Validate a YAML config and print it with every default filled in.")
     p.add_argument("config", help="Path to the YAML config.")

@@ -20,7 +20,7 @@ import torch
 
 from generator.engines.base import Engine, SampledCompletion
 from generator.progress import Progress
-from shared.client import HubClient
+from shared.client import HubClient, HubUnavailable
 from shared.datasets import Example, PromptStream, render_prompt
 from shared.protocol import RolloutGroup, SamplingParams
 from shared.rewards import RewardSet
@@ -146,6 +146,16 @@ class RolloutLoop:
 
     # -- the loop -------------------------------------------------------------------------------------------
     def run(self, stop: threading.Event, max_groups: int | None = None) -> LoopStats:
+        try:
+            self._run(stop, max_groups)
+        except HubUnavailable as exc:
+            if not stop.is_set():
+                raise
+            log.warning("stopped while the hub was unreachable (%s)", exc)
+        self.progress.close(self.stats, self.policy_version)
+        return self.stats
+
+    def _run(self, stop: threading.Event, max_groups: int | None) -> None:
         self.sync_weights()  # a generator that joins late starts from the current version
         while not stop.is_set() and (max_groups is None or self.stats.groups_uploaded < max_groups):
             groups = self.step()
@@ -156,5 +166,3 @@ class RolloutLoop:
             self.progress.update(self.stats, self.policy_version)
             if not stop.is_set():
                 self.sync_weights()
-        self.progress.close(self.stats, self.policy_version)
-        return self.stats

@@ -88,19 +88,20 @@ def build_loop(config: GRPOConfig, engine, client: HubClient, progress: Progress
 def run_generator(config: GRPOConfig, stop: threading.Event | None = None) -> LoopStats:
     """Run until ``max_groups`` are uploaded or a stop is requested (SIGINT/SIGTERM in the main thread)."""
     stop = stop or threading.Event()
-    if threading.current_thread() is threading.main_thread():
-        def request_stop(signum, frame):
-            log.info("%s received: finishing the current upload, then exiting", signal.Signals(signum).name)
-            stop.set()
-
-        signal.signal(signal.SIGINT, request_stop)
-        signal.signal(signal.SIGTERM, request_stop)
     cfg = config.generator
     # Rewards and prompts first: a config mistake there should not wait for a model to load.
     rewards = RewardSet.from_specs(cfg.rewards)
     examples = load_examples(cfg.dataset, config.seed)
     client = HubClient(cfg.hub_url, token=config.ref_server.token or os.environ.get("GRPO_TOKEN"),
                        retry=RetryPolicy(max_retry_s=cfg.retry_max_s))
+    if threading.current_thread() is threading.main_thread():
+        def request_stop(signum, frame):
+            log.info("%s received: finishing the current upload, then exiting", signal.Signals(signum).name)
+            stop.set()
+            client.abort.set()  # an upload in flight completes; a dead hub is not retried any longer
+
+        signal.signal(signal.SIGINT, request_stop)
+        signal.signal(signal.SIGTERM, request_stop)
     engine = build_engine(config)
     try:
         loop = build_loop(config, engine, client, Progress(total=cfg.max_groups), rewards, examples)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -56,6 +57,8 @@ class HubClient:
         self.timeout_s = timeout_s
         self.retry = retry or RetryPolicy()
         self.session = requests.Session()
+        # Set by a service that is shutting down: calls in flight finish, but failures are no longer retried.
+        self.abort = threading.Event()
         if token:
             self.session.headers["Authorization"] = f"Bearer {token}"
 
@@ -88,6 +91,8 @@ class HubClient:
                 retry_after = response.headers.get("Retry-After", "")
                 if retry_after.replace(".", "", 1).isdigit():
                     wait = max(wait, float(retry_after))
+            if self.abort.is_set():
+                raise HubUnavailable(f"{problem} (not retried: shutting down)")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise HubUnavailable(f"{problem} (gave up after {attempt} attempts, {self.retry.max_retry_s:.0f}s)")

@@ -9,8 +9,10 @@ from shared.schema.base import StrictModel
 from shared.schema.generator import DatasetConfig, GeneratorConfig, RewardSpec, SamplingConfig
 from shared.schema.learner import LearnerConfig
 from shared.schema.ref_server import RefServerConfig
+from shared.schema.run import PlacementConfig, RunConfig
 
 __all__ = ["AdvantageConfig", "AlgorithmConfig", "DatasetConfig", "GRPOConfig", "GeneratorConfig", "LearnerConfig", "LossConfig",
+           "PlacementConfig", "RunConfig",
            "RefServerConfig", "RewardSpec", "SamplingConfig", "StrictModel"]
 
 
@@ -22,3 +24,4 @@ class GRPOConfig(StrictModel):
     ref_server: RefServerConfig = Field(default_factory=RefServerConfig, description="The reference server.")
     generator: GeneratorConfig = Field(default_factory=GeneratorConfig, description="The generators.")
     learner: LearnerConfig = Field(default_factory=LearnerConfig, description="The learner.")
+    run: RunConfig = Field(default_factory=RunConfig, description="`grpo run`: placement and supervision.")

@@ -67,3 +67,22 @@ def test_bad_dataset_is_named(tmp_path, tiny_model_dir):
     result = subprocess.run([GRPO, "generator", "--config", str(config)], capture_output=True, text=True,
                             timeout=300, env=ENV)
     assert result.returncode == 2 and "missing.jsonl" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_sigterm_with_a_dead_hub_exits_promptly(tmp_path, tiny_model_dir):
+    live = LiveServer(make_config(tmp_path)).__enter__()
+    config = write_config(tmp_path, live.url, tiny_model_dir)
+    proc = subprocess.Popen([GRPO, "generator", "--config", str(config)], stderr=subprocess.PIPE, text=True, env=ENV)
+    deadline = time.monotonic() + 120
+    while live.state.hub.counters.accepted < 1:
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.2)
+    live.__exit__(None, None, None)  # the hub dies; the generator's next upload is retried
+    time.sleep(2)
+    started = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr[-2000:]
+    assert time.monotonic() - started < 30
+    assert "stopped while the hub was unreachable" in stderr or "groups uploaded" in stderr

@@ -1,0 +1,202 @@
+"""`grpo run`: the ref server, N generators and the learner on one node, supervised together.
+
+* The resolved config is written to ``run_dir/config.yaml`` and every service reads it (so all three agree on the
+  algorithm, temperature and hub address).
+* The ref server starts first; the others start once its ``/healthz`` answers.
+* GPU indices in ``run.placement`` index this node's visible GPUs; each service gets ``CUDA_VISIBLE_DEVICES`` set
+  to the physical ids they name (an empty list, or no GPU at all, means CPU).
+* Every output line is prefixed with the service name on the console and written to ``run_dir/logs/NAME.log``.
+* The run ends when the learner finishes (exit 0), on Ctrl-C / SIGTERM (exit 130 / 143), or when any service dies
+  (its last log lines are shown; exit 1). Every service is then stopped: SIGTERM, then SIGKILL after
+  ``stop_grace_s``. Services run in their own process groups, so their children (torchrun ranks) go too.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import requests
+import yaml
+
+from shared.schema import GRPOConfig
+
+
+class LaunchError(RuntimeError):
+    """The run could not start (a placement that does not fit the node, a ref server that never got healthy)."""
+
+
+@dataclass
+class Service:
+    name: str
+    command: list[str]
+    env: dict[str, str]
+    log_path: Path
+    process: subprocess.Popen | None = None
+    tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=200))
+    reader: threading.Thread | None = None
+
+    def start(self, console_lock: threading.Lock) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.process = subprocess.Popen(self.command, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, text=True, bufsize=1, start_new_session=True)
+        self.reader = threading.Thread(target=self._pump, args=(console_lock,), daemon=True)
+        self.reader.start()
+
+    def _pump(self, console_lock: threading.Lock) -> None:
+        with open(self.log_path, "a", buffering=1) as log:
+            for line in self.process.stdout:
+                line = line.rstrip("\n")
+                self.tail.append(line)
+                log.write(line + "\n")
+                with console_lock:
+                    print(f"[{self.name}] {line}", flush=True)
+
+    def stop(self, grace_s: float) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        try:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            self.process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=30)
+        except ProcessLookupError:
+            pass
+        if self.reader is not None:
+            self.reader.join(timeout=5)
+
+
+def visible_gpus() -> list[str]:
+    """Physical ids of the GPUs this process may use, in CUDA order."""
+    declared = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if declared is not None:
+        return [d for d in declared.split(",") if d.strip()]
+    try:
+        import torch
+
+        return [str(i) for i in range(torch.cuda.device_count())]
+    except ImportError:
+        return []
+
+
+def gpu_env(indices: list[int], gpus: list[str], who: str) -> dict[str, str]:
+    if not indices:
+        return {"CUDA_VISIBLE_DEVICES": ""} if gpus else {}
+    missing = [i for i in indices if i >= len(gpus)]
+    if missing:
+        raise LaunchError(f"{who} is placed on GPU index {missing[0]}, but this node has {len(gpus)} visible GPUs")
+    return {"CUDA_VISIBLE_DEVICES": ",".join(gpus[i] for i in indices)}
+
+
+def plan(config: GRPOConfig, config_path: Path, run_dir: Path) -> list[Service]:
+    """The services to start, in order (the ref server first)."""
+    gpus = visible_gpus()
+    placement = config.run.placement
+    base_env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    grpo = [sys.executable, "-m", "deploy.cli"]
+    logs = run_dir / "logs"
+    services = [Service("ref-server", [*grpo, "ref-server", "--config", str(config_path)],
+                        {**base_env, **gpu_env(placement.ref_server, gpus, "the ref server")}, logs / "ref-server.log")]
+    learner_gpus = placement.learner
+    ranks = config.run.learner_ranks or max(len(learner_gpus), 1)
+    if learner_gpus and ranks != len(learner_gpus):
+        raise LaunchError(f"run.learner_ranks is {ranks} but placement.learner lists {len(learner_gpus)} GPUs")
+    if ranks == 1:
+        learner_cmd = [*grpo, "learner", "--config", str(config_path)]
+    else:
+        learner_cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
+                       "-m", "deploy.cli", "learner", "--config", str(config_path)]
+    learner_env = {**base_env, **gpu_env(learner_gpus, gpus, "the learner")}
+    if not learner_gpus:
+        learner_env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
+    services.append(Service("learner", learner_cmd, learner_env, logs / "learner.log"))
+    for i in range(config.run.num_generators):
+        indices = placement.generators[i] if placement.generators else []
+        services.append(Service(f"gen-{i}", [*grpo, "generator", "--config", str(config_path), "--id", f"gen-{i}"],
+                                {**base_env, **gpu_env(indices, gpus, f"generator {i}")}, logs / f"gen-{i}.log"))
+    return services
+
+
+def resolve_config(config: GRPOConfig) -> GRPOConfig:
+    """Point every service at the one hub address and give them one run directory."""
+    data = config.model_dump(mode="json")
+    hub = f"http://{config.ref_server.host}:{config.ref_server.port}"
+    data["generator"]["hub_url"] = data["learner"]["hub_url"] = hub
+    return GRPOConfig.model_validate(data)
+
+
+def wait_healthy(url: str, service: Service, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if service.process.poll() is not None:
+            raise LaunchError(f"the ref server exited with status {service.process.returncode} before it was healthy")
+        try:
+            if requests.get(f"{url}/healthz", timeout=2).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.5)
+    raise LaunchError(f"the ref server did not answer {url}/healthz within {timeout_s:.0f}s")
+
+
+def run(config: GRPOConfig) -> int:
+    config = resolve_config(config)
+    run_dir = Path(config.run.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_path = run_dir / "config.yaml"
+    config_path.write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+    services = plan(config, config_path, run_dir)
+    console_lock = threading.Lock()
+    stop_signal: list[int] = []
+
+    def on_signal(signum, frame):
+        stop_signal.append(signum)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    status = 0
+    try:
+        ref, learner, generators = services[0], services[1], services[2:]
+        ref.start(console_lock)
+        wait_healthy(f"http://{config.ref_server.host}:{config.ref_server.port}", ref, config.run.health_timeout_s)
+        for service in (learner, *generators):
+            service.start(console_lock)
+        while True:
+            if stop_signal:
+                status = 128 + stop_signal[0]
+                _say(console_lock, f"{signal.Signals(stop_signal[0]).name}: stopping every service")
+                break
+            if learner.process.poll() == 0:
+                _say(console_lock, "the learner finished: stopping the other services")
+                break
+            dead = next((s for s in services if s.process.poll() is not None), None)
+            if dead is not None:
+                status = 1
+                _say(console_lock, f"{dead.name} exited with status {dead.process.returncode}; its last lines:")
+                for line in list(dead.tail)[-config.run.tail_lines:]:
+                    _say(console_lock, f"  {line}")
+                break
+            time.sleep(0.5)
+    except LaunchError as exc:
+        _say(console_lock, f"error: {exc}")
+        status = 2
+    finally:
+        # generators first (they finish their upload), then the learner, the ref server last
+        for service in reversed(services):
+            service.stop(config.run.stop_grace_s)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    _say(console_lock, f"logs: {run_dir / 'logs'}; exit status {status}")
+    return status
+
+
+def _say(lock: threading.Lock, text: str) -> None:
+    with lock:
+        print(f"[grpo run] {text}", flush=True)

@@ -1,0 +1,39 @@
+"""The run section: how `grpo run` places and supervises the three services on one node."""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from shared.schema.base import StrictModel
+
+
+class PlacementConfig(StrictModel):
+    """GPU placement. Every index means one thing: an index into this node's visible GPUs (CUDA_VISIBLE_DEVICES as
+    `grpo run` found it). Empty lists, or a node without GPUs, put the service on the CPU."""
+
+    ref_server: list[int] = Field(default_factory=list, description="GPU for the reference model (one index).")
+    generators: list[list[int]] = Field(
+        default_factory=list, description="GPUs of each generator, e.g. [[1], [2]] (several GPUs per generator for "
+        "tensor parallelism). Its length must equal num_generators when set.")
+    learner: list[int] = Field(default_factory=list, description="GPUs of the learner, one rank per GPU.")
+
+
+class RunConfig(StrictModel):
+    """`grpo run`: one node, all three services."""
+
+    run_dir: str = Field("runs/grpo", description="Logs, the resolved config and service state go here.")
+    num_generators: int = Field(1, ge=1, description="Generators to start.")
+    learner_ranks: int | None = Field(None, ge=1, description="Learner processes; default: one per learner GPU, "
+                                      "or 1 on CPU.")
+    placement: PlacementConfig = Field(default_factory=PlacementConfig, description="GPU placement.")
+    health_timeout_s: float = Field(300.0, gt=0, description="How long to wait for the ref server's /healthz.")
+    stop_grace_s: float = Field(30.0, gt=0, description="After SIGTERM, how long a service may take to exit "
+                                "before it is killed.")
+    tail_lines: int = Field(20, ge=1, description="Log lines of a service that died shown on the console.")
+
+    @model_validator(mode="after")
+    def _placement_matches(self) -> RunConfig:
+        if self.placement.generators and len(self.placement.generators) != self.num_generators:
+            raise ValueError(f"placement.generators lists {len(self.placement.generators)} generators but "
+                             f"num_generators is {self.num_generators}")
+        return self

@@ -1,0 +1,124 @@
+"""End to end: the three services as real processes on 127.0.0.1 with the tiny model."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+ROOT = Path(__file__).resolve().parents[2]
+GRPO = str(Path(sys.executable).parent / "grpo")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def write_config(tmp_path, model_dir, port, **learner):
+    config = {
+        "seed": 0,
+        "algorithm": {"loss": {"beta": 0.04}},
+        "ref_server": {"model": str(model_dir), "port": port, "spool_dir": str(tmp_path / "spool"),
+                       "weights_dir": str(tmp_path / "relay")},
+        "generator": {"model": str(model_dir), "engine": "transformers", "group_size": 4, "prompts_per_batch": 2,
+                      "sampling": {"max_tokens": 8}, "weights_dir": str(tmp_path / "gen-weights"),
+                      "rewards": [{"name": "arithmetic"}, {"name": "format", "weight": 0.1}]},
+        "learner": {"model": str(model_dir), "groups_per_step": 2, "max_steps": 3, "lr": 1e-3,
+                    "checkpoint_dir": str(tmp_path / "ckpt"), "output_dir": str(tmp_path / "final"),
+                    "metrics_jsonl": str(tmp_path / "metrics.jsonl"), "tensorboard_dir": None,
+                    "batch_wait_s": 2.0, **learner},
+        "run": {"run_dir": str(tmp_path / "run"), "stop_grace_s": 20},
+    }
+    path = tmp_path / "run.yaml"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def stray_processes(marker: str) -> list[str]:
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if marker in line and "ps -eo" not in line]
+
+
+@pytest.mark.slow
+def test_grpo_run_trains_publishes_and_shuts_down(tiny_model_dir, tmp_path):
+    port = free_port()
+    config = write_config(tmp_path, tiny_model_dir, port)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([GRPO, "run", str(config)], capture_output=True, text=True, timeout=900, env=env)
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert "[grpo run] the learner finished: stopping the other services" in result.stdout
+    assert "[ref-server]" in result.stdout and "[gen-0]" in result.stdout and "[learner]" in result.stdout
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert all(abs(m["loss"]) < 1e6 for m in metrics) and metrics[-1]["version"] == 3
+    generator_log = (tmp_path / "run" / "logs" / "gen-0.log").read_text()
+    assert "policy version 0 -> " in generator_log  # a published version reached the generator
+    assert (tmp_path / "run" / "config.yaml").exists() and (tmp_path / "final" / "model.safetensors").exists()
+    assert stray_processes(str(config)) == []
+
+
+@pytest.mark.slow
+def test_a_service_that_dies_stops_the_run_with_its_last_lines(tiny_model_dir, tmp_path):
+    config = write_config(tmp_path, tiny_model_dir, free_port())
+    data = json.loads(config.read_text())
+    data["generator"]["dataset"] = {"kind": "jsonl", "path": str(tmp_path / "missing.jsonl")}
+    config.write_text(json.dumps(data))
+    result = subprocess.run([GRPO, "run", str(config)], capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 1
+    assert "gen-0 exited with status 2; its last lines:" in result.stdout
+    assert "missing.jsonl" in result.stdout
+    assert stray_processes(str(config)) == []
+
+
+@pytest.mark.slow
+def test_training_continues_when_a_generator_is_killed_and_another_starts(tiny_model_dir, tmp_path):
+    port = free_port()
+    config = write_config(tmp_path, tiny_model_dir, port, max_steps=4)
+    hub = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = {}
+
+    def start(name, *args):
+        procs[name] = subprocess.Popen([GRPO, *args, "--config", str(config)], env=env, stdout=subprocess.DEVNULL,
+                                       stderr=open(tmp_path / f"{name}.log", "w"), start_new_session=True)
+
+    try:
+        start("ref", "ref-server")
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if requests.get(f"{hub}/healthz", timeout=2).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            assert time.monotonic() < deadline
+            time.sleep(0.3)
+        start("learner", "learner", "--hub", hub)
+        start("gen-a", "generator", "--hub", hub, "--id", "gen-a")
+        deadline = time.monotonic() + 300
+        while requests.get(f"{hub}/v1/hub/stats", timeout=5).json()["accepted"] < 3:
+            assert time.monotonic() < deadline and procs["learner"].poll() is None
+            time.sleep(0.3)
+        procs["gen-a"].send_signal(signal.SIGKILL)
+        procs["gen-a"].wait(timeout=30)
+        start("gen-b", "generator", "--hub", hub, "--id", "gen-b")
+        assert procs["learner"].wait(timeout=600) == 0, (tmp_path / "learner.log").read_text()[-3000:]
+    finally:
+        for proc in reversed(list(procs.values())):  # generators before the hub, as `grpo run` does
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(timeout=60)
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    stats_log = (tmp_path / "gen-b.log").read_text()
+    assert "groups uploaded" in stats_log  # gen-b ran until stopped and reported what it did
+    assert stray_processes(str(config)) == []
