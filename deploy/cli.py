@@ -11,6 +11,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 from importlib import metadata
+from pathlib import Path
 
 from shared.config import ConfigError
 
@@ -127,6 +128,62 @@ def cmd_run(args: argparse.Namespace) -> int:
     return run(config)
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    """Held-out greedy accuracy and pass@k of a model folder, with the training rewards."""
+    import json
+
+    from generator.evaluate import evaluate
+    from generator.main import GeneratorSetupError
+    from shared.datasets import DatasetError
+    from shared.rewards import RewardConfigError
+
+    config = _load_with_flags(args, {"split": "eval.split", "num_examples": "eval.num_examples", "k": "eval.k"})
+    try:
+        result = evaluate(config, args.model)
+    except (GeneratorSetupError, DatasetError, RewardConfigError, ValueError) as exc:
+        raise UsageError(str(exc)) from None
+    text = json.dumps(result.as_dict(), indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
+def cmd_logprobs(args: argparse.Namespace) -> int:
+    """Reference logprobs from a running ref server (the /v1/logprobs contract) for one or more rows."""
+    import json
+    import os
+
+    from shared.client import HubClient, HubError, HubUnavailable, RetryPolicy
+
+    if args.file:
+        try:
+            payload = json.loads(Path(args.file).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise UsageError(f"cannot read request file {args.file}: {exc}") from None
+        if not isinstance(payload, dict) or "input_ids" not in payload or "prompt_lengths" not in payload:
+            raise UsageError(f"{args.file} must hold {{\"input_ids\": [[...]], \"prompt_lengths\": [...]}}")
+        rows, plens = payload["input_ids"], payload["prompt_lengths"]
+        temperature = payload.get("temperature", args.temperature)
+    elif args.input_ids:
+        if args.prompt_length is None:
+            raise UsageError("--input-ids needs --prompt-length")
+        rows, plens, temperature = [args.input_ids], [args.prompt_length], args.temperature
+    else:
+        raise UsageError("give --input-ids ID ... --prompt-length N, or --file REQUEST.json")
+    client = HubClient(args.server, token=args.token or os.environ.get("GRPO_TOKEN"),
+                       retry=RetryPolicy(max_retry_s=10))
+    try:
+        logprobs = client.logprobs(rows, plens, temperature=temperature, binary=False)
+    except HubError as exc:
+        raise UsageError(f"the server refused the request: {exc.detail}") from None
+    except HubUnavailable as exc:
+        raise ServiceError(str(exc)) from None
+    print(json.dumps({"logprobs": logprobs}))
+    return 0
+
+
 def cmd_tiny_model(args: argparse.Namespace) -> int:
     """Build the tiny local Llama model with its character tokenizer, warm it up, and save it."""
     import json
@@ -208,6 +265,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="YAML config (every field: grpo config-reference).")
     p.add_argument("--run-dir", help="Where logs and the resolved config go (overrides run.run_dir).")
     _add_set_arg(p)
+
+    p = add("eval", cmd_eval,
+            "Held-out evaluation of a model folder: greedy accuracy and pass@k with the training rewards "
+            "(vLLM when available, else transformers).")
+    p.add_argument("--model", required=True, help="Model folder to evaluate.")
+    p.add_argument("--split", help="Dataset split (overrides eval.split).")
+    p.add_argument("--num-examples", type=int, help="Examples to evaluate (overrides eval.num_examples).")
+    p.add_argument("--k", type=int, help="pass@k samples (overrides eval.k).")
+    p.add_argument("--out", help="Also write the result JSON here.")
+    _add_config_args(p)
+
+    p = add("logprobs", cmd_logprobs,
+            "Ask a running ref server for reference logprobs: prints {\"logprobs\": [[...], ...]}.")
+    p.add_argument("--server", default="http://127.0.0.1:8470", help="Ref server URL.")
+    p.add_argument("--input-ids", type=int, nargs="+", metavar="ID", help="Token ids of one row.")
+    p.add_argument("--prompt-length", type=int, help="Prompt tokens at the start of the row.")
+    p.add_argument("--file", help="A JSON request body of the /v1/logprobs contract (several rows).")
+    p.add_argument("--temperature", type=float, default=1.0, help="Logits are divided by this.")
+    p.add_argument("--token", help="Bearer token (or GRPO_TOKEN).")
 
     p = add("check-config", cmd_check_config, "Validate a YAML config and print it with every default filled in.")
     p.add_argument("config", help="Path to the YAML config.")

@@ -6,12 +6,13 @@ from pydantic import Field
 
 from shared.schema.algorithm import AdvantageConfig, AlgorithmConfig, LossConfig
 from shared.schema.base import StrictModel
+from shared.schema.evaluate import EvalConfig
 from shared.schema.generator import DatasetConfig, GeneratorConfig, RewardSpec, SamplingConfig
 from shared.schema.learner import LearnerConfig
 from shared.schema.ref_server import RefServerConfig
 from shared.schema.run import PlacementConfig, RunConfig
 
-__all__ = ["AdvantageConfig", "AlgorithmConfig", "DatasetConfig", "GRPOConfig", "GeneratorConfig", "LearnerConfig", "LossConfig",
+__all__ = ["AdvantageConfig", "AlgorithmConfig", "DatasetConfig", "EvalConfig", "GRPOConfig", "GeneratorConfig", "LearnerConfig", "LossConfig",
            "PlacementConfig", "RunConfig",
            "RefServerConfig", "RewardSpec", "SamplingConfig", "StrictModel"]
 
@@ -25,3 +26,4 @@ class GRPOConfig(StrictModel):
     generator: GeneratorConfig = Field(default_factory=GeneratorConfig, description="The generators.")
     learner: LearnerConfig = Field(default_factory=LearnerConfig, description="The learner.")
     run: RunConfig = Field(default_factory=RunConfig, description="`grpo run`: placement and supervision.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="`grpo eval`: held-out evaluation.")

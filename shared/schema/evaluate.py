@@ -1,0 +1,22 @@
+"""The eval section: held-out accuracy with the same rewards as training (`grpo eval`)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from shared.schema.base import StrictModel
+
+
+class EvalConfig(StrictModel):
+    """Held-out evaluation: greedy accuracy and pass@k on the dataset's evaluation split."""
+
+    split: str = Field("test", description="Split to evaluate ('test' is the arithmetic task's held-out split).")
+    num_examples: int = Field(200, ge=1, description="Examples evaluated (the first N of the split; arithmetic: N "
+                              "drawn with a fixed seed).")
+    k: int = Field(4, ge=1, description="pass@k: k samples per example at eval temperature.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the pass@k samples.")
+    accuracy_reward: str | None = Field(
+        None, description="Reward (name or label) that decides correctness; default: the first generator reward.")
+    threshold: float = Field(1.0, description="A completion is correct when that reward is >= this value.")
+    engine: str = Field("auto", description="'auto' (vLLM when it can run here, else transformers), 'vllm' or "
+                        "'transformers'.")

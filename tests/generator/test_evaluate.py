@@ -1,0 +1,60 @@
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from generator.engines.hf import TransformersEngine
+from generator.evaluate import evaluate, pass_at_k
+from shared.datasets import arithmetic_examples
+from shared.protocol import SamplingParams
+from shared.schema import GRPOConfig
+from shared.tasks.arithmetic import ArithmeticTask
+from tests.live_server import LiveServer, make_config
+
+GRPO = str(Path(sys.executable).parent / "grpo")
+
+
+def test_pass_at_k_values():
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    assert pass_at_k(4, 0, 2) == 0.0 and pass_at_k(4, 4, 2) == 1.0
+    assert pass_at_k(5, 2, 2) == pytest.approx(1 - 3 / 10)
+
+
+def even_length(prompt, completion, example):
+    return 1.0 if len(completion) % 2 == 0 else 0.0
+
+
+def test_greedy_accuracy_matches_an_independent_count(tiny_model_dir):
+    config = GRPOConfig.model_validate({
+        "generator": {"rewards": [{"name": "python", "args": {"function": "tests.generator.test_evaluate:even_length"}},
+                                  {"name": "arithmetic"}], "sampling": {"max_tokens": 6}},
+        "eval": {"num_examples": 12, "k": 3, "engine": "transformers"}})
+    result = evaluate(config, str(tiny_model_dir))
+    assert result.num_examples == 12 and result.accuracy_reward == "python" and result.k == 3
+    engine = TransformersEngine(tiny_model_dir)
+    examples = arithmetic_examples(ArithmeticTask(), "test", 12, seed=1)
+    prompts = [engine.tokenizer(e.question)["input_ids"] for e in examples]
+    greedy = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6), 1)
+    texts = [engine.tokenizer.decode(g[0].token_ids, skip_special_tokens=True) for g in greedy]
+    assert result.greedy_accuracy == pytest.approx(sum(len(t) % 2 == 0 for t in texts) / 12)
+    assert 0.0 <= result.pass_at_k <= 1.0 and result.greedy_rewards["arithmetic"] == 0.0  # untrained model
+
+
+def test_eval_rejects_an_unknown_accuracy_reward(tiny_model_dir):
+    config = GRPOConfig.model_validate({"eval": {"accuracy_reward": "bleu", "num_examples": 2}})
+    with pytest.raises(ValueError, match="not one of the generator's rewards"):
+        evaluate(config, str(tiny_model_dir))
+
+
+@pytest.mark.slow
+def test_logprobs_command_queries_a_running_server(tiny_model_dir, tmp_path):
+    with LiveServer(make_config(tmp_path, tiny_model_dir)) as live:
+        result = subprocess.run([GRPO, "logprobs", "--server", live.url, "--input-ids", "5", "6", "7", "8",
+                                 "--prompt-length", "2"], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        assert len(json.loads(result.stdout)["logprobs"][0]) == 2
+        bad = subprocess.run([GRPO, "logprobs", "--server", live.url, "--input-ids", "5", "-6",
+                              "--prompt-length", "1"], capture_output=True, text=True, timeout=120)
+        assert bad.returncode == 2 and "token id -6" in bad.stderr and "Traceback" not in bad.stderr
