@@ -1,0 +1,60 @@
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from deploy.launcher import plan
+from shared.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = sorted((ROOT / "deploy" / "configs").glob("*.yaml"))
+
+
+def test_the_three_configs_exist():
+    assert {p.name for p in CONFIGS} == {"tiny-cpu.yaml", "qwen2.5-0.5b-gsm8k.yaml", "qwen2.5-7b-gsm8k.yaml"}
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_validates(path):
+    config = load_config(path)
+    assert config.generator.model and config.learner.model
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_a_typo_in_a_shipped_config_names_the_key(path, tmp_path):
+    broken = tmp_path / path.name
+    broken.write_text(path.read_text().replace("group_size:", "group_sise:", 1))
+    with pytest.raises(ConfigError, match="generator.group_sise: unknown key"):
+        load_config(broken)
+
+
+def test_eight_gpu_placement_maps_indices_to_visible_gpus(tmp_path, monkeypatch):
+    # the node exposes physical GPUs 8-15 to us: index i means the i-th of those, for every service
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", ",".join(str(i) for i in range(8, 16)))
+    config = load_config(ROOT / "deploy" / "configs" / "qwen2.5-7b-gsm8k.yaml")
+    services = {s.name: s for s in plan(config, tmp_path / "c.yaml", tmp_path)}
+    assert services["ref-server"].env["CUDA_VISIBLE_DEVICES"] == "8"
+    assert services["gen-0"].env["CUDA_VISIBLE_DEVICES"] == "9,10"
+    assert services["gen-1"].env["CUDA_VISIBLE_DEVICES"] == "11,12"
+    assert services["learner"].env["CUDA_VISIBLE_DEVICES"] == "13,14,15"
+    assert "--nproc_per_node" in services["learner"].command and "3" in services["learner"].command
+
+
+def test_placement_beyond_the_node_is_refused(tmp_path, monkeypatch):
+    from deploy.launcher import LaunchError
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    config = load_config(ROOT / "deploy" / "configs" / "qwen2.5-7b-gsm8k.yaml")
+    with pytest.raises(LaunchError, match="the learner is placed on GPU index 5, but this node has 2 visible GPUs"):
+        plan(config, tmp_path / "c.yaml", tmp_path)
+
+
+def test_slurm_template_is_valid_bash_and_uses_real_commands():
+    script = ROOT / "deploy" / "slurm" / "grpo-multinode.sbatch"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    text = script.read_text()
+    for command in ("grpo ref-server", "grpo generator", "--module deploy.cli learner", "deepspeed --hostfile"):
+        assert command in text
+    default = re.search(r"CONFIG=\$\{CONFIG:-([^}]+)\}", text).group(1)
+    load_config(ROOT / default)
