@@ -184,6 +184,13 @@ def cmd_logprobs(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Build the tiny model, train it with `grpo run` on arithmetic, report accuracy before and after."""
+    from deploy.demo import main as demo
+
+    return demo(args.config, args.set)
+
+
 def cmd_tiny_model(args: argparse.Namespace) -> int:
     """Build the tiny local Llama model with its character tokenizer, warm it up, and save it."""
     import json
@@ -284,6 +291,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--file", help="A JSON request body of the /v1/logprobs contract (several rows).")
     p.add_argument("--temperature", type=float, default=1.0, help="Logits are divided by this.")
     p.add_argument("--token", help="Bearer token (or GRPO_TOKEN).")
+
+    p = add("demo", cmd_demo,
+            "The CPU demo: build the tiny model, measure held-out accuracy, train with all three services on "
+            "127.0.0.1, measure again; writes runs/demo/summary.json and runs/demo/curve.png.")
+    p.add_argument("--config", default="deploy/configs/tiny-cpu.yaml", help="Demo config.")
+    _add_set_arg(p)
 
     p = add("check-config", cmd_check_config, "Validate a YAML config and print it with every default filled in.")
     p.add_argument("config", help="Path to the YAML config.")
