@@ -1,0 +1,157 @@
+"""SFT batches, greedy generation and the warm-up that gives RL something to amplify."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from shared.tasks.arithmetic import ArithmeticTask, extract_answer, format_target, make_problem
+from shared.tiny_model import TinyModelSpec, build_char_tokenizer, build_tiny_model, build_tiny_model_dir
+from shared.warmup import (
+    WarmupConfig,
+    build_sft_batch,
+    evaluate_greedy,
+    generate_greedy,
+    greedy_accuracy,
+    lr_at,
+    pad_sft_sequences,
+    supervised_warmup,
+)
+
+
+class PadIsEosTokenizer:
+    """Tokenizer-like stub where pad == eos == 0 (the Llama-3/Qwen convention that breaks id-based masks)."""
+
+    pad_token_id = 0
+    eos_token_id = 0
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        assert not add_special_tokens
+        return [ord(c) for c in text]
+
+
+@pytest.fixture(scope="session")
+def tok():
+    return build_char_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def short_warmup(tok):
+    """A 60-step warm-up: enough to learn the format, nowhere near enough to learn arithmetic."""
+    task = ArithmeticTask()
+    model = build_tiny_model(tok, TinyModelSpec())
+    heldout = task.sample(100, "test", random.Random(1))
+    before = evaluate_greedy(model, tok, task, heldout)
+    losses = supervised_warmup(model, tok, task, WarmupConfig(steps=60, batch_size=32, lr_warmup_steps=10))
+    after = evaluate_greedy(model, tok, task, heldout)
+    return model, task, heldout, before, after, losses
+
+
+@pytest.fixture(scope="session")
+def default_build(tmp_path_factory):
+    """The real thing: ``build_tiny_model_dir`` with every default, as the RL demo uses it."""
+    return build_tiny_model_dir(tmp_path_factory.mktemp("tiny_default"))
+
+
+def test_pad_equal_eos_still_trains_on_eos() -> None:
+    pairs = [([5, 6, 7], [8, 0]), ([5], [9, 9, 9, 0]), ([1, 2], [0])]
+    input_ids, labels = pad_sft_sequences(pairs, pad_id=0)
+    assert input_ids.tolist() == [[5, 6, 7, 8, 0], [5, 9, 9, 9, 0], [1, 2, 0, 0, 0]]
+    assert labels.tolist() == [
+        [-100, -100, -100, 8, 0],
+        [-100, 9, 9, 9, 0],
+        [-100, -100, 0, -100, -100],
+    ]
+
+
+def test_build_sft_batch_masks_exactly_completion_plus_eos_with_pad_eq_eos() -> None:
+    problems = [make_problem((7, 5), ("+",)), make_problem((37, 45), ("-",)), make_problem((100, 1), ("*",))]
+    input_ids, labels = build_sft_batch(PadIsEosTokenizer(), problems)
+    for row, p in enumerate(problems):
+        n_prompt, n_target = len(p.prompt), len(format_target(p)) + 1
+        assert (labels[row, :n_prompt] == -100).all()
+        want = [ord(c) for c in format_target(p)] + [0]
+        assert labels[row, n_prompt : n_prompt + n_target].tolist() == want
+        assert (labels[row, n_prompt + n_target :] == -100).all()
+        assert int((labels[row] != -100).sum()) == n_target
+    assert (
+        input_ids.shape
+        == labels.shape
+        == (3, max(len(p.prompt) + len(format_target(p)) + 1 for p in problems))
+    )
+
+
+def test_build_sft_batch_with_real_tokenizer(tok) -> None:
+    problems = [make_problem((3, 11), ("-",)), make_problem((50, 50), ("+",))]
+    input_ids, labels = build_sft_batch(tok, problems)
+    for row, p in enumerate(problems):
+        target_ids = labels[row][labels[row] != -100].tolist()
+        assert target_ids[-1] == tok.eos_token_id
+        assert tok.decode(target_ids[:-1]) == format_target(p)
+        n = len(tok.encode(p.prompt)) + len(target_ids)
+        assert tok.decode(input_ids[row, :n].tolist()) == p.prompt + format_target(p) + "</s>"
+    assert input_ids[0, -1].item() == tok.pad_token_id  # the shorter row is right-padded
+    with pytest.raises(ValueError, match="max_len"):
+        build_sft_batch(tok, problems, max_len=10)
+
+
+def test_lr_schedule_warms_up_then_decays_to_floor() -> None:
+    cfg = WarmupConfig(steps=100, lr=1e-3, lr_warmup_steps=10, min_lr_ratio=0.1)
+    assert lr_at(0, cfg) == pytest.approx(1e-4)
+    assert lr_at(9, cfg) == pytest.approx(1e-3)
+    assert lr_at(10, cfg) == pytest.approx(1e-3)
+    assert lr_at(55, cfg) == pytest.approx(0.55e-3)
+    assert lr_at(100, cfg) == pytest.approx(1e-4)
+    lrs = [lr_at(s, cfg) for s in range(10, 100)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+
+
+def test_short_warmup_lowers_loss_and_teaches_format(short_warmup) -> None:
+    _, _, _, before, after, losses = short_warmup
+    assert len(losses) == 60 and all(torch.isfinite(torch.tensor(losses)))
+    first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
+    assert last < 0.5 * first, (first, last)
+    assert before.accuracy == 0.0 and before.format_rate == 0.0
+    assert after.format_rate >= 0.9, after.completions[:5]
+
+
+def test_batched_greedy_matches_one_prompt_at_a_time(tok, short_warmup) -> None:
+    """Left padding must not change what a prompt generates (positions and masks are per row)."""
+    model = short_warmup[0]
+    prompts = ["1+2=", "37+45=", "99-100=", "5-7=", "80+8="]
+    batched = generate_greedy(model, tok, prompts, max_new_tokens=12)
+    singles = [generate_greedy(model, tok, [p], max_new_tokens=12)[0] for p in prompts]
+    assert batched == singles
+    assert generate_greedy(model, tok, prompts, max_new_tokens=12, batch_size=2) == batched
+    assert model.training is False
+
+
+def test_generation_stops_at_eos_and_respects_budget(tok, short_warmup) -> None:
+    model, _, heldout, _, after, _ = short_warmup
+    for text in after.completions:
+        if extract_answer(text) is not None:
+            assert text.endswith("</answer>"), text  # nothing generated after EOS
+    cut = generate_greedy(model, tok, [p.prompt for p in heldout[:8]], max_new_tokens=2)
+    assert all(len(tok.encode(c)) <= 2 for c in cut)
+    assert generate_greedy(model, tok, [], max_new_tokens=4) == []
+    with pytest.raises(ValueError, match="empty prompt"):
+        generate_greedy(model, tok, ["1+1=", ""], max_new_tokens=4)
+
+
+def test_greedy_accuracy_counts_correct_answers(tok, short_warmup) -> None:
+    model, task, heldout, _, after, _ = short_warmup
+    assert greedy_accuracy(model, tok, task, heldout) == after.accuracy
+    expected = sum(task.score(p, c) for p, c in zip(heldout, after.completions)) / len(heldout)
+    assert after.accuracy == expected and after.n == len(heldout)
+
+
+@pytest.mark.slow
+def test_default_warmup_leaves_room_for_rl(default_build) -> None:
+    """The contract the RL demo relies on: format learned, accuracy clearly above 0 but far from solved."""
+    stats = default_build
+    assert stats["heldout_accuracy_before"] == 0.0
+    assert stats["heldout_format_rate"] >= 0.95
+    assert 0.10 < stats["heldout_accuracy"] < 0.60, stats
+    assert stats["warmup_loss_last"] < 0.5 * stats["warmup_loss_first"]
