@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from learner.checkpoint import load_latest, save_checkpoint
 from learner.engine import (
+    LearnerSetupError,
     create_engine,
     ensure_single_process_env,
     init_distributed,
@@ -98,8 +99,13 @@ def run_learner(config: GRPOConfig, *, resume: bool = False, stop: threading.Eve
     metrics = MetricsLogger(jsonl=cfg.metrics_jsonl, tensorboard_dir=cfg.tensorboard_dir,
                             wandb_project=cfg.wandb_project, enabled=rank == 0, total_steps=cfg.max_steps,
                             run_config=config.model_dump(mode="json"))
+    hub_version = client.weights_version() or 0
+    if hub_version > version and not resume:
+        raise LearnerSetupError(
+            f"the hub already holds weights version {hub_version} from an earlier run; a fresh learner would train "
+            f"against them. Start the ref server with empty ref_server.weights_dir and spool_dir, or pass --resume")
     if rank == 0:
-        client.report_version(version)
+        client.report_version(max(version, hub_version))
         log.info("learner: %d rank(s) on %s, ZeRO-%d, %s, step %d, version %d", world, device.type,
                  cfg.zero_stage, dtype, step, version)
     nonfinite_in_row = skipped = 0
@@ -140,8 +146,12 @@ def run_learner(config: GRPOConfig, *, resume: bool = False, stop: threading.Eve
                 publish_s = 0.0
                 if step % cfg.publish_every == 0:
                     publish_started = time.perf_counter()
-                    publish(engine, client, step, staging, rank=rank)
-                    version = step
+                    # version = step; after resuming behind a hub that already published newer weights (a crash
+                    # between publishing and checkpointing), versions continue after the hub's so they stay
+                    # monotonic for the generators
+                    version = max(step, hub_version + 1)
+                    publish(engine, client, version, staging, rank=rank)
+                    hub_version = version
                     if rank == 0:
                         client.report_version(version)
                     publish_s = time.perf_counter() - publish_started

@@ -23,7 +23,7 @@ from typing import Any
 import requests
 
 from shared.registry import Registry
-from shared.tasks.arithmetic import check_answer, extract_answer
+from shared.tasks.arithmetic import check_answer, extract_answer, normalize_int
 
 log = logging.getLogger("grpo.generator.rewards")
 
@@ -97,12 +97,31 @@ def math_reward(correct: float = 1.0, wrong: float = 0.0, answer_field: str = "a
     return per_completion(score)
 
 
+def digit_agreement(predicted: str, gold: str) -> float:
+    """Fraction of digit positions (aligned from the units digit, sign included) where two integers agree."""
+    width = max(len(predicted), len(gold))
+    a, b = predicted.rjust(width), gold.rjust(width)
+    return sum(x == y for x, y in zip(a, b)) / width
+
+
 @REWARDS.register("arithmetic")
-def arithmetic_reward(correct: float = 1.0, wrong: float = 0.0, answer_field: str = "answer") -> GroupReward:
-    """The built-in arithmetic task's checker: the last ``<answer>`` holds exactly the integer result."""
+def arithmetic_reward(correct: float = 1.0, wrong: float = 0.0, answer_field: str = "answer",
+                      partial: float = 0.0) -> GroupReward:
+    """The built-in arithmetic task's checker: the last ``<answer>`` holds exactly the integer result.
+
+    ``partial > 0`` adds shaping for a wrong integer answer: ``wrong + partial * digit_agreement`` (digits compared
+    from the units up), a denser signal for a small model that gets the size right before the last digit.
+    """
 
     def score(prompt: str, completion: str, example: dict[str, Any]) -> float:
-        return correct if check_answer(completion, str(example[answer_field])) == 1.0 else wrong
+        gold = str(example[answer_field])
+        if check_answer(completion, gold) == 1.0:
+            return correct
+        if partial:
+            predicted = normalize_int(extract_answer(completion) or "")
+            if predicted is not None:
+                return wrong + partial * digit_agreement(predicted, normalize_int(gold) or gold)
+        return wrong
 
     return per_completion(score)
 

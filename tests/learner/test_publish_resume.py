@@ -180,3 +180,14 @@ def test_tensorboard_and_jsonl_metrics(tiny_model_dir, tmp_path):
     assert {"loss", "kl_mean", "reward_mean", "entropy"} <= set(events.Tags()["scalars"])
     jsonl = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     assert events.Scalars("loss")[0].value == pytest.approx(jsonl["loss"], rel=1e-5)
+
+
+def test_fresh_learner_refuses_a_hub_holding_an_earlier_runs_weights(tiny_model_dir, tmp_path):
+    with LiveServer(make_config(tmp_path)) as live:
+        path = tmp_path / "old.safetensors"
+        write_safetensors(AutoModelForCausalLM.from_pretrained(tiny_model_dir), path, is_writer=True)
+        HubClient(live.url).upload_weights(60, path)
+        result = run_learner(learner_config(tmp_path, live.url, tiny_model_dir, max_steps=1))
+    assert result.returncode == 2
+    assert "the hub already holds weights version 60 from an earlier run" in result.stderr
+    assert "Traceback" not in result.stderr
