@@ -30,7 +30,7 @@ from learner.engine import (
 from learner.metrics import MetricsLogger
 from learner.publish import export_hf_folder, publish
 from learner.step import all_reduce, batch_metrics, grpo_step, recompute_old_logprobs, split_micro_batches
-from shared.client import HubClient, RetryPolicy
+from shared.client import HubClient, HubUnavailable, RetryPolicy
 from shared.protocol import TrainBatch
 from shared.schema import GRPOConfig
 
@@ -60,10 +60,15 @@ def wait_for_batch(client: HubClient, num_groups: int, wait_s: float, stop: thre
     An unreachable hub raises HubUnavailable (after the client's retries): never an endless 'waiting for batch'."""
     started = time.monotonic()
     while not stop.is_set():
-        batch = client.get_batch(num_groups, wait_s=wait_s)
-        if batch is not None:
-            return batch
-        stats = client.hub_stats()
+        try:
+            batch = client.get_batch(num_groups, wait_s=wait_s)
+            if batch is not None:
+                return batch
+            stats = client.hub_stats()
+        except HubUnavailable:
+            if stop.is_set():  # shutting down and the hub is gone too: nothing left to wait for
+                return None
+            raise
         metrics.message(f"waiting for {num_groups} groups: hub holds {stats['ready']} ready of "
                         f"{stats['queue_depth']} queued, waited {time.monotonic() - started:.0f}s")
     return None
@@ -76,10 +81,13 @@ def run_learner(config: GRPOConfig, *, resume: bool = False, stop: threading.Eve
     if cfg.model is None:
         raise ValueError("learner.model is not set (pass --model or set it in the config)")
     stop = stop or threading.Event()
+    client = HubClient(cfg.hub_url, token=config.ref_server.token or os.environ.get("GRPO_TOKEN"),
+                       retry=RetryPolicy(max_retry_s=cfg.retry_max_s))
     if threading.current_thread() is threading.main_thread():
         def request_stop(signum, frame):
             log.info("%s received: finishing this step, checkpointing, exiting", signal.Signals(signum).name)
             stop.set()
+            client.abort.set()  # calls in flight finish; a dead hub is no longer retried
 
         signal.signal(signal.SIGTERM, request_stop)
         signal.signal(signal.SIGINT, request_stop)
@@ -91,8 +99,6 @@ def run_learner(config: GRPOConfig, *, resume: bool = False, stop: threading.Eve
     dtype = torch.bfloat16 if uses_bf16(cfg, device) else torch.float32
     model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype)
     engine = create_engine(cfg, model, device)
-    client = HubClient(cfg.hub_url, token=config.ref_server.token or os.environ.get("GRPO_TOKEN"),
-                       retry=RetryPolicy(max_retry_s=cfg.retry_max_s))
     step = version = 0
     if resume and (state := load_latest(engine, cfg.checkpoint_dir)) is not None:
         step, version = state["step"], state["version"]

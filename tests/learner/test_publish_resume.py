@@ -191,3 +191,22 @@ def test_fresh_learner_refuses_a_hub_holding_an_earlier_runs_weights(tiny_model_
     assert result.returncode == 2
     assert "the hub already holds weights version 60 from an earlier run" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_sigterm_after_the_hub_died_exits_promptly(tiny_model_dir, tmp_path):
+    live = LiveServer(make_config(tmp_path)).__enter__()
+    config = learner_config(tmp_path, live.url, tiny_model_dir, retry_max_s=300.0)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([GRPO, "learner", "--config", str(config)], stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 120
+    while 'endpoint="/v1/batch"' not in live.get("/metrics").text:
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.2)
+    live.__exit__(None, None, None)  # the hub dies while the learner waits for batches
+    time.sleep(2)
+    started = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert time.monotonic() - started < 60
