@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import socket
 import threading
 
@@ -12,7 +11,7 @@ import torch
 
 from generator.loop import LoopStats, RolloutLoop
 from generator.progress import Progress
-from shared.client import HubClient, RetryPolicy
+from shared.client import HubClient, service_client, stop_on_signals
 from shared.datasets import R1_SYSTEM_PROMPT, PromptStream, arithmetic_examples, hf_examples, jsonl_examples
 from shared.protocol import SamplingParams
 from shared.rewards import RewardSet
@@ -92,16 +91,8 @@ def run_generator(config: GRPOConfig, stop: threading.Event | None = None) -> Lo
     # Rewards and prompts first: a config mistake there should not wait for a model to load.
     rewards = RewardSet.from_specs(cfg.rewards)
     examples = load_examples(cfg.dataset, config.seed)
-    client = HubClient(cfg.hub_url, token=config.ref_server.token or os.environ.get("GRPO_TOKEN"),
-                       retry=RetryPolicy(max_retry_s=cfg.retry_max_s))
-    if threading.current_thread() is threading.main_thread():
-        def request_stop(signum, frame):
-            log.info("%s received: finishing the current upload, then exiting", signal.Signals(signum).name)
-            stop.set()
-            client.abort.set()  # an upload in flight completes; a dead hub is not retried any longer
-
-        signal.signal(signal.SIGINT, request_stop)
-        signal.signal(signal.SIGTERM, request_stop)
+    client = service_client(cfg.hub_url, config.ref_server.token, cfg.retry_max_s)
+    stop_on_signals(stop, client, "finishing the current upload, then exiting")
     engine = build_engine(config)
     try:
         loop = build_loop(config, engine, client, Progress(total=cfg.max_groups), rewards, examples)

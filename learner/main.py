@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ from learner.engine import (
 from learner.metrics import MetricsLogger
 from learner.publish import export_hf_folder, publish
 from learner.step import all_reduce, batch_metrics, grpo_step, recompute_old_logprobs, split_micro_batches
-from shared.client import HubClient, HubUnavailable, RetryPolicy
+from shared.client import HubClient, HubUnavailable, service_client, stop_on_signals
 from shared.protocol import TrainBatch
 from shared.schema import GRPOConfig
 
@@ -81,16 +80,8 @@ def run_learner(config: GRPOConfig, *, resume: bool = False, stop: threading.Eve
     if cfg.model is None:
         raise ValueError("learner.model is not set (pass --model or set it in the config)")
     stop = stop or threading.Event()
-    client = HubClient(cfg.hub_url, token=config.ref_server.token or os.environ.get("GRPO_TOKEN"),
-                       retry=RetryPolicy(max_retry_s=cfg.retry_max_s))
-    if threading.current_thread() is threading.main_thread():
-        def request_stop(signum, frame):
-            log.info("%s received: finishing this step, checkpointing, exiting", signal.Signals(signum).name)
-            stop.set()
-            client.abort.set()  # calls in flight finish; a dead hub is no longer retried
-
-        signal.signal(signal.SIGTERM, request_stop)
-        signal.signal(signal.SIGINT, request_stop)
+    client = service_client(cfg.hub_url, config.ref_server.token, cfg.retry_max_s)
+    stop_on_signals(stop, client, "finishing this step, checkpointing, exiting")
     ensure_single_process_env()
     device = resolve_device(cfg.device)
     init_distributed(device)

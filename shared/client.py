@@ -10,7 +10,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import random
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -165,3 +167,23 @@ def _detail(response: requests.Response) -> object:
         return response.json().get("detail", response.text[:500])
     except ValueError:
         return response.text[:500]
+
+
+def service_client(url: str, token: str | None, retry_max_s: float) -> HubClient:
+    """The client a service uses: the config's token or GRPO_TOKEN, and its retry budget."""
+    return HubClient(url, token=token or os.environ.get("GRPO_TOKEN"), retry=RetryPolicy(max_retry_s=retry_max_s))
+
+
+def stop_on_signals(stop: threading.Event, client: HubClient, what_happens: str) -> None:
+    """SIGINT/SIGTERM (main thread only) set ``stop`` and make ``client`` stop retrying a dead hub, so a service
+    finishes what it is doing and exits instead of waiting out its retry budget."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def request_stop(signum, frame):
+        log.info("%s received: %s", signal.Signals(signum).name, what_happens)
+        stop.set()
+        client.abort.set()
+
+    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)

@@ -175,3 +175,29 @@ def test_zero_stages_step_and_publish_full_parameters(distributed, tiny_model_di
     write_safetensors(engine.module, tmp_path / "after.safetensors", is_writer=True)
     after = load_file(str(tmp_path / "after.safetensors"))
     assert set(after) == set(before) and any(not torch.equal(after[n], before[n]) for n in before)
+
+
+def test_gradient_checkpointing_gives_the_same_update(distributed, tiny_model_dir):
+    batch = batch_of(sampled_groups(tiny_model_dir, [[1.0, 0.0, 0.0, 1.0]], seed=8))
+    params = []
+    for checkpointing in (False, True):
+        engine = make_engine(tiny_model_dir, lr=1e-3, groups_per_step=1, gradient_checkpointing=checkpointing)
+        engine.module.train()
+        outcome = grpo_step(engine, split_micro_batches(batch, 1, False, CPU), LossConfig(beta=0.0),
+                            temperature=1.0, old_mode="behaviour", world_size=1, log_entropy=False,
+                            chunk_tokens=None)
+        assert outcome.finite
+        params.append({n: p.detach().clone() for n, p in engine.module.named_parameters()})
+    for name, value in params[0].items():
+        torch.testing.assert_close(params[1][name], value, atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+def test_optimizer_offload_steps(distributed, tiny_model_dir):
+    batch = batch_of(sampled_groups(tiny_model_dir, [[1.0, 0.0, 0.0, 1.0]], seed=9))
+    engine = make_engine(tiny_model_dir, lr=1e-3, groups_per_step=1, zero_stage=2, offload_optimizer=True)
+    before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    outcome = grpo_step(engine, split_micro_batches(batch, 1, False, CPU), LossConfig(beta=0.0), temperature=1.0,
+                        old_mode="behaviour", world_size=1, log_entropy=False, chunk_tokens=None)
+    assert outcome.finite
+    assert any(not torch.equal(p, before[n]) for n, p in engine.module.named_parameters())
