@@ -26,12 +26,13 @@ def write_config(tmp_path, model_dir, port, **learner):
     config = {
         "seed": 0,
         "algorithm": {"loss": {"beta": 0.04}},
+        # a small queue: the generator cannot run far ahead while the learner starts, so it sees new versions
         "ref_server": {"model": str(model_dir), "port": port, "spool_dir": str(tmp_path / "spool"),
-                       "weights_dir": str(tmp_path / "relay")},
+                       "weights_dir": str(tmp_path / "relay"), "queue_capacity": 4},
         "generator": {"model": str(model_dir), "engine": "transformers", "group_size": 4, "prompts_per_batch": 2,
                       "sampling": {"max_tokens": 8}, "weights_dir": str(tmp_path / "gen-weights"),
                       "rewards": [{"name": "arithmetic"}, {"name": "format", "weight": 0.1}]},
-        "learner": {"model": str(model_dir), "groups_per_step": 2, "max_steps": 3, "lr": 1e-3,
+        "learner": {"model": str(model_dir), "groups_per_step": 2, "max_steps": 6, "lr": 1e-3,
                     "checkpoint_dir": str(tmp_path / "ckpt"), "output_dir": str(tmp_path / "final"),
                     "metrics_jsonl": str(tmp_path / "metrics.jsonl"), "tensorboard_dir": None,
                     "batch_wait_s": 2.0, **learner},
@@ -57,8 +58,8 @@ def test_grpo_run_trains_publishes_and_shuts_down(tiny_model_dir, tmp_path):
     assert "[grpo run] the learner finished: stopping the other services" in result.stdout
     assert "[ref-server]" in result.stdout and "[gen-0]" in result.stdout and "[learner]" in result.stdout
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == [1, 2, 3]
-    assert all(abs(m["loss"]) < 1e6 for m in metrics) and metrics[-1]["version"] == 3
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
+    assert all(abs(m["loss"]) < 1e6 for m in metrics) and metrics[-1]["version"] == 6
     generator_log = (tmp_path / "run" / "logs" / "gen-0.log").read_text()
     assert "policy version 0 -> " in generator_log  # a published version reached the generator
     assert (tmp_path / "run" / "config.yaml").exists() and (tmp_path / "final" / "model.safetensors").exists()
@@ -82,7 +83,7 @@ def test_a_service_that_dies_stops_the_run_with_its_last_lines(tiny_model_dir, t
 @pytest.mark.slow
 def test_training_continues_when_a_generator_is_killed_and_another_starts(tiny_model_dir, tmp_path):
     port = free_port()
-    config = write_config(tmp_path, tiny_model_dir, port, max_steps=4)
+    config = write_config(tmp_path, tiny_model_dir, port, max_steps=8)
     hub = f"http://127.0.0.1:{port}"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = {}
@@ -118,7 +119,7 @@ def test_training_continues_when_a_generator_is_killed_and_another_starts(tiny_m
                 os.killpg(proc.pid, signal.SIGTERM)
                 proc.wait(timeout=60)
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert [m["step"] for m in metrics] == list(range(1, 9))
     stats_log = (tmp_path / "gen-b.log").read_text()
     assert "groups uploaded" in stats_log  # gen-b ran until stopped and reported what it did
     assert stray_processes(str(config)) == []

@@ -73,7 +73,7 @@ def test_weight_files_that_do_not_fit_are_refused(tiny_model_dir, tmp_path):
     except WeightLoadError as exc:
         assert "not in the model" in str(exc)
     partial = tmp_path / "partial.safetensors"
-    save_file({"model.norm.weight": torch.ones(128)}, str(partial))
+    save_file({"model.norm.weight": torch.ones(engine.model.config.hidden_size)}, str(partial))
     try:
         load_safetensors_into(engine.model, partial)
         raise AssertionError("expected WeightLoadError")
