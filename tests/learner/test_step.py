@@ -201,3 +201,8 @@ def test_optimizer_offload_steps(distributed, tiny_model_dir):
                         old_mode="behaviour", world_size=1, log_entropy=False, chunk_tokens=None)
     assert outcome.finite
     assert any(not torch.equal(p, before[n]) for n, p in engine.module.named_parameters())
+
+
+def test_zero3_with_accumulation_is_refused_with_the_reason():
+    with pytest.raises(ValueError, match="zero_stage 3 with micro_batches > 1 is not supported yet"):
+        LearnerConfig(zero_stage=3, micro_batches=2, groups_per_step=2)
