@@ -57,7 +57,6 @@ losses disagree across stages).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import importlib.metadata
 import json
 import math
@@ -118,33 +117,9 @@ def flops_per_token(n_params: int, config, seq_len: int) -> dict[str, float]:
 
 # ----------------------------------------------------------------------------------------------- child side
 
-
-def _proc_status_kib(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
-def _malloc_trim() -> None:
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def _reset_peak_rss() -> bool:
-    """Reset VmHWM to the current RSS (Linux >= 4.0). False if not possible."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
+from procmem import malloc_trim as _malloc_trim  # noqa: E402 - bench/ is on sys.path when run as a script
+from procmem import proc_status_kib as _proc_status_kib  # noqa: E402
+from procmem import reset_peak_rss as _reset_peak_rss  # noqa: E402
 
 
 def synthetic_batch(args: argparse.Namespace, vocab: int):

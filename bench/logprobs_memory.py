@@ -35,7 +35,6 @@ Targets (from the issue, checked at every T, informational unless ``--strict``):
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import platform
@@ -54,33 +53,9 @@ TIME_RATIO_TARGET = 1.2
 
 # ----------------------------------------------------------------------------------------------- child side
 
-
-def _proc_status_kib(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
-def _malloc_trim() -> None:
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def _reset_peak_rss() -> bool:
-    """Reset VmHWM to the current RSS (Linux >= 4.0). False if not possible."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
+from procmem import malloc_trim as _malloc_trim  # noqa: E402 - bench/ is on sys.path when run as a script
+from procmem import proc_status_kib as _proc_status_kib  # noqa: E402
+from procmem import reset_peak_rss as _reset_peak_rss  # noqa: E402
 
 
 def _ru_maxrss_kib() -> int:
