@@ -11,7 +11,7 @@ fixed seed; nothing is downloaded). Presets:
 
 * ``cpu-small`` (default on CPU): hidden 256, 4 layers, 4 heads (2 KV heads), intermediate 688, vocab 8192,
   tied embeddings, 5.0 M parameters; default batch 4 groups x 4 completions, 64 prompt + 128 completion
-  tokens, 1 micro-batch (ZeRO-3 refuses accumulation, see docs/benchmarks.md).
+  tokens, 2 micro-batches (gradient accumulation runs in every stage).
 * ``qwen2.5-0.5b`` (default on CUDA): Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14 heads, 2 KV heads,
   intermediate 4864, vocab 151936, tied embeddings, rope_theta 1e6), 494 M parameters; default batch 4 groups
   x 8 completions, 256 prompt + 1024 completion tokens, 1 micro-batch.
@@ -76,7 +76,7 @@ PRESETS = {
         "model": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                       intermediate_size=688, vocab_size=8192, max_position_embeddings=2048,
                       tie_word_embeddings=True, rope_theta=10000.0),
-        "batch": dict(groups=4, group_size=4, prompt_len=64, completion_len=128, micro_batches=1),
+        "batch": dict(groups=4, group_size=4, prompt_len=64, completion_len=128, micro_batches=2),
     },
     "qwen2.5-0.5b": {
         # Qwen/Qwen2.5-0.5B's config.json shape (random weights: nothing is downloaded).

@@ -130,6 +130,7 @@ def grpo_step(engine, micro_batches: list[MicroBatch], loss_cfg: LossConfig, *, 
     total_loss = 0.0
     finite = True
     for mb in micro_batches:
+        _start_zero3_micro_step(engine)
         result, entropy = micro_batch_loss(model, mb, loss_cfg, temperature=temperature, old_mode=old_mode,
                                            num_tokens=num_tokens, num_seqs=num_seqs, log_entropy=log_entropy,
                                            chunk_tokens=chunk_tokens)
@@ -162,6 +163,18 @@ def grpo_step(engine, micro_batches: list[MicroBatch], loss_cfg: LossConfig, *, 
     engine.step()
     return StepOutcome(True, float(all_reduce(torch.tensor([total_loss], device=device))[0]),
                        _reduce_metrics(sums, mins, maxs, device, grad_norm=engine.get_global_grad_norm()))
+
+
+def _start_zero3_micro_step(engine) -> None:
+    """Tell ZeRO-3 that a new micro-batch begins, so its backward adds to the gradient buffer.
+
+    DeepSpeed's stage-3 optimizer overwrites its partitioned gradient buffer while its micro-step counter is 0 and
+    only ``DeepSpeedEngine.forward()`` advances that counter. The step calls the module's body and head directly
+    (chunked logprobs), so without this every micro-batch would replace the previous one's gradient.
+    """
+    clear = getattr(engine.optimizer, "clear_backward_seen_flag", None)
+    if engine.zero_optimization_stage() == 3 and clear is not None:
+        clear()
 
 
 def _reduce_metrics(sums, mins, maxs, device, grad_norm) -> dict[str, float]:

@@ -66,13 +66,6 @@ class LearnerConfig(StrictModel):
         if self.micro_batches > self.groups_per_step:
             raise ValueError(f"micro_batches ({self.micro_batches}) cannot exceed groups_per_step "
                              f"({self.groups_per_step}): a micro-batch holds at least one group")
-        if self.zero_stage == 3 and self.micro_batches > 1:
-            # Measured on DeepSpeed 0.19.8: with ZeRO-3 the gradient accumulated over several micro-batches differs
-            # from ZeRO-0/2 (grad norm 3.08 vs 4.22 on the tiny model, largest on the tied embedding). Refuse the
-            # combination rather than train with a wrong gradient.
-            raise ValueError("zero_stage 3 with micro_batches > 1 is not supported yet (its accumulated gradient "
-                             "differs from ZeRO-0/2); use zero_stage 2, or micro_batches 1 with a smaller "
-                             "groups_per_step")
         if self.lr_schedule != "constant" and self.max_steps is None:
             raise ValueError(f"lr_schedule {self.lr_schedule!r} needs max_steps")
         return self

@@ -203,6 +203,23 @@ def test_optimizer_offload_steps(distributed, tiny_model_dir):
     assert any(not torch.equal(p, before[n]) for n, p in engine.module.named_parameters())
 
 
-def test_zero3_with_accumulation_is_refused_with_the_reason():
-    with pytest.raises(ValueError, match="zero_stage 3 with micro_batches > 1 is not supported yet"):
-        LearnerConfig(zero_stage=3, micro_batches=2, groups_per_step=2)
+@pytest.mark.slow
+def test_zero3_accumulates_micro_batches_like_zero0(distributed, tiny_model_dir):
+    """ZeRO-3's backward overwrites its gradient buffer unless told a new micro-batch began (DeepSpeed 0.19.8)."""
+    from learner.publish import iter_parameters
+
+    batch = batch_of(sampled_groups(tiny_model_dir, [[1.0, 0.0, 0.0, 1.0], [0.0, 1.0, 1.0, 0.5]], seed=6))
+    params, norms = {}, {}
+    for stage in (0, 3):
+        # adam_eps=1 keeps the update proportional to the gradient, so a lost micro-batch shows in the parameters
+        engine = make_engine(tiny_model_dir, zero_stage=stage, lr=1e-2, groups_per_step=2, micro_batches=2,
+                             adam_eps=1.0, grad_clip=0.0)
+        outcome = grpo_step(engine, split_micro_batches(batch, 2, False, CPU), LossConfig(beta=0.0),
+                            temperature=1.0, old_mode="behaviour", world_size=1, log_entropy=False,
+                            chunk_tokens=None)
+        assert outcome.finite
+        norms[stage] = outcome.metrics.get("grad_norm")
+        params[stage] = {n: t.detach().clone() for n, t in iter_parameters(engine.module)}
+    assert norms[3] is not None and norms[3] > 0
+    for name, value in params[0].items():
+        torch.testing.assert_close(params[3][name], value, atol=1e-6, rtol=1e-5, msg=name)
