@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 from deploy.launcher import run
@@ -19,15 +20,26 @@ from generator.evaluate import evaluate
 from shared.config import load_config
 
 
-def build_model(model_dir: Path, seed: int) -> dict:
+def build_model(config) -> dict:
+    """The demo's starting policy: the tiny model, warmed up as `config.demo` says (built once, then reused)."""
     from shared.tasks.arithmetic import ArithmeticTask
     from shared.tiny_model import TinyModelSpec, build_tiny_model_dir
     from shared.warmup import WarmupConfig
 
-    if (model_dir / "config.json").exists():
-        return json.loads((model_dir / "grpo_tiny_model.json").read_text())
-    return build_tiny_model_dir(model_dir, task=ArithmeticTask(), warmup=WarmupConfig(seed=seed),
-                                spec=TinyModelSpec(seed=seed))
+    model_dir = Path(config.generator.model)
+    stats_file = model_dir / "grpo_tiny_model.json"
+    demo = config.demo
+    warmup = WarmupConfig(seed=config.seed, steps=demo.warmup_steps, flawed_steps=demo.flawed_steps,
+                          flawed_slip=demo.flawed_slip, flawed_lr=demo.flawed_lr)
+    task = ArithmeticTask(**config.generator.dataset.arithmetic)
+    if stats_file.exists():
+        stats = json.loads(stats_file.read_text())
+        as_json = lambda obj: json.loads(json.dumps(asdict(obj)))  # noqa: E731 (tuples are lists in the file)
+        if stats.get("warmup") == as_json(warmup) and stats.get("task") == as_json(task):
+            return stats
+        print(f"[demo] {model_dir} was built with other warm-up or task settings; rebuilding it", flush=True)
+        shutil.rmtree(model_dir)
+    return build_tiny_model_dir(model_dir, task=task, warmup=warmup, spec=TinyModelSpec(seed=config.seed))
 
 
 def plot(metrics_path: Path, before: float, after: float, out: Path) -> None:
@@ -60,9 +72,10 @@ def main(config_path: str = "deploy/configs/tiny-cpu.yaml", overrides: list[str]
     run_dir = Path(config.run.run_dir)
     model_dir = Path(config.generator.model)
     started = time.monotonic()
-    stats = build_model(model_dir, config.seed)
-    print(f"[demo] tiny model ready: {stats['params']:,} parameters, warm-up held-out accuracy "
-          f"{stats['heldout_accuracy']:.0%}", flush=True)
+    stats = build_model(config)
+    print(f"[demo] tiny model ready: {stats['params']:,} parameters; held-out greedy accuracy "
+          f"{stats.get('heldout_accuracy_clean_phase', stats['heldout_accuracy']):.0%} after the correct "
+          f"demonstrations, {stats['heldout_accuracy']:.0%} after the flawed teacher's", flush=True)
     before = evaluate(config, str(model_dir))
     print(f"[demo] before RL: greedy accuracy {before.greedy_accuracy:.1%}, pass@{before.k} "
           f"{before.pass_at_k:.1%} on {before.num_examples} held-out problems", flush=True)
@@ -86,7 +99,8 @@ def main(config_path: str = "deploy/configs/tiny-cpu.yaml", overrides: list[str]
         f"pass@{after.k}_before": before.pass_at_k, f"pass@{after.k}_after": after.pass_at_k,
         "steps": steps, "train_seconds": round(train_seconds, 1),
         "wall_seconds": round(time.monotonic() - started, 1), "heldout_examples": after.num_examples,
-        "warmup": {k: stats[k] for k in ("warmup_steps", "warmup_seconds", "heldout_accuracy") if k in stats},
+        "warmup": {k: stats[k] for k in ("warmup_steps", "flawed_steps", "warmup_seconds",
+                                         "heldout_accuracy_clean_phase", "heldout_accuracy") if k in stats},
     }
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

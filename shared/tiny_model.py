@@ -26,7 +26,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, train
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from shared.tasks.arithmetic import ArithmeticTask
-from shared.warmup import WarmupConfig, evaluate_greedy, supervised_warmup
+from shared.warmup import WarmupConfig, evaluate_greedy, flawed_teacher_finetune, supervised_warmup
 
 
 def default_alphabet() -> str:
@@ -166,8 +166,11 @@ def build_tiny_model_dir(
     before = evaluate_greedy(model, tokenizer, task, heldout, max_new_tokens=warmup.eval_max_new_tokens)
     started = time.perf_counter()
     losses = supervised_warmup(model, tokenizer, task, warmup)
+    clean = evaluate_greedy(model, tokenizer, task, heldout, max_new_tokens=warmup.eval_max_new_tokens)
+    flawed_losses = flawed_teacher_finetune(model, tokenizer, task, warmup)
     seconds = time.perf_counter() - started
-    after = evaluate_greedy(model, tokenizer, task, heldout, max_new_tokens=warmup.eval_max_new_tokens)
+    after = evaluate_greedy(model, tokenizer, task, heldout, max_new_tokens=warmup.eval_max_new_tokens) \
+        if flawed_losses else clean
 
     out = save_model_dir(model, tokenizer, out_dir)
     window = max(1, min(10, len(losses) // 2))  # first/last 10 steps, never overlapping
@@ -183,6 +186,8 @@ def build_tiny_model_dir(
         "heldout_n": len(heldout),
         "heldout_accuracy_before": before.accuracy,
         "heldout_accuracy": after.accuracy,
+        "heldout_accuracy_clean_phase": clean.accuracy,
+        "flawed_steps": len(flawed_losses),
         "heldout_format_rate": after.format_rate,
         "spec": asdict(spec),
         "warmup": asdict(warmup),

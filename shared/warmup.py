@@ -12,11 +12,17 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from shared.tasks.arithmetic import ArithmeticTask, Problem, extract_answer, format_target
+from shared.tasks.arithmetic import (
+    ArithmeticTask,
+    Problem,
+    extract_answer,
+    format_target,
+    sloppy_result,
+)
 
 
 @dataclass
@@ -43,6 +49,13 @@ class WarmupConfig:
     eval_size: int = 500
     eval_seed: int = 1234
     eval_max_new_tokens: int = 16
+    # A second phase after the clean one: demonstrations from a flawed teacher who forgets carries and borrows
+    # in a fraction ``flawed_slip`` of its answers (``sloppy_result``), at a constant ``flawed_lr``. The model
+    # keeps the carry in its sampling distribution while its greedy answers copy the teacher's habit: the
+    # situation GRPO with an exact reward is for (the demo's starting point; see README "What the demo shows").
+    flawed_steps: int = 0
+    flawed_slip: float = 0.8
+    flawed_lr: float = 3e-4
 
 
 @dataclass
@@ -118,6 +131,11 @@ def lr_at(step: int, cfg: WarmupConfig) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def slipped(problem: Problem) -> Problem:
+    """The same problem with the answer a teacher who forgets carries, borrows and minus signs would write."""
+    return replace(problem, answer=str(sloppy_result(problem.operands, problem.ops)))
+
+
 def supervised_warmup(model, tokenizer, task: ArithmeticTask, cfg: WarmupConfig) -> list[float]:
     """Train on fresh ``train``-split batches for ``cfg.steps`` steps; returns the per-step losses.
 
@@ -134,6 +152,37 @@ def supervised_warmup(model, tokenizer, task: ArithmeticTask, cfg: WarmupConfig)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
         input_ids, labels = build_sft_batch(tokenizer, task.sample(cfg.batch_size, "train", rng), cfg.max_len)
+        loss = model(input_ids=input_ids, labels=labels).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    model.eval()
+    return losses
+
+
+def flawed_teacher_finetune(model, tokenizer, task: ArithmeticTask, cfg: WarmupConfig) -> list[float]:
+    """``cfg.flawed_steps`` SFT steps on a flawed teacher's demonstrations; returns the per-step losses.
+
+    Each demonstration drops its carries, borrows and minus sign (``slipped``) with probability
+    ``cfg.flawed_slip``; the rest are correct. A fresh AdamW at the constant ``cfg.flawed_lr`` (a separate fine-tuning run, as when a
+    pretrained model is fine-tuned on someone else's data). Only 2-operand ``+``/``-`` tasks have a sloppy
+    answer (``sloppy_result``). Leaves the model in eval mode.
+    """
+    if not cfg.flawed_steps:
+        return []
+    if task.num_operands != 2 or not set(task.ops) <= {"+", "-"} or task.min_value < 0:
+        raise ValueError("the flawed teacher needs a task of a+b / a-b with non-negative operands")
+    rng = random.Random(cfg.seed + 1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.flawed_lr, weight_decay=0.0)
+    model.train()
+    losses: list[float] = []
+    for _ in range(cfg.flawed_steps):
+        problems = [slipped(p) if rng.random() < cfg.flawed_slip else p
+                    for p in task.sample(cfg.batch_size, "train", rng)]
+        input_ids, labels = build_sft_batch(tokenizer, problems, cfg.max_len)
         loss = model(input_ids=input_ids, labels=labels).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -6,13 +6,14 @@ from pydantic import Field
 
 from shared.schema.algorithm import AdvantageConfig, AlgorithmConfig, LossConfig
 from shared.schema.base import StrictModel
+from shared.schema.demo import DemoConfig
 from shared.schema.evaluate import EvalConfig
 from shared.schema.generator import DatasetConfig, GeneratorConfig, RewardSpec, SamplingConfig
 from shared.schema.learner import LearnerConfig
 from shared.schema.ref_server import RefServerConfig
 from shared.schema.run import PlacementConfig, RunConfig
 
-__all__ = ["AdvantageConfig", "AlgorithmConfig", "DatasetConfig", "EvalConfig", "GRPOConfig", "GeneratorConfig", "LearnerConfig", "LossConfig",
+__all__ = ["AdvantageConfig", "AlgorithmConfig", "DatasetConfig", "DemoConfig", "EvalConfig", "GRPOConfig", "GeneratorConfig", "LearnerConfig", "LossConfig",
            "PlacementConfig", "RunConfig",
            "RefServerConfig", "RewardSpec", "SamplingConfig", "StrictModel"]
 
@@ -27,3 +28,5 @@ class GRPOConfig(StrictModel):
     learner: LearnerConfig = Field(default_factory=LearnerConfig, description="The learner.")
     run: RunConfig = Field(default_factory=RunConfig, description="`grpo run`: placement and supervision.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="`grpo eval`: held-out evaluation.")
+    demo: DemoConfig = Field(default_factory=DemoConfig, description="`grpo demo`: how the tiny starting model is "
+                             "built.")

@@ -74,6 +74,30 @@ def make_problem(operands: tuple[int, ...], ops: tuple[str, ...]) -> Problem:
     )
 
 
+def sloppy_result(operands: tuple[int, ...], ops: tuple[str, ...]) -> int:
+    """What a sloppy student writes for ``a+b`` or ``a-b`` (non-negative operands): every carry, borrow and minus
+    sign forgotten.
+
+    Each digit below the leading one is ``(x + y) mod 10`` (or ``(x - y) mod 10``), the leading digits are added
+    (subtracted) as they are, and ``a-b`` with ``a < b`` is worked as ``b-a``: ``58+67`` -> ``115`` (true 125),
+    ``41-38`` -> ``13`` (true 3), ``38-41`` -> ``13`` (true -3), ``12-34`` -> ``22`` (true -22). Equal to
+    :func:`evaluate` whenever no carry, borrow or sign is needed. It models the systematic errors of a flawed
+    teacher (``shared.warmup.flawed_teacher_finetune``); other expressions raise ``ValueError``.
+    """
+    if len(operands) != 2 or len(ops) != 1 or ops[0] not in ("+", "-") or min(operands) < 0:
+        raise ValueError(f"the sloppy result is defined for a+b and a-b with non-negative operands, got "
+                         f"{format_expression(operands, ops)!r}")
+    a, b = operands
+    if ops[0] == "-" and a < b:
+        a, b = b, a
+    width = max(len(str(a)), len(str(b)))
+    x, y = str(a).rjust(width, "0"), str(b).rjust(width, "0")
+    sign = 1 if ops[0] == "+" else -1
+    lead = int(x[0]) + sign * int(y[0])
+    low = "".join(str((int(p) + sign * int(q)) % 10) for p, q in zip(x[1:], y[1:]))
+    return lead * 10 ** len(low) + (int(low) if low else 0)
+
+
 def format_target(problem: Problem) -> str:
     """The completion a perfect policy emits (the EOS token is appended by whoever tokenizes it)."""
     return f"{_OPEN_TAG}{problem.answer}{_CLOSE_TAG}"
