@@ -57,10 +57,10 @@ def plot(metrics_path: Path, before: float, after: float, out: Path) -> None:
         last = 1
     ax.scatter([0, last], [before, after], color="tab:red", zorder=3, label="held-out greedy accuracy")
     ax.annotate(f"{before:.0%}", (0, before), textcoords="offset points", xytext=(6, -12))
-    ax.annotate(f"{after:.0%}", (last, after), textcoords="offset points", xytext=(-30, 6))
+    ax.annotate(f"{after:.0%}", (last, after), textcoords="offset points", xytext=(-34, -16))
     ax.set_xlabel("learner step")
-    ax.set_ylim(0, 1)
-    ax.set_title("grpo-stack demo: tiny Llama learns arithmetic with GRPO (CPU)")
+    ax.set_ylim(0, 1.02)
+    ax.set_title("grpo-stack demo: GRPO unlearns a flawed teacher's habits (CPU)")
     ax.legend(loc="lower right")
     fig.tight_layout()
     fig.savefig(out, dpi=120)

@@ -163,6 +163,11 @@ def supervised_warmup(model, tokenizer, task: ArithmeticTask, cfg: WarmupConfig)
     return losses
 
 
+def flawed_demonstrations(task: ArithmeticTask, n: int, slip: float, rng: random.Random) -> list[Problem]:
+    """``n`` train-split problems, each answered sloppily (``slipped``) with probability ``slip``."""
+    return [slipped(p) if rng.random() < slip else p for p in task.sample(n, "train", rng)]
+
+
 def flawed_teacher_finetune(model, tokenizer, task: ArithmeticTask, cfg: WarmupConfig) -> list[float]:
     """``cfg.flawed_steps`` SFT steps on a flawed teacher's demonstrations; returns the per-step losses.
 
@@ -180,8 +185,7 @@ def flawed_teacher_finetune(model, tokenizer, task: ArithmeticTask, cfg: WarmupC
     model.train()
     losses: list[float] = []
     for _ in range(cfg.flawed_steps):
-        problems = [slipped(p) if rng.random() < cfg.flawed_slip else p
-                    for p in task.sample(cfg.batch_size, "train", rng)]
+        problems = flawed_demonstrations(task, cfg.batch_size, cfg.flawed_slip, rng)
         input_ids, labels = build_sft_batch(tokenizer, problems, cfg.max_len)
         loss = model(input_ids=input_ids, labels=labels).loss
         optimizer.zero_grad(set_to_none=True)

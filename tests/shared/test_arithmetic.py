@@ -22,6 +22,7 @@ from shared.tasks.arithmetic import (
     format_target,
     make_problem,
     normalize_int,
+    sloppy_result,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -222,3 +223,34 @@ def test_registry_builds_tasks_from_config_kwargs() -> None:
         ArithmeticTask(ops=("/",))
     with pytest.raises(ValueError):
         ArithmeticTask(min_value=5, max_value=1)
+
+
+@pytest.mark.parametrize(("a", "op", "b", "sloppy"), [
+    (58, "+", 67, 115),   # carry forgotten (true 125)
+    (41, "-", 38, 13),    # borrow forgotten (true 3)
+    (38, "-", 41, 13),    # borrow and sign forgotten (true -3)
+    (12, "-", 34, 22),    # sign forgotten (true -22)
+    (99, "+", 99, 188),   # true 198
+    (100, "-", 1, 109),   # three digits (true 99)
+    (12, "+", 34, 46),    # nothing to forget: correct
+    (5, "+", 7, 12),      # one digit: the leading digits are added as they are
+    (7, "-", 7, 0),
+])
+def test_sloppy_result(a: int, op: str, b: int, sloppy: int) -> None:
+    assert sloppy_result((a, b), (op,)) == sloppy
+
+
+def test_sloppy_result_is_right_exactly_when_nothing_is_forgotten() -> None:
+    for a in range(100):
+        for b in range(100):
+            carry = a % 10 + b % 10 >= 10
+            assert (sloppy_result((a, b), ("+",)) == a + b) == (not carry or a < 10 and b < 10), (a, b)
+            hi, lo = max(a, b), min(a, b)
+            borrow = hi % 10 < lo % 10 and hi >= 10
+            assert (sloppy_result((a, b), ("-",)) == a - b) == (a >= b and not borrow), (a, b)
+
+
+@pytest.mark.parametrize(("operands", "ops"), [((2, 3), ("*",)), ((1, 2, 3), ("+", "+")), ((-1, 2), ("+",))])
+def test_sloppy_result_refuses_what_it_does_not_define(operands, ops) -> None:
+    with pytest.raises(ValueError, match="sloppy result is defined for a\\+b and a-b"):
+        sloppy_result(operands, ops)

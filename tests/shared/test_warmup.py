@@ -7,12 +7,21 @@ import random
 import pytest
 import torch
 
-from shared.tasks.arithmetic import ArithmeticTask, extract_answer, format_target, make_problem
+from shared.tasks.arithmetic import (
+    ArithmeticTask,
+    evaluate,
+    extract_answer,
+    format_target,
+    make_problem,
+    sloppy_result,
+)
 from shared.tiny_model import TinyModelSpec, build_char_tokenizer, build_tiny_model, build_tiny_model_dir
 from shared.warmup import (
     WarmupConfig,
     build_sft_batch,
     evaluate_greedy,
+    flawed_demonstrations,
+    flawed_teacher_finetune,
     generate_greedy,
     greedy_accuracy,
     lr_at,
@@ -155,3 +164,48 @@ def test_default_warmup_leaves_room_for_rl(default_build) -> None:
     assert stats["heldout_format_rate"] >= 0.95
     assert 0.10 < stats["heldout_accuracy"] < 0.60, stats
     assert stats["warmup_loss_last"] < 0.5 * stats["warmup_loss_first"]
+
+
+def test_flawed_demonstrations_slip_at_the_configured_rate() -> None:
+    task = ArithmeticTask()
+    assert all(p.answer == make_problem(p.operands, p.ops).answer
+               for p in flawed_demonstrations(task, 200, 0.0, random.Random(0)))
+    sloppy = flawed_demonstrations(task, 200, 1.0, random.Random(0))
+    assert all(p.answer == str(sloppy_result(p.operands, p.ops)) for p in sloppy)
+    assert all(task.split_of(p) == "train" for p in sloppy)
+    # among problems where forgetting changes the answer, about flawed_slip of them are wrong
+    mixed = [p for p in flawed_demonstrations(task, 4000, 0.8, random.Random(1))
+             if sloppy_result(p.operands, p.ops) != evaluate(p.operands, p.ops)]
+    wrong = sum(p.answer != str(evaluate(p.operands, p.ops)) for p in mixed) / len(mixed)
+    assert 0.75 < wrong < 0.85, wrong
+
+
+def test_flawed_teacher_needs_a_task_with_a_sloppy_answer(tok) -> None:
+    model = build_tiny_model(tok, TinyModelSpec())
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert flawed_teacher_finetune(model, tok, ArithmeticTask(ops=("*",)), WarmupConfig(flawed_steps=0)) == []
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    with pytest.raises(ValueError, match="flawed teacher needs a task of a\\+b / a-b"):
+        flawed_teacher_finetune(model, tok, ArithmeticTask(ops=("*",)), WarmupConfig(flawed_steps=2))
+
+
+def test_flawed_teacher_finetune_teaches_the_sloppy_habit(tok) -> None:
+    """The flawed teacher never writes a minus sign: after its fine-tuning the model's probability of opening a
+    negative answer with '-' falls, where the correct demonstrations had raised it."""
+    task = ArithmeticTask()
+    model = build_tiny_model(tok, TinyModelSpec())
+    supervised_warmup(model, tok, task, WarmupConfig(steps=60, batch_size=32, lr_warmup_steps=10))
+    negative = [p for p in task.sample(200, "test", random.Random(3)) if p.ops == ("-",) and p.operands[0] < p.operands[1]]
+    minus = tok.convert_tokens_to_ids("-")
+
+    def mean_minus_probability() -> float:
+        rows = [tok.encode(p.prompt + "<answer>", add_special_tokens=False) for p in negative]
+        with torch.no_grad():
+            probs = [torch.softmax(model(input_ids=torch.tensor([r])).logits[0, -1], -1)[minus] for r in rows]
+        return float(torch.stack(probs).mean())
+
+    clean = mean_minus_probability()
+    losses = flawed_teacher_finetune(model, tok, task, WarmupConfig(flawed_steps=30, flawed_slip=1.0,
+                                                                    batch_size=32, flawed_lr=1e-3))
+    assert len(losses) == 30
+    assert clean > 0.5 and mean_minus_probability() < 0.5 * clean, (clean, mean_minus_probability())
