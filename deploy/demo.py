@@ -34,8 +34,8 @@ def build_model(config) -> dict:
     task = ArithmeticTask(**config.generator.dataset.arithmetic)
     if stats_file.exists():
         stats = json.loads(stats_file.read_text())
-        as_json = lambda obj: json.loads(json.dumps(asdict(obj)))  # noqa: E731 (tuples are lists in the file)
-        if stats.get("warmup") == as_json(warmup) and stats.get("task") == as_json(task):
+        recorded = json.loads(json.dumps({"warmup": asdict(warmup), "task": asdict(task)}))  # tuples as lists
+        if stats.get("warmup") == recorded["warmup"] and stats.get("task") == recorded["task"]:
             return stats
         print(f"[demo] {model_dir} was built with other warm-up or task settings; rebuilding it", flush=True)
         shutil.rmtree(model_dir)

@@ -172,9 +172,8 @@ def _start_zero3_micro_step(engine) -> None:
     only ``DeepSpeedEngine.forward()`` advances that counter. The step calls the module's body and head directly
     (chunked logprobs), so without this every micro-batch would replace the previous one's gradient.
     """
-    clear = getattr(engine.optimizer, "clear_backward_seen_flag", None)
-    if engine.zero_optimization_stage() == 3 and clear is not None:
-        clear()
+    if engine.zero_optimization_stage() == 3:
+        engine.optimizer.clear_backward_seen_flag()
 
 
 def _reduce_metrics(sums, mins, maxs, device, grad_norm) -> dict[str, float]:

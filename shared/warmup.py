@@ -146,12 +146,21 @@ def supervised_warmup(model, tokenizer, task: ArithmeticTask, cfg: WarmupConfig)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=cfg.lr, betas=tuple(cfg.adam_betas), weight_decay=cfg.weight_decay
     )
+    return _sft_steps(model, tokenizer, optimizer, cfg, cfg.steps,
+                      lambda: task.sample(cfg.batch_size, "train", rng), lambda step: lr_at(step, cfg))
+
+
+def _sft_steps(model, tokenizer, optimizer, cfg: WarmupConfig, steps: int, next_problems, lr_for_step=None
+               ) -> list[float]:
+    """``steps`` supervised steps on ``next_problems()`` batches (lr from ``lr_for_step(step)`` if given, else the
+    optimizer's own); returns the per-step losses and leaves the model in eval mode."""
     model.train()
     losses: list[float] = []
-    for step in range(cfg.steps):
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, cfg)
-        input_ids, labels = build_sft_batch(tokenizer, task.sample(cfg.batch_size, "train", rng), cfg.max_len)
+    for step in range(steps):
+        if lr_for_step is not None:
+            for group in optimizer.param_groups:
+                group["lr"] = lr_for_step(step)
+        input_ids, labels = build_sft_batch(tokenizer, next_problems(), cfg.max_len)
         loss = model(input_ids=input_ids, labels=labels).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -172,8 +181,8 @@ def flawed_teacher_finetune(model, tokenizer, task: ArithmeticTask, cfg: WarmupC
     """``cfg.flawed_steps`` SFT steps on a flawed teacher's demonstrations; returns the per-step losses.
 
     Each demonstration drops its carries, borrows and minus sign (``slipped``) with probability
-    ``cfg.flawed_slip``; the rest are correct. A fresh AdamW at the constant ``cfg.flawed_lr`` (a separate fine-tuning run, as when a
-    pretrained model is fine-tuned on someone else's data). Only 2-operand ``+``/``-`` tasks have a sloppy
+    ``cfg.flawed_slip``; the rest are correct. A fresh AdamW at the constant ``cfg.flawed_lr`` (a separate
+    fine-tuning run, as when a pretrained model is fine-tuned on someone else's data). Only 2-operand ``+``/``-`` tasks have a sloppy
     answer (``sloppy_result``). Leaves the model in eval mode.
     """
     if not cfg.flawed_steps:
@@ -182,20 +191,8 @@ def flawed_teacher_finetune(model, tokenizer, task: ArithmeticTask, cfg: WarmupC
         raise ValueError("the flawed teacher needs a task of a+b / a-b with non-negative operands")
     rng = random.Random(cfg.seed + 1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.flawed_lr, weight_decay=0.0)
-    model.train()
-    losses: list[float] = []
-    for _ in range(cfg.flawed_steps):
-        problems = flawed_demonstrations(task, cfg.batch_size, cfg.flawed_slip, rng)
-        input_ids, labels = build_sft_batch(tokenizer, problems, cfg.max_len)
-        loss = model(input_ids=input_ids, labels=labels).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        optimizer.step()
-        losses.append(float(loss.detach()))
-    model.eval()
-    return losses
+    return _sft_steps(model, tokenizer, optimizer, cfg, cfg.flawed_steps,
+                      lambda: flawed_demonstrations(task, cfg.batch_size, cfg.flawed_slip, rng))
 
 
 @torch.no_grad()
