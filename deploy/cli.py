@@ -85,8 +85,8 @@ def cmd_generator(args: argparse.Namespace) -> int:
 
     from generator.main import GeneratorSetupError, run_generator
     from shared.client import HubUnavailable
-    from shared.datasets import DatasetError
-    from shared.rewards import RewardConfigError
+    from generator.datasets import DatasetError
+    from generator.rewards import RewardConfigError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = _load_with_flags(args, {"model": "generator.model", "hub": "generator.hub_url", "id": "generator.id",
@@ -134,8 +134,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     from generator.evaluate import evaluate
     from generator.main import GeneratorSetupError
-    from shared.datasets import DatasetError
-    from shared.rewards import RewardConfigError
+    from generator.datasets import DatasetError
+    from generator.rewards import RewardConfigError
 
     config = _load_with_flags(args, {"split": "eval.split", "num_examples": "eval.num_examples", "k": "eval.k"})
     try:
@@ -186,7 +186,7 @@ def cmd_logprobs(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """Build the tiny model, train it with `grpo run` on arithmetic, report accuracy before and after."""
-    from deploy.demo import main as demo
+    from deploy.demo.run import main as demo
 
     return demo(args.config, args.set)
 
@@ -196,9 +196,9 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
     import json
     from dataclasses import replace
 
-    from shared.tasks.arithmetic import ArithmeticTask
-    from shared.tiny_model import TinyModelSpec, build_tiny_model_dir
-    from shared.warmup import WarmupConfig
+    from generator.tasks.arithmetic import ArithmeticTask
+    from deploy.demo.tiny_model import TinyModelSpec, build_tiny_model_dir
+    from deploy.demo.warmup import WarmupConfig
 
     warmup = WarmupConfig()
     warmup = replace(warmup, seed=args.seed, **({"steps": args.warmup_steps} if args.warmup_steps is not None else {}))

@@ -10,9 +10,9 @@ import math
 from dataclasses import dataclass
 
 from generator.main import build_engine, load_examples, system_prompt_for
-from shared.datasets import render_prompt
+from generator.datasets import render_prompt
 from shared.protocol import SamplingParams
-from shared.rewards import RewardSet
+from generator.rewards import RewardSet
 from shared.schema import GRPOConfig
 
 

@@ -21,9 +21,9 @@ import torch
 from generator.engines.base import Engine, SampledCompletion
 from generator.progress import Progress
 from shared.client import HubClient, HubUnavailable
-from shared.datasets import Example, PromptStream, render_prompt
+from generator.datasets import Example, PromptStream, render_prompt
 from shared.protocol import RolloutGroup, SamplingParams
-from shared.rewards import RewardSet
+from generator.rewards import RewardSet
 
 log = logging.getLogger("grpo.generator")
 

@@ -12,11 +12,11 @@ import torch
 from generator.loop import LoopStats, RolloutLoop
 from generator.progress import Progress
 from shared.client import HubClient, service_client, stop_on_signals
-from shared.datasets import R1_SYSTEM_PROMPT, PromptStream, arithmetic_examples, hf_examples, jsonl_examples
+from generator.datasets import R1_SYSTEM_PROMPT, PromptStream, arithmetic_examples, hf_examples, jsonl_examples
 from shared.protocol import SamplingParams
-from shared.rewards import RewardSet
+from generator.rewards import RewardSet
 from shared.schema import DatasetConfig, GRPOConfig
-from shared.tasks.arithmetic import ArithmeticTask
+from generator.tasks.arithmetic import ArithmeticTask
 
 log = logging.getLogger("grpo.generator")
 

@@ -11,7 +11,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """An untrained tiny Llama + character tokenizer saved with save_pretrained (a second or so to build)."""
-    from shared.tiny_model import TinyModelSpec, build_char_tokenizer, build_tiny_model, save_model_dir
+    from deploy.demo.tiny_model import TinyModelSpec, build_char_tokenizer, build_tiny_model, save_model_dir
 
     tokenizer = build_char_tokenizer()
     model = build_tiny_model(tokenizer, TinyModelSpec(seed=1))

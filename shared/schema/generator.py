@@ -34,7 +34,7 @@ class RewardSpec(StrictModel):
     @field_validator("name")
     @classmethod
     def _known(cls, value: str) -> str:
-        return check_registered("shared.rewards", "REWARDS", value)
+        return check_registered("generator.rewards", "REWARDS", value)
 
 
 class DatasetConfig(StrictModel):

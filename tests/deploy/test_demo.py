@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from deploy.demo import build_model
+from deploy.demo.run import build_model
 from shared.config import load_config
 
 CONFIG = "deploy/configs/tiny-cpu.yaml"

@@ -7,10 +7,10 @@ import pytest
 
 from generator.engines.hf import TransformersEngine
 from generator.evaluate import evaluate, pass_at_k
-from shared.datasets import arithmetic_examples
+from generator.datasets import arithmetic_examples
 from shared.protocol import SamplingParams
 from shared.schema import GRPOConfig
-from shared.tasks.arithmetic import ArithmeticTask
+from generator.tasks.arithmetic import ArithmeticTask
 from tests.live_server import LiveServer, make_config
 
 GRPO = str(Path(sys.executable).parent / "grpo")

@@ -10,11 +10,11 @@ from transformers import AutoModelForCausalLM
 from generator.engines.hf import TransformersEngine
 from generator.loop import RolloutLoop
 from shared.client import HubClient, RetryPolicy
-from shared.datasets import PromptStream, arithmetic_examples
+from generator.datasets import PromptStream, arithmetic_examples
 from shared.protocol import SamplingParams
-from shared.rewards import RewardSet
+from generator.rewards import RewardSet
 from shared.schema import RewardSpec
-from shared.tasks.arithmetic import ArithmeticTask
+from generator.tasks.arithmetic import ArithmeticTask
 from tests.live_server import LiveServer, make_config
 
 

@@ -82,7 +82,7 @@ def sloppy_result(operands: tuple[int, ...], ops: tuple[str, ...]) -> int:
     (subtracted) as they are, and ``a-b`` with ``a < b`` is worked as ``b-a``: ``58+67`` -> ``115`` (true 125),
     ``41-38`` -> ``13`` (true 3), ``38-41`` -> ``13`` (true -3), ``12-34`` -> ``22`` (true -22). Equal to
     :func:`evaluate` whenever no carry, borrow or sign is needed. It models the systematic errors of a flawed
-    teacher (``shared.warmup.flawed_teacher_finetune``); other expressions raise ``ValueError``.
+    teacher (``deploy.demo.warmup.flawed_teacher_finetune``); other expressions raise ``ValueError``.
     """
     if len(operands) != 2 or len(ops) != 1 or ops[0] not in ("+", "-") or min(operands) < 0:
         raise ValueError(f"the sloppy result is defined for a+b and a-b with non-negative operands, got "

@@ -22,9 +22,9 @@ from shared.config import load_config
 
 def build_model(config) -> dict:
     """The demo's starting policy: the tiny model, warmed up as `config.demo` says (built once, then reused)."""
-    from shared.tasks.arithmetic import ArithmeticTask
-    from shared.tiny_model import TinyModelSpec, build_tiny_model_dir
-    from shared.warmup import WarmupConfig
+    from generator.tasks.arithmetic import ArithmeticTask
+    from deploy.demo.tiny_model import TinyModelSpec, build_tiny_model_dir
+    from deploy.demo.warmup import WarmupConfig
 
     model_dir = Path(config.generator.model)
     stats_file = model_dir / "grpo_tiny_model.json"

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shared.tasks.arithmetic import ArithmeticTask
+from generator.tasks.arithmetic import ArithmeticTask
 
 # DeepSeek-R1-Zero style system prompt (seed 004, simple_GRPO), the default for math datasets.
 R1_SYSTEM_PROMPT = (

@@ -4,8 +4,8 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
-from shared.code_sandbox import SandboxLimits, extract_code, run_tests
-from shared.rewards import REWARDS, RewardSet, gold_answer
+from generator.sandbox import SandboxLimits, extract_code, run_tests
+from generator.rewards import REWARDS, RewardSet, gold_answer
 from shared.schema import RewardSpec
 
 

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from shared.tasks.arithmetic import (
+from generator.tasks.arithmetic import (
     ArithmeticTask,
     evaluate,
     extract_answer,
@@ -15,8 +15,8 @@ from shared.tasks.arithmetic import (
     make_problem,
     sloppy_result,
 )
-from shared.tiny_model import TinyModelSpec, build_char_tokenizer, build_tiny_model, build_tiny_model_dir
-from shared.warmup import (
+from deploy.demo.tiny_model import TinyModelSpec, build_char_tokenizer, build_tiny_model, build_tiny_model_dir
+from deploy.demo.warmup import (
     WarmupConfig,
     build_sft_batch,
     evaluate_greedy,

@@ -23,7 +23,7 @@ from typing import Any
 import requests
 
 from shared.registry import Registry
-from shared.tasks.arithmetic import check_answer, extract_answer, normalize_int
+from generator.tasks.arithmetic import check_answer, extract_answer, normalize_int
 
 log = logging.getLogger("grpo.generator.rewards")
 
@@ -129,9 +129,9 @@ def arithmetic_reward(correct: float = 1.0, wrong: float = 0.0, answer_field: st
 @REWARDS.register("code")
 def code_reward(timeout_s: float = 5.0, memory_mb: int = 512, tests_field: str = "tests",
                 extract_code_block: bool = True) -> GroupReward:
-    """Run the completion's code against the example's tests in a sandboxed subprocess (see shared/code_sandbox.py);
+    """Run the completion's code against the example's tests in a sandboxed subprocess (see generator/sandbox.py);
     the reward is the fraction of tests that pass."""
-    from shared.code_sandbox import SandboxLimits, extract_code, run_tests
+    from generator.sandbox import SandboxLimits, extract_code, run_tests
 
     limits = SandboxLimits(timeout_s=timeout_s, memory_mb=memory_mb)
 

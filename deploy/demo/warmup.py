@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from shared.tasks.arithmetic import (
+from generator.tasks.arithmetic import (
     ArithmeticTask,
     Problem,
     extract_answer,

@@ -25,8 +25,8 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from shared.tasks.arithmetic import ArithmeticTask
-from shared.warmup import WarmupConfig, evaluate_greedy, flawed_teacher_finetune, supervised_warmup
+from generator.tasks.arithmetic import ArithmeticTask
+from deploy.demo.warmup import WarmupConfig, evaluate_greedy, flawed_teacher_finetune, supervised_warmup
 
 
 def default_alphabet() -> str:
@@ -199,7 +199,7 @@ def build_tiny_model_dir(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m shared.tiny_model OUT_DIR [--steps N] [--seed S]``: build a warmed-up tiny model folder."""
+    """``python -m deploy.demo.tiny_model OUT_DIR [--steps N] [--seed S]``: build a warmed-up tiny model folder."""
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("out_dir")
     parser.add_argument("--steps", type=int, default=WarmupConfig.steps)

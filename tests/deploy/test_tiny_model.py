@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from shared.tasks.arithmetic import ArithmeticTask
-from shared.tiny_model import (
+from generator.tasks.arithmetic import ArithmeticTask
+from deploy.demo.tiny_model import (
     TinyModelSpec,
     build_char_tokenizer,
     build_tiny_model,
@@ -20,7 +20,7 @@ from shared.tiny_model import (
     default_alphabet,
     save_model_dir,
 )
-from shared.warmup import WarmupConfig
+from deploy.demo.warmup import WarmupConfig
 
 ROUND_TRIP = [
     "12 + 3 = <answer>15</answer>",

@@ -4,7 +4,7 @@ import re
 import pytest
 from transformers import AutoTokenizer
 
-from shared.datasets import (
+from generator.datasets import (
     R1_SYSTEM_PROMPT,
     DatasetError,
     Example,
@@ -14,7 +14,7 @@ from shared.datasets import (
     jsonl_examples,
     render_prompt,
 )
-from shared.tasks.arithmetic import ArithmeticTask
+from generator.tasks.arithmetic import ArithmeticTask
 
 
 def test_jsonl_keeps_every_field_and_maps_the_answer(tmp_path):
