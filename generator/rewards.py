@@ -22,8 +22,8 @@ from typing import Any
 
 import requests
 
-from shared.registry import Registry
 from generator.tasks.arithmetic import check_answer, extract_answer, normalize_int
+from shared.registry import Registry
 
 log = logging.getLogger("grpo.generator.rewards")
 
@@ -130,7 +130,13 @@ def arithmetic_reward(correct: float = 1.0, wrong: float = 0.0, answer_field: st
 def code_reward(timeout_s: float = 5.0, memory_mb: int = 512, tests_field: str = "tests",
                 extract_code_block: bool = True) -> GroupReward:
     """Run the completion's code against the example's tests in a sandboxed subprocess (see generator/sandbox.py);
-    the reward is the fraction of tests that pass."""
+    the reward is the fraction of tests that pass.
+
+    Tests are ``assert`` statements (with set-up statements if needed). The verdict is computed outside the
+    sandbox from the plain values of the solution-dependent sub-expressions, so the code cannot forge it
+    (docs/reward-hacks.md); tests whose form cannot be checked that way (asserts inside loops, no assert)
+    fail with the reason in the run's detail.
+    """
     from generator.sandbox import SandboxLimits, extract_code, run_tests
 
     limits = SandboxLimits(timeout_s=timeout_s, memory_mb=memory_mb)

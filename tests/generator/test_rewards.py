@@ -4,8 +4,8 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
-from generator.sandbox import SandboxLimits, extract_code, run_tests
 from generator.rewards import REWARDS, RewardSet, gold_answer
+from generator.sandbox import SandboxLimits, extract_code, run_tests
 from shared.schema import RewardSpec
 
 
@@ -70,10 +70,10 @@ def test_code_reward(completion, expected):
 
 
 def test_sandbox_blocks_network_and_subprocesses_and_runs_in_an_empty_directory():
-    cwd = run_tests("import os\nfiles = os.listdir('.')", ["assert sorted(files) == ['runner.py', 'spec.json']"])
+    cwd = run_tests("import os\nfiles = os.listdir('.')", ["assert sorted(files) == []"])
     assert cwd.passed == 1, cwd
     net = run_tests("import socket\nsocket.create_connection(('127.0.0.1', 22), timeout=1)", ["assert True"])
-    assert net.status == "solution_error" and "not allowed" in net.detail
+    assert net.status == "solution_error" and net.fraction_passed == 0.0
     sub = run_tests("import subprocess\nsubprocess.run(['true'])", ["assert True"])
     assert sub.status == "solution_error" and "not allowed" in sub.detail
     loop = run_tests("while True: pass", ["assert True"], SandboxLimits(timeout_s=1))
