@@ -19,7 +19,7 @@ fixed seed; nothing is downloaded). Presets:
 Batch: ``--groups`` :class:`shared.protocol.RolloutGroup` of ``--group-size`` completions, random prompt and
 completion ids (every completion full length, so no padding), uniform random rewards, behaviour logprobs
 ``-U(log V - 0.5, log V + 0.5)`` (about what a random-weight model assigns, so importance ratios are ~1 rather
-than all clipped), reference logprobs = behaviour + U(-0.1, 0.1); :meth:`TrainBatch.from_groups` computes the
+than all clipped), reference logprobs = behaviour + U(-0.1, 0.1); :meth:`TrainBatch.from_groups` and the learner compute the
 GRPO advantages.
 
 Every ZeRO stage runs in a fresh child process (``--_child``): DeepSpeed keeps global state, and peak-memory
@@ -157,14 +157,14 @@ def _child(args: argparse.Namespace) -> None:
         create_engine,
         ensure_single_process_env,
         init_distributed,
-        resolve_device,
         uses_bf16,
     )
-    from learner.step import grpo_step, split_micro_batches
-    from shared.schema import LearnerConfig, LossConfig
+    from learner.step import batch_advantages, grpo_step, split_micro_batches
+    from shared.devices import resolve_device
+    from shared.schema import AdvantageConfig, LearnerConfig, LossConfig
 
     ensure_single_process_env()
-    device = resolve_device(args.device)
+    device = resolve_device(args.device, local_rank=int(os.environ.get("LOCAL_RANK", "0")))
     init_distributed(device)
     cuda = device.type == "cuda"
 
@@ -190,7 +190,7 @@ def _child(args: argparse.Namespace) -> None:
 
     batch = synthetic_batch(args, config.vocab_size)
     tokens = int((batch.prompt_lengths + batch.completion_lengths).sum())
-    micro = split_micro_batches(batch, cfg.micro_batches, cfg.mask_truncated, device)
+    micro = split_micro_batches(batch, batch_advantages(batch, AdvantageConfig()), cfg.micro_batches, cfg.mask_truncated, device)
 
     t0 = time.perf_counter()
     engine = create_engine(cfg, model, device)

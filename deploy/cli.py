@@ -1,8 +1,9 @@
 """The ``grpo`` command. Each subcommand is a small function; heavy imports (torch, transformers) happen inside
 them so ``grpo --help`` is instant.
 
-Errors the user can fix (a bad config key, a missing file) are printed as one clear message with exit code 2,
-never as a bare traceback.
+Errors are mapped to exit codes in one place, :func:`main`: every :class:`shared.errors.GrpoError` (a bad config
+key, a missing folder, a hub that stayed unreachable) is printed as one clear message, exit code 2 for what the
+user can fix and 1 for a service that gave up, never as a bare traceback.
 """
 
 from __future__ import annotations
@@ -13,15 +14,7 @@ from collections.abc import Callable, Sequence
 from importlib import metadata
 from pathlib import Path
 
-from shared.config import ConfigError
-
-
-class UsageError(Exception):
-    """A problem with what the user asked for; printed without a traceback (exit code 2)."""
-
-
-class ServiceError(Exception):
-    """A service that had to give up (e.g. the hub stayed unreachable); printed without a traceback (exit 1)."""
+from shared.errors import GrpoError, UsageError
 
 
 def _version() -> str:
@@ -68,57 +61,33 @@ def _load_with_flags(args: argparse.Namespace, flag_keys: dict[str, str]):
 
 def cmd_ref_server(args: argparse.Namespace) -> int:
     """Serve reference logprobs, the rollout hub and the weight relay."""
-    from ref_server.server import ModelLoadError, serve
+    from ref_server.server import serve
 
-    config = _load_with_flags(args, {"model": "ref_server.model", "host": "ref_server.host",
-                                     "port": "ref_server.port", "token": "ref_server.token"})
-    try:
-        serve(config)
-    except ModelLoadError as exc:
-        raise UsageError(str(exc)) from None
+    serve(_load_with_flags(args, {"model": "ref_server.model", "host": "ref_server.host", "port": "ref_server.port",
+                                  "token": "ref_server.token"}))
     return 0
-
 
 def cmd_generator(args: argparse.Namespace) -> int:
     """Sample groups of completions, score them, upload them to the hub."""
     import logging
 
-    from generator.main import GeneratorSetupError, run_generator
-    from shared.client import HubUnavailable
-    from generator.datasets import DatasetError
-    from generator.rewards import RewardConfigError
+    from generator.main import run_generator
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    config = _load_with_flags(args, {"model": "generator.model", "hub": "generator.hub_url", "id": "generator.id",
-                                     "max_groups": "generator.max_groups"})
-    try:
-        run_generator(config)
-    except (GeneratorSetupError, DatasetError, RewardConfigError) as exc:
-        raise UsageError(str(exc)) from None
-    except HubUnavailable as exc:
-        raise ServiceError(f"the hub stayed unreachable: {exc}") from None
+    run_generator(_load_with_flags(args, {"model": "generator.model", "hub": "generator.hub_url",
+                                          "id": "generator.id", "max_groups": "generator.max_groups"}))
     return 0
-
 
 def cmd_learner(args: argparse.Namespace) -> int:
     """Train: pull batches from the hub, GRPO step with DeepSpeed, publish weights."""
     import logging
 
-    from learner.engine import LearnerSetupError
-    from learner.main import NonFiniteLossError, run_learner
-    from shared.client import HubUnavailable
+    from learner.main import run_learner
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    config = _load_with_flags(args, {"model": "learner.model", "hub": "learner.hub_url",
-                                     "max_steps": "learner.max_steps"})
-    try:
-        run_learner(config, resume=args.resume)
-    except LearnerSetupError as exc:
-        raise UsageError(str(exc)) from None
-    except (HubUnavailable, NonFiniteLossError) as exc:
-        raise ServiceError(str(exc)) from None
+    run_learner(_load_with_flags(args, {"model": "learner.model", "hub": "learner.hub_url",
+                                        "max_steps": "learner.max_steps"}), resume=args.resume)
     return 0
-
 
 def cmd_run(args: argparse.Namespace) -> int:
     """All three services on one node from one YAML."""
@@ -133,15 +102,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     import json
 
     from generator.evaluate import evaluate
-    from generator.main import GeneratorSetupError
-    from generator.datasets import DatasetError
-    from generator.rewards import RewardConfigError
 
-    config = _load_with_flags(args, {"split": "eval.split", "num_examples": "eval.num_examples", "k": "eval.k"})
-    try:
-        result = evaluate(config, args.model)
-    except (GeneratorSetupError, DatasetError, RewardConfigError, ValueError) as exc:
-        raise UsageError(str(exc)) from None
+    result = evaluate(_load_with_flags(args, {"split": "eval.split", "num_examples": "eval.num_examples",
+                                              "k": "eval.k"}), args.model)
     text = json.dumps(result.as_dict(), indent=2)
     print(text)
     if args.out:
@@ -155,7 +118,7 @@ def cmd_logprobs(args: argparse.Namespace) -> int:
     import json
     import os
 
-    from shared.client import HubClient, HubError, HubUnavailable, RetryPolicy
+    from shared.client import HubClient, HubError, RetryPolicy
 
     if args.file:
         try:
@@ -178,8 +141,6 @@ def cmd_logprobs(args: argparse.Namespace) -> int:
         logprobs = client.logprobs(rows, plens, temperature=temperature, binary=False)
     except HubError as exc:
         raise UsageError(f"the server refused the request: {exc.detail}") from None
-    except HubUnavailable as exc:
-        raise ServiceError(str(exc)) from None
     print(json.dumps({"logprobs": logprobs}))
     return 0
 
@@ -196,9 +157,9 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
     import json
     from dataclasses import replace
 
-    from generator.tasks.arithmetic import ArithmeticTask
     from deploy.demo.tiny_model import TinyModelSpec, build_tiny_model_dir
     from deploy.demo.warmup import WarmupConfig
+    from generator.tasks.arithmetic import ArithmeticTask
 
     warmup = WarmupConfig()
     warmup = replace(warmup, seed=args.seed, **({"steps": args.warmup_steps} if args.warmup_steps is not None else {}))
@@ -314,12 +275,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     try:
         return args.func(args)
-    except (ConfigError, UsageError) as exc:
+    except GrpoError as exc:
         print(f"grpo {args.command}: error: {exc}", file=sys.stderr)
-        return 2
-    except ServiceError as exc:
-        print(f"grpo {args.command}: error: {exc}", file=sys.stderr)
-        return 1
+        return exc.exit_code
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from generator.tasks.arithmetic import ArithmeticTask
+from shared.errors import UsageError
 
 # DeepSeek-R1-Zero style system prompt (seed 004, simple_GRPO), the default for math datasets.
 R1_SYSTEM_PROMPT = (
@@ -27,7 +28,7 @@ R1_SYSTEM_PROMPT = (
 )
 
 
-class DatasetError(ValueError):
+class DatasetError(UsageError, ValueError):
     """A dataset that cannot be used; the message names the file or dataset and the field."""
 
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from generator.main import build_engine, load_examples, system_prompt_for
 from generator.datasets import render_prompt
-from shared.protocol import SamplingParams
+from generator.main import build_engine, load_examples, system_prompt_for
 from generator.rewards import RewardSet
+from shared.errors import UsageError
+from shared.protocol import SamplingParams
 from shared.schema import GRPOConfig
 
 
@@ -48,7 +49,7 @@ def evaluate(config: GRPOConfig, model_dir: str) -> EvalResult:
     names = [t.name for t in rewards.terms]
     judge = cfg.accuracy_reward or names[0]
     if judge not in names:
-        raise ValueError(f"eval.accuracy_reward {judge!r} is not one of the generator's rewards {names}")
+        raise UsageError(f"eval.accuracy_reward {judge!r} is not one of the generator's rewards {names}")
     engine_config = config.model_copy(update={"generator": gen.model_copy(update={"model": model_dir,
                                                                                   "engine": cfg.engine})})
     engine = build_engine(engine_config)

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import torch
 
+from generator.datasets import Example, PromptStream, render_prompt
 from generator.engines.base import Engine, SampledCompletion
 from generator.progress import Progress
-from shared.client import HubClient, HubUnavailable
-from generator.datasets import Example, PromptStream, render_prompt
-from shared.protocol import RolloutGroup, SamplingParams
 from generator.rewards import RewardSet
+from shared.client import HubClient, HubUnavailable
+from shared.protocol import RolloutGroup, SamplingParams
 
 log = logging.getLogger("grpo.generator")
 

@@ -9,19 +9,27 @@ import threading
 
 import torch
 
+from generator.datasets import (
+    R1_SYSTEM_PROMPT,
+    PromptStream,
+    arithmetic_examples,
+    hf_examples,
+    jsonl_examples,
+)
 from generator.loop import LoopStats, RolloutLoop
 from generator.progress import Progress
-from shared.client import HubClient, service_client, stop_on_signals
-from generator.datasets import R1_SYSTEM_PROMPT, PromptStream, arithmetic_examples, hf_examples, jsonl_examples
-from shared.protocol import SamplingParams
 from generator.rewards import RewardSet
-from shared.schema import DatasetConfig, GRPOConfig
 from generator.tasks.arithmetic import ArithmeticTask
+from shared.client import HubClient, service_client, stop_on_signals
+from shared.devices import default_dtype, resolve_device
+from shared.errors import UsageError
+from shared.protocol import SamplingParams
+from shared.schema import DatasetConfig, GRPOConfig
 
 log = logging.getLogger("grpo.generator")
 
 
-class GeneratorSetupError(RuntimeError):
+class GeneratorSetupError(UsageError):
     """The generator cannot start (no model, unknown engine...); the message says which setting."""
 
 
@@ -63,9 +71,8 @@ def build_engine(config: GRPOConfig):
                           device=cfg.device, seed=config.seed)
     from generator.engines.hf import TransformersEngine
 
-    device = cfg.device if cfg.device != "auto" else ("cuda:0" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    return TransformersEngine(cfg.model, device=device, dtype=dtype)
+    device = resolve_device(cfg.device)
+    return TransformersEngine(cfg.model, device=str(device), dtype=default_dtype("auto", device))
 
 
 def build_loop(config: GRPOConfig, engine, client: HubClient, progress: Progress, rewards: RewardSet,

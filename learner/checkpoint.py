@@ -3,7 +3,9 @@
 Each checkpoint is a DeepSpeed tag folder ``step00000042``; once every rank has written its part, rank 0 writes
 ``COMPLETE`` (JSON: step, policy version) into it. Resuming picks the newest tag that has ``COMPLETE``, so a
 checkpoint interrupted mid-write is ignored (and later pruned). Client state holds the step, the version and the
-RNG states of torch, Python and NumPy; these files are our own, never network input.
+RNG states of torch, Python and NumPy; these files are our own, never network input. Each rank also writes the
+rollout group ids it has trained on (``consumed-rank00000.json``): a resumed learner drops a group it meets again,
+whatever the new world size.
 """
 
 from __future__ import annotations
@@ -36,13 +38,15 @@ def complete_tags(directory: str | Path) -> list[str]:
     return sorted(p.name for p in root.iterdir() if _TAG.match(p.name) and (p / MARKER).is_file())
 
 
-def save_checkpoint(engine, directory: str | Path, *, step: int, version: int, keep: int, rank: int) -> str:
+def save_checkpoint(engine, directory: str | Path, *, step: int, version: int, keep: int, rank: int,
+                    consumed: list[str] = ()) -> str:
     tag = f"step{step:08d}"
     rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
     engine.save_checkpoint(str(directory), tag=tag, client_state={"step": step, "version": version, "rng": rng},
                            save_latest=False)
+    (Path(directory) / tag / f"consumed-rank{rank:05d}.json").write_text(json.dumps(list(consumed)))
     _barrier()
     if rank == 0:
         (Path(directory) / tag / MARKER).write_text(json.dumps({"step": step, "version": version}) + "\n")
@@ -78,5 +82,8 @@ def load_latest(engine, directory: str | Path) -> dict | None:
     np.random.set_state(rng["numpy"])
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state(rng["cuda"])
-    log.info("resumed from %s (step %d, version %d)", tags[-1], state["step"], state["version"])
+    state["consumed"] = [group_id for path in sorted((Path(directory) / tags[-1]).glob("consumed-rank*.json"))
+                         for group_id in json.loads(path.read_text())]
+    log.info("resumed from %s (step %d, version %d, %d groups trained on)", tags[-1], state["step"],
+             state["version"], len(state["consumed"]))
     return state

@@ -12,12 +12,13 @@ from typing import Any
 
 import torch
 
+from shared.errors import UsageError
 from shared.schema import LearnerConfig
 
 log = logging.getLogger("grpo.learner")
 
 
-class LearnerSetupError(RuntimeError):
+class LearnerSetupError(UsageError):
     """The learner cannot start; the message names the setting or file."""
 
 
@@ -29,17 +30,6 @@ def ensure_single_process_env() -> None:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-
-
-def resolve_device(spec: str) -> torch.device:
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if spec == "cpu" or (spec == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise LearnerSetupError(f"learner.device is {spec!r} but no GPU is visible")
-    device = torch.device("cuda", local_rank)  # LOCAL_RANK indexes this node's visible GPUs
-    torch.cuda.set_device(device)
-    return device
 
 
 def uses_bf16(cfg: LearnerConfig, device: torch.device) -> bool:

@@ -14,10 +14,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from shared.advantages import compute_advantages
 from shared.logprobs import sequence_logprobs
 from shared.losses import PolicyLossOutput, compute_policy_loss, loss_normalizers
 from shared.protocol import TrainBatch
-from shared.schema import LossConfig
+from shared.schema import AdvantageConfig, LossConfig
 
 # How each metric combines over micro-batches and ranks: token-weighted mean, min or max.
 _MIN_KEYS = {"ratio_min", "is_weight_min"}
@@ -43,9 +44,26 @@ class StepOutcome:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def split_micro_batches(batch: TrainBatch, parts: int, mask_truncated: bool, device: torch.device
-                        ) -> list[MicroBatch]:
-    """Split by whole groups into ``parts`` contiguous micro-batches, each trimmed to its own widths."""
+def batch_advantages(batch: TrainBatch, cfg: AdvantageConfig) -> torch.Tensor:
+    """``[B]`` advantages of the whole batch, one estimator call with the group index (verl's way).
+
+    With ``scale: batch`` the std is that of the global batch: every rank's rewards, all-reduced (count, sum,
+    sum of squares), so the result does not depend on how the hub split the batch over ranks."""
+    batch_std = None
+    if cfg.scale == "batch":
+        rewards = batch.rewards.double()
+        n, total, squares = all_reduce(torch.stack([torch.tensor(float(rewards.numel()), dtype=torch.float64),
+                                                    rewards.sum(), (rewards * rewards).sum()])).tolist()
+        batch_std = max((squares - total * total / n) / (n - 1), 0.0) ** 0.5 if n > 1 else 0.0
+    return compute_advantages(batch.rewards, batch.group_index, cfg.estimator, scale=cfg.scale, eps=cfg.eps,
+                              batch_std=batch_std)
+
+
+def split_micro_batches(batch: TrainBatch, advantages: torch.Tensor, parts: int, mask_truncated: bool,
+                        device: torch.device) -> list[MicroBatch]:
+    """Split by whole groups into ``parts`` contiguous micro-batches, each trimmed to its own widths.
+
+    ``advantages`` is ``[B]``, one per completion (the loss broadcasts it over the completion's tokens)."""
     num_groups = int(batch.group_index.max()) + 1
     if parts > num_groups:
         raise ValueError(f"cannot split {num_groups} groups into {parts} micro-batches")
@@ -69,7 +87,8 @@ def split_micro_batches(batch: TrainBatch, parts: int, mask_truncated: bool, dev
         pieces.append(MicroBatch(
             input_ids=take(batch.input_ids, width), prompt_lengths=take(batch.prompt_lengths),
             completion_lengths=take(batch.completion_lengths), loss_lengths=take(loss_lengths),
-            advantages=take(batch.advantages, width_c), behaviour_logprobs=take(batch.behaviour_logprobs, width_c),
+            advantages=take(advantages),
+            behaviour_logprobs=take(batch.behaviour_logprobs, width_c),
             ref_logprobs=take(batch.ref_logprobs, width_c)))
     return pieces
 
@@ -197,13 +216,13 @@ def _reduce_metrics(sums, mins, maxs, device, grad_norm) -> dict[str, float]:
     return metrics
 
 
-def batch_metrics(batch: TrainBatch, current_version: int) -> dict[str, float]:
+def batch_metrics(batch: TrainBatch, advantages: torch.Tensor, current_version: int) -> dict[str, float]:
     """What the pulled batch says about the rollouts (before any update)."""
     rewards = batch.rewards.float()
     lengths = batch.completion_lengths.float()
     groups = int(batch.group_index.max()) + 1
     constant = sum(1 for g in range(groups) if rewards[batch.group_index == g].unique().numel() == 1)
-    adv = batch.advantages.float()
+    adv = advantages.float()
     staleness = (current_version - batch.policy_versions).float()
     metrics = {
         "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,

@@ -5,8 +5,16 @@
   asking for a batch finds them attached.
 * Staleness: the learner reports its version; groups sampled more than ``max_staleness`` versions earlier are
   dropped and counted, never silently.
-* Spool: every accepted group is written to ``spool_dir`` before it is acknowledged and removed when it is handed
-  to the learner, so a restart (clean or not) reloads what was accepted and not yet consumed.
+* Validation: a group that could not join a batch is refused at upload (a temperature other than the hub's, a
+  policy version the learner has not published, unsafe ids, non-finite values), so it can never take other groups
+  down with it.
+* Delivery at least once: :meth:`RolloutHub.take` *leases* groups to a batch id. The learner acknowledges the batch
+  once its step is applied (:meth:`RolloutHub.ack`); only then are the groups and their spool files gone. A lease
+  not acknowledged (or renewed) within ``lease_timeout_s`` returns its groups to the front of the queue. The
+  learner drops group ids it already trained on, which makes delivery exactly once.
+* Spool: every accepted group is written to ``spool_dir`` before it is acknowledged to the generator and deleted
+  on the learner's acknowledgement (or a staleness drop), so a restart (clean or not) reloads every group that was
+  accepted and not yet trained on, leased ones included.
 * Duplicates: a group id seen recently is acknowledged again without being queued twice, so a generator may
   safely retry an upload whose answer it did not receive.
 """
@@ -17,15 +25,16 @@ import logging
 import os
 import threading
 import time
+import uuid
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ref_server.scorer import ReferenceScorer, Row
-from shared.protocol import RolloutGroup, TrainBatch
+from shared.protocol import ProtocolError, RolloutGroup, TrainBatch
 from shared.wire import WireError
 
 log = logging.getLogger("grpo.ref_server.hub")
@@ -35,6 +44,10 @@ class HubFull(RuntimeError):
     """The queue holds ``capacity`` groups; retry after the learner has consumed some."""
 
 
+class GroupRejected(ValueError):
+    """A well-formed group that this hub cannot batch (HTTP 422); the message says why."""
+
+
 @dataclass
 class _Entry:
     seq: int
@@ -42,16 +55,24 @@ class _Entry:
     spool_path: Path | None
     ref_logprobs: list[torch.Tensor] | None = None
     ready: bool = False
-    arrived: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Lease:
+    entries: list[_Entry]
+    deadline: float
 
 
 @dataclass
 class HubCounters:
     accepted: int = 0
     duplicates: int = 0
+    rejected: int = 0
     dropped_stale: int = 0
     dropped_ref_failure: int = 0
+    leased: int = 0
     consumed: int = 0
+    lease_expired: int = 0
     rejected_full: int = 0
     spool_reloaded: int = 0
     spool_corrupt: int = 0
@@ -66,22 +87,29 @@ class RolloutHub:
         scorer: ReferenceScorer | None,
         vocab_size: int | None = None,
         spool_dir: str | Path | None = None,
-        advantage: dict | None = None,
-        on_change: Callable[[], None] | None = None,
+        temperature: float | None = None,
+        lease_timeout_s: float = 300.0,
+        published_version: Callable[[], int | None] = lambda: None,
     ) -> None:
         self.capacity = capacity
         self.max_staleness = max_staleness
         self.scorer = scorer
         self.vocab_size = vocab_size
-        self.advantage = advantage or {}
+        # None: groups of any temperature are accepted, and a batch takes the oldest groups of one temperature
+        self.temperature = temperature
+        self.lease_timeout_s = lease_timeout_s
+        self._published_version = published_version
         self.counters = HubCounters()
         self.learner_version = 0
         self._entries: OrderedDict[int, _Entry] = OrderedDict()
+        self._leases: dict[str, _Lease] = {}
+        # batch ids already acknowledged (-> True) or expired and requeued (-> their sequence numbers), so that a
+        # repeated or late acknowledgement is answered correctly
+        self._finished: OrderedDict[str, list[int] | None] = OrderedDict()
         self._seen: OrderedDict[str, None] = OrderedDict()
         self._seen_limit = max(10_000, 4 * capacity)
         self._next_seq = 0
         self._cond = threading.Condition()
-        self._on_change = on_change or (lambda: None)
         self.spool_dir = Path(spool_dir) if spool_dir else None
         if self.spool_dir is not None:
             self.spool_dir.mkdir(parents=True, exist_ok=True)
@@ -95,6 +123,7 @@ class RolloutHub:
             if group.group_id in self._seen:
                 self.counters.duplicates += 1
                 return self._answer(accepted=True, duplicate=True)
+            self._check_batchable(group)
             if self._is_stale(group.policy_version):
                 self.counters.dropped_stale += 1
                 self._remember(group.group_id)
@@ -123,14 +152,17 @@ class RolloutHub:
         return dropped
 
     def take(self, num_groups: int, timeout: float = 0.0) -> TrainBatch | None:
-        """The ``num_groups`` oldest ready groups as one batch, waiting up to ``timeout`` s; None if not enough."""
+        """Lease the ``num_groups`` oldest ready groups as one batch, waiting up to ``timeout`` s; None if not enough.
+
+        The groups stay spooled until :meth:`ack` names the batch id; an unacknowledged lease expires after
+        ``lease_timeout_s`` and its groups go back to the front of the queue."""
         deadline = time.monotonic() + timeout
         with self._cond:
             while True:
+                self._expire_leases()
                 self._drop_stale()
-                ready = [e for e in self._entries.values() if e.ready]
-                if len(ready) >= num_groups:
-                    chosen = ready[:num_groups]
+                chosen = self._oldest_ready(num_groups)
+                if chosen is not None:
                     break
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -138,15 +170,50 @@ class RolloutHub:
                 self._cond.wait(timeout=min(remaining, 1.0))
             for entry in chosen:
                 del self._entries[entry.seq]
-            self.counters.consumed += len(chosen)
-        refs = [e.ref_logprobs for e in chosen] if self.scorer is not None else None
-        batch = TrainBatch.from_groups([e.group for e in chosen],
-                                       [torch.nn.utils.rnn.pad_sequence(r, batch_first=True) for r in refs]
-                                       if refs is not None else None, **self.advantage)
-        for entry in chosen:
-            self._unspool(entry)
-        self._on_change()
-        return batch
+            batch_id = uuid.uuid4().hex
+            self._leases[batch_id] = _Lease(chosen, time.monotonic() + self.lease_timeout_s)
+            self.counters.leased += len(chosen)
+        refs = [torch.nn.utils.rnn.pad_sequence(e.ref_logprobs, batch_first=True) for e in chosen] \
+            if self.scorer is not None else None
+        return TrainBatch.from_groups([e.group for e in chosen], refs, batch_id=batch_id)
+
+    def ack(self, batch_ids: list[str]) -> dict[str, str]:
+        """The learner applied these batches: their groups are consumed (spool files deleted).
+
+        Per id: ``"acked"``; ``"already"`` (acknowledged before); ``"late"`` (the lease had expired: the groups
+        still waiting in the queue are removed, those leased again stay with their new batch, which the learner
+        acknowledges after dropping them as already trained); ``"unknown"``."""
+        answer = {}
+        with self._cond:
+            for batch_id in batch_ids:
+                lease = self._leases.pop(batch_id, None)
+                if lease is not None:
+                    done = lease.entries
+                    answer[batch_id] = "acked"
+                elif batch_id in self._finished:
+                    requeued = self._finished[batch_id] or []
+                    done = [self._entries.pop(seq) for seq in requeued if seq in self._entries]
+                    answer[batch_id] = "late" if requeued else "already"
+                else:
+                    answer[batch_id] = "unknown"
+                    continue
+                for entry in done:
+                    self._unspool(entry)
+                self.counters.consumed += len(done)
+                self._finish(batch_id, None)
+        return answer
+
+    def renew(self, batch_ids: list[str]) -> dict[str, str]:
+        """Extend these leases by ``lease_timeout_s`` from now (the learner holds them until its checkpoint)."""
+        answer = {}
+        with self._cond:
+            self._expire_leases()
+            for batch_id in batch_ids:
+                lease = self._leases.get(batch_id)
+                if lease is not None:
+                    lease.deadline = time.monotonic() + self.lease_timeout_s
+                answer[batch_id] = "renewed" if lease is not None else "unknown"
+        return answer
 
     # -- state --------------------------------------------------------------------------------------------
     def depth(self) -> int:
@@ -157,9 +224,10 @@ class RolloutHub:
         with self._cond:
             return sum(1 for e in self._entries.values() if e.ready)
 
-    def oldest_version(self) -> int | None:
+    def leased_depth(self) -> int:
+        """Groups handed to the learner and not yet acknowledged."""
         with self._cond:
-            return min((e.group.policy_version for e in self._entries.values()), default=None)
+            return sum(len(lease.entries) for lease in self._leases.values())
 
     # -- internals ----------------------------------------------------------------------------------------
     def _answer(self, **fields) -> dict:
@@ -170,6 +238,52 @@ class RolloutHub:
         self._seen[group_id] = None
         while len(self._seen) > self._seen_limit:
             self._seen.popitem(last=False)
+
+    def _check_batchable(self, group: RolloutGroup) -> None:
+        """Refuse what could not join a batch with the others, naming why (checked under the lock)."""
+        temperature = group.sampling.temperature
+        if self.temperature is not None and temperature != self.temperature:
+            self.counters.rejected += 1
+            raise GroupRejected(f"group sampled at temperature {temperature}, but this hub batches groups sampled "
+                                f"at {self.temperature} (generator.sampling.temperature in the ref server's config)")
+        newest = max(self.learner_version, self._published_version() or 0)
+        if group.policy_version > newest:
+            self.counters.rejected += 1
+            raise GroupRejected(f"policy_version {group.policy_version} is newer than any version the learner has "
+                                f"published ({newest})")
+
+    def _oldest_ready(self, num_groups: int) -> list[_Entry] | None:
+        """The oldest ready groups of one temperature (the oldest group's), or None if there are too few."""
+        chosen: list[_Entry] = []
+        for entry in self._entries.values():
+            if entry.ready and (not chosen or entry.group.sampling.temperature ==
+                                chosen[0].group.sampling.temperature):
+                chosen.append(entry)
+                if len(chosen) == num_groups:
+                    return chosen
+        return None
+
+    def _expire_leases(self) -> None:
+        now = time.monotonic()
+        expired = [batch_id for batch_id, lease in self._leases.items() if lease.deadline <= now]
+        if not expired:
+            return
+        for batch_id in expired:
+            lease = self._leases.pop(batch_id)
+            for entry in lease.entries:
+                self._entries[entry.seq] = entry
+            self.counters.lease_expired += len(lease.entries)
+            self._finish(batch_id, [e.seq for e in lease.entries])
+            log.warning("batch %s was not acknowledged within %.1fs: its %d groups are queued again", batch_id,
+                        self.lease_timeout_s, len(lease.entries))
+        # back in arrival order, so the requeued groups are the next batch
+        self._entries = OrderedDict(sorted(self._entries.items()))
+        self._cond.notify_all()
+
+    def _finish(self, batch_id: str, requeued: list[int] | None) -> None:
+        self._finished[batch_id] = requeued
+        while len(self._finished) > 10_000:
+            self._finished.popitem(last=False)
 
     def _is_stale(self, version: int) -> bool:
         return version < self.learner_version - self.max_staleness
@@ -199,8 +313,11 @@ class RolloutHub:
     def _scored(self, entry: _Entry, future) -> None:
         error = future.exception()
         if error is None:
-            self._mark_ready(entry, future.result())
-            return
+            result = future.result()
+            if all(bool(torch.isfinite(r).all()) for r in result):
+                self._mark_ready(entry, result)
+                return
+            error = ValueError("reference logprobs are not finite")
         log.error("reference scoring failed for group %s: %s; dropping it", entry.group.group_id, error)
         with self._cond:
             if self._entries.pop(entry.seq, None) is not None:
@@ -212,7 +329,6 @@ class RolloutHub:
             entry.ref_logprobs = ref_logprobs
             entry.ready = True
             self._cond.notify_all()
-        self._on_change()
 
     def _spool(self, seq: int, group_id: str, data: bytes) -> Path | None:
         if self.spool_dir is None:
@@ -240,6 +356,9 @@ class RolloutHub:
             try:
                 int(path.name.split("-", 1)[0])
                 group = RolloutGroup.from_bytes(path.read_bytes()).validate(self.vocab_size)
+                if self.temperature is not None and group.sampling.temperature != self.temperature:
+                    raise ProtocolError(f"sampled at temperature {group.sampling.temperature}, the hub now batches "
+                                        f"{self.temperature}")
             except (WireError, ValueError, OSError) as exc:
                 self.counters.spool_corrupt += 1
                 bad = self.spool_dir / "corrupt"

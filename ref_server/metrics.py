@@ -10,10 +10,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 if TYPE_CHECKING:
     from fastapi import Request
 
-    from ref_server.app import ServerState
+    from ref_server.state import ServerState
 
-_ENDPOINTS = {"/healthz", "/metrics", "/v1/logprobs", "/v1/rollouts", "/v1/batch", "/v1/learner/version",
-              "/v1/hub/stats", "/v1/weights"}
+_ENDPOINTS = {"/healthz", "/metrics", "/v1/logprobs", "/v1/rollouts", "/v1/batch", "/v1/batch/ack",
+              "/v1/batch/renew", "/v1/learner/version", "/v1/hub/stats", "/v1/weights"}
 
 
 class ServerMetrics:
@@ -29,6 +29,7 @@ class ServerMetrics:
         gauges = {
             "grpo_hub_queue_depth": ("Rollout groups held by the hub", state.hub.depth),
             "grpo_hub_ready_groups": ("Groups with reference logprobs attached", state.hub.ready_depth),
+            "grpo_hub_leased_groups": ("Groups leased to the learner, not yet acknowledged", state.hub.leased_depth),
             "grpo_scorer_queue_depth": ("Scoring requests waiting for the model",
                                         lambda: state.scorer.queue_depth() if state.scorer else 0),
             "grpo_learner_version": ("Policy version last reported by the learner",
@@ -41,8 +42,8 @@ class ServerMetrics:
         counters = state.hub.counters
         hub_events = Gauge("grpo_hub_groups", "Rollout groups by what happened to them", ["event"],
                            registry=self.registry)
-        for event in ("accepted", "duplicates", "dropped_stale", "dropped_ref_failure", "consumed",
-                      "rejected_full", "spool_reloaded", "spool_corrupt"):
+        for event in ("accepted", "duplicates", "rejected", "dropped_stale", "dropped_ref_failure", "leased",
+                      "consumed", "lease_expired", "rejected_full", "spool_reloaded", "spool_corrupt"):
             hub_events.labels(event=event).set_function(lambda e=event: getattr(counters, e))
 
     def observe(self, request: Request, status: int, started: float) -> None:

@@ -10,33 +10,20 @@ from pathlib import Path
 
 import torch
 
-from ref_server.app import ServerState, create_app
+from ref_server.app import create_app
 from ref_server.hub import RolloutHub
 from ref_server.scorer import ReferenceScorer
+from ref_server.state import ServerState
 from ref_server.weights import WeightStore
 from shared.config import GRPOConfig, RefServerConfig
+from shared.devices import default_dtype, resolve_device
+from shared.errors import UsageError
 
 log = logging.getLogger("grpo.ref_server")
 
 
-class ModelLoadError(RuntimeError):
+class ModelLoadError(UsageError):
     """The reference model folder is missing or unreadable; the message names the folder."""
-
-
-def resolve_device(spec: str) -> torch.device:
-    """'auto' -> cuda:0 if a GPU is visible else cpu; 'cuda:N' indexes the visible GPUs."""
-    if spec == "auto":
-        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-    device = torch.device(spec)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ModelLoadError(f"device {spec!r} asked for, but no GPU is visible")
-    return device
-
-
-def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
-    if spec == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, spec)
 
 
 def load_reference_model(path: str, device: torch.device, dtype: torch.dtype):
@@ -73,20 +60,23 @@ def build_state(config: GRPOConfig) -> ServerState:
         if cfg.model is None:
             raise ModelLoadError("algorithm.loss.beta > 0 needs ref_server.model (or --model)")
         device = resolve_device(cfg.device)
-        model = load_reference_model(cfg.model, device, resolve_dtype(cfg.dtype, device))
+        model = load_reference_model(cfg.model, device, default_dtype(cfg.dtype, device))
         vocab_size = model.config.get_text_config().vocab_size
         max_context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         scorer = ReferenceScorer(model, vocab_size=vocab_size, max_context=max_context or 2**31,
                                  batch_tokens=cfg.batch_tokens)
-    hub = RolloutHub(capacity=cfg.queue_capacity, max_staleness=cfg.max_staleness, scorer=scorer,
-                     vocab_size=vocab_size, spool_dir=cfg.spool_dir,
-                     advantage=config.algorithm.advantage.model_dump())
     weights = WeightStore(cfg.weights_dir, keep=cfg.keep_weight_versions, max_bytes=cfg.max_weight_bytes)
+    temperature = config.generator.sampling.temperature
+    hub = RolloutHub(capacity=cfg.queue_capacity, max_staleness=cfg.max_staleness, scorer=scorer,
+                     vocab_size=vocab_size, spool_dir=cfg.spool_dir, lease_timeout_s=cfg.lease_timeout_s,
+                     # 0 is greedy decoding, for evaluation only: no training group is sampled that way
+                     temperature=temperature if temperature > 0 else None,
+                     published_version=lambda: weights.current)
     return ServerState(
         scorer=scorer, hub=hub, weights=weights, model_name=cfg.model, vocab_size=vocab_size,
         max_context=max_context, max_request_bytes=cfg.max_request_bytes,
         max_request_tokens=cfg.max_request_tokens, max_long_poll_s=cfg.max_long_poll_s,
-        token=cfg.token or os.environ.get("GRPO_TOKEN") or None,
+        token=cfg.token or os.environ.get("GRPO_TOKEN") or None, max_version_ahead=cfg.max_version_ahead,
     )
 
 

@@ -7,6 +7,7 @@ file response. The newest ``keep`` versions are kept; older ones are deleted.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import re
@@ -30,6 +31,43 @@ class WeightsTooLarge(WeightsRejected):
 
 class WeightsConflict(WeightsRejected):
     """The version is not newer than the current one (HTTP 409)."""
+
+
+def _flush_to_disk(fh) -> None:
+    fh.flush()
+    os.fsync(fh.fileno())
+
+
+_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "I16": 2, "F16": 2, "BF16": 2, "I32": 4, "F32": 4, "I64": 8, "F64": 8}
+
+
+def _check_layout(header: dict) -> int:
+    """Tensors' byte ranges must tile the data section exactly: each ``data_offsets`` a pair of integers, matching
+    its dtype and shape, contiguous and non-overlapping from 0. Returns the data section's size."""
+    ranges = []
+    for name, spec in header.items():
+        if name == "__metadata__":
+            continue
+        offsets, shape = spec.get("data_offsets"), spec.get("shape")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+            raise WeightsRejected(f"weights upload: tensor {name!r} has no valid data_offsets [begin, end]")
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+            raise WeightsRejected(f"weights upload: tensor {name!r} has no valid shape")
+        begin, end = offsets
+        numel = 1
+        for d in shape:
+            numel *= d
+        if not 0 <= begin <= end or end - begin != numel * _ITEMSIZE[spec["dtype"]]:
+            raise WeightsRejected(f"weights upload: tensor {name!r} has data_offsets {offsets} that do not match its "
+                                  f"dtype {spec['dtype']} and shape {shape}")
+        ranges.append((begin, end, name))
+    position = 0
+    for begin, end, name in sorted(ranges):
+        if begin != position:
+            raise WeightsRejected(f"weights upload: tensor {name!r} starts at byte {begin}, expected {position} "
+                                  "(tensors must be contiguous and must not overlap)")
+        position = end
+    return position
 
 
 class WeightStore:
@@ -64,26 +102,29 @@ class WeightStore:
         partial = final.with_suffix(".partial")
         size = 0
         try:
+            # the disk work runs in a worker thread: a multi-GB upload must not stall the other endpoints
             with open(partial, "wb") as fh:
                 async for chunk in chunks:
                     size += len(chunk)
                     if size > self.max_bytes:
                         raise WeightsTooLarge(f"upload exceeds the {self.max_bytes}-byte limit for weights")
-                    fh.write(chunk)
-                fh.flush()
-                os.fsync(fh.fileno())
-            self._check_file(partial, size)
-            with self._lock:
-                current = self.current
-                if current is not None and version <= current:
-                    raise WeightsConflict(f"version {version} is not newer than the current version {current}")
-                os.replace(partial, final)
-                self.versions.append(version)
-                self._prune()
+                    await asyncio.to_thread(fh.write, chunk)
+                await asyncio.to_thread(_flush_to_disk, fh)
+            await asyncio.to_thread(self._publish, partial, final, version, size)
         finally:
             partial.unlink(missing_ok=True)
         log.info("published weights version %d (%.1f MB)", version, size / 2**20)
         return size
+
+    def _publish(self, partial: Path, final: Path, version: int, size: int) -> None:
+        self._check_file(partial, size)
+        with self._lock:
+            current = self.current
+            if current is not None and version <= current:
+                raise WeightsConflict(f"version {version} is not newer than the current version {current}")
+            os.replace(partial, final)
+            self.versions.append(version)
+            self._prune()
 
     def _check_file(self, path: Path, size: int) -> None:
         with open(path, "rb") as fh:
@@ -97,7 +138,7 @@ class WeightStore:
                 header = read_header(head + fh.read(min(header_size, 2**27)))
             except WireError as exc:
                 raise WeightsRejected(f"weights upload: {exc}") from None
-        end = max((spec["data_offsets"][1] for name, spec in header.items() if name != "__metadata__"), default=0)
+        end = _check_layout(header)
         if 8 + header_size + end != size:
             raise WeightsRejected(f"weights upload is truncated: {size} bytes, header describes {8 + header_size + end}")
 

@@ -1,7 +1,10 @@
 """HTTP client of the reference server / hub, used by generators, the learner and any other tool.
 
 * one ``requests.Session`` (connection reuse), a timeout on every call;
-* retries with exponential backoff (honouring ``Retry-After``) on connection errors, 429 and 5xx;
+* retries with exponential backoff (honouring ``Retry-After``) on connection errors, responses cut short after
+  their headers, 429 and 5xx, within a wall-clock budget that a shutting-down service can end at once (``abort``).
+  urllib3's ``Retry`` counts attempts, cannot retry a body truncated after its headers and knows no abort flag,
+  so the loop is ours;
 * a server that stays unreachable raises :class:`HubUnavailable` after ``max_retry_s`` — it never looks like an
   empty queue; an empty queue is ``None`` from :meth:`HubClient.get_batch` (HTTP 204);
 * any other 4xx raises :class:`HubError` carrying the server's ``detail``.
@@ -21,6 +24,7 @@ from pathlib import Path
 
 import requests
 
+from shared.errors import GrpoError, ServiceError
 from shared.protocol import (
     RolloutGroup,
     TrainBatch,
@@ -33,7 +37,7 @@ OCTET = "application/octet-stream"
 RETRY_STATUSES = {429, 500, 502, 503, 504}
 
 
-class HubError(RuntimeError):
+class HubError(GrpoError):
     """The server answered with an error that retrying will not fix (4xx other than 429)."""
 
     def __init__(self, status: int, detail: object, url: str) -> None:
@@ -41,7 +45,7 @@ class HubError(RuntimeError):
         self.status, self.detail, self.url = status, detail, url
 
 
-class HubUnavailable(ConnectionError):
+class HubUnavailable(ServiceError, ConnectionError):
     """The server could not be reached (or kept answering 429/5xx) for longer than the retry budget."""
 
 
@@ -82,7 +86,8 @@ class HubClient:
                 rewind()  # a streamed body must start from its beginning on every attempt
             try:
                 response = self.session.request(method, url, timeout=timeout_s or self.timeout_s, **kwargs)
-            except (requests.ConnectionError, requests.Timeout) as exc:
+            except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError,
+                    requests.exceptions.ContentDecodingError) as exc:
                 problem = f"cannot reach {url}: {type(exc).__name__}"
             else:
                 if response.status_code in ok:
@@ -124,10 +129,20 @@ class HubClient:
         return response.json()
 
     def get_batch(self, num_groups: int, *, wait_s: float = 0.0) -> TrainBatch | None:
-        """A batch of ``num_groups`` groups, or None if the hub did not have them within ``wait_s``."""
+        """A batch of ``num_groups`` groups leased to us, or None if the hub did not have them within ``wait_s``.
+
+        Acknowledge it with :meth:`ack_batches` once trained on, or its groups return to the queue."""
         response = self._request("GET", "/v1/batch", params={"num_groups": num_groups, "timeout": wait_s},
                                  ok=(200, 204), timeout_s=self.timeout_s + wait_s)
         return None if response.status_code == 204 else TrainBatch.from_bytes(response.content)
+
+    def ack_batches(self, batch_ids: list[str]) -> dict[str, str]:
+        """Tell the hub these batches are applied; per id ``acked``, ``already``, ``late`` or ``unknown``."""
+        return self._request("POST", "/v1/batch/ack", json={"batch_ids": batch_ids}).json()["batches"]
+
+    def renew_batches(self, batch_ids: list[str]) -> dict[str, str]:
+        """Keep these leases for another lease timeout (per id ``renewed`` or ``unknown``)."""
+        return self._request("POST", "/v1/batch/renew", json={"batch_ids": batch_ids}).json()["batches"]
 
     def report_version(self, version: int) -> dict:
         return self._request("POST", "/v1/learner/version", json={"version": version}).json()

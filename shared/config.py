@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 from pydantic_core import to_jsonable_python
 
+from shared.errors import UsageError
 from shared.schema import (  # noqa: F401 - re-exported: the schema's public names live here too
     AdvantageConfig,
     AlgorithmConfig,
@@ -25,7 +26,7 @@ from shared.schema import (  # noqa: F401 - re-exported: the schema's public nam
 )
 
 
-class ConfigError(ValueError):
+class ConfigError(UsageError, ValueError):
     """A config file or override that cannot be used; the message names the file and the key."""
 
 

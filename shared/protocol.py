@@ -6,19 +6,47 @@ lengths tensor; padding values carry no meaning and masks always come from the l
 
 from __future__ import annotations
 
+import math
+import re
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from shared.advantages import compute_advantages, process_advantages
 from shared.wire import WireError, decode, encode
 
 FINISH_REASONS = ("stop", "length")
+# Ids become file names (the hub's spool) and metric labels: letters, digits, '_', '-', '.', not starting with '.'.
+SAFE_ID = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}$")
+# Sampling temperatures below this make logits / T overflow float32 (1e-300 gives inf logprobs, not an error).
+MIN_TEMPERATURE = 1e-3
+# policy_version is an int64 tensor in a train batch and a JSON number in answers: keep it exact in both.
+MAX_VERSION = 2**53
 
 
 class ProtocolError(ValueError):
     """A message whose fields are inconsistent (wrong shapes, lengths out of range, unknown values)."""
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ProtocolError(message)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_temperature(value: object) -> float:
+    """A sampling/scoring temperature: a finite number >= MIN_TEMPERATURE (else ProtocolError naming it)."""
+    _require(_is_number(value), f"temperature must be a number, got {value!r}")
+    try:
+        temperature = float(value)
+    except OverflowError:
+        raise ProtocolError(f"temperature {value} is out of range") from None
+    _require(math.isfinite(temperature) and temperature >= MIN_TEMPERATURE,
+             f"temperature must be a finite number >= {MIN_TEMPERATURE}, got {value!r}")
+    return temperature
 
 
 @dataclass(frozen=True)
@@ -30,10 +58,13 @@ class SamplingParams:
     top_k: int = -1  # -1: disabled
     max_tokens: int = 64
 
-
-def _require(cond: bool, message: str) -> None:
-    if not cond:
-        raise ProtocolError(message)
+    def validate(self) -> SamplingParams:
+        check_temperature(self.temperature)
+        _require(_is_number(self.top_p) and 0 < float(self.top_p) <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
+        _require(type(self.top_k) is int and self.top_k >= -1, f"top_k must be an integer >= -1, got {self.top_k!r}")
+        _require(type(self.max_tokens) is int and 1 <= self.max_tokens <= 2**31,
+                 f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        return self
 
 
 def _check_ragged(name: str, values: torch.Tensor, lengths: torch.Tensor, rows: int) -> None:
@@ -42,6 +73,11 @@ def _check_ragged(name: str, values: torch.Tensor, lengths: torch.Tensor, rows: 
     if rows:
         _require(int(lengths.min()) >= 0, f"{name}: negative length")
         _require(int(lengths.max()) <= values.shape[1], f"{name}: a length exceeds the tensor width")
+
+
+def _check_dtype(name: str, tensor: torch.Tensor, floating: bool) -> None:
+    ok = tensor.is_floating_point() if floating else (not tensor.is_floating_point() and tensor.dtype != torch.bool)
+    _require(ok, f"{name} must be {'a floating-point' if floating else 'an integer'} tensor, got {tensor.dtype}")
 
 
 @dataclass
@@ -58,9 +94,6 @@ class RolloutGroup:
     generator_id: str
     sampling: SamplingParams = field(default_factory=SamplingParams)
     reward_components: dict[str, torch.Tensor] = field(default_factory=dict)  # reward name -> [G] unweighted
-    step_rewards: torch.Tensor | None = None   # [G, S] process rewards, or None
-    step_ends: torch.Tensor | None = None      # [G, S] completion-token index where each step ends
-    num_steps: torch.Tensor | None = None      # [G] valid steps per completion
     task: dict[str, str] = field(default_factory=dict)  # task metadata, e.g. {"answer": "82"}
     group_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
@@ -69,26 +102,45 @@ class RolloutGroup:
         return int(self.completion_ids.shape[0])
 
     def validate(self, vocab_size: int | None = None) -> RolloutGroup:
+        """Everything a batch relies on, so that a group accepted by the hub can always join a batch."""
+        _require(isinstance(self.group_id, str) and bool(SAFE_ID.match(self.group_id)),
+                 f"group_id {str(self.group_id)[:40]!r} must be 1-128 letters, digits, '_', '-' or '.' "
+                 "(not starting with '.')")
+        _require(isinstance(self.generator_id, str) and bool(SAFE_ID.match(self.generator_id)),
+                 f"generator_id {str(self.generator_id)[:40]!r} must be 1-128 letters, digits, '_', '-' or '.'")
+        for name, tensor, floating in (("prompt_ids", self.prompt_ids, False),
+                                       ("completion_ids", self.completion_ids, False),
+                                       ("completion_lengths", self.completion_lengths, False),
+                                       ("behaviour_logprobs", self.behaviour_logprobs, True),
+                                       ("rewards", self.rewards, True)):
+            _check_dtype(name, tensor, floating)
         g = self.group_size
         _require(self.prompt_ids.dim() == 1 and self.prompt_ids.numel() >= 1, "prompt_ids must be a non-empty [P]")
         _require(g >= 1, "a group needs at least one completion")
         _check_ragged("completion_ids", self.completion_ids, self.completion_lengths, g)
         _require(self.behaviour_logprobs.shape == self.completion_ids.shape,
                  "behaviour_logprobs must have the shape of completion_ids")
+        valid = torch.arange(self.completion_ids.shape[1]) < self.completion_lengths.unsqueeze(1)
+        _require(bool(torch.isfinite(self.behaviour_logprobs[valid]).all()),
+                 "behaviour_logprobs must be finite for every completion token")
         _require(self.rewards.shape == (g,), f"rewards must be [{g}]")
         _require(bool(torch.isfinite(self.rewards).all()), "rewards must be finite")
-        _require(len(self.finish_reasons) == g and all(r in FINISH_REASONS for r in self.finish_reasons),
+        _require(isinstance(self.finish_reasons, list) and len(self.finish_reasons) == g
+                 and all(r in FINISH_REASONS for r in self.finish_reasons),
                  f"finish_reasons must be {g} values out of {FINISH_REASONS}")
-        _require(self.policy_version >= 0, "policy_version must be >= 0")
+        _require(type(self.policy_version) is int and 0 <= self.policy_version < MAX_VERSION,
+                 f"policy_version must be an integer in [0, 2^53), got {self.policy_version!r}")
+        _require(isinstance(self.sampling, SamplingParams), "sampling must be SamplingParams")
+        self.sampling.validate()
         for name, values in self.reward_components.items():
+            _require(bool(SAFE_ID.match(name)), f"reward component name {name[:40]!r} is not a safe name")
+            _check_dtype(f"reward component {name!r}", values, True)
             _require(values.shape == (g,), f"reward component {name!r} must be [{g}]")
         if vocab_size is not None:
             for name, ids in (("prompt_ids", self.prompt_ids), ("completion_ids", self.completion_ids)):
                 if ids.numel():
                     _require(int(ids.min()) >= 0 and int(ids.max()) < vocab_size,
                              f"{name}: token ids must be in [0, {vocab_size})")
-        has_steps = [t is not None for t in (self.step_rewards, self.step_ends, self.num_steps)]
-        _require(all(has_steps) or not any(has_steps), "step_rewards, step_ends and num_steps come together")
         return self
 
     def to_bytes(self) -> bytes:
@@ -98,9 +150,6 @@ class RolloutGroup:
             "behaviour_logprobs": self.behaviour_logprobs.float(), "rewards": self.rewards.float(),
         }
         tensors.update({f"reward/{name}": v.float() for name, v in self.reward_components.items()})
-        if self.step_rewards is not None:
-            tensors.update(step_rewards=self.step_rewards.float(), step_ends=self.step_ends.long(),
-                           num_steps=self.num_steps.long())
         fields = dict(finish_reasons=self.finish_reasons, policy_version=self.policy_version,
                       generator_id=self.generator_id, sampling=asdict(self.sampling), task=self.task,
                       group_id=self.group_id)
@@ -108,24 +157,26 @@ class RolloutGroup:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> RolloutGroup:
+        """Decode and validate; every problem is a WireError or ProtocolError (both ValueError) naming it."""
         tensors, fields = decode(data, "rollout_group/v1")
         try:
+            sampling = fields["sampling"]
+            task = fields.get("task", {})
+            _require(isinstance(sampling, dict), "sampling must be a JSON object")
+            _require(isinstance(task, dict), "task must be a JSON object")
             group = cls(
                 prompt_ids=tensors.pop("prompt_ids"), completion_ids=tensors.pop("completion_ids"),
                 completion_lengths=tensors.pop("completion_lengths"),
                 behaviour_logprobs=tensors.pop("behaviour_logprobs"), rewards=tensors.pop("rewards"),
-                step_rewards=tensors.pop("step_rewards", None), step_ends=tensors.pop("step_ends", None),
-                num_steps=tensors.pop("num_steps", None),
                 reward_components={k.removeprefix("reward/"): tensors.pop(k) for k in list(tensors)
                                    if k.startswith("reward/")},
-                finish_reasons=list(fields["finish_reasons"]), policy_version=int(fields["policy_version"]),
-                generator_id=str(fields["generator_id"]), sampling=SamplingParams(**fields["sampling"]),
-                task={str(k): str(v) for k, v in fields.get("task", {}).items()},
-                group_id=str(fields["group_id"]),
+                finish_reasons=fields["finish_reasons"], policy_version=fields["policy_version"],
+                generator_id=fields["generator_id"], sampling=SamplingParams(**sampling),
+                task={str(k): str(v) for k, v in task.items()}, group_id=fields["group_id"],
             )
         except KeyError as exc:
             raise WireError(f"rollout group is missing {exc}") from None
-        except (TypeError, ValueError, AttributeError) as exc:
+        except (TypeError, AttributeError) as exc:
             raise WireError(f"rollout group has a malformed field: {exc}") from None
         _require(not tensors, f"rollout group has unknown tensors: {sorted(tensors)}")
         return group.validate()
@@ -133,122 +184,118 @@ class RolloutGroup:
 
 @dataclass
 class TrainBatch:
-    """What the learner consumes: B = sum of group sizes rows, each prompt + completion, right-padded."""
+    """What the learner consumes: B = sum of group sizes rows, each prompt + completion, right-padded.
+
+    A plain container: the learner computes advantages from ``rewards`` and ``group_index`` over the whole batch.
+    """
 
     input_ids: torch.Tensor             # [B, T] int64
     prompt_lengths: torch.Tensor        # [B]
     completion_lengths: torch.Tensor    # [B]
-    advantages: torch.Tensor            # [B] float32 (or [B, L] with process rewards)
     rewards: torch.Tensor               # [B] float32
     behaviour_logprobs: torch.Tensor    # [B, L] float32, L = max completion length
     ref_logprobs: torch.Tensor | None   # [B, L] float32, None when beta = 0
-    group_index: torch.Tensor           # [B] int64, which group of this batch the row belongs to
+    group_index: torch.Tensor           # [B] int64, which group of this batch the row belongs to (0..groups-1)
     policy_versions: torch.Tensor       # [B] int64, version that sampled the row
     truncated: torch.Tensor             # [B] bool, finish reason "length"
     reward_components: dict[str, torch.Tensor]  # name -> [B]
     group_ids: list[str]                # one per group
     generator_ids: list[str]            # one per group: which generator sampled it
     temperature: float                  # sampling temperature shared by every group of the batch
+    batch_id: str = ""                  # the hub's lease on these groups: acknowledge it once the step is applied
 
     @property
     def batch_size(self) -> int:
         return int(self.input_ids.shape[0])
 
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_ids)
+
     @classmethod
-    def from_groups(
-        cls,
-        groups: list[RolloutGroup],
-        ref_logprobs: list[torch.Tensor] | None,
-        *,
-        estimator: str = "grpo",
-        scale: str = "group",
-        eps: float = 1e-4,
-    ) -> TrainBatch:
-        """Concatenate groups; advantages are computed per group (GRPO's baseline is the group)."""
+    def from_groups(cls, groups: list[RolloutGroup], ref_logprobs: list[torch.Tensor] | None, *,
+                    batch_id: str = "") -> TrainBatch:
+        """Concatenate groups into right-padded rows (``ref_logprobs[i]`` is group i's ``[G, L_i]``)."""
         _require(len(groups) > 0, "a batch needs at least one group")
         temperatures = {g.sampling.temperature for g in groups}
         _require(len(temperatures) == 1, f"groups of one batch were sampled at different temperatures {temperatures}")
-        rows = sum(g.group_size for g in groups)
-        max_c = max(int(g.completion_lengths.max()) for g in groups)
-        width = max(g.prompt_ids.numel() + int(g.completion_lengths.max()) for g in groups)
-        input_ids = torch.zeros(rows, width, dtype=torch.long)
-        behaviour = torch.zeros(rows, max_c)
-        refs = torch.zeros(rows, max_c) if ref_logprobs is not None else None
-        prompt_lengths, advantages, group_index, versions, truncated = [], [], [], [], []
-        components = {name for g in groups for name in g.reward_components}
-        # With process rewards anywhere in the batch, advantages are per token ([B, L]) for every row.
-        process = any(g.step_rewards is not None for g in groups)
-        row = 0
+        rows, behaviour, refs = [], [], []
         for index, group in enumerate(groups):
-            p = group.prompt_ids.numel()
             for i in range(group.group_size):
                 c = int(group.completion_lengths[i])
-                input_ids[row + i, :p] = group.prompt_ids
-                input_ids[row + i, p:p + c] = group.completion_ids[i, :c]
-                behaviour[row + i, :c] = group.behaviour_logprobs[i, :c]
-                if refs is not None:
-                    refs[row + i, :c] = ref_logprobs[index][i, :c]
-            if process:
-                advantages.append(_token_advantages(group, max_c, estimator, scale, eps))
-            else:
-                advantages.append(compute_advantages(group.rewards.unsqueeze(0), estimator, scale=scale, eps=eps)[0])
-            prompt_lengths += [p] * group.group_size
-            group_index += [index] * group.group_size
-            versions += [group.policy_version] * group.group_size
-            truncated += [r == "length" for r in group.finish_reasons]
-            row += group.group_size
+                rows.append(torch.cat([group.prompt_ids.long(), group.completion_ids[i, :c].long()]))
+                behaviour.append(group.behaviour_logprobs[i, :c].float())
+                if ref_logprobs is not None:
+                    refs.append(ref_logprobs[index][i, :c].float())
+        pad = torch.nn.utils.rnn.pad_sequence
+        sizes = torch.tensor([g.group_size for g in groups])
         return cls(
-            input_ids=input_ids, prompt_lengths=torch.tensor(prompt_lengths),
+            input_ids=pad(rows, batch_first=True), behaviour_logprobs=pad(behaviour, batch_first=True),
+            ref_logprobs=pad(refs, batch_first=True) if ref_logprobs is not None else None,
+            prompt_lengths=torch.tensor([g.prompt_ids.numel() for g in groups]).repeat_interleave(sizes),
             completion_lengths=torch.cat([g.completion_lengths.long() for g in groups]),
-            advantages=torch.cat(advantages), rewards=torch.cat([g.rewards.float() for g in groups]),
-            behaviour_logprobs=behaviour, ref_logprobs=refs, group_index=torch.tensor(group_index),
-            policy_versions=torch.tensor(versions), truncated=torch.tensor(truncated, dtype=torch.bool),
+            rewards=torch.cat([g.rewards.float() for g in groups]),
+            group_index=torch.arange(len(groups)).repeat_interleave(sizes),
+            policy_versions=torch.tensor([g.policy_version for g in groups]).repeat_interleave(sizes),
+            truncated=torch.tensor([r == "length" for g in groups for r in g.finish_reasons], dtype=torch.bool),
             reward_components={
                 name: torch.cat([g.reward_components.get(name, torch.full((g.group_size,), float("nan")))
-                                 for g in groups]) for name in sorted(components)
+                                 for g in groups])
+                for name in sorted({name for g in groups for name in g.reward_components})
             },
             group_ids=[g.group_id for g in groups], generator_ids=[g.generator_id for g in groups],
-            temperature=temperatures.pop(),
+            temperature=temperatures.pop(), batch_id=batch_id,
         )
+
+    def select_groups(self, keep: list[int]) -> TrainBatch:
+        """The batch with only the groups at positions ``keep`` (renumbered 0..len(keep)-1, widths trimmed)."""
+        _require(len(keep) > 0, "select_groups needs at least one group")
+        positions = torch.tensor(keep)
+        rows = torch.isin(self.group_index, positions).nonzero().flatten()
+        width = int((self.prompt_lengths[rows] + self.completion_lengths[rows]).max())
+        width_c = max(int(self.completion_lengths[rows].max()), 1)
+        renumber = torch.full((self.num_groups,), -1, dtype=torch.long)
+        renumber[positions] = torch.arange(len(keep))
+        return replace(
+            self, input_ids=self.input_ids[rows, :width], prompt_lengths=self.prompt_lengths[rows],
+            completion_lengths=self.completion_lengths[rows], rewards=self.rewards[rows],
+            behaviour_logprobs=self.behaviour_logprobs[rows, :width_c],
+            ref_logprobs=self.ref_logprobs[rows, :width_c] if self.ref_logprobs is not None else None,
+            group_index=renumber[self.group_index[rows]], policy_versions=self.policy_versions[rows],
+            truncated=self.truncated[rows], reward_components={k: v[rows] for k, v in self.reward_components.items()},
+            group_ids=[self.group_ids[i] for i in keep], generator_ids=[self.generator_ids[i] for i in keep])
 
     def to_bytes(self) -> bytes:
         tensors = {
             "input_ids": self.input_ids, "prompt_lengths": self.prompt_lengths,
-            "completion_lengths": self.completion_lengths, "advantages": self.advantages.float(),
-            "rewards": self.rewards.float(), "behaviour_logprobs": self.behaviour_logprobs.float(),
-            "group_index": self.group_index, "policy_versions": self.policy_versions, "truncated": self.truncated,
+            "completion_lengths": self.completion_lengths, "rewards": self.rewards.float(),
+            "behaviour_logprobs": self.behaviour_logprobs.float(), "group_index": self.group_index,
+            "policy_versions": self.policy_versions, "truncated": self.truncated,
         }
         if self.ref_logprobs is not None:
             tensors["ref_logprobs"] = self.ref_logprobs.float()
         tensors.update({f"reward/{k}": v.float() for k, v in self.reward_components.items()})
-        return encode("train_batch/v1", tensors, {"group_ids": self.group_ids, "generator_ids": self.generator_ids,
-                                                  "temperature": self.temperature})
+        return encode("train_batch/v2", tensors, {"group_ids": self.group_ids, "generator_ids": self.generator_ids,
+                                                  "temperature": self.temperature, "batch_id": self.batch_id})
 
     @classmethod
     def from_bytes(cls, data: bytes) -> TrainBatch:
-        tensors, fields = decode(data, "train_batch/v1")
+        tensors, fields = decode(data, "train_batch/v2")
         try:
             return cls(
                 input_ids=tensors["input_ids"], prompt_lengths=tensors["prompt_lengths"],
-                completion_lengths=tensors["completion_lengths"], advantages=tensors["advantages"],
-                rewards=tensors["rewards"], behaviour_logprobs=tensors["behaviour_logprobs"],
-                ref_logprobs=tensors.get("ref_logprobs"), group_index=tensors["group_index"],
-                policy_versions=tensors["policy_versions"], truncated=tensors["truncated"],
+                completion_lengths=tensors["completion_lengths"], rewards=tensors["rewards"],
+                behaviour_logprobs=tensors["behaviour_logprobs"], ref_logprobs=tensors.get("ref_logprobs"),
+                group_index=tensors["group_index"], policy_versions=tensors["policy_versions"],
+                truncated=tensors["truncated"],
                 reward_components={k.removeprefix("reward/"): v for k, v in tensors.items()
                                    if k.startswith("reward/")},
                 group_ids=[str(g) for g in fields["group_ids"]],
                 generator_ids=[str(g) for g in fields["generator_ids"]], temperature=float(fields["temperature"]),
+                batch_id=str(fields.get("batch_id", "")),
             )
         except KeyError as exc:
             raise WireError(f"train batch is missing {exc}") from None
-
-
-def _token_advantages(group: RolloutGroup, width: int, estimator: str, scale: str, eps: float) -> torch.Tensor:
-    """``[G, width]`` advantages: process rewards per token, or the outcome advantage on every token."""
-    if group.step_rewards is not None:
-        return process_advantages(group.step_rewards, group.step_ends, group.num_steps, width, eps=eps)
-    outcome = compute_advantages(group.rewards.unsqueeze(0), estimator, scale=scale, eps=eps)[0]
-    return outcome.unsqueeze(1).expand(-1, width).clone()
 
 
 def encode_logprob_request(input_ids: list[list[int]], prompt_lengths: list[int], temperature: float) -> bytes:
@@ -270,11 +317,12 @@ def decode_logprob_request(data: bytes) -> tuple[list[list[int]], list[int], flo
         raise WireError("input_ids, row_lengths and prompt_lengths must be 1-D")
     if row_lengths.numel() and (int(row_lengths.min()) < 0 or int(row_lengths.sum()) != flat.numel()):
         raise WireError("row_lengths must be >= 0 and add up to the number of input_ids")
-    temperature = fields.get("temperature", 1.0)
-    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool):
-        raise WireError("temperature must be a number")
+    try:
+        temperature = check_temperature(fields.get("temperature", 1.0))
+    except ProtocolError as exc:
+        raise WireError(str(exc)) from None
     rows = [r.tolist() for r in torch.split(flat, row_lengths.tolist())] if row_lengths.numel() else []
-    return rows, prompt_lengths.tolist(), float(temperature)
+    return rows, prompt_lengths.tolist(), temperature
 
 
 def encode_logprob_response(logprobs: list[list[float]] | list[torch.Tensor]) -> bytes:

@@ -33,8 +33,14 @@ class RefServerConfig(StrictModel):
         "runs/ref_server/spool", description="Where accepted groups are spooled until consumed, so a restart loses "
         "none. Null keeps them in memory only.")
     weights_dir: str = Field("runs/ref_server/weights", description="Where published weight versions are stored.")
+    max_version_ahead: int = Field(
+        1000, ge=1, description="Refuse a weights upload whose version is more than this ahead of the learner's "
+        "reported version (a runaway version would make every queued group look stale).")
     keep_weight_versions: int = Field(2, ge=1, description="How many newest weight versions to keep on disk.")
     max_weight_bytes: int = Field(
         256 * 2**30, ge=1024, description="Largest weights upload accepted (one safetensors file per version).")
     max_long_poll_s: float = Field(30.0, ge=0, description="Longest wait a batch request may ask for.")
+    lease_timeout_s: float = Field(
+        300.0, gt=0, description="A batch handed to the learner and not acknowledged (or renewed) within this many "
+        "seconds goes back to the queue, so a learner killed mid-step loses no groups.")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Server log level.")

@@ -5,12 +5,12 @@ from pathlib import Path
 
 import pytest
 
+from generator.datasets import arithmetic_examples
 from generator.engines.hf import TransformersEngine
 from generator.evaluate import evaluate, pass_at_k
-from generator.datasets import arithmetic_examples
+from generator.tasks.arithmetic import ArithmeticTask
 from shared.protocol import SamplingParams
 from shared.schema import GRPOConfig
-from generator.tasks.arithmetic import ArithmeticTask
 from tests.live_server import LiveServer, make_config
 
 GRPO = str(Path(sys.executable).parent / "grpo")

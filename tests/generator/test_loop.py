@@ -7,14 +7,14 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
+from generator.datasets import PromptStream, arithmetic_examples
 from generator.engines.hf import TransformersEngine
 from generator.loop import RolloutLoop
-from shared.client import HubClient, RetryPolicy
-from generator.datasets import PromptStream, arithmetic_examples
-from shared.protocol import SamplingParams
 from generator.rewards import RewardSet
-from shared.schema import RewardSpec
 from generator.tasks.arithmetic import ArithmeticTask
+from shared.client import HubClient, RetryPolicy
+from shared.protocol import SamplingParams
+from shared.schema import RewardSpec
 from tests.live_server import LiveServer, make_config
 
 

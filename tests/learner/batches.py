@@ -3,7 +3,9 @@
 import torch
 
 from generator.engines.hf import TransformersEngine
+from learner.step import batch_advantages
 from shared.protocol import RolloutGroup, SamplingParams, TrainBatch
+from shared.schema import AdvantageConfig
 
 
 def sampled_groups(model_dir, rewards_per_group, *, seed=0, temperature=1.0, max_tokens=6, version=0):
@@ -31,4 +33,9 @@ def batch_of(groups, with_ref=False):
     refs = None
     if with_ref:
         refs = [g.behaviour_logprobs - 0.1 * torch.arange(g.behaviour_logprobs.shape[1]) for g in groups]
-    return TrainBatch.from_groups(groups, refs, eps=1e-4)
+    return TrainBatch.from_groups(groups, refs)
+
+
+def advantages_of(batch, **advantage):
+    """The learner's advantages of ``batch`` (GRPO, group std, eps 1e-4 unless overridden)."""
+    return batch_advantages(batch, AdvantageConfig(**{"eps": 1e-4, **advantage}))

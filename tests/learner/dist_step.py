@@ -14,9 +14,9 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from learner.engine import create_engine, ensure_single_process_env, init_distributed
-from learner.step import grpo_step, split_micro_batches
+from learner.step import batch_advantages, grpo_step, split_micro_batches
 from shared.protocol import RolloutGroup, TrainBatch
-from shared.schema import LearnerConfig, LossConfig
+from shared.schema import AdvantageConfig, LearnerConfig, LossConfig
 
 
 def main() -> None:
@@ -28,13 +28,14 @@ def main() -> None:
     share = len(groups) // world
     mine = groups[rank * share:(rank + 1) * share]
     refs = [g.behaviour_logprobs - 0.1 * torch.arange(g.behaviour_logprobs.shape[1]) for g in mine]
-    batch = TrainBatch.from_groups(mine, refs, eps=1e-4)
+    batch = TrainBatch.from_groups(mine, refs)
+    advantages = batch_advantages(batch, AdvantageConfig(eps=1e-4))
     # adam_eps 1 makes the first AdamW update ~ lr * g: smooth in g, so two runs can be compared closely
     cfg = LearnerConfig(model=model_dir, groups_per_step=share, micro_batches=micro, lr=1e-2, adam_eps=1.0,
                         grad_clip=1.0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     engine = create_engine(cfg, model, torch.device("cpu"))
-    outcome = grpo_step(engine, split_micro_batches(batch, micro, False, torch.device("cpu")),
+    outcome = grpo_step(engine, split_micro_batches(batch, advantages, micro, False, torch.device("cpu")),
                         LossConfig(beta=0.04, aggregation="token-mean"), temperature=1.0, old_mode="behaviour",
                         world_size=world, log_entropy=False, chunk_tokens=None)
     if rank == 0:

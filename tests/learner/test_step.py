@@ -16,7 +16,7 @@ from shared.logprobs import naive_sequence_logprobs
 from shared.losses import loss_normalizers
 from shared.schema import LearnerConfig, LossConfig
 
-from .batches import batch_of, sampled_groups
+from .batches import advantages_of, batch_of, sampled_groups
 
 CPU = torch.device("cpu")
 
@@ -44,14 +44,15 @@ def test_one_step_moves_logprobs_the_way_the_advantages_say(distributed, tiny_mo
     batch = batch_of(groups)
     engine = make_engine(tiny_model_dir, lr=1e-3, grad_clip=0.0, micro_batches=2, groups_per_step=2)
     before = completion_logprob_sums(engine.module, batch)
-    micro = split_micro_batches(batch, 2, False, CPU)
+    micro = split_micro_batches(batch, advantages_of(batch), 2, False, CPU)
     outcome = grpo_step(engine, micro, LossConfig(beta=0.0), temperature=1.0, old_mode="behaviour",
                         world_size=1, log_entropy=True, chunk_tokens=None)
     assert outcome.finite and math.isfinite(outcome.loss)
     assert outcome.metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-3)  # sampled from this very model
     change = completion_logprob_sums(engine.module, batch) - before
-    positive, negative = batch.advantages > 0, batch.advantages < 0
-    assert (change[positive] > 0).all() and (change[negative] < 0).all(), (batch.advantages, change)
+    advantages = advantages_of(batch)
+    positive, negative = advantages > 0, advantages < 0
+    assert (change[positive] > 0).all() and (change[negative] < 0).all(), (advantages, change)
 
 
 def hand_written_loss(model, batch, beta, eps):
@@ -63,7 +64,7 @@ def hand_written_loss(model, batch, beta, eps):
         for t in range(int(batch.completion_lengths[i])):
             logp = logp_full[i, t]
             ratio = torch.exp(logp - batch.behaviour_logprobs[i, t])
-            adv = batch.advantages[i]
+            adv = advantages_of(batch)[i]
             surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - eps, 1 + eps) * adv)
             log_r = batch.ref_logprobs[i, t] - logp
             k3 = torch.exp(log_r) - log_r - 1
@@ -78,7 +79,7 @@ def test_loss_and_gradients_equal_a_hand_written_reference(tiny_model_dir):
     batch.behaviour_logprobs = batch.behaviour_logprobs - 0.2 * torch.rand(batch.behaviour_logprobs.shape)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     cfg = LossConfig(beta=0.1, eps_low=0.2, eps_high=0.2, kl_estimator="k3")
-    (mb,) = split_micro_batches(batch, 1, False, CPU)
+    (mb,) = split_micro_batches(batch, advantages_of(batch), 1, False, CPU)
     num_tokens, num_seqs = loss_normalizers(mb.loss_lengths)
     result, _ = micro_batch_loss(model, mb, cfg, temperature=1.0, old_mode="behaviour", num_tokens=num_tokens,
                                  num_seqs=num_seqs)
@@ -95,7 +96,7 @@ def test_loss_and_gradients_equal_a_hand_written_reference(tiny_model_dir):
 def test_mu_updates_keep_old_logprobs_fixed(distributed, tiny_model_dir):
     batch = batch_of(sampled_groups(tiny_model_dir, [[1.0, 0.0, 0.0, 1.0]], seed=3))
     engine = make_engine(tiny_model_dir, lr=5e-3, groups_per_step=1, old_logprobs="recompute")
-    micro = split_micro_batches(batch, 1, False, CPU)
+    micro = split_micro_batches(batch, advantages_of(batch), 1, False, CPU)
     recompute_old_logprobs(engine.module, micro, 1.0, None)
     fixed = micro[0].old_logprobs.clone()
     first = grpo_step(engine, micro, LossConfig(beta=0.0), temperature=1.0, old_mode="recompute", world_size=1,
@@ -114,7 +115,7 @@ def test_nonfinite_loss_skips_the_step_and_keeps_parameters(distributed, tiny_mo
     batch.behaviour_logprobs[0, 0] = float("nan")  # poisons the ratio of a valid token
     engine = make_engine(tiny_model_dir, lr=1e-2, groups_per_step=1)
     before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-    outcome = grpo_step(engine, split_micro_batches(batch, 1, False, CPU), LossConfig(beta=0.0), temperature=1.0,
+    outcome = grpo_step(engine, split_micro_batches(batch, advantages_of(batch), 1, False, CPU), LossConfig(beta=0.0), temperature=1.0,
                         old_mode="behaviour", world_size=1, log_entropy=False, chunk_tokens=None)
     assert not outcome.finite
     for name, param in engine.module.named_parameters():
@@ -125,7 +126,7 @@ def test_nonfinite_loss_skips_the_step_and_keeps_parameters(distributed, tiny_mo
 def test_mask_truncated_drops_cut_completions_from_the_loss(tiny_model_dir):
     batch = batch_of(sampled_groups(tiny_model_dir, [[1.0, 0.0, 0.0, 1.0]], seed=5, max_tokens=3))
     batch.truncated = torch.tensor([True, False, True, False])
-    (mb,) = split_micro_batches(batch, 1, True, CPU)
+    (mb,) = split_micro_batches(batch, advantages_of(batch), 1, True, CPU)
     assert mb.loss_lengths.tolist() == [0, int(batch.completion_lengths[1]), 0, int(batch.completion_lengths[3])]
 
 
@@ -169,7 +170,7 @@ def test_zero_stages_step_and_publish_full_parameters(distributed, tiny_model_di
     for name, param in reference.named_parameters():
         assert torch.equal(before[name], param.detach()), name
     batch = batch_of(sampled_groups(tiny_model_dir, [[1.0, 0.0, 0.0, 1.0]], seed=6))
-    outcome = grpo_step(engine, split_micro_batches(batch, 1, False, CPU), LossConfig(beta=0.0), temperature=1.0,
+    outcome = grpo_step(engine, split_micro_batches(batch, advantages_of(batch), 1, False, CPU), LossConfig(beta=0.0), temperature=1.0,
                         old_mode="behaviour", world_size=1, log_entropy=True, chunk_tokens=None)
     assert outcome.finite and outcome.metrics["grad_norm"] > 0
     write_safetensors(engine.module, tmp_path / "after.safetensors", is_writer=True)
@@ -183,7 +184,7 @@ def test_gradient_checkpointing_gives_the_same_update(distributed, tiny_model_di
     for checkpointing in (False, True):
         engine = make_engine(tiny_model_dir, lr=1e-3, groups_per_step=1, gradient_checkpointing=checkpointing)
         engine.module.train()
-        outcome = grpo_step(engine, split_micro_batches(batch, 1, False, CPU), LossConfig(beta=0.0),
+        outcome = grpo_step(engine, split_micro_batches(batch, advantages_of(batch), 1, False, CPU), LossConfig(beta=0.0),
                             temperature=1.0, old_mode="behaviour", world_size=1, log_entropy=False,
                             chunk_tokens=None)
         assert outcome.finite
@@ -197,7 +198,7 @@ def test_optimizer_offload_steps(distributed, tiny_model_dir):
     batch = batch_of(sampled_groups(tiny_model_dir, [[1.0, 0.0, 0.0, 1.0]], seed=9))
     engine = make_engine(tiny_model_dir, lr=1e-3, groups_per_step=1, zero_stage=2, offload_optimizer=True)
     before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-    outcome = grpo_step(engine, split_micro_batches(batch, 1, False, CPU), LossConfig(beta=0.0), temperature=1.0,
+    outcome = grpo_step(engine, split_micro_batches(batch, advantages_of(batch), 1, False, CPU), LossConfig(beta=0.0), temperature=1.0,
                         old_mode="behaviour", world_size=1, log_entropy=False, chunk_tokens=None)
     assert outcome.finite
     assert any(not torch.equal(p, before[n]) for n, p in engine.module.named_parameters())
@@ -214,7 +215,7 @@ def test_zero3_accumulates_micro_batches_like_zero0(distributed, tiny_model_dir)
         # adam_eps=1 keeps the update proportional to the gradient, so a lost micro-batch shows in the parameters
         engine = make_engine(tiny_model_dir, zero_stage=stage, lr=1e-2, groups_per_step=2, micro_batches=2,
                              adam_eps=1.0, grad_clip=0.0)
-        outcome = grpo_step(engine, split_micro_batches(batch, 2, False, CPU), LossConfig(beta=0.0),
+        outcome = grpo_step(engine, split_micro_batches(batch, advantages_of(batch), 2, False, CPU), LossConfig(beta=0.0),
                             temperature=1.0, old_mode="behaviour", world_size=1, log_entropy=False,
                             chunk_tokens=None)
         assert outcome.finite

@@ -36,7 +36,7 @@ def test_batch_carries_reference_logprobs_equal_to_direct_scoring(server_factory
     batch = client.get_batch(2, wait_s=10)
     assert isinstance(batch, TrainBatch) and batch.batch_size == 8
     assert batch.group_ids == [g.group_id for g in groups]
-    torch.testing.assert_close(batch.advantages[:4], torch.tensor([-0.866, 0.866, 0.866, -0.866]), atol=1e-3, rtol=0)
+    assert batch.rewards.tolist() == [0.0, 1.0, 1.0, 0.0] * 2 and batch.group_index.tolist() == [0] * 4 + [1] * 4
     # reference logprobs equal a direct call of the logprob endpoint on the same rows
     prompt = groups[0].prompt_ids.tolist()
     rows = [prompt + groups[0].completion_ids[i, :n].tolist() for i, n in enumerate(groups[0].completion_lengths)]
@@ -46,6 +46,7 @@ def test_batch_carries_reference_logprobs_equal_to_direct_scoring(server_factory
         assert torch.equal(batch.input_ids[i, 3:3 + n], groups[0].completion_ids[i, :n])
     assert batch.truncated.tolist() == [False, False, False, True] * 2
     assert live.get("/healthz").json()["queue_depth"] == 0
+    assert client.ack_batches([batch.batch_id]) == {batch.batch_id: "acked"}
 
 
 def test_queue_is_bounded_fifo_with_depth_and_retry_after(server_factory):
@@ -61,7 +62,9 @@ def test_queue_is_bounded_fifo_with_depth_and_retry_after(server_factory):
     assert batch.ref_logprobs is None  # beta = 0 mode
     assert upload(live, groups[3]).status_code == 200
     stats = live.get("/v1/hub/stats").json()
-    assert stats["rejected_full"] == 1 and stats["accepted"] == 4 and stats["consumed"] == 2
+    assert stats["rejected_full"] == 1 and stats["accepted"] == 4 and stats["leased_groups"] == 2
+    HubClient(live.url).ack_batches([batch.batch_id])
+    assert live.get("/v1/hub/stats").json()["consumed"] == 2
 
 
 def test_duplicate_upload_is_acknowledged_once(server_factory):
@@ -74,10 +77,13 @@ def test_duplicate_upload_is_acknowledged_once(server_factory):
 
 def test_staleness_drops_are_counted(server_factory):
     live = server_factory(model=False, max_staleness=1)
-    for version in (0, 1, 2, 3):
+    live.post("/v1/learner/version", json={"version": 1})
+    for version in (0, 1):
         upload(live, make_group(version=version, seed=version))
     report = live.post("/v1/learner/version", json={"version": 3}).json()
-    assert report["dropped_stale"] == 2 and report["queue_depth"] == 2  # versions 0 and 1 are > 1 behind
+    assert report["dropped_stale"] == 2 and report["queue_depth"] == 0  # versions 0 and 1 are > 1 behind
+    for version in (2, 3):
+        upload(live, make_group(version=version, seed=version))
     late = upload(live, make_group(version=1, seed=9)).json()
     assert late["accepted"] is False and late["dropped"] == "stale"
     assert live.get("/v1/hub/stats").json()["dropped_stale"] == 3
@@ -106,7 +112,8 @@ def test_spooled_groups_survive_a_restart_in_order(server_factory, tmp_path):
     groups = [make_group(seed=i) for i in range(3)]
     for group in groups:
         upload(first, group)
-    HubClient(first.url).get_batch(1)  # consumes groups[0]; its spool file is removed
+    client = HubClient(first.url)
+    client.ack_batches([client.get_batch(1).batch_id])  # consumes groups[0]; its spool file is removed
     first.__exit__(None, None, None)
     (tmp_path / "spool" / "000000000099-garbage.group").write_bytes(b"not a group")
     second = server_factory(model=False, path=tmp_path)
@@ -153,18 +160,3 @@ def test_hub_unit_drops_group_when_reference_scoring_fails():
     hub = RolloutHub(capacity=4, max_staleness=2, scorer=FailingScorer())
     hub.put(make_group().to_bytes())
     assert hub.depth() == 0 and hub.counters.dropped_ref_failure == 1
-
-
-def test_process_rewards_give_per_token_advantages_in_the_batch():
-    with_steps = make_group(seed=1, lengths=(3, 2, 4, 1))
-    with_steps.step_rewards = torch.tensor([[1.0, 0.0], [0.5, 0.0], [0.0, 0.0], [1.0, 0.0]])
-    with_steps.step_ends = torch.tensor([[0, 2], [1, 0], [3, 0], [0, 0]])
-    with_steps.num_steps = torch.tensor([2, 1, 1, 1])
-    plain = make_group(seed=2, rewards=[1.0, 0.0, 0.0, 0.0])
-    back = RolloutGroup.from_bytes(with_steps.to_bytes())
-    batch = TrainBatch.from_groups([back, plain], None, eps=0.0)
-    assert batch.advantages.shape == (8, 4)
-    steps = torch.tensor([1.0, 0.0, 0.5, 0.0, 1.0])
-    norm = (with_steps.step_rewards - steps.mean()) / steps.std()
-    torch.testing.assert_close(batch.advantages[0, :3], torch.stack([norm[0, 0] + norm[0, 1], norm[0, 1], norm[0, 1]]))
-    torch.testing.assert_close(batch.advantages[4], torch.full((4,), 1.5))  # outcome advantage on every token

@@ -3,13 +3,29 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.advantages import (
-    ADVANTAGE_ESTIMATORS,
-    compute_advantages,
-    group_advantages,
-    process_advantages,
-    rloo_advantages,
-)
+from shared.advantages import ADVANTAGE_ESTIMATORS
+from shared.advantages import compute_advantages as _compute
+from shared.advantages import group_advantages as _group
+from shared.advantages import rloo_advantages as _rloo
+
+
+def _flat(rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[P, G]`` rewards as the flat ``[N]`` rewards and group index the estimators take."""
+    if rewards.dim() != 2:
+        return rewards, torch.zeros(rewards.shape[:1], dtype=torch.long)
+    return rewards.flatten(), torch.arange(rewards.shape[0]).repeat_interleave(rewards.shape[1])
+
+
+def _grid(fn):
+    """Call a flat estimator on ``[P, G]`` rewards and give the answer back as ``[P, G]``."""
+    def call(rewards, *args, **kwargs):
+        flat, index = _flat(rewards)
+        out = fn(flat, index, *args, **kwargs)
+        return out.view(rewards.shape).to(rewards.dtype)
+    return call
+
+
+group_advantages, rloo_advantages, compute_advantages = _grid(_group), _grid(_rloo), _grid(_compute)
 
 
 def test_seed_000_rewards_give_pm_0_9129():
@@ -73,8 +89,8 @@ def test_registry_and_dispatch():
 def test_rejects_non_finite_rewards_and_bad_shapes():
     with pytest.raises(ValueError, match="NaN or inf"):
         group_advantages(torch.tensor([[1.0, float("nan")]]))
-    with pytest.raises(ValueError, match=r"\[num_groups, group_size\]"):
-        group_advantages(torch.tensor([1.0, 0.0]))
+    with pytest.raises(ValueError, match=r"must both be \[N\]"):
+        _group(torch.tensor([1.0, 0.0]), torch.tensor([0]))
 
 
 @settings(max_examples=60, deadline=None)
@@ -99,31 +115,26 @@ def test_group_advantages_properties(rows):
     assert adv.abs().max() <= (rewards.shape[1] - 1) ** 0.5 + 1e-6
 
 
-def test_process_rewards_hand_computed():
-    # G=2: completion 0 has steps ending at tokens 1 and 3 with rewards 1 and 0;
-    # completion 1 has one step ending at token 2 with reward 0.5.
-    step_rewards = torch.tensor([[1.0, 0.0], [0.5, 99.0]])  # 99 is padding (num_steps[1] = 1)
-    step_ends = torch.tensor([[1, 3], [2, 0]])
-    adv = process_advantages(step_rewards, step_ends, torch.tensor([2, 1]), completion_len=5, eps=0.0)
-    # all steps: [1, 0, 0.5] -> mean 0.5, unbiased std 0.5 -> normalised [1, -1, 0]
-    expected = torch.tensor([
-        [0.0, 0.0, -1.0, -1.0, 0.0],  # tokens 0-1: both steps (1 + -1); tokens 2-3: step 2 only; token 4: none
-        [0.0, 0.0, 0.0, 0.0, 0.0],
-    ])
-    torch.testing.assert_close(adv, expected)
+def test_groups_of_different_sizes_in_one_batch():
+    rewards = torch.tensor([1.0, 0.0, 3.0, 5.0, 4.0])
+    index = torch.tensor([0, 0, 1, 1, 1])
+    adv = _group(rewards, index, scale="none")
+    torch.testing.assert_close(adv, torch.tensor([0.5, -0.5, -1.0, 1.0, 0.0]))
+    # group 1: std([3, 5, 4]) = 1; RLOO factor 3/2 there, 2 in group 0
+    torch.testing.assert_close(_group(rewards, index, eps=0.0), torch.tensor([0.5, -0.5, 0.0, 0.0, 0.0]) / 0.70710677
+                               + torch.tensor([0.0, 0.0, -1.0, 1.0, 0.0]))
+    torch.testing.assert_close(_rloo(rewards, index), torch.tensor([1.0, -1.0, -1.5, 1.5, 0.0]))
 
 
-def test_process_rewards_suffix_sum_and_constant_group():
-    step_rewards = torch.tensor([[3.0, 1.0, 2.0], [0.0, 0.0, 0.0]])
-    step_ends = torch.tensor([[0, 1, 2], [0, 1, 2]])
-    adv = process_advantages(step_rewards, step_ends, torch.tensor([3, 3]), completion_len=3, eps=0.0)
-    values = torch.tensor([3.0, 1, 2, 0, 0, 0])
-    norm = (step_rewards - values.mean()) / values.std()
-    torch.testing.assert_close(adv[0], torch.stack([norm[0].sum(), norm[0, 1:].sum(), norm[0, 2]]))
-    constant = process_advantages(torch.ones(2, 2), torch.tensor([[0, 1], [0, 1]]), torch.tensor([2, 2]), 2)
-    assert torch.equal(constant, torch.zeros(2, 2))
-
-
-def test_process_rewards_rejects_step_past_completion():
-    with pytest.raises(ValueError, match="completion_len"):
-        process_advantages(torch.tensor([[1.0, 2.0]]), torch.tensor([[0, 4]]), torch.tensor([2]), completion_len=4)
+def test_batch_scale_is_the_std_of_the_whole_batch_not_of_each_group():
+    """[0,1,0,1] and [0,10,0,10] in one batch: the batch std is 4.496, so +-0.11 and +-1.11 (GRPO's group std
+    would give +-0.866 for both)."""
+    rewards = torch.tensor([0.0, 1, 0, 1, 0, 10, 0, 10])
+    index = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    batch = _group(rewards, index, scale="batch", eps=0.0)
+    torch.testing.assert_close(batch.abs(), torch.tensor([0.5] * 4 + [5.0] * 4) / 4.49603, atol=1e-5, rtol=0)
+    group = _group(rewards, index, scale="group", eps=0.0)
+    torch.testing.assert_close(group.abs(), torch.full((8,), 0.866025), atol=1e-5, rtol=0)
+    # the learner passes the std over every rank's rewards
+    given = _group(rewards, index, scale="batch", eps=0.0, batch_std=2.0)
+    torch.testing.assert_close(given.abs(), torch.tensor([0.25] * 4 + [2.5] * 4))

@@ -1,0 +1,87 @@
+"""The rollout hub's endpoints: generators upload groups, the learner leases batches and acknowledges them."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from fastapi import APIRouter, HTTPException, Query, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, Field, StrictInt
+from starlette.concurrency import run_in_threadpool
+
+from ref_server.hub import HubFull
+from ref_server.routes.common import OCTET, State, binary_body, read_body
+from shared.protocol import MAX_VERSION
+from shared.wire import WireError
+
+router = APIRouter(tags=["hub"])
+
+
+class VersionReport(BaseModel):
+    version: StrictInt = Field(ge=0, lt=MAX_VERSION, description="The learner's current policy version.")
+
+
+class BatchIds(BaseModel):
+    batch_ids: list[str] = Field(max_length=4096, description="Batch ids from GET /v1/batch (X-Batch-Id).")
+
+
+@router.post("/v1/rollouts", openapi_extra=binary_body("an encoded RolloutGroup"))
+async def upload_rollout(request: Request, state: State) -> JSONResponse:
+    """Queue one rollout group. 429 with Retry-After when the queue is full; the answer carries its depth."""
+    body = await read_body(request, state.max_request_bytes)
+    try:
+        answer = await run_in_threadpool(state.hub.put, body)
+    except HubFull as exc:
+        raise HTTPException(429, str(exc), {"Retry-After": "1", "X-Queue-Depth": str(state.hub.depth())}) from None
+    except WireError as exc:
+        raise HTTPException(400, str(exc)) from None
+    except ValueError as exc:  # ProtocolError, GroupRejected: well-formed bytes, unacceptable content
+        raise HTTPException(422, str(exc)) from None
+    return JSONResponse(answer, headers={"X-Queue-Depth": str(answer["queue_depth"])})
+
+
+@router.get("/v1/batch", responses={200: {"content": {OCTET: {}}}, 204: {"description": "not enough groups"}})
+async def take_batch(state: State, num_groups: int = Query(ge=1, le=4096, description="Groups in the batch."),
+                     timeout: float = Query(0.0, ge=0, allow_inf_nan=False,
+                                            description="Seconds to wait for enough groups.")):
+    """Lease the oldest ready groups as one encoded TrainBatch (reference logprobs attached); 204 if too few.
+
+    Acknowledge it with ``POST /v1/batch/ack`` once trained; unacknowledged, its groups return to the queue after
+    the hub's lease timeout."""
+    batch = await run_in_threadpool(state.hub.take, num_groups, min(timeout, state.max_long_poll_s))
+    headers = {"X-Queue-Depth": str(state.hub.depth())}
+    if batch is None:
+        return Response(status_code=204, headers=headers)
+    return Response(batch.to_bytes(), media_type=OCTET, headers={**headers, "X-Batch-Id": batch.batch_id})
+
+
+@router.post("/v1/batch/ack")
+async def ack_batches(body: BatchIds, state: State) -> dict:
+    """The learner applied these batches: their groups are consumed. Per id: acked, already, late or unknown."""
+    return {"batches": await run_in_threadpool(state.hub.ack, body.batch_ids)}
+
+
+@router.post("/v1/batch/renew")
+async def renew_leases(body: BatchIds, state: State) -> dict:
+    """Keep these leases for another lease timeout (the learner acknowledges at its next checkpoint)."""
+    return {"batches": await run_in_threadpool(state.hub.renew, body.batch_ids),
+            "lease_timeout_s": state.hub.lease_timeout_s}
+
+
+@router.post("/v1/learner/version")
+async def learner_version(report: VersionReport, state: State) -> dict:
+    """The learner's current policy version; groups it makes stale are dropped (and counted)."""
+    try:
+        dropped = await run_in_threadpool(state.hub.report_version, report.version)
+    except ValueError as exc:
+        raise HTTPException(409, str(exc)) from None
+    return {"version": report.version, "dropped_stale": dropped, "queue_depth": state.hub.depth()}
+
+
+@router.get("/v1/hub/stats")
+async def hub_stats(state: State) -> dict:
+    hub = state.hub
+    return {**asdict(hub.counters), "queue_depth": hub.depth(), "ready": hub.ready_depth(),
+            "leased_groups": hub.leased_depth(), "capacity": hub.capacity, "learner_version": hub.learner_version,
+            "max_staleness": hub.max_staleness, "lease_timeout_s": hub.lease_timeout_s,
+            "temperature": hub.temperature}

@@ -1,0 +1,23 @@
+"""Health and Prometheus metrics."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from ref_server.routes.common import State
+
+router = APIRouter(tags=["operations"])
+
+
+@router.get("/healthz")
+async def healthz(state: State) -> dict:
+    return {"status": "ok", "model": state.model_name, "reference_model_loaded": state.scorer is not None,
+            "vocab_size": state.vocab_size, "max_context": state.max_context,
+            "queue_depth": state.hub.depth(), "weights_version": state.weights.current,
+            "learner_version": state.hub.learner_version}
+
+
+@router.get("/metrics")
+async def prometheus(request: Request) -> Response:
+    return Response(request.app.state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -1,0 +1,24 @@
+"""What the reference server serves: built by ``ref_server.server`` from config (or by tests with a tiny model)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ref_server.hub import RolloutHub
+from ref_server.scorer import ReferenceScorer
+from ref_server.weights import WeightStore
+
+
+@dataclass
+class ServerState:
+    scorer: ReferenceScorer | None
+    hub: RolloutHub
+    weights: WeightStore
+    model_name: str | None
+    vocab_size: int | None
+    max_context: int | None
+    max_request_bytes: int
+    max_request_tokens: int
+    max_long_poll_s: float
+    token: str | None = None
+    max_version_ahead: int = 1000
