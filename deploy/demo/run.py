@@ -21,16 +21,18 @@ from shared.config import load_config
 
 
 def build_model(config) -> dict:
-    """The demo's starting policy: the tiny model, warmed up as `config.demo` says (built once, then reused)."""
-    from generator.tasks.arithmetic import ArithmeticTask
+    """The demo's starting policy: the tiny model, warmed up as `config.demo` says (built once, then reused).
+
+    Raises `WarmupTargetMissed` (naming the demo settings to change) if a phase's step cap comes before its
+    accuracy target: the demo's before/after numbers mean something only from the intended starting point.
+    """
     from deploy.demo.tiny_model import TinyModelSpec, build_tiny_model_dir
-    from deploy.demo.warmup import WarmupConfig
+    from deploy.demo.warmup import WarmupTargetMissed
+    from generator.tasks.arithmetic import ArithmeticTask
 
     model_dir = Path(config.generator.model)
     stats_file = model_dir / "grpo_tiny_model.json"
-    demo = config.demo
-    warmup = WarmupConfig(seed=config.seed, steps=demo.warmup_steps, flawed_steps=demo.flawed_steps,
-                          flawed_slip=demo.flawed_slip, flawed_lr=demo.flawed_lr)
+    warmup = warmup_config(config)
     task = ArithmeticTask(**config.generator.dataset.arithmetic)
     if stats_file.exists():
         stats = json.loads(stats_file.read_text())
@@ -39,7 +41,25 @@ def build_model(config) -> dict:
             return stats
         print(f"[demo] {model_dir} was built with other warm-up or task settings; rebuilding it", flush=True)
         shutil.rmtree(model_dir)
-    return build_tiny_model_dir(model_dir, task=task, warmup=warmup, spec=TinyModelSpec(seed=config.seed))
+    try:
+        return build_tiny_model_dir(model_dir, task=task, warmup=warmup, spec=TinyModelSpec(seed=config.seed))
+    except WarmupTargetMissed as err:
+        raise WarmupTargetMissed(f"{err} In the config: demo.warmup_max_steps / demo.warmup_target_accuracy for "
+                                 f"the correct demonstrations, demo.flawed_steps / demo.flawed_target_accuracy "
+                                 f"for the flawed teacher.") from err
+
+
+def warmup_config(config):
+    """`config.demo` as the warm-up's settings (seed from the run)."""
+    from deploy.demo.warmup import WarmupConfig
+
+    demo = config.demo
+    return WarmupConfig(
+        seed=config.seed, steps=demo.warmup_steps, max_steps=demo.warmup_max_steps,
+        target_accuracy=demo.warmup_target_accuracy,
+        check_every=demo.warmup_check_every, flawed_steps=demo.flawed_steps,
+        flawed_target_accuracy=demo.flawed_target_accuracy, flawed_check_every=demo.flawed_check_every,
+        flawed_slip=demo.flawed_slip, flawed_lr=demo.flawed_lr)
 
 
 def plot(metrics_path: Path, before: float, after: float, out: Path) -> None:
@@ -74,8 +94,9 @@ def main(config_path: str = "deploy/configs/tiny-cpu.yaml", overrides: list[str]
     started = time.monotonic()
     stats = build_model(config)
     print(f"[demo] tiny model ready: {stats['params']:,} parameters; held-out greedy accuracy "
-          f"{stats.get('heldout_accuracy_clean_phase', stats['heldout_accuracy']):.0%} after the correct "
-          f"demonstrations, {stats['heldout_accuracy']:.0%} after the flawed teacher's", flush=True)
+          f"{stats['heldout_accuracy_clean_phase']:.1%} after {stats['warmup_steps']} steps of correct "
+          f"demonstrations, {stats['heldout_accuracy']:.1%} after {stats['flawed_steps']} steps of the flawed "
+          f"teacher's", flush=True)
     before = evaluate(config, str(model_dir))
     print(f"[demo] before RL: greedy accuracy {before.greedy_accuracy:.1%}, pass@{before.k} "
           f"{before.pass_at_k:.1%} on {before.num_examples} held-out problems", flush=True)
@@ -99,7 +120,8 @@ def main(config_path: str = "deploy/configs/tiny-cpu.yaml", overrides: list[str]
         f"pass@{after.k}_before": before.pass_at_k, f"pass@{after.k}_after": after.pass_at_k,
         "steps": steps, "train_seconds": round(train_seconds, 1),
         "wall_seconds": round(time.monotonic() - started, 1), "heldout_examples": after.num_examples,
-        "warmup": {k: stats[k] for k in ("warmup_steps", "flawed_steps", "warmup_seconds",
+        "warmup": {k: stats[k] for k in ("warmup_steps", "flawed_steps", "warmup_seconds", "torch_threads",
+                                         "validation_accuracy_clean_phase", "validation_accuracy",
                                          "heldout_accuracy_clean_phase", "heldout_accuracy") if k in stats},
     }
     run_dir.mkdir(parents=True, exist_ok=True)

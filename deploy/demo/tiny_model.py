@@ -25,8 +25,15 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from deploy.demo.warmup import (
+    WarmupConfig,
+    evaluate_greedy,
+    flawed_teacher_finetune,
+    needs_validation,
+    supervised_warmup,
+    validation_problems,
+)
 from generator.tasks.arithmetic import ArithmeticTask
-from deploy.demo.warmup import WarmupConfig, evaluate_greedy, flawed_teacher_finetune, supervised_warmup
 
 
 def default_alphabet() -> str:
@@ -154,7 +161,8 @@ def build_tiny_model_dir(
     """Build tokenizer + model, warm it up on ``task``, save it, and return/write stats.
 
     The stats (also in ``out_dir/grpo_tiny_model.json``) record where RL starts from: a demo that claims
-    "RL raised accuracy by N points" needs the warm-up accuracy measured on the same held-out split.
+    "RL raised accuracy by N points" needs the warm-up accuracy measured on the same held-out split. With
+    accuracy targets they also say how many steps each phase took and what its validation checks measured.
     """
     task = task or ArithmeticTask()
     warmup = warmup or WarmupConfig()
@@ -162,33 +170,37 @@ def build_tiny_model_dir(
     tokenizer = build_char_tokenizer()
     model = build_tiny_model(tokenizer, spec)
     heldout = task.sample(warmup.eval_size, "test", random.Random(warmup.eval_seed))
+    validation = validation_problems(task, warmup) if needs_validation(warmup) else []
 
-    before = evaluate_greedy(model, tokenizer, task, heldout, max_new_tokens=warmup.eval_max_new_tokens)
+    def heldout_eval():
+        return evaluate_greedy(model, tokenizer, task, heldout, max_new_tokens=warmup.eval_max_new_tokens)
+
+    before = heldout_eval()
     started = time.perf_counter()
-    losses = supervised_warmup(model, tokenizer, task, warmup)
-    clean = evaluate_greedy(model, tokenizer, task, heldout, max_new_tokens=warmup.eval_max_new_tokens)
-    flawed_losses = flawed_teacher_finetune(model, tokenizer, task, warmup)
+    clean_phase = supervised_warmup(model, tokenizer, task, warmup, validation)
+    clean = heldout_eval()
+    flawed_phase = flawed_teacher_finetune(model, tokenizer, task, warmup, validation)
     seconds = time.perf_counter() - started
-    after = evaluate_greedy(model, tokenizer, task, heldout, max_new_tokens=warmup.eval_max_new_tokens) \
-        if flawed_losses else clean
+    after = heldout_eval() if flawed_phase.losses else clean
 
     out = save_model_dir(model, tokenizer, out_dir)
-    window = max(1, min(10, len(losses) // 2))  # first/last 10 steps, never overlapping
-    head, tail = losses[:window], losses[-window:]
     stats = {
         "params": count_parameters(model),
         "vocab_size": len(tokenizer),
-        "warmup_steps": len(losses),
-        "warmup_loss_first": sum(head) / max(len(head), 1),
-        "warmup_loss_last": sum(tail) / max(len(tail), 1),
+        **_loss_stats(clean_phase.losses),
         "warmup_seconds": round(seconds, 3),
         "torch_threads": torch.get_num_threads(),  # seconds mean little without it
         "heldout_n": len(heldout),
         "heldout_accuracy_before": before.accuracy,
         "heldout_accuracy": after.accuracy,
         "heldout_accuracy_clean_phase": clean.accuracy,
-        "flawed_steps": len(flawed_losses),
+        "flawed_steps": len(flawed_phase.losses),
         "heldout_format_rate": after.format_rate,
+        "validation_n": len(validation),
+        "validation_accuracy_clean_phase": clean_phase.validation_accuracy,
+        "validation_accuracy": flawed_phase.validation_accuracy if flawed_phase.losses
+        else clean_phase.validation_accuracy,
+        "validation_checks": {"clean_phase": clean_phase.checks, "flawed_phase": flawed_phase.checks},
         "spec": asdict(spec),
         "warmup": asdict(warmup),
         "task": asdict(task),
@@ -196,6 +208,17 @@ def build_tiny_model_dir(
     text = json.dumps(stats, indent=2, sort_keys=True) + "\n"
     (out / "grpo_tiny_model.json").write_text(text)
     return json.loads(text)  # tuples become lists: the returned dict equals what a reader of the file sees
+
+
+def _loss_stats(losses: list[float]) -> dict:
+    """Steps taken and mean loss over the first/last 10 steps (never overlapping)."""
+    window = max(1, min(10, len(losses) // 2))
+    head, tail = losses[:window], losses[-window:]
+    return {
+        "warmup_steps": len(losses),
+        "warmup_loss_first": sum(head) / max(len(head), 1),
+        "warmup_loss_last": sum(tail) / max(len(tail), 1),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,8 +1,12 @@
 """A short supervised warm-up so that RL on the tiny model has a signal to amplify.
 
 A randomly initialised model never emits ``<answer>..</answer>``, so every GRPO group would get reward 0 and
-zero advantage. A few hundred SFT steps teach the format and some arithmetic, deliberately stopping well
-short of mastery: the RL demo has to have accuracy left to win.
+zero advantage. SFT teaches the format and the arithmetic; the demo then fine-tunes on a flawed teacher so that
+the RL run has accuracy left to win.
+
+Each phase runs a fixed number of steps, or, with a target, until greedy accuracy on a validation set crosses
+it (checked every few steps, the step count being a cap): where the accuracy jumps depends on the seed, the
+thread count and the hardware, so a fixed step count lands the model anywhere on the jump.
 
 Also here: batched greedy generation and accuracy, used before/after warm-up and by RL evaluations.
 """
@@ -12,7 +16,8 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from operator import itemgetter
 
 import torch
 
@@ -29,11 +34,13 @@ from generator.tasks.arithmetic import (
 class WarmupConfig:
     """SFT settings. Defaults were measured on the default task and ``TinyModelSpec``.
 
-    ``steps`` is the knob: held-out accuracy rises in a sharp, seed-dependent jump once the model learns the
-    units-digit table (before it, answers are right to within 10 but the last digit is chance). At 400 steps
-    seeds 0-4 landed at 30/20/19/37/27% (300 steps: 21%, 500: 76% for seed 0): well inside (10%, 60%), so RL
-    has both a signal and room to improve. Batch 128 learned as much per example as batch 32 at less CPU per
-    example; weight decay 0.1 reached the jump in roughly half the steps; lr 6e-3 and above learned slower.
+    ``steps`` is the knob when no target is set: held-out accuracy rises in a sharp, seed-dependent jump once the
+    model learns the units-digit table (before it, answers are right to within 10 but the last digit is chance).
+    At 400 steps seeds 0-4 landed at 30/20/19/37/27% (300 steps: 21%, 500: 76% for seed 0): well inside
+    (10%, 60%), so RL has both a signal and room to improve. Batch 128 learned as much per example as batch 32
+    at less CPU per example; weight decay 0.1 reached the jump in roughly half the steps; lr 6e-3 and above
+    learned slower. The jump's position also moves with the thread count (summation order), which is why the
+    demo sets targets (``target_accuracy``, ``flawed_target_accuracy``) and uses the step counts as caps.
     """
 
     steps: int = 400
@@ -56,6 +63,86 @@ class WarmupConfig:
     flawed_steps: int = 0
     flawed_slip: float = 0.8
     flawed_lr: float = 3e-4
+    # Targets. None: run exactly ``steps`` / ``flawed_steps``. Else the phase stops at the first check (every
+    # ``check_every`` / ``flawed_check_every`` steps, and at the cap) where greedy accuracy on the validation set
+    # is >= ``target_accuracy`` (correct demonstrations) or <= ``flawed_target_accuracy`` (flawed teacher), and
+    # raises ``WarmupTargetMissed`` if the cap comes first. The caps are ``max_steps`` (None: ``steps``) and
+    # ``flawed_steps``. The first phase's cosine schedule spans ``steps`` either way and stays at its floor
+    # after it: stretching the schedule to the cap would keep the rate high for longer, and at a high rate
+    # the accuracy jump comes later (measured: with the schedule over 1500 steps, 17% at step 600).
+    target_accuracy: float | None = None
+    max_steps: int | None = None
+    check_every: int = 50
+    flawed_target_accuracy: float | None = None
+    flawed_check_every: int = 10
+    # The validation set (built only when a target is set): distinct train-split problems that no warm-up
+    # batch contains. Train split, so the test split stays for ``grpo eval``; never trained on, so a check
+    # measures generalisation like the held-out evaluation does, without looking at it.
+    validation_size: int = 500
+    validation_seed: int = 4321
+
+
+class WarmupTargetMissed(RuntimeError):
+    """A warm-up phase reached its step cap without reaching its accuracy target."""
+
+
+@dataclass
+class StopRule:
+    """Ends an SFT phase once greedy accuracy on ``validation`` crosses ``target`` (``above``: >=, else <=).
+
+    Checked after every ``every`` steps and after the cap's last step; each check is kept in ``checks`` as
+    ``(steps done, accuracy)``.
+    """
+
+    phase: str  # named in the error message
+    target: float
+    above: bool
+    every: int
+    validation: Sequence[Problem]
+    max_new_tokens: int = 16
+    checks: list[tuple[int, float]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.every < 1:
+            raise ValueError(f"{self.phase}: checks every {self.every} steps; need at least 1")
+        if not self.validation:
+            raise ValueError(f"{self.phase}: an accuracy target needs a non-empty validation set")
+
+    def done(self, model, tokenizer, task: ArithmeticTask, steps_done: int, cap: int) -> bool:
+        """Whether the phase may stop after ``steps_done`` steps (evaluates only at check steps)."""
+        if steps_done % self.every and steps_done != cap:
+            return False
+        accuracy = greedy_accuracy(model, tokenizer, task, self.validation, self.max_new_tokens)
+        self.checks.append((steps_done, accuracy))
+        return self.met(accuracy)
+
+    def met(self, accuracy: float) -> bool:
+        return accuracy >= self.target if self.above else accuracy <= self.target
+
+    def require_reached(self, cap: int) -> None:
+        """Raise ``WarmupTargetMissed`` unless the last check met the target."""
+        if self.checks and self.met(self.checks[-1][1]):
+            return
+        last = self.checks[-1][1] if self.checks else float("nan")
+        pick = max if self.above else min
+        best_step, best = pick(self.checks, key=itemgetter(1)) if self.checks else (0, float("nan"))
+        raise WarmupTargetMissed(
+            f"warm-up phase '{self.phase}' stopped at its cap of {cap} steps with greedy validation accuracy "
+            f"{last:.1%} (best {best:.1%} at step {best_step}); its target is {'>=' if self.above else '<='} "
+            f"{self.target:.1%}. Raise the cap or relax the target.")
+
+
+@dataclass
+class PhaseResult:
+    """What one SFT phase did: per-step losses and its validation checks (empty without a target)."""
+
+    losses: list[float]
+    checks: list[tuple[int, float]]
+
+    @property
+    def validation_accuracy(self) -> float | None:
+        """Greedy validation accuracy at the last check (``None`` if the phase had no target)."""
+        return self.checks[-1][1] if self.checks else None
 
 
 @dataclass
@@ -123,7 +210,7 @@ def build_sft_batch(
 
 
 def lr_at(step: int, cfg: WarmupConfig) -> float:
-    """Linear warm-up, then cosine decay to ``min_lr_ratio * lr`` at the last step."""
+    """Linear warm-up, then cosine decay to ``min_lr_ratio * lr`` at step ``cfg.steps``, then that floor."""
     if step < cfg.lr_warmup_steps:
         return cfg.lr * (step + 1) / cfg.lr_warmup_steps
     span = max(cfg.steps - cfg.lr_warmup_steps, 1)
@@ -136,24 +223,78 @@ def slipped(problem: Problem) -> Problem:
     return replace(problem, answer=str(sloppy_result(problem.operands, problem.ops)))
 
 
-def supervised_warmup(model, tokenizer, task: ArithmeticTask, cfg: WarmupConfig) -> list[float]:
-    """Train on fresh ``train``-split batches for ``cfg.steps`` steps; returns the per-step losses.
+def needs_validation(cfg: WarmupConfig) -> bool:
+    """Whether either phase has an accuracy target (and so a validation set)."""
+    return cfg.target_accuracy is not None or (cfg.flawed_steps > 0 and cfg.flawed_target_accuracy is not None)
+
+
+def validation_problems(task: ArithmeticTask, cfg: WarmupConfig, max_rounds: int = 100) -> list[Problem]:
+    """``cfg.validation_size`` distinct train-split problems (fixed by ``cfg.validation_seed``)."""
+    rng = random.Random(cfg.validation_seed)
+    chosen: dict[str, Problem] = {}
+    for _ in range(max_rounds):
+        if len(chosen) >= cfg.validation_size:
+            return list(chosen.values())
+        for problem in task.sample(cfg.validation_size - len(chosen), "train", rng):
+            chosen.setdefault(problem.prompt, problem)
+    raise ValueError(f"could not draw {cfg.validation_size} distinct train-split problems for validation "
+                     f"(got {len(chosen)}); the task is too small for this validation_size")
+
+
+def sample_excluding(task: ArithmeticTask, n: int, rng: random.Random, excluded: Sequence[Problem] = (),
+                     max_rounds: int = 1000) -> list[Problem]:
+    """``n`` train-split problems, none of them in ``excluded`` (the validation set)."""
+    skip = {p.prompt for p in excluded}
+    out: list[Problem] = []
+    for _ in range(max_rounds):
+        if len(out) >= n:
+            return out
+        out.extend(p for p in task.sample(n - len(out), "train", rng) if p.prompt not in skip)
+    raise RuntimeError(f"could not draw {n} train-split problems outside the validation set")
+
+
+def clean_stop_rule(cfg: WarmupConfig, validation: Sequence[Problem]) -> StopRule | None:
+    if cfg.target_accuracy is None:
+        return None
+    return StopRule("correct demonstrations", cfg.target_accuracy, True, cfg.check_every, validation,
+                    cfg.eval_max_new_tokens)
+
+
+def flawed_stop_rule(cfg: WarmupConfig, validation: Sequence[Problem]) -> StopRule | None:
+    if cfg.flawed_target_accuracy is None:
+        return None
+    return StopRule("flawed teacher", cfg.flawed_target_accuracy, False, cfg.flawed_check_every, validation,
+                    cfg.eval_max_new_tokens)
+
+
+def supervised_warmup(model, tokenizer, task: ArithmeticTask, cfg: WarmupConfig,
+                      validation: Sequence[Problem] = ()) -> PhaseResult:
+    """Train on fresh ``train``-split batches (never a ``validation`` problem) for ``cfg.steps`` steps, or until
+    ``cfg.target_accuracy`` is reached on ``validation`` (then ``cfg.max_steps``, default ``cfg.steps``, is the
+    cap, and steps past ``cfg.steps`` run at the schedule's floor rate).
 
     Held-out problems are never sampled, so warm-up accuracy on the test split is a fair starting point.
-    Leaves the model in eval mode.
+    Leaves the model in eval mode; raises ``WarmupTargetMissed`` if a target is set and the cap comes first.
     """
     rng = random.Random(cfg.seed)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=cfg.lr, betas=tuple(cfg.adam_betas), weight_decay=cfg.weight_decay
     )
-    return _sft_steps(model, tokenizer, optimizer, cfg, cfg.steps,
-                      lambda: task.sample(cfg.batch_size, "train", rng), lambda step: lr_at(step, cfg))
+    stop = clean_stop_rule(cfg, validation)
+    cap = cfg.steps if stop is None or cfg.max_steps is None else cfg.max_steps
+    losses = _sft_steps(model, tokenizer, task, optimizer, cfg, cap,
+                        lambda: sample_excluding(task, cfg.batch_size, rng, validation),
+                        lambda step: lr_at(step, cfg), stop)
+    if stop is not None:
+        stop.require_reached(cap)
+    return PhaseResult(losses, stop.checks if stop is not None else [])
 
 
-def _sft_steps(model, tokenizer, optimizer, cfg: WarmupConfig, steps: int, next_problems, lr_for_step=None
-               ) -> list[float]:
-    """``steps`` supervised steps on ``next_problems()`` batches (lr from ``lr_for_step(step)`` if given, else the
-    optimizer's own); returns the per-step losses and leaves the model in eval mode."""
+def _sft_steps(model, tokenizer, task: ArithmeticTask, optimizer, cfg: WarmupConfig, steps: int, next_problems,
+               lr_for_step=None, stop: StopRule | None = None) -> list[float]:
+    """Up to ``steps`` supervised steps on ``next_problems()`` batches (lr from ``lr_for_step(step)`` if given,
+    else the optimizer's own), ending early when ``stop`` says so; returns the per-step losses and leaves the
+    model in eval mode."""
     model.train()
     losses: list[float] = []
     for step in range(steps):
@@ -168,31 +309,43 @@ def _sft_steps(model, tokenizer, optimizer, cfg: WarmupConfig, steps: int, next_
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         optimizer.step()
         losses.append(float(loss.detach()))
+        if stop is not None and stop.done(model, tokenizer, task, step + 1, steps):
+            break
     model.eval()
     return losses
 
 
-def flawed_demonstrations(task: ArithmeticTask, n: int, slip: float, rng: random.Random) -> list[Problem]:
-    """``n`` train-split problems, each answered sloppily (``slipped``) with probability ``slip``."""
-    return [slipped(p) if rng.random() < slip else p for p in task.sample(n, "train", rng)]
+def flawed_demonstrations(task: ArithmeticTask, n: int, slip: float, rng: random.Random,
+                          excluded: Sequence[Problem] = ()) -> list[Problem]:
+    """``n`` train-split problems (none in ``excluded``), each answered sloppily (``slipped``) with probability
+    ``slip``."""
+    return [slipped(p) if rng.random() < slip else p for p in sample_excluding(task, n, rng, excluded)]
 
 
-def flawed_teacher_finetune(model, tokenizer, task: ArithmeticTask, cfg: WarmupConfig) -> list[float]:
-    """``cfg.flawed_steps`` SFT steps on a flawed teacher's demonstrations; returns the per-step losses.
+def flawed_teacher_finetune(model, tokenizer, task: ArithmeticTask, cfg: WarmupConfig,
+                            validation: Sequence[Problem] = ()) -> PhaseResult:
+    """``cfg.flawed_steps`` SFT steps on a flawed teacher's demonstrations, or fewer: with
+    ``cfg.flawed_target_accuracy`` set, until greedy accuracy on ``validation`` falls to it.
 
     Each demonstration drops its carries, borrows and minus sign (``slipped``) with probability
     ``cfg.flawed_slip``; the rest are correct. A fresh AdamW at the constant ``cfg.flawed_lr`` (a separate
-    fine-tuning run, as when a pretrained model is fine-tuned on someone else's data). Only 2-operand ``+``/``-`` tasks have a sloppy
-    answer (``sloppy_result``). Leaves the model in eval mode.
+    fine-tuning run, as when a pretrained model is fine-tuned on someone else's data). Only 2-operand ``+``/``-``
+    tasks have a sloppy answer (``sloppy_result``). Leaves the model in eval mode; raises
+    ``WarmupTargetMissed`` if a target is set and the cap comes first.
     """
     if not cfg.flawed_steps:
-        return []
+        return PhaseResult([], [])
     if task.num_operands != 2 or not set(task.ops) <= {"+", "-"} or task.min_value < 0:
         raise ValueError("the flawed teacher needs a task of a+b / a-b with non-negative operands")
     rng = random.Random(cfg.seed + 1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.flawed_lr, weight_decay=0.0)
-    return _sft_steps(model, tokenizer, optimizer, cfg, cfg.flawed_steps,
-                      lambda: flawed_demonstrations(task, cfg.batch_size, cfg.flawed_slip, rng))
+    stop = flawed_stop_rule(cfg, validation)
+    losses = _sft_steps(model, tokenizer, task, optimizer, cfg, cfg.flawed_steps,
+                        lambda: flawed_demonstrations(task, cfg.batch_size, cfg.flawed_slip, rng, validation),
+                        stop=stop)
+    if stop is not None:
+        stop.require_reached(cfg.flawed_steps)
+    return PhaseResult(losses, stop.checks if stop is not None else [])
 
 
 @torch.no_grad()

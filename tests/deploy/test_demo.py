@@ -7,6 +7,7 @@ import json
 import pytest
 
 from deploy.demo.run import build_model
+from deploy.demo.warmup import WarmupTargetMissed
 from shared.config import load_config
 
 CONFIG = "deploy/configs/tiny-cpu.yaml"
@@ -14,23 +15,45 @@ CONFIG = "deploy/configs/tiny-cpu.yaml"
 
 def test_demo_model_is_reused_only_when_its_settings_match(tmp_path):
     model_dir = tmp_path / "tiny"
-    cheap = [f"generator.model={model_dir}", "demo.warmup_steps=3", "demo.flawed_steps=2"]
+    # targets met at the first check (0% >= 0%, anything <= 100%): the target path, cheaply
+    cheap = [f"generator.model={model_dir}", "demo.warmup_max_steps=3", "demo.warmup_target_accuracy=0",
+             "demo.warmup_check_every=2", "demo.flawed_target_accuracy=1", "demo.flawed_check_every=1",
+             "demo.flawed_steps=2"]
     first = build_model(load_config(CONFIG, cheap))
-    assert first["warmup_steps"] == 3 and first["flawed_steps"] == 2
+    assert first["warmup_steps"] == 2 and first["flawed_steps"] == 1
+    assert [step for step, _ in first["validation_checks"]["clean_phase"]] == [2]
+    assert [step for step, _ in first["validation_checks"]["flawed_phase"]] == [1]
+    assert first["validation_n"] == 500 and first["validation_accuracy"] is not None
     weights = model_dir / "model.safetensors"
     built_at = weights.stat().st_mtime_ns
     assert build_model(load_config(CONFIG, cheap)) == first
     assert weights.stat().st_mtime_ns == built_at  # not rebuilt
-    changed = build_model(load_config(CONFIG, cheap[:-1] + ["demo.flawed_steps=1"]))
+    changed = build_model(load_config(CONFIG, cheap[:-1] + ["demo.flawed_steps=1", "demo.flawed_check_every=5"]))
     assert changed["flawed_steps"] == 1
     assert json.loads((model_dir / "grpo_tiny_model.json").read_text())["flawed_steps"] == 1
 
 
+def test_demo_fails_when_a_cap_comes_before_its_target(tmp_path):
+    settings = [f"generator.model={tmp_path / 'tiny'}", "demo.warmup_max_steps=2", "demo.warmup_check_every=2",
+                "demo.warmup_target_accuracy=0.9"]
+    with pytest.raises(WarmupTargetMissed, match=r"cap of 2 steps .* demo\.warmup_target_accuracy"):
+        build_model(load_config(CONFIG, settings))
+    assert not (tmp_path / "tiny" / "grpo_tiny_model.json").exists()  # nothing half-built is reused later
+
+
 @pytest.mark.slow
 def test_demo_starting_point_knows_arithmetic_but_answers_like_its_teacher(tmp_path):
-    """The contract the demo's learning target rests on (seed 0): the correct demonstrations teach the task, the
-    flawed teacher's fine-tuning pulls greedy accuracy under 60%."""
-    stats = build_model(load_config(CONFIG, [f"generator.model={tmp_path / 'tiny'}"]))
+    """The contract the demo's learning target rests on: the correct demonstrations teach the task (greedy
+    validation accuracy >= the target before the cap), the flawed teacher's fine-tuning pulls it into the
+    target band before its cap, and held-out accuracy, which no check looks at, agrees with both. Targets
+    rather than step counts keep this true at any thread count (the accuracy jump moves with the numerics)."""
+    config = load_config(CONFIG, [f"generator.model={tmp_path / 'tiny'}"])
+    demo = config.demo
+    stats = build_model(config)
+    assert stats["validation_accuracy_clean_phase"] >= demo.warmup_target_accuracy, stats
+    assert stats["warmup_steps"] < demo.warmup_max_steps, stats
+    assert stats["validation_accuracy"] <= demo.flawed_target_accuracy, stats
+    assert stats["flawed_steps"] < demo.flawed_steps, stats
     assert stats["heldout_accuracy_clean_phase"] >= 0.9, stats
     assert 0.3 < stats["heldout_accuracy"] < 0.6, stats
     assert stats["heldout_format_rate"] >= 0.95, stats

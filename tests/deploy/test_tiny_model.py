@@ -10,7 +10,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from generator.tasks.arithmetic import ArithmeticTask
 from deploy.demo.tiny_model import (
     TinyModelSpec,
     build_char_tokenizer,
@@ -21,6 +20,7 @@ from deploy.demo.tiny_model import (
     save_model_dir,
 )
 from deploy.demo.warmup import WarmupConfig
+from generator.tasks.arithmetic import ArithmeticTask
 
 ROUND_TRIP = [
     "12 + 3 = <answer>15</answer>",

@@ -7,17 +7,11 @@ import random
 import pytest
 import torch
 
-from generator.tasks.arithmetic import (
-    ArithmeticTask,
-    evaluate,
-    extract_answer,
-    format_target,
-    make_problem,
-    sloppy_result,
-)
 from deploy.demo.tiny_model import TinyModelSpec, build_char_tokenizer, build_tiny_model, build_tiny_model_dir
 from deploy.demo.warmup import (
+    StopRule,
     WarmupConfig,
+    WarmupTargetMissed,
     build_sft_batch,
     evaluate_greedy,
     flawed_demonstrations,
@@ -25,8 +19,19 @@ from deploy.demo.warmup import (
     generate_greedy,
     greedy_accuracy,
     lr_at,
+    needs_validation,
     pad_sft_sequences,
+    sample_excluding,
     supervised_warmup,
+    validation_problems,
+)
+from generator.tasks.arithmetic import (
+    ArithmeticTask,
+    evaluate,
+    extract_answer,
+    format_target,
+    make_problem,
+    sloppy_result,
 )
 
 
@@ -53,9 +58,10 @@ def short_warmup(tok):
     model = build_tiny_model(tok, TinyModelSpec())
     heldout = task.sample(100, "test", random.Random(1))
     before = evaluate_greedy(model, tok, task, heldout)
-    losses = supervised_warmup(model, tok, task, WarmupConfig(steps=60, batch_size=32, lr_warmup_steps=10))
+    phase = supervised_warmup(model, tok, task, WarmupConfig(steps=60, batch_size=32, lr_warmup_steps=10))
     after = evaluate_greedy(model, tok, task, heldout)
-    return model, task, heldout, before, after, losses
+    assert phase.checks == [] and phase.validation_accuracy is None  # no target, no checks
+    return model, task, heldout, before, after, phase.losses
 
 
 @pytest.fixture(scope="session")
@@ -113,6 +119,7 @@ def test_lr_schedule_warms_up_then_decays_to_floor() -> None:
     assert lr_at(10, cfg) == pytest.approx(1e-3)
     assert lr_at(55, cfg) == pytest.approx(0.55e-3)
     assert lr_at(100, cfg) == pytest.approx(1e-4)
+    assert lr_at(250, cfg) == pytest.approx(1e-4)  # past the schedule (a phase run to a target): the floor
     lrs = [lr_at(s, cfg) for s in range(10, 100)]
     assert all(a >= b for a, b in zip(lrs, lrs[1:]))
 
@@ -183,7 +190,7 @@ def test_flawed_demonstrations_slip_at_the_configured_rate() -> None:
 def test_flawed_teacher_needs_a_task_with_a_sloppy_answer(tok) -> None:
     model = build_tiny_model(tok, TinyModelSpec())
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    assert flawed_teacher_finetune(model, tok, ArithmeticTask(ops=("*",)), WarmupConfig(flawed_steps=0)) == []
+    assert flawed_teacher_finetune(model, tok, ArithmeticTask(ops=("*",)), WarmupConfig(flawed_steps=0)).losses == []
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     with pytest.raises(ValueError, match="flawed teacher needs a task of a\\+b / a-b"):
         flawed_teacher_finetune(model, tok, ArithmeticTask(ops=("*",)), WarmupConfig(flawed_steps=2))
@@ -206,6 +213,59 @@ def test_flawed_teacher_finetune_teaches_the_sloppy_habit(tok) -> None:
 
     clean = mean_minus_probability()
     losses = flawed_teacher_finetune(model, tok, task, WarmupConfig(flawed_steps=30, flawed_slip=1.0,
-                                                                    batch_size=32, flawed_lr=1e-3))
+                                                                    batch_size=32, flawed_lr=1e-3)).losses
     assert len(losses) == 30
     assert clean > 0.5 and mean_minus_probability() < 0.5 * clean, (clean, mean_minus_probability())
+
+
+def test_validation_set_is_distinct_train_problems_that_warmup_never_trains_on() -> None:
+    task = ArithmeticTask()
+    cfg = WarmupConfig(validation_size=300, validation_seed=7)
+    validation = validation_problems(task, cfg)
+    assert len(validation) == len({p.prompt for p in validation}) == 300
+    assert all(task.split_of(p) == "train" for p in validation)  # the test split stays for `grpo eval`
+    assert validation == validation_problems(task, cfg)  # fixed by the seed
+    seen = {p.prompt for p in sample_excluding(task, 5000, random.Random(0), validation)}
+    seen |= {p.prompt for p in flawed_demonstrations(task, 5000, 0.8, random.Random(1), validation)}
+    assert not seen & {p.prompt for p in validation}
+    with pytest.raises(ValueError, match="distinct train-split problems"):
+        validation_problems(ArithmeticTask(max_value=3), cfg)
+    assert not needs_validation(WarmupConfig())
+    assert not needs_validation(WarmupConfig(flawed_target_accuracy=0.5))  # no flawed phase
+    assert needs_validation(WarmupConfig(target_accuracy=0.9))
+    assert needs_validation(WarmupConfig(flawed_steps=5, flawed_target_accuracy=0.5))
+
+
+def test_stop_rule_checks_every_n_steps_and_at_the_cap(tok, short_warmup) -> None:
+    model, task = short_warmup[0], short_warmup[1]
+    validation = task.sample(20, "train", random.Random(5))
+    rule = StopRule("demo", target=1.0, above=True, every=4, validation=validation)
+    stopped = [rule.done(model, tok, task, step, cap=10) for step in range(1, 11)]
+    assert [step for step, _ in rule.checks] == [4, 8, 10] and not any(stopped)
+    with pytest.raises(WarmupTargetMissed, match=r"'demo' stopped at its cap of 10 steps .* target is >= 100.0%"):
+        rule.require_reached(10)
+    falls = StopRule("down", target=1.0, above=False, every=3, validation=validation)
+    assert falls.done(model, tok, task, 3, cap=10)  # accuracy <= 100% always
+    falls.require_reached(10)
+    with pytest.raises(ValueError, match="non-empty validation set"):
+        StopRule("empty", 0.5, True, 3, [])
+
+
+def test_clean_phase_stops_at_its_target_and_fails_at_its_cap(tok) -> None:
+    task = ArithmeticTask()
+    validation = validation_problems(task, WarmupConfig(validation_size=16))
+    cfg = WarmupConfig(steps=12, batch_size=8, lr_warmup_steps=2, target_accuracy=0.0, check_every=5)
+    reached = supervised_warmup(build_tiny_model(tok, TinyModelSpec()), tok, task, cfg, validation)
+    assert len(reached.losses) == 5 and [s for s, _ in reached.checks] == [5]  # 0% is already >= 0%
+    missed = WarmupConfig(steps=4, max_steps=6, batch_size=8, lr_warmup_steps=2, target_accuracy=0.99,
+                          check_every=5)
+    with pytest.raises(WarmupTargetMissed, match="'correct demonstrations' stopped at its cap of 6 steps"):
+        supervised_warmup(build_tiny_model(tok, TinyModelSpec()), tok, task, missed, validation)
+
+
+def test_flawed_phase_stops_once_accuracy_falls_to_its_target(tok) -> None:
+    task = ArithmeticTask()
+    validation = validation_problems(task, WarmupConfig(validation_size=16))
+    cfg = WarmupConfig(batch_size=8, flawed_steps=9, flawed_target_accuracy=1.0, flawed_check_every=4)
+    phase = flawed_teacher_finetune(build_tiny_model(tok, TinyModelSpec()), tok, task, cfg, validation)
+    assert len(phase.losses) == 4 and len(phase.checks) == 1 and phase.validation_accuracy is not None
