@@ -20,7 +20,8 @@ Two ideas (details in docs/reward-hacks.md):
   count), its own process group killed whole on timeout, the launcher's death killing it, capped output,
   and an audit hook refusing sockets/subprocesses/signals as a last in-process layer.
 
-``GRPO_SANDBOX_ISOLATION=namespaces|nobody|rlimits`` forces a level (an error if it does not work here).
+``GRPO_SANDBOX_ISOLATION=namespaces|nobody|rlimits`` forces a level (an error if it does not work here). As
+root, ``rlimits`` is never chosen implicitly: without namespaces or nobody, the sandbox refuses to run.
 """
 
 from __future__ import annotations
@@ -281,6 +282,11 @@ def isolation_level() -> str:
         log.info("code sandbox isolation (forced): %s", describe(forced))
         return forced
     for level in LEVELS:
+        if level == "rlimits" and os.geteuid() == 0:
+            raise RuntimeError("the code sandbox would run model-written code as root with only rlimits and an "
+                               "audit hook (no namespaces here, and uid nobody cannot run this interpreter); "
+                               "enable user namespaces, install Python where nobody can read it, or accept the "
+                               "risk with GRPO_SANDBOX_ISOLATION=rlimits")
         if _probe(level):
             (log.info if level == "namespaces" else log.warning)(
                 "code sandbox isolation: %s%s", describe(level),
