@@ -9,12 +9,15 @@ value the sandbox reports. So for ``assert f(2) == 4`` the sandbox is asked for 
 sees ``4``. A leaf that needs no solution (only built-in names, e.g. ``[i * i for i in range(3)]``) is
 evaluated before the solution is loaded. Values cross as JSON with exact built-in types (see
 ``sandbox_child.encode``) and are rebuilt here as plain objects, so every comparison runs on ``int``,
-``float``, ``str``, ``list``... and never calls code the policy wrote.
+``float``, ``str``, ``list``... and never calls code the policy wrote. ``isinstance(x, <built-in type>)`` is
+checked here too.
 
 Comparisons follow Python on those plain values: ``4.0 == 4`` and ``True == 1`` hold, as they would if the
 dataset's asserts ran normally; ``(1, 2) == [1, 2]`` does not. Unsupported (the test fails, with the reason
 in the detail): an ``assert`` nested in a block (``for``/``def``/``with``...), a test without any ``assert``
-(nothing the solution cannot forge), ``is`` against anything but ``None``/``True``/``False``.
+(nothing the solution cannot forge), ``is`` against anything but ``None``/``True``/``False``, and a comparison
+or truth test inside an expression the sandbox evaluates (``all([f(x) == x for x in xs])``: an always-equal
+object would make every element True).
 """
 
 from __future__ import annotations
@@ -36,6 +39,12 @@ _UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos, ast.Not: operator.not_
 _COMPARE = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
             ast.Gt: operator.gt, ast.GtE: operator.ge, ast.In: lambda a, b: a in b,
             ast.NotIn: lambda a, b: a not in b, ast.Is: operator.is_, ast.IsNot: operator.is_not}
+_SAFE_TYPES = {"int": int, "float": float, "complex": complex, "str": str, "bytes": bytes, "bool": bool,
+               "list": list, "tuple": tuple, "dict": dict, "set": set, "frozenset": frozenset}
+# Inside an expression the sandbox evaluates, these would turn the solution's objects into truth values it
+# controls (an always-equal object makes ``[f(x) == x for x in xs]`` all True), so such tests are refused.
+_TRUTH_NODES = (ast.Compare, ast.BoolOp, ast.IfExp)
+_TRUTH_CALLS = frozenset({"isinstance", "issubclass", "callable", "hasattr", "all", "any", "bool"})
 _SINGLETONS = (None, True, False)
 _MAX_SIZE = 10**6
 _BUILTIN_NAMES = frozenset(dir(builtins))
@@ -84,6 +93,8 @@ def _is_parent_node(node: ast.AST, leaves: dict[int, int], make_leaf, shadowed: 
             if isinstance(index, ast.Slice) else [node.value, index]
     elif _safe_call(node, shadowed) is not None:
         children = [*node.args, *(k.value for k in node.keywords)]
+    elif _type_check(node, shadowed):
+        children = [node.args[0]]
     else:
         leaves[id(node)] = make_leaf(node)
         return
@@ -116,6 +127,26 @@ def _safe_call(node: ast.AST, shadowed: frozenset[str]):
             and "math" not in shadowed:
         return _SAFE_MATH.get(func.attr)
     return None
+
+
+def _type_check(node: ast.AST, shadowed: frozenset[str]) -> bool:
+    """``isinstance(x, int)`` / ``isinstance(x, (list, tuple))`` with built-in types: checked here on the
+    plain value (in the sandbox an object could fake its ``__class__``)."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "isinstance"
+            and "isinstance" not in shadowed and len(node.args) == 2 and not node.keywords):
+        return False
+    spec = node.args[1]
+    names = spec.elts if isinstance(spec, ast.Tuple) else [spec]
+    return all(isinstance(n, ast.Name) and n.id in _SAFE_TYPES and n.id not in shadowed for n in names)
+
+
+def _check_leaf(node: ast.expr) -> None:
+    """Refuse a leaf that would compute a truth value from the solution's objects inside the sandbox."""
+    for sub in ast.walk(node):
+        if isinstance(sub, _TRUTH_NODES) or (isinstance(sub, ast.UnaryOp) and isinstance(sub.op, ast.Not)) or (
+                isinstance(sub, ast.Call) and isinstance(sub.func, ast.Name) and sub.func.id in _TRUTH_CALLS):
+            raise Unsupported(f"unsupported test form: '{ast.unparse(sub)[:80]}' inside '{ast.unparse(node)[:80]}' "
+                              "would be computed next to the solution; compare at the top level of the assert")
 
 
 def _free_names(node: ast.AST) -> set[str]:
@@ -169,6 +200,7 @@ def compile_test(source: str, counter, solution_names: set[str]) -> CompiledTest
         if names <= _BUILTIN_NAMES and not names & shadowed:
             test.pure[leaf] = text
         else:
+            _check_leaf(node)
             test.steps.append(["eval", leaf, text])
         return leaf
 
@@ -253,6 +285,10 @@ def evaluate(node: ast.expr, test: CompiledTest, values: dict[int, object]) -> o
             parts = [ev(p) if p is not None else None for p in (index.lower, index.upper, index.step)]
             return ev(node.value)[slice(*parts)]
         return ev(node.value)[ev(index)]
+    if _type_check(node, frozenset()):
+        spec = node.args[1]
+        names = spec.elts if isinstance(spec, ast.Tuple) else [spec]
+        return isinstance(ev(node.args[0]), tuple(_SAFE_TYPES[n.id] for n in names))
     return _safe_call(node, frozenset())(*(ev(a) for a in node.args), **{k.arg: ev(k.value) for k in node.keywords})
 
 

@@ -65,6 +65,16 @@ HACKS = {
     "huge_output": "import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n",
 }
 LEN_EXAMPLE = {"tests": ["assert len(add(1, 2)) == 3", "assert sorted(add(0, 1)) == [0, 1]"]}
+TRUTH_EXAMPLE = {"tests": ["assert all([add(x, 0) == x for x in range(3)])", "assert isinstance(add(1, 2), int)"]}
+TRUTH_HACK = ("class Yes:\n    __class__ = property(lambda self: int)\n    def __eq__(self, other):\n"
+              "        return True\n    __hash__ = object.__hash__\n\ndef add(a, b):\n    return Yes()\n")
+
+
+def test_truth_values_computed_next_to_the_solution_are_not_trusted():
+    """``add(x, 0) == x`` inside a comprehension would be True for an always-equal object, and
+    ``isinstance`` believes a faked ``__class__``: the first test form is refused, the second checked here."""
+    assert code_reward(TRUTH_HACK, TRUTH_EXAMPLE) == 0.0
+    assert code_reward("def add(a, b):\n    return a + b\n", TRUTH_EXAMPLE) == 0.5
 
 
 def code_reward(completion, example=EXAMPLE, timeout_s=1.0):

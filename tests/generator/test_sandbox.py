@@ -46,6 +46,10 @@ def test_the_solutions_prints_do_not_disturb_the_values():
     ("0.1 + 0.2", "import math\nassert math.isclose(f(), 0.3)", True),
     ("[1, 2, 3]", "assert 0 < f()[0] <= f()[-1] < 4", True),
     ("5", "assert f() - 1 == 4", True),
+    ("[1, 2]", "assert isinstance(f(), list) and not isinstance(f(), (tuple, str))", True),
+    ("True", "assert isinstance(f(), int)", True),                    # as in Python: bool is an int
+    ("[2, 4]", "assert all([x % 2 == 0 for x in f()]) or any([f() == 1, f() == [2, 4]])", False),
+    ("[2, 4]", "assert any([f() == 1, f() == [2, 4]])", True),
 ])
 def test_values_are_compared_as_plain_python_values(returned, test, passes):
     run = run_tests(f"def f():\n    return {returned}\n", [test], FAST)
@@ -76,6 +80,8 @@ def test_unsupported_test_forms_fail_with_a_reason():
     assert run.passed == 0
     for reason in ("assert inside a 'For' block", "no assert", "does not parse", "'is' against"):
         assert reason in run.detail
+    truth_inside = run_tests(ADD, ["assert all(add(x, 0) == x for x in range(3))"], FAST)
+    assert truth_inside.passed == 0 and "would be computed next to the solution" in truth_inside.detail
 
 
 def test_the_sandbox_is_never_sent_the_expected_values():
