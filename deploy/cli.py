@@ -16,6 +16,24 @@ from pathlib import Path
 
 from shared.errors import GrpoError, UsageError
 
+# The configs shipped with grpo-stack (package data), so that `grpo demo` and `grpo run deploy/configs/X.yaml` work
+# from any directory.
+SHIPPED_CONFIGS = Path(__file__).resolve().parent / "configs"
+
+
+def config_path(path: str | None) -> str | None:
+    """``path`` if it exists, else the shipped config of that name ('tiny-cpu', 'tiny-cpu.yaml' or
+    'deploy/configs/tiny-cpu.yaml'); a path that is neither is an error naming both places."""
+    if path is None or Path(path).exists():
+        return path
+    name = Path(path).name
+    for candidate in (SHIPPED_CONFIGS / name, SHIPPED_CONFIGS / f"{name}.yaml"):
+        if candidate.is_file():
+            return str(candidate)
+    shipped = ", ".join(sorted(p.stem for p in SHIPPED_CONFIGS.glob("*.yaml")))
+    raise UsageError(f"config file {path} does not exist, and no shipped config is called {name!r} "
+                     f"(shipped: {shipped})")
+
 
 def _version() -> str:
     try:
@@ -42,7 +60,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
     from shared.config import load_config
 
-    config = load_config(args.config, args.set)
+    config = load_config(config_path(args.config), args.set)
     print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
     return 0
 
@@ -56,7 +74,7 @@ def _load_with_flags(args: argparse.Namespace, flag_keys: dict[str, str]):
         value = getattr(args, attr)
         if value is not None:
             overrides.append(f"{key}={value}")
-    return load_config(args.config, overrides)
+    return load_config(config_path(args.config), overrides)
 
 
 def cmd_ref_server(args: argparse.Namespace) -> int:
@@ -149,7 +167,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """Build the tiny model, train it with `grpo run` on arithmetic, report accuracy before and after."""
     from deploy.demo.run import main as demo
 
-    return demo(args.config, args.set)
+    return demo(config_path(args.config), args.set)
 
 
 def cmd_tiny_model(args: argparse.Namespace) -> int:

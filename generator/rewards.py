@@ -23,6 +23,7 @@ from typing import Any
 import requests
 
 from generator.tasks.arithmetic import check_answer, extract_answer, normalize_int
+from shared.errors import UsageError
 from shared.registry import Registry
 
 log = logging.getLogger("grpo.generator.rewards")
@@ -31,7 +32,7 @@ GroupReward = Callable[[str, Sequence[str], dict[str, Any]], list[float]]
 REWARDS: Registry = Registry("reward")
 
 
-class RewardConfigError(ValueError):
+class RewardConfigError(UsageError, ValueError):
     """A reward that cannot be built from its config (unknown function, bad arguments, duplicate name)."""
 
 

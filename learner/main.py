@@ -127,6 +127,10 @@ class Learner:
         self.staging = os.path.join(cfg.checkpoint_dir, "..", "publish")
 
     def _check_hub_version(self, resume: bool, dtype: torch.dtype) -> int:
+        if self.config.algorithm.loss.beta > 0 and not self.client.health()["reference_model_loaded"]:
+            raise LearnerSetupError(
+                f"algorithm.loss.beta is {self.config.algorithm.loss.beta} but the ref server at {self.cfg.hub_url} "
+                "has no reference model loaded (its algorithm.loss.beta is 0?): start both with the same config")
         hub_version = self.client.weights_version() or 0
         if hub_version > self.version and not resume:
             raise LearnerSetupError(

@@ -57,3 +57,17 @@ def test_config_reference_doc_is_current(capsys):
     generated = capsys.readouterr().out
     document = (ROOT / "docs" / "config.md").read_text()
     assert generated in document, "docs/config.md is stale: regenerate it with `grpo config-reference`"
+
+
+def test_shipped_configs_work_from_any_directory(tmp_path):
+    """`grpo check-config deploy/configs/tiny-cpu.yaml` (what `grpo run`/`grpo demo` read) outside the repository."""
+    grpo = Path(sys.executable).parent / "grpo"
+    for name in ("deploy/configs/tiny-cpu.yaml", "tiny-cpu", "qwen2.5-0.5b-gsm8k.yaml"):
+        result = subprocess.run([str(grpo), "check-config", name], capture_output=True, text=True, timeout=60,
+                                cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+        assert "learner:" in result.stdout
+    missing = subprocess.run([str(grpo), "check-config", "no-such.yaml"], capture_output=True, text=True,
+                             timeout=60, cwd=tmp_path)
+    assert missing.returncode == 2 and "no-such.yaml does not exist" in missing.stderr
+    assert "tiny-cpu" in missing.stderr and "Traceback" not in missing.stderr

@@ -9,6 +9,7 @@ from generator.datasets import arithmetic_examples
 from generator.engines.hf import TransformersEngine
 from generator.evaluate import evaluate, pass_at_k
 from generator.tasks.arithmetic import ArithmeticTask
+from shared.errors import UsageError
 from shared.protocol import SamplingParams
 from shared.schema import GRPOConfig
 from tests.live_server import LiveServer, make_config
@@ -44,7 +45,7 @@ def test_greedy_accuracy_matches_an_independent_count(tiny_model_dir):
 
 def test_eval_rejects_an_unknown_accuracy_reward(tiny_model_dir):
     config = GRPOConfig.model_validate({"eval": {"accuracy_reward": "bleu", "num_examples": 2}})
-    with pytest.raises(ValueError, match="not one of the generator's rewards"):
+    with pytest.raises(UsageError, match="not one of the generator's rewards"):
         evaluate(config, str(tiny_model_dir))
 
 

@@ -133,7 +133,7 @@ def length_reward(prompt, completion, example, scale=1.0):
 def test_python_reward_and_weighted_sum_with_contained_errors():
     rewards = RewardSet.from_specs([
         RewardSpec(name="python", weight=0.5, on_error=-1.0,
-                   args={"function": "tests.shared.test_rewards:length_reward", "scale": 2.0}),
+                   args={"function": "tests.generator.test_rewards:length_reward", "scale": 2.0}),
         RewardSpec(name="arithmetic", weight=2.0),
     ])
     scores = rewards.score_group("p", ["<answer>4</answer>", "boom", "x"], {"answer": "4"})

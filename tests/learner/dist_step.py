@@ -1,8 +1,10 @@
 """One learner step under torchrun (or alone): used by test_distributed.py.
 
-    torchrun --nproc_per_node W tests/learner/dist_step.py MODEL_DIR GROUPS_DIR OUT_DIR MICRO_BATCHES
+    torchrun --nproc_per_node W tests/learner/dist_step.py MODEL_DIR GROUPS_DIR OUT_DIR MICRO_BATCHES SCALE
 
-Rank r takes its share of the groups (in order); rank 0 writes the loss, metrics and parameters after the step."""
+Rank r takes its share of the groups (in order); rank 0 writes the loss, metrics and parameters after the step.
+With SCALE ``batch`` the advantages divide by the std of every rank's rewards (all-reduced), so W ranks must give
+what one rank with all the groups gives."""
 
 import json
 import sys
@@ -21,6 +23,7 @@ from shared.schema import AdvantageConfig, LearnerConfig, LossConfig
 
 def main() -> None:
     model_dir, groups_dir, out_dir, micro = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])
+    scale = sys.argv[5]
     ensure_single_process_env()
     init_distributed(torch.device("cpu"))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -29,7 +32,7 @@ def main() -> None:
     mine = groups[rank * share:(rank + 1) * share]
     refs = [g.behaviour_logprobs - 0.1 * torch.arange(g.behaviour_logprobs.shape[1]) for g in mine]
     batch = TrainBatch.from_groups(mine, refs)
-    advantages = batch_advantages(batch, AdvantageConfig(eps=1e-4))
+    advantages = batch_advantages(batch, AdvantageConfig(eps=1e-4, scale=scale))
     # adam_eps 1 makes the first AdamW update ~ lr * g: smooth in g, so two runs can be compared closely
     cfg = LearnerConfig(model=model_dir, groups_per_step=share, micro_batches=micro, lr=1e-2, adam_eps=1.0,
                         grad_clip=1.0)

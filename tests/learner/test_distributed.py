@@ -14,25 +14,28 @@ ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 
 
-def run(nproc, model_dir, groups_dir, out, micro):
+def run(nproc, model_dir, groups_dir, out, micro, scale):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     result = subprocess.run([TORCHRUN, "--standalone", "--nproc_per_node", str(nproc),
                              str(ROOT / "tests/learner/dist_step.py"), str(model_dir), str(groups_dir), str(out),
-                             str(micro)], capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+                             str(micro), scale], capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads((out / "result.json").read_text()), load_file(str(out / "params.safetensors"))
 
 
 @pytest.mark.slow
-def test_two_ranks_equal_one_rank_with_two_accumulation_steps(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("scale", ["group", "batch"])
+def test_two_ranks_equal_one_rank_with_two_accumulation_steps(tiny_model_dir, tmp_path, scale):
+    """The ranks' rewards differ ([1,0,0],[0,.5,1] and [1,1,0],[.2,0,.9]), so with scale: batch a per-rank std
+    would give other advantages than the global batch's: equality means the std was all-reduced."""
     groups = sampled_groups(tiny_model_dir, [[1.0, 0.0, 0.0], [0.0, 0.5, 1.0], [1.0, 1.0, 0.0], [0.2, 0.0, 0.9]],
                             seed=7, max_tokens=8)
     groups_dir = tmp_path / "groups"
     groups_dir.mkdir()
     for i, group in enumerate(groups):
         (groups_dir / f"{i:02d}.group").write_bytes(group.to_bytes())
-    two_ranks, params_2 = run(2, tiny_model_dir, groups_dir, tmp_path / "w2", micro=1)
-    one_rank, params_1 = run(1, tiny_model_dir, groups_dir, tmp_path / "w1", micro=2)
+    two_ranks, params_2 = run(2, tiny_model_dir, groups_dir, tmp_path / "w2", micro=1, scale=scale)
+    one_rank, params_1 = run(1, tiny_model_dir, groups_dir, tmp_path / "w1", micro=2, scale=scale)
     assert two_ranks["loss"] == pytest.approx(one_rank["loss"], rel=1e-5, abs=1e-7)
     assert two_ranks["loss_tokens"] == one_rank["loss_tokens"]
     moved = 0.0

@@ -11,10 +11,18 @@ from learner.engine import (
     init_distributed,
     lr_multiplier,
 )
-from learner.step import grpo_step, micro_batch_loss, recompute_old_logprobs, split_micro_batches
+from learner.step import (
+    batch_advantages,
+    grpo_step,
+    micro_batch_loss,
+    recompute_old_logprobs,
+    split_micro_batches,
+)
+from ref_server.hub import RolloutHub
 from shared.logprobs import naive_sequence_logprobs
 from shared.losses import loss_normalizers
-from shared.schema import LearnerConfig, LossConfig
+from shared.schema import AdvantageConfig, LearnerConfig, LossConfig
+from tests.ref_server.helpers import make_group
 
 from .batches import advantages_of, batch_of, sampled_groups
 
@@ -37,6 +45,25 @@ def completion_logprob_sums(model, batch):
     with torch.no_grad():
         lp = naive_sequence_logprobs(model, batch.input_ids, batch.prompt_lengths, batch.completion_lengths)
     return lp.sum(dim=1)
+
+
+@pytest.mark.parametrize("scale, magnitudes", [
+    ("group", [0.866025] * 8),                     # each group by its own std: both +-0.866
+    ("batch", [0.5 / 4.49603] * 4 + [5.0 / 4.49603] * 4),  # one std for the batch: +-0.11 and +-1.11
+    ("none", [0.5] * 4 + [5.0] * 4),               # Dr. GRPO: centred only
+])
+def test_advantages_through_the_learners_path_for_each_scale(scale, magnitudes):
+    """Groups [0,1,0,1] and [0,10,0,10] as the hub hands them out, through the learner's advantage and
+    micro-batch functions: ``scale: batch`` divides by the batch's std, not each group's."""
+    hub = RolloutHub(capacity=4, max_staleness=1, scorer=None)
+    for seed, rewards in ((0, [0.0, 1.0, 0.0, 1.0]), (1, [0.0, 10.0, 0.0, 10.0])):
+        hub.put(make_group(seed=seed, rewards=rewards).to_bytes())
+    batch = hub.take(2)
+    advantages = batch_advantages(batch, AdvantageConfig(scale=scale, eps=1e-6))
+    torch.testing.assert_close(advantages.abs(), torch.tensor(magnitudes), atol=1e-4, rtol=0)
+    assert (advantages[batch.rewards > 0.5] > 0).all() and (advantages[batch.rewards < 0.5] < 0).all()
+    first, second = split_micro_batches(batch, advantages, 2, False, CPU)
+    assert torch.equal(torch.cat([first.advantages, second.advantages]), advantages)
 
 
 def test_one_step_moves_logprobs_the_way_the_advantages_say(distributed, tiny_model_dir):
@@ -153,6 +180,24 @@ def test_deepspeed_config_from_learner_config():
         LearnerConfig(groups_per_step=2, micro_batches=3)
     with pytest.raises(ValueError, match="needs max_steps"):
         LearnerConfig(lr_schedule="cosine")
+
+
+def test_optimizer_needs_no_op_build(distributed, tiny_model_dir, monkeypatch):
+    """torch's AdamW through DeepSpeed's torch_adam: no JIT compile of FusedAdam/CPU Adam at start-up (minutes of
+    nvcc, and a crash where TORCH_CUDA_ARCH_LIST=9.0a), on the CPU, with offload, and in the config for a GPU."""
+    from deepspeed.ops.op_builder.builder import OpBuilder
+
+    def refuse(self, *args, **kwargs):
+        raise AssertionError(f"DeepSpeed tried to build or load the {self.name} op")
+
+    monkeypatch.setattr(OpBuilder, "load", refuse)
+    monkeypatch.setattr(OpBuilder, "jit_load", refuse)
+    for learner in ({}, {"zero_stage": 2, "offload_optimizer": True}):
+        engine = make_engine(tiny_model_dir, **learner)
+        optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)
+        assert isinstance(optimizer, torch.optim.AdamW), type(optimizer)
+    gpu = deepspeed_config(LearnerConfig(zero_stage=3, offload_optimizer=True), 8, torch.device("cuda"))
+    assert gpu["optimizer"]["params"]["torch_adam"] is True and gpu["bf16"] == {"enabled": True}
 
 
 @pytest.mark.parametrize("stage", [2, 3])
