@@ -14,10 +14,9 @@ OCTET = {"Content-Type": "application/octet-stream"}
 
 def _logprob_request(temperature_json: str) -> bytes:
     """A binary logprob request whose metadata carries ``temperature`` exactly as written (e.g. ``1e400``)."""
-    blob = save({"input_ids": torch.tensor([1, 2, 3]), "row_lengths": torch.tensor([3]),
-                 "prompt_lengths": torch.tensor([1])},
-                metadata={FORMAT_KEY: "logprob_request/v1", JSON_KEY: '{"temperature": %s}' % temperature_json})
-    return blob
+    fields = '{"temperature": ' + temperature_json + "}"
+    return save({"input_ids": torch.tensor([1, 2, 3]), "row_lengths": torch.tensor([3]),
+                 "prompt_lengths": torch.tensor([1])}, metadata={FORMAT_KEY: "logprob_request/v1", JSON_KEY: fields})
 
 
 @pytest.mark.parametrize("temperature", ["1e400", "-1e400", "1e-300", "0", "10" * 200, '"hot"', "true"])
