@@ -18,7 +18,7 @@ from typing import Any
 from generator.tasks.arithmetic import ArithmeticTask
 from shared.errors import UsageError
 
-# DeepSeek-R1-Zero style system prompt (seed 004, simple_GRPO), the default for math datasets.
+# DeepSeek-R1-Zero style system prompt (DeepSeek-R1, Guo et al. 2025; as in simple_GRPO), the default for math datasets.
 R1_SYSTEM_PROMPT = (
     "You are a helpful assistant. A conversation between User and Assistant. The user asks a question, and the "
     "Assistant solves it. The Assistant first thinks about the reasoning process in the mind and then provides "

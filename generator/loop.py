@@ -28,6 +28,12 @@ from shared.protocol import RolloutGroup, SamplingParams
 log = logging.getLogger("grpo.generator")
 
 
+def _right_padded(rows: list[list], dtype: torch.dtype, width: int) -> torch.Tensor:
+    """``[len(rows), width]``: each row's values, then zeros (which mean nothing: lengths travel separately)."""
+    padded = torch.nn.utils.rnn.pad_sequence([torch.tensor(r, dtype=dtype) for r in rows], batch_first=True)
+    return torch.nn.functional.pad(padded, (0, width - padded.shape[1]))
+
+
 @dataclass
 class LoopStats:
     groups_uploaded: int = 0
@@ -99,12 +105,9 @@ class RolloutLoop:
         if self.drop_constant_groups and len(set(scores.total)) == 1:
             self.stats.groups_dropped_constant += 1
             return None
-        width = max(1, max(len(s.token_ids) for s in samples))
-        completion_ids = torch.zeros(len(samples), width, dtype=torch.long)
-        logprobs = torch.zeros(len(samples), width)
-        for i, s in enumerate(samples):
-            completion_ids[i, :len(s.token_ids)] = torch.tensor(s.token_ids, dtype=torch.long)
-            logprobs[i, :len(s.logprobs)] = torch.tensor(s.logprobs)
+        width = max(1, max(len(s.token_ids) for s in samples))  # a group of empty completions is still [G, 1]
+        completion_ids = _right_padded([s.token_ids for s in samples], torch.long, width)
+        logprobs = _right_padded([s.logprobs for s in samples], torch.float32, width)
         return RolloutGroup(
             prompt_ids=torch.tensor(prompt_ids, dtype=torch.long), completion_ids=completion_ids,
             completion_lengths=torch.tensor([len(s.token_ids) for s in samples]), behaviour_logprobs=logprobs,

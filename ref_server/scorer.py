@@ -10,10 +10,9 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -45,7 +44,6 @@ class _Request:
     rows: list[Row]
     temperature: float
     future: Future
-    enqueued: float = field(default_factory=time.monotonic)
 
 
 def _is_oom(exc: BaseException) -> bool:
@@ -190,10 +188,8 @@ class ReferenceScorer:
             return self._score_with_retry(rows[:half], temperature) + self._score_with_retry(rows[half:], temperature)
 
     def _score_padded(self, rows: list[Row], temperature: float) -> list[torch.Tensor]:
-        width = max(r.tokens for r in rows)
-        input_ids = torch.zeros(len(rows), width, dtype=torch.long)
-        for i, row in enumerate(rows):
-            input_ids[i, :row.tokens] = torch.tensor(row.input_ids, dtype=torch.long)
+        input_ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(r.input_ids, dtype=torch.long) for r in rows],
+                                                    batch_first=True)
         prompt_lengths = torch.tensor([r.prompt_length for r in rows])
         completion_lengths = torch.tensor([r.tokens - r.prompt_length for r in rows])
         logprobs = self._forward(input_ids.to(self.device), prompt_lengths.to(self.device),

@@ -129,7 +129,7 @@ def seq_mean_token_mean(
     values: torch.Tensor, mask: torch.Tensor, *, num_tokens: float | None, num_seqs: float | None,
     norm_len: int | None,
 ) -> torch.Tensor:
-    """Original GRPO (seed 001): ``(1/N_seqs) sum_i (1/|o_i|) sum_t l_{i,t}``.
+    """Original GRPO (DeepSeekMath, Shao et al. 2024, eq. 3): ``(1/N_seqs) sum_i (1/|o_i|) sum_t l_{i,t}``.
 
     ``N_seqs`` counts the non-empty completions of the global batch (a zero-length completion contributes
     nothing, neither to the sum nor to the count); defaults to the local count.
@@ -185,7 +185,7 @@ def compute_policy_loss(
     """The GRPO loss of one (micro-)batch. Shapes: per-token ``[B, L]``, ``advantages`` ``[B]`` or ``[B, L]``.
 
     * ``old_logprobs``: pi_old of the ratio. ``None`` means one update per batch (old = current): the ratio is
-      ``exp(logp - logp.detach())``, value 1 with the policy gradient flowing (seed 004).
+      ``exp(logp - logp.detach())``, value 1 with the policy gradient flowing (as simple_GRPO computes it when pi_old = pi_theta).
     * ``behaviour_logprobs``: the sampler's logprobs (vLLM). With ``cfg.tis_cap`` set, each token's loss is
       weighted by the truncated importance weight ``w = min(pi_old / pi_behaviour, cap)`` (detached), which
       corrects the mismatch between the sampler and the trainer. Pass ``None`` when ``old_logprobs`` already

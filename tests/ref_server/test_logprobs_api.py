@@ -84,7 +84,7 @@ BAD_JSON = [
     ({"input_ids": [[1, 2.5]], "prompt_lengths": [1]}, 422, "valid integer"),
     ({"input_ids": [[1, "2"]], "prompt_lengths": [1]}, 422, "valid integer"),
     ({"input_ids": [[1, True]], "prompt_lengths": [1]}, 422, "valid integer"),
-    ({"input_ids": [[1, 2]], "prompt_lengths": [1], "temperature": 0}, 422, "greater than 0"),
+    ({"input_ids": [[1, 2]], "prompt_lengths": [1], "temperature": 0}, 422, "greater than or equal to 0.001"),
     ({"prompt_lengths": [1]}, 422, "Field required"),
     ({"input_ids": [list(range(10)) * 30], "prompt_lengths": [1]}, 422, "exceed the model's context of 256"),
     ({"input_ids": [[1] * 200] * 21, "prompt_lengths": [1] * 21}, 413, "4096-token budget"),

@@ -59,7 +59,7 @@ def test_dual_clip_must_exceed_one():
 
 
 def test_on_policy_ratio_is_one_and_gradient_is_policy_gradient():
-    """old = None: ratio = exp(logp - logp.detach()) = 1, d loss / d logp_t = -A_t / N (seed 004)."""
+    """old = None: ratio = exp(logp - logp.detach()) = 1, d loss / d logp_t = -A_t / N (simple_GRPO with pi_old = pi_theta)."""
     logp = torch.tensor([[-0.3, -2.0, -1.1], [-0.7, -0.2, -5.0]], requires_grad=True)
     adv = torch.tensor([0.5, -2.0])
     out = compute_policy_loss(logp, adv, torch.tensor([3, 2]), cfg())
