@@ -68,7 +68,8 @@ class HubCounters:
     accepted: int = 0
     duplicates: int = 0
     rejected: int = 0
-    dropped_stale: int = 0
+    refused_stale: int = 0        # stale already when uploaded: never accepted
+    dropped_stale: int = 0        # accepted, then made stale by the learner's progress while queued
     dropped_ref_failure: int = 0
     leased: int = 0
     consumed: int = 0
@@ -125,7 +126,7 @@ class RolloutHub:
                 return self._answer(accepted=True, duplicate=True)
             self._check_batchable(group)
             if self._is_stale(group.policy_version):
-                self.counters.dropped_stale += 1
+                self.counters.refused_stale += 1
                 self._remember(group.group_id)
                 return self._answer(accepted=False, dropped="stale")
             if len(self._entries) >= self.capacity:

@@ -42,7 +42,7 @@ class ServerMetrics:
         counters = state.hub.counters
         hub_events = Gauge("grpo_hub_groups", "Rollout groups by what happened to them", ["event"],
                            registry=self.registry)
-        for event in ("accepted", "duplicates", "rejected", "dropped_stale", "dropped_ref_failure", "leased",
+        for event in ("accepted", "duplicates", "rejected", "refused_stale", "dropped_stale", "dropped_ref_failure", "leased",
                       "consumed", "lease_expired", "rejected_full", "spool_reloaded", "spool_corrupt"):
             hub_events.labels(event=event).set_function(lambda e=event: getattr(counters, e))
 

@@ -113,6 +113,9 @@ def test_training_continues_when_a_generator_is_killed_and_another_starts(tiny_m
         procs["gen-a"].wait(timeout=30)
         start("gen-b", "generator", "--hub", hub, "--id", "gen-b")
         assert procs["learner"].wait(timeout=600) == 0, (tmp_path / "learner.log").read_text()[-3000:]
+        os.killpg(procs["gen-b"].pid, signal.SIGTERM)
+        procs["gen-b"].wait(timeout=60)
+        stats = requests.get(f"{hub}/v1/hub/stats", timeout=5).json()
     finally:
         for proc in reversed(list(procs.values())):  # generators before the hub, as `grpo run` does
             if proc.poll() is None:
@@ -120,6 +123,11 @@ def test_training_continues_when_a_generator_is_killed_and_another_starts(tiny_m
                 proc.wait(timeout=60)
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, 9))
+    # every group the hub accepted, from the killed generator too, is accounted for: trained (acknowledged at the
+    # learner's final checkpoint), still queued or leased, or dropped as stale, and none was trained twice
+    assert stats["consumed"] == 8 * 2 and all(m["duplicate_groups"] == 0 for m in metrics)
+    assert stats["accepted"] == (stats["consumed"] + stats["queue_depth"] + stats["leased_groups"]
+                                 + stats["dropped_stale"] + stats["dropped_ref_failure"]), stats
     stats_log = (tmp_path / "gen-b.log").read_text()
     assert "groups uploaded" in stats_log  # gen-b ran until stopped and reported what it did
     assert stray_processes(str(config)) == []
