@@ -8,6 +8,10 @@ expired, or after the hub or the learner restarted. This ledger drops the groups
 * checkpoints off: right after its step is applied;
 * checkpoints on: once a checkpoint holds its step (until then the leases are renewed), so a learner that dies
   between checkpoints resumes from one that has not seen those groups, and the hub still has them.
+
+Each rank keeps its own ledger (a checkpoint holds every rank's ids, and a resumed rank loads all of them). While
+running, a group re-delivered to a *different* rank than the one that trained it would not be recognised; that
+needs a lease to expire under a live learner, which the renewals prevent.
 """
 
 from __future__ import annotations

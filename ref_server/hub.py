@@ -104,7 +104,7 @@ class RolloutHub:
         self.learner_version = 0
         self._entries: OrderedDict[int, _Entry] = OrderedDict()
         self._leases: dict[str, _Lease] = {}
-        # batch ids already acknowledged (-> True) or expired and requeued (-> their sequence numbers), so that a
+        # batch ids acknowledged (-> None) or expired and requeued (-> their groups' sequence numbers), so that a
         # repeated or late acknowledgement is answered correctly
         self._finished: OrderedDict[str, list[int] | None] = OrderedDict()
         self._seen: OrderedDict[str, None] = OrderedDict()
