@@ -55,7 +55,8 @@ def warmup_config(config):
 
     demo = config.demo
     return WarmupConfig(
-        seed=config.seed, steps=demo.warmup_steps, max_steps=demo.warmup_max_steps,
+        seed=config.seed, steps=demo.warmup_steps, min_lr_ratio=demo.warmup_min_lr_ratio,
+        max_steps=demo.warmup_max_steps,
         target_accuracy=demo.warmup_target_accuracy,
         check_every=demo.warmup_check_every, flawed_steps=demo.flawed_steps,
         flawed_target_accuracy=demo.flawed_target_accuracy, flawed_check_every=demo.flawed_check_every,
