@@ -16,7 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from ref_server.metrics import ServerMetrics
-from ref_server.routes import hub, operations, scoring, weights
+from ref_server.routes import completions, hub, operations, scoring, tokenizer, weights
 from ref_server.state import ServerState
 
 __all__ = ["ServerState", "create_app"]
@@ -34,7 +34,7 @@ def create_app(state: ServerState, on_ready: Callable[[], None] | None = None) -
     metrics = ServerMetrics(state)
     app.state.server = state
     app.state.metrics = metrics
-    for module in (scoring, hub, weights, operations):
+    for module in (scoring, completions, tokenizer, hub, weights, operations):
         app.include_router(module.router)
 
     @app.middleware("http")

@@ -13,7 +13,8 @@ if TYPE_CHECKING:
     from ref_server.state import ServerState
 
 _ENDPOINTS = {"/healthz", "/metrics", "/v1/logprobs", "/v1/rollouts", "/v1/batch", "/v1/batch/ack",
-              "/v1/batch/renew", "/v1/learner/version", "/v1/hub/stats", "/v1/weights"}
+              "/v1/batch/renew", "/v1/learner/version", "/v1/hub/stats", "/v1/weights", "/v1/completions",
+              "/v1/models", "/tokenizer_info", "/tokenize", "/detokenize"}
 
 
 class ServerMetrics:

@@ -3,6 +3,11 @@
 Requests (each a list of rows) are queued; the worker takes as many queued rows with the same temperature as fit
 a token budget, pads them into one forward pass, and hands each request its rows back. An out-of-memory error on
 a micro-batch is retried by splitting it in halves (down to single rows) rather than failing the requests.
+
+Two threads: the worker runs forwards and starts each result's device-to-host copy (non-blocking, into pinned
+memory on a GPU); the finisher waits for those copies, cuts the results per row and resolves the requests. So the
+next micro-batch's forward runs while the previous one's results are copied and handed out (and, on the event
+loop, encoded into responses).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.logprobs import sequence_logprobs
+from shared.logprobs import sequence_logprobs, sequence_top_logprobs
 
 log = logging.getLogger("grpo.ref_server.scorer")
 
@@ -31,7 +36,9 @@ class ScorerBusy(RuntimeError):
 
 @dataclass
 class Row:
-    input_ids: list[int]
+    """One sequence: ``input_ids`` (a list or a 1-D integer tensor) whose tokens after ``prompt_length`` are scored."""
+
+    input_ids: list[int] | torch.Tensor
     prompt_length: int
 
     @property
@@ -40,10 +47,52 @@ class Row:
 
 
 @dataclass
+class TopRow:
+    """A row scored with ``top_k``: its completion tokens' logprobs ``[C]`` and the top-k next tokens ``[C + 1, k]``
+    at each of them and after the last token (see :class:`shared.logprobs.TopLogprobs`)."""
+
+    logprobs: torch.Tensor
+    top_logprobs: torch.Tensor
+    top_ids: torch.Tensor
+
+
+@dataclass
 class _Request:
     rows: list[Row]
     temperature: float
     future: Future
+    top_k: int = 0
+
+    @property
+    def key(self) -> tuple[float, int]:
+        return self.temperature, self.top_k
+
+
+class _Pending:
+    """One micro-batch's results on their way to the host: ``rows()`` waits for the copy and cuts them per row."""
+
+    def __init__(self, outputs: tuple[torch.Tensor, ...], completion_lengths: list[int]) -> None:
+        self.completion_lengths = completion_lengths
+        self.event = None
+        if outputs[0].device.type == "cuda":
+            self.host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in outputs)
+            for dst, src in zip(self.host, outputs):
+                dst.copy_(src, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = tuple(t.cpu() for t in outputs)
+
+    def rows(self) -> list[torch.Tensor] | list[TopRow]:
+        if self.event is not None:
+            self.event.synchronize()
+        lengths = self.completion_lengths
+        if len(self.host) == 1:
+            logprobs = self.host[0]
+            return [logprobs[i, :c].clone() for i, c in enumerate(lengths)]
+        logprobs, top, ids = self.host
+        return [TopRow(logprobs[i, :c].clone(), top[i, :c + 1].clone(), ids[i, :c + 1].clone())
+                for i, c in enumerate(lengths)]
 
 
 def _is_oom(exc: BaseException) -> bool:
@@ -55,6 +104,7 @@ class ReferenceScorer:
 
     ``forward`` is the function that scores one padded micro-batch; it defaults to the chunked
     :func:`shared.logprobs.sequence_logprobs` (tests pass a wrapper that simulates running out of memory).
+    ``top_forward`` does the same with top-k next tokens (:func:`shared.logprobs.sequence_top_logprobs`).
     """
 
     def __init__(
@@ -66,6 +116,7 @@ class ReferenceScorer:
         batch_tokens: int = 8192,
         max_queue_requests: int = 1024,
         forward: Callable[..., torch.Tensor] | None = None,
+        top_forward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
         on_batch: Callable[[int, int], None] | None = None,
     ) -> None:
         self.model = model
@@ -74,30 +125,38 @@ class ReferenceScorer:
         self.batch_tokens = batch_tokens
         self.device = next(model.parameters()).device
         self._forward = forward or self._default_forward
+        self._top_forward = top_forward or self._default_top_forward
         self._on_batch = on_batch or (lambda rows, tokens: None)
         self._queue: queue.Queue[_Request | None] = queue.Queue(maxsize=max_queue_requests)
         self._pending: list[_Request] = []
         self._thread = threading.Thread(target=self._run, name="ref-scorer", daemon=True)
+        # finished forwards whose results are still being copied to the host, in order; bounded so that the
+        # worker cannot run far ahead of the copies (each holds a micro-batch's outputs)
+        self._done: queue.Queue[tuple[list[_Request], list[_Pending]] | None] = queue.Queue(maxsize=4)
+        self._finisher = threading.Thread(target=self._finish, name="ref-scorer-results", daemon=True)
         self._stopped = threading.Event()
         self.oom_retries = 0
         self.forward_batches = 0
         self._thread.start()
+        self._finisher.start()
 
     # -- public -------------------------------------------------------------------------------------------
-    def submit(self, rows: list[Row], temperature: float = 1.0) -> Future:
-        """Queue rows for scoring; the future resolves to one float32 tensor per row (completion tokens)."""
+    def submit(self, rows: list[Row], temperature: float = 1.0, top_k: int = 0) -> Future:
+        """Queue rows for scoring; the future resolves to one float32 tensor per row (completion tokens), or with
+        ``top_k >= 1`` to one :class:`TopRow` per row."""
         future: Future = Future()
         if not rows:
             future.set_result([])
             return future
         try:
-            self._queue.put_nowait(_Request(rows, temperature, future))
+            self._queue.put_nowait(_Request(rows, temperature, future, top_k))
         except queue.Full:
             raise ScorerBusy(f"{self._queue.maxsize} scoring requests are already queued") from None
         return future
 
-    def score(self, rows: list[Row], temperature: float = 1.0, timeout: float | None = None) -> list[torch.Tensor]:
-        return self.submit(rows, temperature).result(timeout=timeout)
+    def score(self, rows: list[Row], temperature: float = 1.0, timeout: float | None = None,
+              top_k: int = 0) -> list[torch.Tensor] | list[TopRow]:
+        return self.submit(rows, temperature, top_k).result(timeout=timeout)
 
     def queue_depth(self) -> int:
         return self._queue.qsize() + len(self._pending)
@@ -106,6 +165,8 @@ class ReferenceScorer:
         self._stopped.set()
         self._queue.put(None)
         self._thread.join(timeout=10)
+        self._done.put(None)
+        self._finisher.join(timeout=10)
 
     # -- worker -------------------------------------------------------------------------------------------
     def _default_forward(self, input_ids, prompt_lengths, completion_lengths, temperature) -> torch.Tensor:
@@ -113,8 +174,14 @@ class ReferenceScorer:
             return sequence_logprobs(self.model, input_ids, prompt_lengths, completion_lengths,
                                      temperature=temperature).logprobs
 
+    def _default_top_forward(self, input_ids, prompt_lengths, completion_lengths, temperature, k):
+        with torch.inference_mode():
+            out = sequence_top_logprobs(self.model, input_ids, prompt_lengths, completion_lengths, k=k,
+                                        temperature=temperature)
+        return out.logprobs, out.top_logprobs, out.top_ids
+
     def _take_batch(self) -> list[_Request]:
-        """Requests of one temperature, oldest first, up to the token budget (a bigger request goes alone)."""
+        """Requests of one temperature and top-k, oldest first, up to the token budget (a bigger one goes alone)."""
         while True:
             try:
                 item = self._queue.get(timeout=0.5) if not self._pending else self._queue.get_nowait()
@@ -127,11 +194,11 @@ class ReferenceScorer:
                 break
         if not self._pending:
             return []
-        temperature = self._pending[0].temperature
+        key = self._pending[0].key
         batch, tokens, rest = [], 0, []
         for req in self._pending:
             req_tokens = sum(r.tokens for r in req.rows)
-            if req.temperature == temperature and (not batch or tokens + req_tokens <= self.batch_tokens):
+            if req.key == key and (not batch or tokens + req_tokens <= self.batch_tokens):
                 batch.append(req)
                 tokens += req_tokens
             else:
@@ -146,20 +213,38 @@ class ReferenceScorer:
                 continue
             rows = [row for req in batch for row in req.rows]
             try:
-                results = self._score_rows(rows, batch[0].temperature)
+                pending = self._score_rows(rows, *batch[0].key)
             except Exception as exc:  # noqa: BLE001 - every failure must reach the waiting requests
                 log.exception("scoring failed for %d rows", len(rows))
-                for req in batch:
-                    req.future.set_exception(exc if isinstance(exc, ScoringError) else ScoringError(str(exc)))
+                self._fail(batch, exc)
+                continue
+            self._done.put((batch, pending))
+
+    def _finish(self) -> None:
+        while True:
+            item = self._done.get()
+            if item is None:
+                return
+            batch, pending = item
+            try:
+                results = [row for part in pending for row in part.rows()]
+            except Exception as exc:  # noqa: BLE001 - an error surfacing at the copy still fails only its requests
+                log.exception("copying results failed")
+                self._fail(batch, exc)
                 continue
             start = 0
             for req in batch:
                 req.future.set_result(results[start:start + len(req.rows)])
                 start += len(req.rows)
 
-    def _score_rows(self, rows: list[Row], temperature: float) -> list[torch.Tensor]:
+    @staticmethod
+    def _fail(batch: list[_Request], exc: Exception) -> None:
+        for req in batch:
+            req.future.set_exception(exc if isinstance(exc, ScoringError) else ScoringError(str(exc)))
+
+    def _score_rows(self, rows: list[Row], temperature: float, top_k: int = 0) -> list[_Pending]:
         """Score rows in micro-batches of at most ``batch_tokens`` padded tokens; halve on OOM."""
-        results: list[torch.Tensor] = []
+        results: list[_Pending] = []
         start = 0
         while start < len(rows):
             width, end = 0, start
@@ -168,13 +253,13 @@ class ReferenceScorer:
                 if end > start and new_width * (end - start + 1) > self.batch_tokens:
                     break
                 width, end = new_width, end + 1
-            results += self._score_with_retry(rows[start:end], temperature)
+            results += self._score_with_retry(rows[start:end], temperature, top_k)
             start = end
         return results
 
-    def _score_with_retry(self, rows: list[Row], temperature: float) -> list[torch.Tensor]:
+    def _score_with_retry(self, rows: list[Row], temperature: float, top_k: int) -> list[_Pending]:
         try:
-            return self._score_padded(rows, temperature)
+            return [self._score_padded(rows, temperature, top_k)]
         except (torch.OutOfMemoryError, RuntimeError) as exc:
             if not _is_oom(exc):
                 raise
@@ -185,15 +270,21 @@ class ReferenceScorer:
             self.oom_retries += 1
             half = len(rows) // 2
             log.warning("out of memory on %d rows; retrying as %d + %d", len(rows), half, len(rows) - half)
-            return self._score_with_retry(rows[:half], temperature) + self._score_with_retry(rows[half:], temperature)
+            return (self._score_with_retry(rows[:half], temperature, top_k)
+                    + self._score_with_retry(rows[half:], temperature, top_k))
 
-    def _score_padded(self, rows: list[Row], temperature: float) -> list[torch.Tensor]:
-        input_ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(r.input_ids, dtype=torch.long) for r in rows],
+    def _score_padded(self, rows: list[Row], temperature: float, top_k: int) -> _Pending:
+        input_ids = torch.nn.utils.rnn.pad_sequence([torch.as_tensor(r.input_ids, dtype=torch.long) for r in rows],
                                                     batch_first=True)
-        prompt_lengths = torch.tensor([r.prompt_length for r in rows])
-        completion_lengths = torch.tensor([r.tokens - r.prompt_length for r in rows])
-        logprobs = self._forward(input_ids.to(self.device), prompt_lengths.to(self.device),
-                                 completion_lengths.to(self.device), temperature).float().cpu()
+        completion = [r.tokens - r.prompt_length for r in rows]
+        prompt_lengths = torch.tensor([r.prompt_length for r in rows], device=self.device)
+        completion_lengths = torch.tensor(completion, device=self.device)
+        input_ids = input_ids.to(self.device, non_blocking=True)
+        if top_k:
+            logprobs, top, ids = self._top_forward(input_ids, prompt_lengths, completion_lengths, temperature, top_k)
+            outputs = (logprobs.float(), top.float(), ids)
+        else:
+            outputs = (self._forward(input_ids, prompt_lengths, completion_lengths, temperature).float(),)
         self.forward_batches += 1
-        self._on_batch(len(rows), int(completion_lengths.sum()))
-        return [logprobs[i, :int(c)].clone() for i, c in enumerate(completion_lengths)]
+        self._on_batch(len(rows), sum(completion))
+        return _Pending(outputs, completion)

@@ -12,6 +12,7 @@ import torch
 
 from ref_server.app import create_app
 from ref_server.hub import RolloutHub
+from ref_server.routes.tokenizer import ServedTokenizer
 from ref_server.scorer import ReferenceScorer
 from ref_server.state import ServerState
 from ref_server.weights import WeightStore
@@ -52,7 +53,7 @@ def model_limits(model_dir: str) -> tuple[int | None, int | None]:
 
 def build_state(config: GRPOConfig) -> ServerState:
     cfg: RefServerConfig = config.ref_server
-    scorer = None
+    scorer = tokenizer = None
     vocab_size = max_context = None
     if cfg.model is not None:
         vocab_size, max_context = model_limits(cfg.model)
@@ -65,6 +66,7 @@ def build_state(config: GRPOConfig) -> ServerState:
         max_context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         scorer = ReferenceScorer(model, vocab_size=vocab_size, max_context=max_context or 2**31,
                                  batch_tokens=cfg.batch_tokens)
+        tokenizer = ServedTokenizer.load(cfg.model, vocab_size, max_context)
     weights = WeightStore(cfg.weights_dir, keep=cfg.keep_weight_versions, max_bytes=cfg.max_weight_bytes)
     temperature = config.generator.sampling.temperature
     hub = RolloutHub(capacity=cfg.queue_capacity, max_staleness=cfg.max_staleness, scorer=scorer,
@@ -77,6 +79,7 @@ def build_state(config: GRPOConfig) -> ServerState:
         max_context=max_context, max_request_bytes=cfg.max_request_bytes,
         max_request_tokens=cfg.max_request_tokens, max_long_poll_s=cfg.max_long_poll_s,
         token=cfg.token or os.environ.get("GRPO_TOKEN") or None, max_version_ahead=cfg.max_version_ahead,
+        tokenizer=tokenizer,
     )
 
 

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ref_server.hub import RolloutHub
 from ref_server.scorer import ReferenceScorer
 from ref_server.weights import WeightStore
+
+if TYPE_CHECKING:
+    from ref_server.routes.tokenizer import ServedTokenizer
 
 
 @dataclass
@@ -22,3 +26,5 @@ class ServerState:
     max_long_poll_s: float
     token: str | None = None
     max_version_ahead: int = 1000
+    # the model folder's tokenizer (text prompts of /v1/completions, /tokenize); None without a model
+    tokenizer: ServedTokenizer | None = None

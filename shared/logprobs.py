@@ -313,3 +313,114 @@ def naive_sequence_logprobs(
     for i, (p, c) in enumerate(zip(prompt_lengths.tolist(), completion_lengths.tolist())):
         out[i, :c] = per_position[i, p - 1:p - 1 + c]
     return out
+
+
+@dataclass
+class TopLogprobs:
+    """Result of :func:`sequence_top_logprobs` (inference only, no autograd).
+
+    ``logprobs [B, L]`` is laid out as in :class:`TokenLogprobs`. ``top_logprobs``/``top_ids [B, L + 1, k]`` hold,
+    at column j of row i, the k most likely next tokens (logprob, id; most likely first) of the distribution that
+    predicts column j's completion token; column ``completion_lengths[i]`` is the distribution after the row's last
+    token (the greedy continuation is ``top_ids[i, completion_lengths[i], 0]``). Padding columns are 0.
+    """
+
+    logprobs: torch.Tensor
+    top_logprobs: torch.Tensor
+    top_ids: torch.Tensor
+    completion_lengths: torch.Tensor
+
+
+def top_logprobs_from_hidden(
+    hidden: torch.Tensor,
+    lm_head: nn.Module,
+    targets: torch.Tensor,
+    *,
+    k: int,
+    temperature: float = 1.0,
+    chunk_tokens: int | None = None,
+    logit_transform=None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Chunked ``log softmax(lm_head(hidden) / temperature)``: the targets' logprobs and the top ``k`` of each row.
+
+    Returns fp32 ``[N]`` target logprobs, fp32 ``[N, k]`` top logprobs (descending) and int64 ``[N, k]`` their ids.
+    Each chunk's logits are reduced to ``logsumexp``, the target's logit and ``topk`` while they live, so peak extra
+    memory is a few ``[chunk, V]`` tensors, never ``[N, V]``. A target's logprob and the same token's top-k entry
+    come from the same logits and the same subtraction, so they are bit-identical (a greedy token's logprob equals
+    ``top[:, 0]`` exactly). ``k`` is capped at the vocabulary size. No gradients.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
+        raise ValueError(f"hidden must be [N, H] and targets [N], got {tuple(hidden.shape)}, {tuple(targets.shape)}")
+    weight = _fused_head_weight(lm_head, logit_transform)
+    head_weight = getattr(lm_head, "weight", None)
+    vocab = getattr(lm_head, "out_features", None) or (head_weight.shape[0] if head_weight is not None else None)
+    if vocab is None:
+        raise TypeError(f"cannot tell the vocabulary size of {type(lm_head).__name__}")
+    if chunk_tokens is None:
+        chunk_tokens = chunk_tokens_for(vocab)
+    k = min(k, vocab)
+    transform = logit_transform or (lambda logits: logits)
+    n = hidden.shape[0]
+    logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
+    top_values = torch.empty(n, k, dtype=torch.float32, device=hidden.device)
+    top_ids = torch.empty(n, k, dtype=torch.long, device=hidden.device)
+    with torch.no_grad():
+        for start in range(0, n, chunk_tokens):
+            end = min(start + chunk_tokens, n)
+            h = hidden[start:end]
+            # the same logits expression as the fused path of logprobs_from_hidden, so /v1/logprobs agrees
+            logits = (h @ weight.T).float() if weight is not None else transform(lm_head(h).float())
+            if temperature != 1.0:
+                logits.div_(temperature)
+            lse = torch.logsumexp(logits, dim=-1)
+            logp[start:end] = logits.gather(-1, targets[start:end, None]).squeeze(-1) - lse
+            values, ids = logits.topk(k, dim=-1)
+            top_values[start:end] = values - lse[:, None]
+            top_ids[start:end] = ids
+            del logits, values, ids
+    return logp, top_values, top_ids
+
+
+def sequence_top_logprobs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    prompt_lengths: torch.Tensor,
+    completion_lengths: torch.Tensor | None = None,
+    *,
+    k: int,
+    temperature: float = 1.0,
+    chunk_tokens: int | None = None,
+) -> TopLogprobs:
+    """Completion tokens' logprobs plus the top ``k`` next tokens at each of them and after the row's last token.
+
+    Same layout and positions as :func:`sequence_logprobs` (see :class:`TopLogprobs` for the extra column). With
+    ``prompt_lengths`` 1 every token but the first is scored: what an OpenAI-style ``echo`` with ``logprobs`` needs.
+    """
+    prompt_lengths = torch.as_tensor(prompt_lengths, device=input_ids.device)
+    if completion_lengths is None:
+        completion_lengths = input_ids.shape[1] - prompt_lengths
+    completion_lengths = torch.as_tensor(completion_lengths, device=input_ids.device)
+    _check_lengths(input_ids, prompt_lengths, completion_lengths)
+
+    body, head = _split_model(model)
+    seq_len = input_ids.shape[1]
+    attention_mask = lengths_to_mask(prompt_lengths + completion_lengths, seq_len).long()
+    with torch.no_grad():
+        hidden = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    width = (int(completion_lengths.max()) if completion_lengths.numel() else 0) + 1
+    rows, cols = lengths_to_mask(completion_lengths + 1, width).nonzero(as_tuple=True)
+    positions = prompt_lengths[rows] + cols - 1               # the hidden state at p predicts the token at p + 1
+    has_target = cols < completion_lengths[rows]
+    targets = torch.where(has_target, input_ids[rows, (positions + 1).clamp(max=seq_len - 1)], 0)
+    logp, top_values, top_ids = top_logprobs_from_hidden(
+        hidden[rows, positions], head, targets, k=k, temperature=temperature, chunk_tokens=chunk_tokens,
+        logit_transform=_final_logit_transform(model))
+    batch, k = input_ids.shape[0], top_values.shape[1]
+    logprobs = logp.new_zeros(batch, width - 1).index_put((rows[has_target], cols[has_target]), logp[has_target])
+    top = top_values.new_zeros(batch, width, k).index_put((rows, cols), top_values)
+    ids = top_ids.new_zeros(batch, width, k).index_put((rows, cols), top_ids)
+    return TopLogprobs(logprobs=logprobs, top_logprobs=top, top_ids=ids, completion_lengths=completion_lengths)
