@@ -129,8 +129,11 @@ def _prompts(req: CompletionRequest, state: ServerState, tokenizer: ServedTokeni
         raise OpenAIError(400, f"prompt {i} has {int(lengths[i])} tokens; with max_tokens {max_tokens} that exceeds "
                           f"the model's context of {state.max_context}", param="prompt",
                           code="context_length_exceeded")
-    flat = torch.tensor(list(itertools.chain.from_iterable(p.ids for p in prompts)), dtype=torch.long)
     vocab = state.vocab_size or 0
+    try:
+        flat = torch.tensor(list(itertools.chain.from_iterable(p.ids for p in prompts)), dtype=torch.long)
+    except (OverflowError, RuntimeError, ValueError):  # a Python int beyond int64 is no token id
+        raise OpenAIError(400, f"prompt: token ids must be in [0, {vocab})", param="prompt") from None
     if int(flat.min()) < 0 or int(flat.max()) >= vocab:
         bad = int(((flat < 0) | (flat >= vocab)).nonzero()[0])
         row = int(np.searchsorted(np.cumsum(lengths), bad, side="right"))

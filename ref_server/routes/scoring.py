@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 
+import pydantic_core
+import torch
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, Field, StrictInt, ValidationError
@@ -11,7 +14,7 @@ from pydantic import BaseModel, Field, StrictInt, ValidationError
 from ref_server.routes.common import OCTET, State, read_body
 from ref_server.scorer import Row, ScorerBusy, ScoringError
 from ref_server.state import ServerState
-from shared.protocol import MIN_TEMPERATURE, decode_logprob_request, encode_logprob_response
+from shared.protocol import MIN_TEMPERATURE, decode_logprob_request_tensors, encode_logprob_response
 from shared.wire import WireError
 
 router = APIRouter(tags=["scoring"])
@@ -31,7 +34,7 @@ class LogprobResponse(BaseModel):
 
 
 def validate_rows(state: ServerState, input_ids: list[list[int]], prompt_lengths: list[int]) -> list[Row]:
-    """Rows the scorer can take, or a 413/422 naming the first problem."""
+    """Rows the scorer can take, or a 413/422 naming the first problem (JSON body: lists of Python ints)."""
     if not input_ids:
         raise HTTPException(422, "input_ids is empty: send at least one row")
     if len(input_ids) != len(prompt_lengths):
@@ -40,23 +43,71 @@ def validate_rows(state: ServerState, input_ids: list[list[int]], prompt_lengths
     if total > state.max_request_tokens:
         raise HTTPException(413, f"request holds {total} tokens, more than the {state.max_request_tokens}-token "
                             "budget")
-    rows = []
+    try:  # one C-level pass over the ids; Python ints beyond int64 cannot be token ids (checked row by row below)
+        flat = torch.tensor(list(itertools.chain.from_iterable(input_ids)), dtype=torch.long)
+        plens = torch.tensor(prompt_lengths, dtype=torch.long)
+    except (OverflowError, RuntimeError, ValueError):
+        return _validate_slowly(state, input_ids, prompt_lengths)
+    return validate_tensor_rows(state, flat, torch.tensor([len(r) for r in input_ids], dtype=torch.long), plens)
+
+
+def _validate_slowly(state: ServerState, input_ids: list[list[int]], prompt_lengths: list[int]) -> list[Row]:
     for i, (ids, plen) in enumerate(zip(input_ids, prompt_lengths)):
-        if not 1 <= plen <= len(ids):
-            raise HTTPException(422, f"row {i}: prompt_length {plen} must be between 1 and the row length {len(ids)}")
-        if state.max_context is not None and len(ids) > state.max_context:
-            raise HTTPException(422, f"row {i}: {len(ids)} tokens exceed the model's context of {state.max_context}")
+        _check_row(state, i, len(ids), plen)
         bad = next((j for j, t in enumerate(ids) if not 0 <= t < (state.vocab_size or 0)), None)
         if bad is not None:
             raise HTTPException(422, f"row {i}, position {bad}: token id {ids[bad]} is outside [0, {state.vocab_size})")
-        rows.append(Row(ids, plen))
-    return rows
+    raise HTTPException(422, "a prompt length or token id is out of range")  # unreachable: the fast path overflowed
 
 
-def _parse(body: bytes, binary: bool) -> tuple[list[list[int]], list[int], float]:
+def _check_row(state: ServerState, i: int, length: int, plen: int) -> None:
+    if not 1 <= plen <= length:
+        raise HTTPException(422, f"row {i}: prompt_length {plen} must be between 1 and the row length {length}")
+    if state.max_context is not None and length > state.max_context:
+        raise HTTPException(422, f"row {i}: {length} tokens exceed the model's context of {state.max_context}")
+
+
+def validate_tensor_rows(state: ServerState, flat: torch.Tensor, row_lengths: torch.Tensor,
+                         prompt_lengths: torch.Tensor) -> list[Row]:
+    """Rows (views of ``flat``) the scorer can take, or a 413/422 naming the first problem.
+
+    Every check is a tensor operation over the whole request; only a failing request is looked at row by row, to
+    name the first bad row exactly as a row-by-row check would (prompt length, then context, then token ids).
+    """
+    n = row_lengths.numel()
+    if n == 0:
+        raise HTTPException(422, "input_ids is empty: send at least one row")
+    if prompt_lengths.numel() != n:
+        raise HTTPException(422, f"input_ids has {n} rows but prompt_lengths has {prompt_lengths.numel()}")
+    if flat.numel() > state.max_request_tokens:
+        raise HTTPException(413, f"request holds {flat.numel()} tokens, more than the {state.max_request_tokens}-"
+                            "token budget")
+    bad_row = (prompt_lengths < 1) | (prompt_lengths > row_lengths)
+    if state.max_context is not None:
+        bad_row |= row_lengths > state.max_context
+    vocab = state.vocab_size or 0
+    bad_token = (flat < 0) | (flat >= vocab)
+    if bool(bad_row.any()) or bool(bad_token.any()):
+        ends = row_lengths.cumsum(0)
+        token_rows = torch.searchsorted(ends, bad_token.nonzero().flatten(), right=True)
+        candidates = [int(token_rows[0])] if token_rows.numel() else []
+        if bool(bad_row.any()):
+            candidates.append(int(bad_row.nonzero()[0]))
+        first = min(candidates)
+        _check_row(state, first, int(row_lengths[first]), int(prompt_lengths[first]))
+        start = int(ends[first] - row_lengths[first])
+        j = int(bad_token[start:int(ends[first])].nonzero()[0])
+        raise HTTPException(422, f"row {first}, position {j}: token id {int(flat[start + j])} is outside "
+                            f"[0, {state.vocab_size})")
+    return [Row(ids, plen) for ids, plen in zip(torch.split(flat, row_lengths.tolist()), prompt_lengths.tolist())]
+
+
+def _parse(body: bytes, binary: bool) -> tuple:
+    """Binary: ``(flat, row_lengths, prompt_lengths, temperature)`` tensors; JSON: ``(rows, prompt_lengths,
+    temperature)`` lists."""
     if binary:
         try:
-            return decode_logprob_request(body)
+            return decode_logprob_request_tensors(body)
         except WireError as exc:
             raise HTTPException(400, str(exc)) from None
     try:
@@ -78,8 +129,12 @@ async def logprobs(request: Request, state: State):
         raise HTTPException(503, "no reference model is loaded (beta = 0 mode)")
     body = await read_body(request, state.max_request_bytes)
     binary = request.headers.get("content-type", "").split(";")[0].strip() == OCTET
-    input_ids, prompt_lengths, temperature = _parse(body, binary)
-    rows = validate_rows(state, input_ids, prompt_lengths)
+    if binary:
+        flat, row_lengths, prompt_lengths, temperature = _parse(body, binary)
+        rows = validate_tensor_rows(state, flat, row_lengths, prompt_lengths)
+    else:
+        input_ids, prompt_lengths, temperature = _parse(body, binary)
+        rows = validate_rows(state, input_ids, prompt_lengths)
     try:
         future = state.scorer.submit(rows, temperature)
     except ScorerBusy as exc:
@@ -91,4 +146,5 @@ async def logprobs(request: Request, state: State):
     request.app.state.metrics.tokens_scored.inc(sum(t.numel() for t in result))
     if binary:
         return Response(encode_logprob_response(result), media_type=OCTET)
-    return {"logprobs": [t.tolist() for t in result]}
+    # JSON written in Rust (pydantic-core) from the rows' float lists, not through FastAPI's per-value encoder
+    return Response(pydantic_core.to_json({"logprobs": [t.tolist() for t in result]}), media_type="application/json")

@@ -4,7 +4,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, Qwen2Config
 
-from shared.logprobs import chunk_tokens_for, logprobs_from_hidden, naive_sequence_logprobs, sequence_logprobs
+from shared.logprobs import (
+    chunk_tokens_for,
+    logprobs_from_hidden,
+    naive_sequence_logprobs,
+    sequence_logprobs,
+    sequence_top_logprobs,
+    top_logprobs_from_hidden,
+)
 
 VOCAB = 97
 
@@ -172,3 +179,70 @@ def test_ragged_batches_property(model, rows, chunk, seed):
         want = naive_sequence_logprobs(model, ids, prompts, completions)
     assert got.logprobs.shape == (len(rows), int(completions.max()))
     torch.testing.assert_close(got.logprobs, want, atol=1e-5, rtol=0)
+
+
+# -- top-k (the OpenAI-style /v1/completions path) ------------------------------------------------------------------
+def _naive_top(model, ids, prompts, completions, k, temperature=1.0):
+    """Full [B, T, V] log-softmax: per row, the top-k at positions prompt-1 .. prompt+completion-1."""
+    with torch.no_grad():
+        all_lp = (model(input_ids=ids).logits.float() / temperature).log_softmax(-1)
+    out = []
+    for i, (p, c) in enumerate(zip(prompts.tolist(), completions.tolist())):
+        values, indices = all_lp[i, p - 1:p + c].topk(k, dim=-1)
+        out.append((values, indices))
+    return out
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 5, 10_000])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_top_logprobs_match_full_log_softmax(model, chunk_tokens, temperature):
+    ids, prompts, completions = _batch()
+    # rows end at their completion here (no padding), so the column after the last token is position T - 1 at most
+    got = sequence_top_logprobs(model, ids, prompts, completions, k=3, temperature=temperature,
+                                chunk_tokens=chunk_tokens)
+    with torch.no_grad():
+        want = naive_sequence_logprobs(model, ids, prompts, completions, temperature=temperature)
+    assert got.top_logprobs.shape == (4, 24, 3) and got.top_ids.dtype == torch.long
+    torch.testing.assert_close(got.logprobs, want, atol=1e-5, rtol=0)
+    for i, (values, indices) in enumerate(_naive_top(model, ids, prompts, completions, 3, temperature)):
+        c = int(completions[i])
+        torch.testing.assert_close(got.top_logprobs[i, :c + 1], values, atol=1e-5, rtol=0)
+        assert torch.equal(got.top_ids[i, :c + 1], indices)
+        assert not got.top_logprobs[i, c + 1:].any() and not got.logprobs[i, c:].any()  # padding is 0
+
+
+def test_greedy_token_logprob_is_bit_identical_to_top1(model):
+    """lm-eval's is_greedy compares a token's logprob with max(top_logprobs) by ==: the two must be the same bits."""
+    ids, prompts, completions = _batch(seed=3)
+    first = sequence_top_logprobs(model, ids, prompts, completions, k=1)
+    greedy = ids.clone()
+    for i, (p, c) in enumerate(zip(prompts.tolist(), completions.tolist())):
+        greedy[i, p:p + c] = first.top_ids[i, :c, 0]  # each completion token replaced by the argmax before it
+    # teacher forcing changes the context, so check only the first completion token of each row (same prefix)
+    again = sequence_top_logprobs(model, greedy, prompts, completions, k=1)
+    for i, c in enumerate(completions.tolist()):
+        if c:
+            assert again.logprobs[i, 0].item() == again.top_logprobs[i, 0, 0].item()
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["fused-weight", "module-head"])
+def test_top_logprobs_from_hidden_matches_log_softmax(bias):
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=bias)
+    hidden, targets = torch.randn(13, 16), torch.randint(0, 50, (13,))
+    logp, top, top_ids = top_logprobs_from_hidden(hidden, head, targets, k=60, temperature=0.8, chunk_tokens=4)
+    full = (head(hidden).detach() / 0.8).log_softmax(-1)
+    assert top.shape == (13, 50)  # k capped at the vocabulary
+    torch.testing.assert_close(logp, full.gather(-1, targets[:, None]).squeeze(-1), atol=1e-5, rtol=0)
+    torch.testing.assert_close(top, full.sort(-1, descending=True).values, atol=1e-5, rtol=0)
+    assert torch.equal(full.gather(-1, top_ids), full.sort(-1, descending=True).values)
+    with pytest.raises(ValueError, match="k must be"):
+        top_logprobs_from_hidden(hidden, head, targets, k=0)
+
+
+def test_top_logprobs_apply_architecture_logit_transforms():
+    model = _tiny(Gemma2Config, final_logit_softcapping=5.0, attn_logit_softcapping=None)
+    ids, prompts, completions = _batch()
+    got = sequence_top_logprobs(model, ids, prompts, completions, k=2)
+    for i, (values, _) in enumerate(_naive_top(model, ids, prompts, completions, 2)):
+        torch.testing.assert_close(got.top_logprobs[i, :int(completions[i]) + 1], values, atol=1e-5, rtol=0)
