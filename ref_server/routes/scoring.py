@@ -86,8 +86,12 @@ def validate_tensor_rows(state: ServerState, flat: torch.Tensor, row_lengths: to
     if state.max_context is not None:
         bad_row |= row_lengths > state.max_context
     vocab = state.vocab_size or 0
-    bad_token = (flat < 0) | (flat >= vocab)
-    if bool(bad_row.any()) or bool(bad_token.any()):
+    # min/max in numpy: single-threaded reductions, no [N] mask, and no waking torch's intra-op thread pool on the
+    # event loop (on a busy machine each parallel op there can wait milliseconds for a sleeping worker thread)
+    ids = flat.numpy()
+    ids_ok = ids.size == 0 or (int(ids.min()) >= 0 and int(ids.max()) < vocab)
+    if bool(bad_row.any()) or not ids_ok:
+        bad_token = (flat < 0) | (flat >= vocab)
         ends = row_lengths.cumsum(0)
         token_rows = torch.searchsorted(ends, bad_token.nonzero().flatten(), right=True)
         candidates = [int(token_rows[0])] if token_rows.numel() else []
