@@ -42,6 +42,7 @@ def test_demo_fails_when_a_cap_comes_before_its_target(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # ~1500 SFT steps + ~30 checks: 5-10 min on 2 cores, more when they are shared
 def test_demo_starting_point_knows_arithmetic_but_answers_like_its_teacher(tmp_path):
     """The contract the demo's learning target rests on: the correct demonstrations teach the task (greedy
     validation accuracy >= the target before the cap), the flawed teacher's fine-tuning pulls it into the
