@@ -12,6 +12,7 @@ import re
 import uuid
 from dataclasses import asdict, dataclass, field, replace
 
+import numpy as np
 import torch
 
 from shared.wire import WireError, decode, encode
@@ -308,7 +309,8 @@ def encode_logprob_request(input_ids: list[list[int]] | list[torch.Tensor], prom
     if input_ids and isinstance(input_ids[0], torch.Tensor):
         flat = torch.cat([row.reshape(-1).long() for row in input_ids])
     else:
-        flat = torch.tensor(list(itertools.chain.from_iterable(input_ids)), dtype=torch.long)
+        total = sum(len(row) for row in input_ids)
+        flat = torch.from_numpy(np.fromiter(itertools.chain.from_iterable(input_ids), dtype=np.int64, count=total))
     return encode("logprob_request/v1", {
         "input_ids": flat, "row_lengths": torch.tensor([len(r) for r in input_ids], dtype=torch.long),
         "prompt_lengths": torch.tensor(prompt_lengths, dtype=torch.long),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 
+import numpy as np
 import pydantic_core
 import torch
 from fastapi import APIRouter, HTTPException, Request
@@ -43,10 +44,10 @@ def validate_rows(state: ServerState, input_ids: list[list[int]], prompt_lengths
     if total > state.max_request_tokens:
         raise HTTPException(413, f"request holds {total} tokens, more than the {state.max_request_tokens}-token "
                             "budget")
-    try:  # one C-level pass over the ids; Python ints beyond int64 cannot be token ids (checked row by row below)
-        flat = torch.tensor(list(itertools.chain.from_iterable(input_ids)), dtype=torch.long)
-        plens = torch.tensor(prompt_lengths, dtype=torch.long)
-    except (OverflowError, RuntimeError, ValueError):
+    try:  # one C-level pass over the ids (numpy: torch.tensor(list) is ~10x slower); ints beyond int64 are no ids
+        flat = torch.from_numpy(np.fromiter(itertools.chain.from_iterable(input_ids), dtype=np.int64, count=total))
+        plens = torch.from_numpy(np.asarray(prompt_lengths, dtype=np.int64))
+    except (OverflowError, ValueError):
         return _validate_slowly(state, input_ids, prompt_lengths)
     return validate_tensor_rows(state, flat, torch.tensor([len(r) for r in input_ids], dtype=torch.long), plens)
 

@@ -205,3 +205,25 @@ def test_binary_logprobs_checks_stay_row_by_row(shared_server):
     assert response.status_code == 400 and "integer" in response.json()["detail"]
     huge = shared_server.post("/v1/logprobs", json={"input_ids": [[1, 10**30]], "prompt_lengths": [1]})
     assert huge.status_code == 422 and "row 0, position 1" in huge.json()["detail"]
+
+
+def test_scorer_keeps_plain_and_top_k_requests_apart(tiny_model):
+    """Plain (/v1/logprobs) and top-k (/v1/completions) requests share the scorer but never a micro-batch; each
+    gets its own kind of result, in order, through the results thread."""
+    from ref_server.scorer import ReferenceScorer, Row, TopRow
+
+    scorer = ReferenceScorer(tiny_model, vocab_size=86, max_context=256, batch_tokens=64)
+    try:
+        rows = [Row([5, 6, 7, 8, 9 + i], 2) for i in range(6)]
+        futures = [scorer.submit(rows[:3]), scorer.submit(rows[3:], top_k=2), scorer.submit(rows[:1], top_k=1)]
+        plain, top, single = (f.result(timeout=60) for f in futures)
+    finally:
+        scorer.close()
+    assert all(isinstance(t, torch.Tensor) and t.shape == (3,) for t in plain)
+    assert all(isinstance(t, TopRow) and t.top_ids.shape == (4, 2) for t in top)
+    assert single[0].top_logprobs.shape == (4, 1)
+    torch.testing.assert_close(single[0].logprobs, plain[0], atol=1e-6, rtol=0)
+    for row, got in zip(rows[3:], top):
+        full = full_log_softmax(tiny_model, row.input_ids)
+        torch.testing.assert_close(got.logprobs, full[torch.arange(1, 4), torch.tensor(row.input_ids[2:])],
+                                   atol=1e-5, rtol=0)

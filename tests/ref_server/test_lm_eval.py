@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 lm_eval = pytest.importorskip("lm_eval")
+pytestmark = pytest.mark.slow  # ~15 s on 2 cores: lm-eval and its hf backend load, three evaluations
 
 REPO = Path(__file__).resolve().parents[2]
 TASK = "grpo_tiny_arith"
@@ -64,6 +65,9 @@ def test_lm_eval_through_the_server_matches_its_hf_backend(evaluate, hf_results,
     got, want = per_request(served), per_request(hf_results)
     assert got.keys() == want.keys() and len(got) == 24 * 4
     worst = max(abs(got[key][0] - want[key][0]) for key in want)
+    print(f"lm-eval through the server ({'token ids' if tokenized else 'text'}) vs hf: max |diff| {worst:.2e} over "
+          f"{len(want)} requests; acc {served['results'][TASK]['acc,none']:.4f} vs "
+          f"{hf_results['results'][TASK]['acc,none']:.4f}")
     assert worst < 1e-4, worst
     assert all(got[key][1] == want[key][1] for key in want)
     for metric in ("acc,none", "acc_norm,none"):
