@@ -73,6 +73,10 @@ class CompletionRequest(BaseModel):
     add_special_tokens: bool = Field(True, description="Text prompts: add the tokenizer's special tokens (vLLM's "
                                                        "default). Token-id prompts are used as sent.")
 
+    @property
+    def tokens_to_generate(self) -> int:
+        return 16 if self.max_tokens is None else self.max_tokens  # null means the OpenAI default
+
 
 class _Prompt:
     """One prompt: its ids, its text when it was sent as text, and what generation added."""
@@ -95,7 +99,7 @@ def _check(req: CompletionRequest) -> list[str]:
         raise OpenAIError(400, "stream is not supported", param="stream")
     if req.suffix is not None:
         raise OpenAIError(400, "suffix is not supported", param="suffix")
-    if (req.max_tokens or 0) > 0 and req.temperature not in (None, 0):
+    if req.tokens_to_generate > 0 and req.temperature not in (None, 0):
         raise OpenAIError(400, f"temperature {req.temperature}: this server only decodes greedily; send temperature "
                           "0 (or max_tokens 0 to only score the prompt)", param="temperature")
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
@@ -116,7 +120,7 @@ def _prompts(req: CompletionRequest, state: ServerState, tokenizer: ServedTokeni
         prompts = [_Prompt(ids, text) for ids, text in zip(tokenizer.encode(raw, req.add_special_tokens), raw)]
     else:
         prompts = [_Prompt(ids, None) for ids in raw]
-    max_tokens = req.max_tokens or 0
+    max_tokens = req.tokens_to_generate
     lengths = np.fromiter((len(p.ids) for p in prompts), dtype=np.int64, count=len(prompts))
     if int(lengths.min()) == 0:
         raise OpenAIError(400, f"prompt {int(np.argmin(lengths))} has no tokens", param="prompt")
@@ -232,7 +236,7 @@ async def completions(request: Request, state: State) -> Response:
         req = await parse_json_body(request, state, CompletionRequest)
         stops = _check(req)
         prompts = _prompts(req, state, tokenizer)
-        max_tokens = req.max_tokens or 0
+        max_tokens = req.tokens_to_generate
         if max_tokens > 0 or req.logprobs is not None:
             await _run(state, tokenizer, prompts, max_tokens, max(1, req.logprobs or 0), stops, request)
     except OpenAIError as exc:

@@ -126,6 +126,7 @@ def test_concurrent_requests_are_micro_batched_and_answered_right(shared_server,
     ({"prompt": "x" * 250, "max_tokens": 10}, 400, "prompt"),
     ({"prompt": [[1] * 200] * 30, "max_tokens": 0}, 413, "prompt"),
     ({"prompt": "hi", "temperature": 0.7}, 400, "temperature"),
+    ({"prompt": "hi", "temperature": 0.7, "max_tokens": None}, 400, "temperature"),  # null is 16 tokens
     ({"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     ({"prompt": "hi", "max_tokens": 65}, 400, "max_tokens"),
     ({"prompt": "hi", "n": 2}, 400, "n"),
