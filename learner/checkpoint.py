@@ -84,6 +84,6 @@ def load_latest(engine, directory: str | Path) -> dict | None:
         torch.cuda.set_rng_state(rng["cuda"])
     state["consumed"] = [group_id for path in sorted((Path(directory) / tags[-1]).glob("consumed-rank*.json"))
                          for group_id in json.loads(path.read_text())]
-    log.info("resumed from %s (step %d, version %d, %d groups trained on)", tags[-1], state["step"],
+    log.info("resumed from %s (step %d, version %d); %d groups trained on", tags[-1], state["step"],
              state["version"], len(state["consumed"]))
     return state

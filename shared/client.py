@@ -102,7 +102,8 @@ class HubClient:
                 raise HubUnavailable(f"{problem} (not retried: shutting down)")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise HubUnavailable(f"{problem} (gave up after {attempt} attempts, {self.retry.max_retry_s:.0f}s)")
+                raise HubUnavailable(f"{problem} (the hub stayed unreachable: gave up after {attempt} attempts, "
+                                     f"{self.retry.max_retry_s:.0f}s)")
             wait = min(wait * (0.75 + 0.5 * random.random()), remaining)
             log.warning("%s; retrying in %.1fs", problem, wait)
             time.sleep(wait)

@@ -17,7 +17,9 @@ class LiveServer:
         self.config = config
         self.state = build_state(config)
         self.app = create_app(self.state)
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that say they are TCP, and without it
+        # every keep-alive request waits ~40 ms for a delayed ACK
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", port))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"

@@ -39,13 +39,15 @@ def test_streamed_file_is_a_valid_safetensors_of_every_parameter(tiny_model_dir,
     assert load_file(str(bf16))["model.norm.weight"].dtype == torch.bfloat16
 
 
-def learner_config(tmp_path, url, model_dir, **learner):
+def learner_config(tmp_path, url, model_dir, beta=None, **learner):
+    """A learner config file; ``beta=0.0`` for a hub without a reference model (the learner refuses beta > 0 there)."""
     fields = {"model": str(model_dir), "hub_url": url, "groups_per_step": 2, "lr": 1e-3,
               "checkpoint_dir": str(tmp_path / "ckpt"), "output_dir": str(tmp_path / "final"),
               "metrics_jsonl": str(tmp_path / "metrics.jsonl"), "tensorboard_dir": None, "batch_wait_s": 1.0,
               **learner}
     path = tmp_path / "learner.yaml"
-    path.write_text(json.dumps({"learner": fields}))  # JSON is YAML
+    config = {"learner": fields} if beta is None else {"learner": fields, "algorithm": {"loss": {"beta": beta}}}
+    path.write_text(json.dumps(config))  # JSON is YAML
     return path
 
 
@@ -141,7 +143,7 @@ def test_resume_after_kill_continues_with_the_same_step_parameters_and_lr(tiny_m
 @pytest.mark.slow
 def test_sigterm_while_waiting_checkpoints_and_exits_cleanly(tiny_model_dir, tmp_path):
     with LiveServer(make_config(tmp_path)) as live:  # an empty hub: the learner waits
-        config = learner_config(tmp_path, live.url, tiny_model_dir, tensorboard_dir=str(tmp_path / "tb"))
+        config = learner_config(tmp_path, live.url, tiny_model_dir, beta=0.0, tensorboard_dir=str(tmp_path / "tb"))
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         proc = subprocess.Popen([GRPO, "learner", "--config", str(config)], stderr=subprocess.PIPE, text=True,
                                 env=env)
@@ -182,12 +184,19 @@ def test_tensorboard_and_jsonl_metrics(tiny_model_dir, tmp_path):
     assert events.Scalars("loss")[0].value == pytest.approx(jsonl["loss"], rel=1e-5)
 
 
+def test_learner_with_beta_refuses_a_hub_without_a_reference_model(tiny_model_dir, tmp_path):
+    with LiveServer(make_config(tmp_path)) as live:
+        result = run_learner(learner_config(tmp_path, live.url, tiny_model_dir, max_steps=1))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "algorithm.loss.beta is 0.04 but the ref server" in result.stderr
+
+
 def test_fresh_learner_refuses_a_hub_holding_an_earlier_runs_weights(tiny_model_dir, tmp_path):
     with LiveServer(make_config(tmp_path)) as live:
         path = tmp_path / "old.safetensors"
         write_safetensors(AutoModelForCausalLM.from_pretrained(tiny_model_dir), path, is_writer=True)
         HubClient(live.url).upload_weights(60, path)
-        result = run_learner(learner_config(tmp_path, live.url, tiny_model_dir, max_steps=1))
+        result = run_learner(learner_config(tmp_path, live.url, tiny_model_dir, beta=0.0, max_steps=1))
     assert result.returncode == 2
     assert "the hub already holds weights version 60 from an earlier run" in result.stderr
     assert "Traceback" not in result.stderr
@@ -196,7 +205,7 @@ def test_fresh_learner_refuses_a_hub_holding_an_earlier_runs_weights(tiny_model_
 @pytest.mark.slow
 def test_sigterm_after_the_hub_died_exits_promptly(tiny_model_dir, tmp_path):
     live = LiveServer(make_config(tmp_path)).__enter__()
-    config = learner_config(tmp_path, live.url, tiny_model_dir, retry_max_s=300.0)
+    config = learner_config(tmp_path, live.url, tiny_model_dir, beta=0.0, retry_max_s=300.0)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([GRPO, "learner", "--config", str(config)], stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.monotonic() + 120
