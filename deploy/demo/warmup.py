@@ -183,12 +183,11 @@ def pad_sft_sequences(
     width = max(lengths)
     if max_len is not None and width > max_len:
         raise ValueError(f"sequence of {width} tokens exceeds max_len={max_len}; truncating would drop EOS")
-    input_ids = torch.full((len(pairs), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(pairs), width), -100, dtype=torch.long)
-    for row, (prompt, completion) in enumerate(pairs):
-        seq = list(prompt) + list(completion)
-        input_ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-        labels[row, len(prompt) : len(seq)] = torch.tensor(list(completion), dtype=torch.long)
+    pad = torch.nn.utils.rnn.pad_sequence
+    input_ids = pad([torch.tensor([*p, *c], dtype=torch.long) for p, c in pairs], batch_first=True,
+                    padding_value=pad_id)
+    labels = pad([torch.tensor([-100] * len(p) + list(c), dtype=torch.long) for p, c in pairs], batch_first=True,
+                 padding_value=-100)
     return input_ids, labels
 
 
