@@ -243,6 +243,20 @@ def _split_model(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     return body, head
 
 
+def _backbone(model: nn.Module, input_ids: torch.Tensor, prompt_lengths, completion_lengths):
+    """Lengths as checked tensors on the ids' device (completions default to the rest of each row), the
+    backbone's last hidden states ``[B, T, H]`` (padding masked out of attention) and the LM head."""
+    prompt_lengths = torch.as_tensor(prompt_lengths, device=input_ids.device)
+    if completion_lengths is None:
+        completion_lengths = input_ids.shape[1] - prompt_lengths
+    completion_lengths = torch.as_tensor(completion_lengths, device=input_ids.device)
+    _check_lengths(input_ids, prompt_lengths, completion_lengths)
+    body, head = _split_model(model)
+    attention_mask = lengths_to_mask(prompt_lengths + completion_lengths, input_ids.shape[1]).long()
+    hidden = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    return prompt_lengths, completion_lengths, hidden, head
+
+
 def sequence_logprobs(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -258,17 +272,8 @@ def sequence_logprobs(
     ``completion_lengths`` defaults to ``T - prompt_lengths`` (no padding). Returns ``[B, max(completion)]``.
     Gradients flow when autograd is on; wrap in ``torch.no_grad()`` for scoring.
     """
-    prompt_lengths = torch.as_tensor(prompt_lengths, device=input_ids.device)
-    if completion_lengths is None:
-        completion_lengths = input_ids.shape[1] - prompt_lengths
-    completion_lengths = torch.as_tensor(completion_lengths, device=input_ids.device)
-    _check_lengths(input_ids, prompt_lengths, completion_lengths)
-
-    body, head = _split_model(model)
-    total_lengths = prompt_lengths + completion_lengths
-    attention_mask = lengths_to_mask(total_lengths, input_ids.shape[1]).long()
-    hidden = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-
+    prompt_lengths, completion_lengths, hidden, head = _backbone(model, input_ids, prompt_lengths,
+                                                                 completion_lengths)
     max_completion = int(completion_lengths.max()) if completion_lengths.numel() else 0
     mask = lengths_to_mask(completion_lengths, max_completion)
     rows, cols = mask.nonzero(as_tuple=True)
@@ -400,17 +405,10 @@ def sequence_top_logprobs(
     Same layout and positions as :func:`sequence_logprobs` (see :class:`TopLogprobs` for the extra column). With
     ``prompt_lengths`` 1 every token but the first is scored: what an OpenAI-style ``echo`` with ``logprobs`` needs.
     """
-    prompt_lengths = torch.as_tensor(prompt_lengths, device=input_ids.device)
-    if completion_lengths is None:
-        completion_lengths = input_ids.shape[1] - prompt_lengths
-    completion_lengths = torch.as_tensor(completion_lengths, device=input_ids.device)
-    _check_lengths(input_ids, prompt_lengths, completion_lengths)
-
-    body, head = _split_model(model)
-    seq_len = input_ids.shape[1]
-    attention_mask = lengths_to_mask(prompt_lengths + completion_lengths, seq_len).long()
     with torch.no_grad():
-        hidden = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        prompt_lengths, completion_lengths, hidden, head = _backbone(model, input_ids, prompt_lengths,
+                                                                     completion_lengths)
+    seq_len = input_ids.shape[1]
     width = (int(completion_lengths.max()) if completion_lengths.numel() else 0) + 1
     rows, cols = lengths_to_mask(completion_lengths + 1, width).nonzero(as_tuple=True)
     positions = prompt_lengths[rows] + cols - 1               # the hidden state at p predicts the token at p + 1
