@@ -67,7 +67,7 @@ def _agree(flag: bool, device: torch.device, op=dist.ReduceOp.MAX) -> bool:
 
 
 def wait_for_batch(client: HubClient, num_groups: int, wait_s: float, stop: threading.Event,
-                   metrics: MetricsLogger, ledger: DeliveryLedger | None = None) -> TrainBatch | None:
+                   metrics: MetricsLogger, ledger: DeliveryLedger) -> TrainBatch | None:
     """Long-poll the hub until a batch with untrained groups arrives (progress message every wait) or a stop is
     requested.
 
@@ -77,7 +77,7 @@ def wait_for_batch(client: HubClient, num_groups: int, wait_s: float, stop: thre
         try:
             batch = client.get_batch(num_groups, wait_s=wait_s)
             if batch is not None:
-                batch = ledger.fresh_part(batch) if ledger is not None else batch
+                batch = ledger.fresh_part(batch)
                 if batch is not None:
                     return batch
                 continue
@@ -122,11 +122,13 @@ class Learner:
                                      total_steps=cfg.max_steps, run_config=config.model_dump(mode="json"))
         self.ledger = DeliveryLedger(self.client, ack_on_checkpoint=cfg.checkpoint_every is not None,
                                      lease_timeout_s=self.client.hub_stats()["lease_timeout_s"], consumed=consumed)
-        self.hub_version = self._check_hub_version(resume, dtype)
+        self.hub_version = self._check_hub(resume, dtype)
         self.skipped = self.nonfinite_in_row = 0
         self.staging = os.path.join(cfg.checkpoint_dir, "..", "publish")
 
-    def _check_hub_version(self, resume: bool, dtype: torch.dtype) -> int:
+    def _check_hub(self, resume: bool, dtype: torch.dtype) -> int:
+        """Refuse a hub this run cannot train against (no reference model for beta > 0, an earlier run's weights);
+        report the starting version. Returns the hub's newest weights version."""
         if self.config.algorithm.loss.beta > 0 and not self.client.health()["reference_model_loaded"]:
             raise LearnerSetupError(
                 f"algorithm.loss.beta is {self.config.algorithm.loss.beta} but the ref server at {self.cfg.hub_url} "
@@ -235,11 +237,11 @@ class Learner:
         self.ledger.checkpointed()
 
     def finish(self) -> None:
-        """A last checkpoint (unless the newest step has one), acknowledgements, and the Hugging Face folder."""
+        """A last checkpoint (unless the newest step has one, which acknowledged its batches), and the Hugging Face
+        folder."""
         cfg = self.cfg
         if self.stop.is_set() or not cfg.checkpoint_every or self.step % cfg.checkpoint_every:
             self.checkpoint()
-        self.ledger.checkpointed()
         export_hf_folder(self.engine, cfg.model, cfg.output_dir, rank=self.rank)
 
 
