@@ -3,7 +3,9 @@
 Normalisation: the loss of every micro-batch on every rank is divided by the token (and sequence) counts of the
 *global* batch, all-reduced once per step. The sum of the pieces' losses is then the loss of the whole batch,
 whatever the number of ranks or micro-batches. DeepSpeed averages gradients over data-parallel ranks, so each
-rank backpropagates ``world_size x`` its piece to turn that average back into the sum.
+rank backpropagates ``world_size x`` its piece to turn that average back into the sum. The same holds for
+micro-batches cut by a token budget (any rows together) and for packed rows: only the pieces change, not the
+normaliser.
 """
 
 from __future__ import annotations
@@ -17,12 +19,15 @@ import torch.distributed as dist
 from shared.advantages import compute_advantages
 from shared.logprobs import sequence_logprobs
 from shared.losses import PolicyLossOutput, compute_policy_loss, loss_normalizers
+from shared.packing import PackingMode, split_by_token_budget
 from shared.protocol import TrainBatch
 from shared.schema import AdvantageConfig, LossConfig
 
 # How each metric combines over micro-batches and ranks: token-weighted mean, min or max.
 _MIN_KEYS = {"ratio_min", "is_weight_min"}
-_MAX_KEYS = {"ratio_max", "is_weight_max"}
+_MAX_KEYS = {"ratio_max", "is_weight_max", "logprob_diff_max"}
+# summed over micro-batches and ranks, then turned into means in _reduce_metrics
+_SUM_KEYS = {"num_tokens", "pg_loss", "logprob_diff_sum", "sampled_tokens"}
 
 
 @dataclass
@@ -35,6 +40,7 @@ class MicroBatch:
     behaviour_logprobs: torch.Tensor
     ref_logprobs: torch.Tensor | None
     old_logprobs: torch.Tensor | None = None
+    layout: PackingMode = "padded"        # how the forward lays the rows out (shared.packing.choose_layout)
 
 
 @dataclass
@@ -59,21 +65,41 @@ def batch_advantages(batch: TrainBatch, cfg: AdvantageConfig) -> torch.Tensor:
                               batch_std=batch_std)
 
 
-def split_micro_batches(batch: TrainBatch, advantages: torch.Tensor, parts: int, mask_truncated: bool,
-                        device: torch.device) -> list[MicroBatch]:
-    """Split by whole groups into ``parts`` contiguous micro-batches, each trimmed to its own widths.
+def micro_batch_rows(batch: TrainBatch, parts: int, token_budget: int | None = None, packed: bool = False,
+                     device: torch.device | None = None) -> list[torch.Tensor]:
+    """Row indices of each micro-batch.
 
-    ``advantages`` is ``[B]``, one per completion (the loss broadcasts it over the completion's tokens)."""
-    num_groups = int(batch.group_index.max()) + 1
-    if parts > num_groups:
-        raise ValueError(f"cannot split {num_groups} groups into {parts} micro-batches")
-    bounds = [round(i * num_groups / parts) for i in range(parts + 1)]
+    Without a token budget: ``parts`` contiguous runs of whole groups. With one: rows (of any groups) packed
+    into micro-batches of at most ``token_budget`` tokens (their sum when ``packed``, rows x longest row
+    otherwise; a longer row goes alone), at least ``parts`` of them, and as many on every rank (the largest
+    count is all-reduced: ranks must run the same number of backward passes)."""
+    if token_budget is None:
+        num_groups = int(batch.group_index.max()) + 1
+        if parts > num_groups:
+            raise ValueError(f"cannot split {num_groups} groups into {parts} micro-batches")
+        bounds = [round(i * num_groups / parts) for i in range(parts + 1)]
+        return [((batch.group_index >= start) & (batch.group_index < end)).nonzero().flatten()
+                for start, end in zip(bounds[:-1], bounds[1:])]
+    lengths = (batch.prompt_lengths + batch.completion_lengths).tolist()
+    local = len(split_by_token_budget(lengths, token_budget, packed=packed, min_parts=parts))
+    count = int(all_reduce(torch.tensor([float(local)], device=device), dist.ReduceOp.MAX).item())
+    return [torch.tensor(rows, dtype=torch.long)
+            for rows in split_by_token_budget(lengths, token_budget, packed=packed, parts=count)]
+
+
+def split_micro_batches(batch: TrainBatch, advantages: torch.Tensor, parts: int, mask_truncated: bool,
+                        device: torch.device, *, token_budget: int | None = None,
+                        packing: PackingMode = "padded") -> list[MicroBatch]:
+    """Split into micro-batches (:func:`micro_batch_rows`), each trimmed to its own widths.
+
+    ``advantages`` is ``[B]``, one per completion (the loss broadcasts it over the completion's tokens).
+    ``packing`` is how their forward lays the rows out (``learner.packing``); it also decides how the token
+    budget counts a micro-batch."""
     loss_lengths = batch.completion_lengths.clone()
     if mask_truncated:
         loss_lengths[batch.truncated] = 0
     pieces = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        rows = ((batch.group_index >= start) & (batch.group_index < end)).nonzero().flatten()
+    for rows in micro_batch_rows(batch, parts, token_budget, packed=packing != "padded", device=device):
         completion = batch.completion_lengths[rows]
         width_c = max(int(completion.max()), 1)
         width = int((batch.prompt_lengths[rows] + completion).max())
@@ -89,7 +115,7 @@ def split_micro_batches(batch: TrainBatch, advantages: torch.Tensor, parts: int,
             completion_lengths=take(batch.completion_lengths), loss_lengths=take(loss_lengths),
             advantages=take(advantages),
             behaviour_logprobs=take(batch.behaviour_logprobs, width_c),
-            ref_logprobs=take(batch.ref_logprobs, width_c)))
+            ref_logprobs=take(batch.ref_logprobs, width_c), layout=packing))
     return pieces
 
 
@@ -102,7 +128,8 @@ def all_reduce(values: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
 
 def policy_logprobs(model, mb: MicroBatch, temperature: float, *, with_entropy: bool, chunk_tokens: int | None):
     out = sequence_logprobs(model, mb.input_ids, mb.prompt_lengths, mb.completion_lengths,
-                            temperature=temperature, with_entropy=with_entropy, chunk_tokens=chunk_tokens)
+                            temperature=temperature, with_entropy=with_entropy, chunk_tokens=chunk_tokens,
+                            layout=mb.layout)
     width = mb.behaviour_logprobs.shape[1]
     pad = width - out.logprobs.shape[1]  # a micro-batch of empty completions still has width >= 1
     logprobs = torch.nn.functional.pad(out.logprobs, (0, pad))
@@ -132,7 +159,22 @@ def micro_batch_loss(model, mb: MicroBatch, loss_cfg: LossConfig, *, temperature
     result = compute_policy_loss(logprobs, mb.advantages, mb.loss_lengths, loss_cfg, old_logprobs=old,
                                  behaviour_logprobs=behaviour, ref_logprobs=mb.ref_logprobs,
                                  num_tokens=num_tokens, num_seqs=num_seqs)
+    result.metrics.update(behaviour_logprob_gap(logprobs, mb.behaviour_logprobs, mb.completion_lengths))
     return result, entropy
+
+
+def behaviour_logprob_gap(logprobs: torch.Tensor, behaviour: torch.Tensor,
+                          completion_lengths: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``|learner logprob - generator logprob|`` of every sampled token (truncated rows included): its sum,
+    max and token count, from the logprobs the loss already has (no extra forward).
+
+    At the first update of a batch whose groups are not stale this is the numerical gap between trainer and
+    sampler (bf16, other kernels, vLLM vs transformers); the step reports it as ``logprob_diff_mean`` and
+    ``logprob_diff_max``. The ``ratio`` metrics show it too, but mixed with the clipping."""
+    mask = torch.arange(logprobs.shape[1], device=logprobs.device) < completion_lengths.unsqueeze(1)
+    gap = (logprobs.detach() - behaviour).abs()[mask]
+    return {"logprob_diff_sum": gap.sum(), "sampled_tokens": torch.tensor(float(gap.numel())),
+            "logprob_diff_max": gap.max() if gap.numel() else torch.tensor(0.0)}
 
 
 def grpo_step(engine, micro_batches: list[MicroBatch], loss_cfg: LossConfig, *, temperature: float,
@@ -166,7 +208,7 @@ def grpo_step(engine, micro_batches: list[MicroBatch], loss_cfg: LossConfig, *, 
                 mins[key] = min(mins.get(key, math.inf), value)
             elif key in _MAX_KEYS:
                 maxs[key] = max(maxs.get(key, -math.inf), value)
-            elif key in ("num_tokens", "pg_loss"):
+            elif key in _SUM_KEYS:
                 sums[key] = sums.get(key, 0.0) + value
             else:
                 sums[key] = sums.get(key, 0.0) + value * weight
@@ -200,9 +242,10 @@ def _reduce_metrics(sums, mins, maxs, device, grad_norm) -> dict[str, float]:
     summed = all_reduce(torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=device)).tolist()
     totals = dict(zip(keys, summed))
     tokens = max(totals.get("num_tokens", 0.0), 1.0)
-    metrics = {k: v / tokens for k, v in totals.items() if k not in ("num_tokens", "pg_loss", "entropy",
-                                                                       "entropy_tokens")}
+    metrics = {k: v / tokens for k, v in totals.items() if k not in _SUM_KEYS | {"entropy", "entropy_tokens"}}
     metrics["pg_loss"] = totals.get("pg_loss", 0.0)
+    if "sampled_tokens" in totals:
+        metrics["logprob_diff_mean"] = totals["logprob_diff_sum"] / max(totals["sampled_tokens"], 1.0)
     metrics["loss_tokens"] = totals.get("num_tokens", 0.0)
     if "entropy" in totals:
         metrics["entropy"] = totals["entropy"] / max(totals["entropy_tokens"], 1.0)

@@ -1,7 +1,8 @@
 """The reference scorer: one model, one worker thread, requests from many clients micro-batched by tokens.
 
 Requests (each a list of rows) are queued; the worker takes as many queued rows with the same temperature as fit
-a token budget, pads them into one forward pass, and hands each request its rows back. An out-of-memory error on
+a token budget, runs them as one forward pass (packed into one sequence without padding, or padded: ``packing``,
+see :mod:`shared.packing`), and hands each request its rows back. An out-of-memory error on
 a micro-batch is retried by splitting it in halves (down to single rows) rather than failing the requests.
 
 Two threads: the worker runs forwards and starts each result's device-to-host copy (non-blocking, into pinned
@@ -23,6 +24,7 @@ import numpy as np
 import torch
 
 from shared.logprobs import sequence_logprobs, sequence_top_logprobs
+from shared.packing import PackingMode, micro_batch_cost
 
 log = logging.getLogger("grpo.ref_server.scorer")
 
@@ -114,6 +116,8 @@ class ReferenceScorer:
     ``forward`` is the function that scores one padded micro-batch; it defaults to the chunked
     :func:`shared.logprobs.sequence_logprobs` (tests pass a wrapper that simulates running out of memory).
     ``top_forward`` does the same with top-k next tokens (:func:`shared.logprobs.sequence_top_logprobs`).
+    ``packing`` is the forward's layout (``ref_server.packing``); unless it is ``padded``, ``batch_tokens`` counts
+    a micro-batch's tokens summed over its rows, otherwise rows x longest row.
     """
 
     def __init__(
@@ -123,6 +127,7 @@ class ReferenceScorer:
         vocab_size: int,
         max_context: int,
         batch_tokens: int = 8192,
+        packing: PackingMode = "auto",
         max_queue_requests: int = 1024,
         forward: Callable[..., torch.Tensor] | None = None,
         top_forward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
@@ -132,6 +137,7 @@ class ReferenceScorer:
         self.vocab_size = vocab_size
         self.max_context = max_context
         self.batch_tokens = batch_tokens
+        self.packing = packing
         self.device = next(model.parameters()).device
         self._forward = forward or self._default_forward
         self._top_forward = top_forward or self._default_top_forward
@@ -181,12 +187,12 @@ class ReferenceScorer:
     def _default_forward(self, input_ids, prompt_lengths, completion_lengths, temperature) -> torch.Tensor:
         with torch.inference_mode():
             return sequence_logprobs(self.model, input_ids, prompt_lengths, completion_lengths,
-                                     temperature=temperature).logprobs
+                                     temperature=temperature, layout=self.packing).logprobs
 
     def _default_top_forward(self, input_ids, prompt_lengths, completion_lengths, temperature, k):
         with torch.inference_mode():
             out = sequence_top_logprobs(self.model, input_ids, prompt_lengths, completion_lengths, k=k,
-                                        temperature=temperature)
+                                        temperature=temperature, layout=self.packing)
         return out.logprobs, out.top_logprobs, out.top_ids
 
     def _take_batch(self) -> list[_Request]:
@@ -252,16 +258,18 @@ class ReferenceScorer:
             req.future.set_exception(exc if isinstance(exc, ScoringError) else ScoringError(str(exc)))
 
     def _score_rows(self, rows: list[Row], temperature: float, top_k: int = 0) -> list[_Pending]:
-        """Score rows in micro-batches of at most ``batch_tokens`` padded tokens; halve on OOM."""
+        """Score rows, in order, in micro-batches of at most ``batch_tokens`` tokens (a longer row alone); halve
+        on OOM."""
+        packed = self.packing != "padded"
         results: list[_Pending] = []
         start = 0
         while start < len(rows):
-            width, end = 0, start
+            lengths, end = [], start
             while end < len(rows):
-                new_width = max(width, rows[end].tokens)
-                if end > start and new_width * (end - start + 1) > self.batch_tokens:
+                lengths.append(rows[end].tokens)
+                if end > start and micro_batch_cost(lengths, packed) > self.batch_tokens:
                     break
-                width, end = new_width, end + 1
+                end += 1
             results += self._score_with_retry(rows[start:end], temperature, top_k)
             start = end
         return results

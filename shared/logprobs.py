@@ -10,6 +10,13 @@ logits at a time instead of keeping all of them.
 Positions: row i of ``input_ids`` is ``prompt (prompt_lengths[i] tokens) + completion (completion_lengths[i]
 tokens) + right padding``; the result's row i holds, at column j, ``log p(token at prompt_lengths[i] + j |
 everything before it)`` computed from ``logits / temperature``.
+
+Layout of the backbone's forward (``layout``): ``padded`` runs the ``[B, T]`` rows with an attention mask;
+``packed`` concatenates the rows without their padding into one sequence with per-row position ids
+(:mod:`shared.packing`); ``auto`` picks per call (:func:`shared.packing.choose_layout`). The results are the same.
+
+Chunk size: :func:`default_chunk_bytes` per device, 128 MiB of fp32 logits on CPU and more on a GPU (where the
+LM-head matmul needs bigger chunks to run at matmul speed, and memory allows them).
 """
 
 from __future__ import annotations
@@ -21,10 +28,15 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from shared.masks import lengths_to_mask
+from shared.packing import PackingMode, choose_layout, pack_rows
 
-# Default working-set size of one chunk's fp32 logits. 128 MiB is 220 tokens at vocab 151936: big enough that
-# the LM-head matmul stays efficient, small enough that a chunk's temporaries are a few hundred MB at most.
+# Default working-set size of one chunk's fp32 logits on CPU. 128 MiB is 220 tokens at vocab 151936: big enough
+# that the LM-head matmul stays efficient, small enough that a chunk's temporaries are a few hundred MB at most.
 DEFAULT_CHUNK_BYTES = 128 * 2**20
+# On a GPU: 512 MiB (883 tokens at vocab 151936). A GPU's matmul needs more rows to reach its speed, and each
+# chunk costs a handful of kernel launches; capped at 1/32 of the free memory (a chunk's temporaries are ~3-4x
+# its logits).
+GPU_CHUNK_BYTES = 512 * 2**20
 
 
 @dataclass
@@ -40,8 +52,21 @@ class TokenLogprobs:
         return lengths_to_mask(self.completion_lengths, self.logprobs.shape[1])
 
 
-def chunk_tokens_for(vocab_size: int, max_chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
-    """Tokens per chunk so that one chunk's fp32 logits take at most ``max_chunk_bytes``."""
+def default_chunk_bytes(device: torch.device | str) -> int:
+    """Bytes of one chunk's fp32 logits: :data:`DEFAULT_CHUNK_BYTES` on CPU, :data:`GPU_CHUNK_BYTES` on CUDA
+    (less when free memory is short, never below the CPU size)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return DEFAULT_CHUNK_BYTES
+    free, _total = torch.cuda.mem_get_info(device)
+    return max(DEFAULT_CHUNK_BYTES, min(GPU_CHUNK_BYTES, free // 32))
+
+
+def chunk_tokens_for(vocab_size: int, max_chunk_bytes: int | None = None, device: torch.device | str = "cpu") -> int:
+    """Tokens per chunk so that one chunk's fp32 logits take at most ``max_chunk_bytes`` (default: the
+    device's :func:`default_chunk_bytes`)."""
+    if max_chunk_bytes is None:
+        max_chunk_bytes = default_chunk_bytes(device)
     return max(1, max_chunk_bytes // (4 * vocab_size))
 
 
@@ -134,10 +159,20 @@ class _LinearHeadLogprobs(torch.autograd.Function):
             del log_probs, logits
             if temperature != 1.0:
                 grad_z.div_(temperature)
-            if grad_hidden is not None:
-                torch.mm(grad_z.to(weight.dtype), weight, out=grad_hidden[start:end])
-            if grad_weight is not None:
-                grad_weight.addmm_(grad_z.T, h.float())
+            if weight.dtype == torch.float32:
+                if grad_hidden is not None:
+                    torch.mm(grad_z, weight, out=grad_hidden[start:end])
+                if grad_weight is not None:
+                    grad_weight.addmm_(grad_z.T, h.float())
+            else:
+                # bf16/fp16 weights: both matmuls in the weight's dtype (what autograd through the model's own
+                # head does) instead of fp32 ones, which run at a fraction of a GPU's bf16 speed; the weight
+                # gradient is still summed over chunks in fp32
+                grad_z = grad_z.to(weight.dtype)
+                if grad_hidden is not None:
+                    torch.mm(grad_z, weight, out=grad_hidden[start:end])
+                if grad_weight is not None:
+                    grad_weight.add_(torch.mm(grad_z.T, h))
             del grad_z
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
@@ -180,7 +215,7 @@ def logprobs_from_hidden(
     if chunk_tokens is None:
         weight = getattr(lm_head, "weight", None)
         vocab = getattr(lm_head, "out_features", None) or (weight.shape[0] if weight is not None else 2**17)
-        chunk_tokens = chunk_tokens_for(vocab)
+        chunk_tokens = chunk_tokens_for(vocab, device=hidden.device)
 
     weight = _fused_head_weight(lm_head, logit_transform)
     if weight is not None:
@@ -243,18 +278,43 @@ def _split_model(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     return body, head
 
 
-def _backbone(model: nn.Module, input_ids: torch.Tensor, prompt_lengths, completion_lengths):
+@dataclass
+class _Backbone:
+    """The backbone's output for a batch of rows: ``hidden_at(rows, positions)`` gives ``[N, H]`` hidden states
+    of those (row, position in row) pairs whichever layout ran."""
+
+    prompt_lengths: torch.Tensor
+    completion_lengths: torch.Tensor
+    hidden: torch.Tensor               # [B, T, H] padded, [N, H] packed
+    head: nn.Module
+    offsets: torch.Tensor | None       # packed: where each row starts in ``hidden``
+
+    def hidden_at(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self.offsets is None:
+            return self.hidden[rows, positions]
+        return self.hidden[self.offsets[rows] + positions]
+
+
+def _backbone(model: nn.Module, input_ids: torch.Tensor, prompt_lengths, completion_lengths,
+              layout: PackingMode = "padded") -> _Backbone:
     """Lengths as checked tensors on the ids' device (completions default to the rest of each row), the
-    backbone's last hidden states ``[B, T, H]`` (padding masked out of attention) and the LM head."""
+    backbone's last hidden states (padding masked out of attention, or removed by packing) and the LM head."""
     prompt_lengths = torch.as_tensor(prompt_lengths, device=input_ids.device)
     if completion_lengths is None:
         completion_lengths = input_ids.shape[1] - prompt_lengths
     completion_lengths = torch.as_tensor(completion_lengths, device=input_ids.device)
     _check_lengths(input_ids, prompt_lengths, completion_lengths)
     body, head = _split_model(model)
-    attention_mask = lengths_to_mask(prompt_lengths + completion_lengths, input_ids.shape[1]).long()
+    lengths = prompt_lengths + completion_lengths
+    if layout != "padded" and choose_layout(model, lengths.tolist(), layout, body) == "packed":
+        packed = pack_rows(input_ids, lengths)
+        # no attention mask and no cache: transformers then reads the row boundaries from the position ids
+        hidden = body(input_ids=packed.input_ids, position_ids=packed.position_ids,
+                      use_cache=False).last_hidden_state[0]
+        return _Backbone(prompt_lengths, completion_lengths, hidden, head, packed.offsets)
+    attention_mask = lengths_to_mask(lengths, input_ids.shape[1]).long()
     hidden = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-    return prompt_lengths, completion_lengths, hidden, head
+    return _Backbone(prompt_lengths, completion_lengths, hidden, head, None)
 
 
 def sequence_logprobs(
@@ -266,22 +326,23 @@ def sequence_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     chunk_tokens: int | None = None,
+    layout: PackingMode = "padded",
 ) -> TokenLogprobs:
     """Per-token logprobs of each row's completion under ``model`` (see the module docstring for layout).
 
     ``completion_lengths`` defaults to ``T - prompt_lengths`` (no padding). Returns ``[B, max(completion)]``.
     Gradients flow when autograd is on; wrap in ``torch.no_grad()`` for scoring.
     """
-    prompt_lengths, completion_lengths, hidden, head = _backbone(model, input_ids, prompt_lengths,
-                                                                 completion_lengths)
+    out = _backbone(model, input_ids, prompt_lengths, completion_lengths, layout)
+    prompt_lengths, completion_lengths = out.prompt_lengths, out.completion_lengths
     max_completion = int(completion_lengths.max()) if completion_lengths.numel() else 0
     mask = lengths_to_mask(completion_lengths, max_completion)
     rows, cols = mask.nonzero(as_tuple=True)
     # The token at position p is predicted by the hidden state at p - 1.
     target_positions = prompt_lengths[rows] + cols
     logp, entropy = logprobs_from_hidden(
-        hidden[rows, target_positions - 1],
-        head,
+        out.hidden_at(rows, target_positions - 1),
+        out.head,
         input_ids[rows, target_positions],
         temperature=temperature,
         with_entropy=with_entropy,
@@ -366,7 +427,7 @@ def top_logprobs_from_hidden(
     if vocab is None:
         raise TypeError(f"cannot tell the vocabulary size of {type(lm_head).__name__}")
     if chunk_tokens is None:
-        chunk_tokens = chunk_tokens_for(vocab)
+        chunk_tokens = chunk_tokens_for(vocab, device=hidden.device)
     k = min(k, vocab)
     transform = logit_transform or (lambda logits: logits)
     n = hidden.shape[0]
@@ -399,6 +460,7 @@ def sequence_top_logprobs(
     k: int,
     temperature: float = 1.0,
     chunk_tokens: int | None = None,
+    layout: PackingMode = "padded",
 ) -> TopLogprobs:
     """Completion tokens' logprobs plus the top ``k`` next tokens at each of them and after the row's last token.
 
@@ -406,8 +468,8 @@ def sequence_top_logprobs(
     ``prompt_lengths`` 1 every token but the first is scored: what an OpenAI-style ``echo`` with ``logprobs`` needs.
     """
     with torch.no_grad():
-        prompt_lengths, completion_lengths, hidden, head = _backbone(model, input_ids, prompt_lengths,
-                                                                     completion_lengths)
+        out = _backbone(model, input_ids, prompt_lengths, completion_lengths, layout)
+    prompt_lengths, completion_lengths = out.prompt_lengths, out.completion_lengths
     seq_len = input_ids.shape[1]
     width = (int(completion_lengths.max()) if completion_lengths.numel() else 0) + 1
     rows, cols = lengths_to_mask(completion_lengths + 1, width).nonzero(as_tuple=True)
@@ -415,7 +477,7 @@ def sequence_top_logprobs(
     has_target = cols < completion_lengths[rows]
     targets = torch.where(has_target, input_ids[rows, (positions + 1).clamp(max=seq_len - 1)], 0)
     logp, top_values, top_ids = top_logprobs_from_hidden(
-        hidden[rows, positions], head, targets, k=k, temperature=temperature, chunk_tokens=chunk_tokens,
+        out.hidden_at(rows, positions), out.head, targets, k=k, temperature=temperature, chunk_tokens=chunk_tokens,
         logit_transform=_final_logit_transform(model))
     batch, k = input_ids.shape[0], top_values.shape[1]
     logprobs = logp.new_zeros(batch, width - 1).index_put((rows[has_target], cols[has_target]), logp[has_target])

@@ -17,7 +17,21 @@ class LearnerConfig(StrictModel):
     groups_per_step: int = Field(4, ge=1, description="Groups each rank pulls per optimizer step (the global "
                                  "batch is groups_per_step x ranks).")
     micro_batches: int = Field(1, ge=1, description="Gradient accumulation: each rank's batch is split into this "
-                               "many micro-batches (by groups); the loss is normalised by the global token count.")
+                               "many micro-batches (by groups); the loss is normalised by the global token count. "
+                               "With micro_batch_tokens set, the least number of micro-batches instead.")
+    micro_batch_tokens: int | None = Field(
+        None, ge=1, description="Token budget of one micro-batch (verl's dynamic batch size): rows, of any groups, "
+        "are packed into as few micro-batches as keep each within this many tokens (prompt + completion summed "
+        "over its rows when packing is not 'padded', rows x longest row when it is; a longer row goes alone), "
+        "and at least micro_batches of them; every rank runs as many as the rank that needs the most. Null: "
+        "split by groups into exactly micro_batches. The loss keeps the global token-count normaliser either "
+        "way.")
+    packing: Literal["auto", "packed", "padded"] = Field(
+        "auto", description="Padding-free forward: a micro-batch's rows concatenated into one sequence with "
+        "per-row position ids (transformers keeps them apart: flash-attention varlen, flex, or a block-diagonal "
+        "SDPA/eager mask). 'packed': whenever the model passes a one-time probe; 'auto': packed when the probe "
+        "passes and it is estimated cheaper (always with flash/flex attention; with SDPA/eager, whose packed "
+        "mask costs N^2 attention, only for rows of mixed lengths); 'padded': never. The log says which is used.")
     updates_per_batch: int = Field(1, ge=1, description="mu: optimizer steps on each pulled batch, with the old "
                                    "logprobs kept fixed (GRPO's iterations).")
     old_logprobs: Literal["behaviour", "recompute"] = Field(
@@ -59,7 +73,8 @@ class LearnerConfig(StrictModel):
     retry_max_s: float = Field(300.0, gt=0, description="How long an unreachable hub is retried before failing.")
     device: str = Field("auto", description="'auto', 'cpu' or 'cuda' (each rank uses its LOCAL_RANK GPU).")
     logprob_chunk_tokens: int | None = Field(None, ge=1, description="Tokens per LM-head chunk in the logprob "
-                                             "computation (null: 128 MiB of logits per chunk).")
+                                             "computation (null: 128 MiB of fp32 logits per chunk on CPU, 512 "
+                                             "MiB on a GPU, less when its free memory is short).")
 
     @model_validator(mode="after")
     def _checks(self) -> LearnerConfig:

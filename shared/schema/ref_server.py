@@ -23,7 +23,12 @@ class RefServerConfig(StrictModel):
                         "the node's visible GPUs).")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Reference model dtype; 'auto' is bfloat16 on GPU and float32 on CPU.")
-    batch_tokens: int = Field(8192, ge=1, description="Token budget of one scoring micro-batch (padded rows x width).")
+    batch_tokens: int = Field(8192, ge=1, description="Token budget of one scoring micro-batch: rows x longest "
+                              "row when padded, the rows' tokens summed when packed (see packing).")
+    packing: Literal["auto", "packed", "padded"] = Field(
+        "auto", description="Padding-free scoring: a micro-batch's rows concatenated into one sequence with per-row "
+        "position ids. 'packed': whenever the model passes a one-time probe; 'auto': packed when that is estimated "
+        "cheaper (flash/flex attention: always; SDPA/eager: for rows of mixed lengths); 'padded': never.")
     max_request_bytes: int = Field(64 * 2**20, ge=1024, description="Largest request body accepted (413 above).")
     max_request_tokens: int = Field(262144, ge=1, description="Most tokens one logprob request may hold (413 above).")
     queue_capacity: int = Field(256, ge=1, description="Rollout groups the hub holds; uploads get 429 when full.")
