@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ref_server.hub import RolloutHub
 from ref_server.scorer import ReferenceScorer
+from ref_server.weight_sync import SyncRendezvous
 from ref_server.weights import WeightStore
 
 if TYPE_CHECKING:
@@ -28,3 +29,5 @@ class ServerState:
     max_version_ahead: int = 1000
     # the model folder's tokenizer (text prompts of /v1/completions, /tokenize); None without a model
     tokenizer: ServedTokenizer | None = None
+    # the weight-sync rendezvous between the learner's sender and the generators (/v1/weights/sync/...)
+    sync: SyncRendezvous = field(default_factory=SyncRendezvous)

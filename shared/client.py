@@ -177,6 +177,44 @@ class HubClient:
             partial.unlink(missing_ok=True)
         return dest
 
+    # -- weight-sync rendezvous (shared/weight_sync/messages.py) ------------------------------------------
+    def sync_status(self) -> dict:
+        """The registered sender (or None), the announced version, members per state, the relay's version."""
+        return self._request("GET", "/v1/weights/sync").json()
+
+    def sync_register_sender(self, info: dict) -> None:
+        self._request("PUT", "/v1/weights/sync/sender", json=info)
+
+    def sync_unregister_sender(self, sender_id: str) -> None:
+        self._request("DELETE", f"/v1/weights/sync/sender/{sender_id}")
+
+    def sync_announce(self, sender_id: str, version: int) -> None:
+        self._request("POST", "/v1/weights/sync/announce", json={"sender_id": sender_id, "version": version})
+
+    def sync_work(self, sender_id: str, wait_s: float) -> dict:
+        """The sender's long poll: ``{"joins": [...], "ready": [...]}``."""
+        return self._request("GET", "/v1/weights/sync/work", params={"sender_id": sender_id, "wait_s": wait_s},
+                             timeout_s=self.timeout_s + wait_s).json()
+
+    def sync_offer(self, sender_id: str, offer: dict) -> None:
+        self._request("POST", "/v1/weights/sync/offers", json={"sender_id": sender_id, "offer": offer})
+
+    def sync_member_state(self, sender_id: str, member_id: str, state: str, *, reason: str | None = None,
+                          version: int | None = None) -> None:
+        self._request("POST", f"/v1/weights/sync/members/{member_id}/state",
+                      json={"sender_id": sender_id, "state": state, "reason": reason, "version": version})
+
+    def sync_join(self, request: dict) -> str:
+        return self._request("POST", "/v1/weights/sync/members", json=request).json()["member_id"]
+
+    def sync_poll(self, member_id: str, version: int, wait_s: float = 0.0) -> dict:
+        """What a member does now: ``{"action": wait|connect|receive|idle|rejoin, "announced", "offer"}``."""
+        return self._request("POST", f"/v1/weights/sync/members/{member_id}/poll",
+                             json={"version": version, "wait_s": wait_s}, timeout_s=self.timeout_s + wait_s).json()
+
+    def sync_leave(self, member_id: str) -> None:
+        self._request("DELETE", f"/v1/weights/sync/members/{member_id}")
+
 
 def _detail(response: requests.Response) -> object:
     try:

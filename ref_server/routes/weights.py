@@ -1,14 +1,18 @@
-"""The weight relay's endpoints: the learner publishes versions, generators download them."""
+"""The weight relay's endpoints (the learner publishes versions, generators download them) and the weight-sync
+rendezvous (/v1/weights/sync/...) through which the learner and the generators form their process groups."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
-from fastapi import APIRouter, HTTPException, Path, Request
+from fastapi import APIRouter, HTTPException, Path, Query, Request
 from fastapi.responses import FileResponse
+from pydantic import BaseModel, Field
 
 from ref_server.routes.common import OCTET, State, binary_body
+from ref_server.weight_sync import RendezvousError
 from ref_server.weights import WeightsConflict, WeightsRejected, WeightsTooLarge
+from shared.weight_sync.messages import JoinRequest, MemberAnswer, MemberPoll, Offer, SenderInfo
 
 router = APIRouter(tags=["weights"])
 VersionPath = Annotated[int, Path(ge=0, lt=10**10, description="Weights version (the learner's policy version).")]
@@ -20,6 +24,110 @@ async def weights_version(state: State) -> dict:
     return {"version": state.weights.current}
 
 
+# -- weight-sync rendezvous (shared/weight_sync/messages.py tells the sequence) ---------------------------------
+class _SenderRef(BaseModel):
+    sender_id: str = Field(min_length=1, max_length=200)
+
+
+class _Announce(_SenderRef):
+    version: int = Field(ge=0, lt=10**10)
+
+
+class _OfferBody(_SenderRef):
+    offer: Offer
+
+
+class _MemberState(_SenderRef):
+    state: Literal["active", "served", "dropped"]
+    reason: str | None = Field(None, max_length=2000)
+    version: int | None = Field(None, ge=0, lt=10**10)
+
+
+def _rendezvous_error(exc: RendezvousError) -> HTTPException:
+    return HTTPException(exc.status, str(exc))
+
+
+@router.get("/v1/weights/sync")
+async def sync_status(state: State) -> dict:
+    """The rendezvous at a glance: the registered sender (if any), the announced version, members per state."""
+    return state.sync.summary() | {"relay_version": state.weights.current}
+
+
+@router.put("/v1/weights/sync/sender")
+async def register_sender(info: SenderInfo, state: State) -> dict:
+    """The learner's sender registers (again after a restart: members of the old one are sent to rejoin)."""
+    state.sync.register_sender(info)
+    return {"registered": info.sender_id}
+
+
+@router.delete("/v1/weights/sync/sender/{sender_id}")
+async def unregister_sender(sender_id: str, state: State) -> dict:
+    state.sync.unregister_sender(sender_id)
+    return {"unregistered": sender_id}
+
+
+@router.post("/v1/weights/sync/announce")
+async def announce(body: _Announce, state: State) -> dict:
+    """The sender holds ``version`` in its buffer: members poll, are marked ready, and receive it."""
+    try:
+        state.sync.announce(body.sender_id, body.version)
+    except RendezvousError as exc:
+        raise _rendezvous_error(exc) from None
+    return {"announced": body.version}
+
+
+@router.get("/v1/weights/sync/work")
+async def sender_work(state: State, sender_id: str, wait_s: Annotated[float, Query(ge=0, le=60)] = 0.0) -> dict:
+    """Long-poll of the sender: join requests to answer and members waiting in the receive."""
+    try:
+        return await state.sync.work(sender_id, min(wait_s, state.max_long_poll_s))
+    except RendezvousError as exc:
+        raise _rendezvous_error(exc) from None
+
+
+@router.post("/v1/weights/sync/offers")
+async def post_offer(body: _OfferBody, state: State) -> dict:
+    try:
+        state.sync.offer(body.sender_id, body.offer)
+    except RendezvousError as exc:
+        raise _rendezvous_error(exc) from None
+    return {"offered": body.offer.member_id}
+
+
+@router.post("/v1/weights/sync/members/{member_id}/state")
+async def member_state(member_id: str, body: _MemberState, state: State) -> dict:
+    try:
+        state.sync.set_state(body.sender_id, member_id, body.state, body.reason, body.version)
+    except RendezvousError as exc:
+        raise _rendezvous_error(exc) from None
+    return {"member_id": member_id, "state": body.state}
+
+
+@router.post("/v1/weights/sync/members")
+async def join(request: JoinRequest, state: State) -> dict:
+    """A generator asks to join; the answer is its member id (the offer comes through polling)."""
+    try:
+        return {"member_id": state.sync.join(request)}
+    except RendezvousError as exc:
+        raise _rendezvous_error(exc) from None
+
+
+@router.post("/v1/weights/sync/members/{member_id}/poll")
+async def member_poll(member_id: str, body: MemberPoll, state: State) -> MemberAnswer:
+    """Between engine calls: connect (with the offer), receive (the announced version), wait, idle or rejoin."""
+    return await state.sync.poll(member_id, body.version, min(body.wait_s, state.max_long_poll_s))
+
+
+@router.delete("/v1/weights/sync/members/{member_id}")
+async def leave(member_id: str, state: State) -> dict:
+    try:
+        state.sync.leave(member_id)
+    except RendezvousError as exc:
+        raise _rendezvous_error(exc) from None
+    return {"left": member_id}
+
+
+# -- the relay's versioned files (after /v1/weights/sync/...: 'sync' is not a version) ------------------------
 @router.put("/v1/weights/{version}", openapi_extra=binary_body("a safetensors state dict"))
 async def upload_weights(request: Request, version: VersionPath,
                          state: State) -> dict:

@@ -12,10 +12,11 @@ from shared.schema.generator import DatasetConfig, GeneratorConfig, RewardSpec, 
 from shared.schema.learner import LearnerConfig
 from shared.schema.ref_server import RefServerConfig
 from shared.schema.run import PlacementConfig, RunConfig
+from shared.schema.weight_sync import WeightSyncConfig
 
 __all__ = ["AdvantageConfig", "AlgorithmConfig", "DatasetConfig", "DemoConfig", "EvalConfig", "GRPOConfig", "GeneratorConfig", "LearnerConfig", "LossConfig",
            "PlacementConfig", "RunConfig",
-           "RefServerConfig", "RewardSpec", "SamplingConfig", "StrictModel"]
+           "RefServerConfig", "RewardSpec", "SamplingConfig", "StrictModel", "WeightSyncConfig"]
 
 
 class GRPOConfig(StrictModel):
@@ -26,6 +27,8 @@ class GRPOConfig(StrictModel):
     ref_server: RefServerConfig = Field(default_factory=RefServerConfig, description="The reference server.")
     generator: GeneratorConfig = Field(default_factory=GeneratorConfig, description="The generators.")
     learner: LearnerConfig = Field(default_factory=LearnerConfig, description="The learner.")
+    weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig, description="How the learner's "
+                                          "weights reach the generators.")
     run: RunConfig = Field(default_factory=RunConfig, description="`grpo run`: placement and supervision.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="`grpo eval`: held-out evaluation.")
     demo: DemoConfig = Field(default_factory=DemoConfig, description="`grpo demo`: how the tiny starting model is "

@@ -1,0 +1,35 @@
+"""The weight_sync section: how the learner's weights reach the generators (shared by both services)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from shared.schema.base import StrictModel
+
+
+class WeightSyncConfig(StrictModel):
+    """Transport, bucket size and timeouts of the learner-to-generator weight sync (docs/weight-sync.md)."""
+
+    transport: Literal["auto", "collective", "ipc", "http"] = Field(
+        "auto", description="'auto': CUDA IPC when learner and generator share one GPU, a process group "
+        "(NCCL on GPUs, gloo on CPUs) when both are on the same kind of device and can reach each other, the HTTP "
+        "relay otherwise. 'collective' / 'ipc' ask for that transport (a generator that cannot use it falls back "
+        "to HTTP and logs why); 'http': the relay only (the learner then opens no groups). A generator joining "
+        "late always loads the current version over HTTP first.")
+    bucket_mb: float = Field(256.0, gt=0, description="MiB per broadcast: parameters are packed into buckets of "
+                             "this size (a larger tensor spans several); receivers hold one bucket at a time.")
+    timeout_s: float = Field(30.0, gt=0, description="Per-operation timeout of a group: a generator that dies or "
+                             "hangs mid-transfer costs the learner's sender at most this, then it is dropped and "
+                             "counted.")
+    join_timeout_s: float = Field(600.0, gt=0, description="How long the sender waits for a generator it offered "
+                                  "a group to connect (it first loads the current version over HTTP).")
+    host: str = Field("127.0.0.1", description="Address the learner's rank 0 listens on for groups and announces "
+                      "through the hub (set a reachable address when generators run on other hosts).")
+    poll_s: float = Field(1.0, gt=0, le=30, description="Long-poll wait of the sender's rendezvous requests "
+                          "(it also wakes at once for a new version).")
+
+    @property
+    def bucket_bytes(self) -> int:
+        return max(8, int(self.bucket_mb * 2**20) // 8 * 8)

@@ -1,0 +1,140 @@
+"""The policy as one flat byte range, and its bounded buckets.
+
+The learner copies every parameter, in ``named_parameters`` order and in one dtype, into a flat ``uint8`` send
+buffer whose layout is the data section of a safetensors file (contiguous tensors, offsets from 0). The same
+layout serves every transport: the HTTP relay gets the safetensors header + the buffer, the collective sends the
+buffer in buckets of at most ``bucket_bytes`` (one broadcast per bucket, never one per tensor), and CUDA IPC maps
+the buffer itself. A tensor larger than a bucket spans several buckets; the receiver assembles only that tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+DTYPE_CODES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64"}
+CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str              # safetensors code: F32, BF16, F16, F64
+    shape: tuple[int, ...]
+    begin: int              # byte offsets in the flat buffer
+    end: int
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return CODE_DTYPES[self.dtype]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Names, dtypes, shapes and byte offsets of the published tensors."""
+
+    tensors: tuple[TensorSpec, ...]
+
+    @property
+    def total_bytes(self) -> int:
+        return self.tensors[-1].end if self.tensors else 0
+
+    @classmethod
+    def build(cls, shapes: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype) -> Layout:
+        if dtype not in DTYPE_CODES:
+            raise ValueError(f"weights are published as float32, bfloat16, float16 or float64, not {dtype}")
+        specs, offset = [], 0
+        for name, shape in shapes:
+            size = torch.Size(shape).numel() * dtype.itemsize
+            specs.append(TensorSpec(name, DTYPE_CODES[dtype], tuple(int(d) for d in shape), offset, offset + size))
+            offset += size
+        return cls(tuple(specs))
+
+    def to_json(self) -> list[list]:
+        return [[t.name, t.dtype, list(t.shape)] for t in self.tensors]
+
+    @classmethod
+    def from_json(cls, rows: list[list]) -> Layout:
+        """The layout from ``[[name, dtype code, shape], ...]`` (offsets follow from the order)."""
+        specs, offset = [], 0
+        for name, code, shape in rows:
+            if code not in CODE_DTYPES:
+                raise ValueError(f"tensor {name!r}: unknown dtype {code!r}")
+            size = torch.Size(shape).numel() * CODE_DTYPES[code].itemsize
+            specs.append(TensorSpec(str(name), code, tuple(int(d) for d in shape), offset, offset + size))
+            offset += size
+        return cls(tuple(specs))
+
+    def fingerprint(self) -> int:
+        """A 31-bit checksum of the layout, sent with every version so both ends know they agree."""
+        return zlib.crc32(json.dumps(self.to_json(), separators=(",", ":")).encode()) & 0x7FFFFFFF
+
+    def safetensors_header(self, metadata: dict[str, str] | None = None) -> bytes:
+        """The 8-byte length + JSON header that, followed by the flat buffer, is a safetensors file."""
+        header: dict[str, object] = {"__metadata__": {"format": "pt", **(metadata or {})}}
+        for t in self.tensors:
+            header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [t.begin, t.end]}
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # tensor data 8-byte aligned
+        return struct.pack("<Q", len(raw)) + raw
+
+
+def bucket_ranges(total_bytes: int, bucket_bytes: int) -> list[tuple[int, int]]:
+    """``[begin, end)`` byte ranges of at most ``bucket_bytes`` covering ``[0, total_bytes)``."""
+    if bucket_bytes < 8 or bucket_bytes % 8:
+        raise ValueError(f"bucket size must be a positive multiple of 8 bytes, got {bucket_bytes}")
+    return [(b, min(b + bucket_bytes, total_bytes)) for b in range(0, total_bytes, bucket_bytes)]
+
+
+def typed_view(raw: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+    """``raw`` (uint8, exactly the tensor's bytes) seen as the tensor; copied first if misaligned for the dtype."""
+    itemsize = spec.torch_dtype.itemsize
+    if raw.storage_offset() % itemsize:
+        raw = raw.clone()
+    return raw.view(spec.torch_dtype).view(spec.shape)
+
+
+class BucketUnpacker:
+    """Turns buckets, received in order, into ``(name, tensor)`` pairs as soon as each tensor is complete.
+
+    A tensor inside one bucket is a view of that bucket (valid until the next bucket overwrites the receive
+    buffer: consume it before asking for the next); a tensor spanning buckets is assembled in a staging tensor of
+    its own size, the only extra memory the receiver ever holds."""
+
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+        self._next = 0
+        self._staging: torch.Tensor | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._next == len(self.layout.tensors)
+
+    def feed(self, begin: int, chunk: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        end = begin + chunk.numel()
+        tensors = self.layout.tensors
+        while self._next < len(tensors) and tensors[self._next].begin < end:
+            spec = tensors[self._next]
+            if spec.begin >= begin and spec.end <= end and self._staging is None:
+                yield spec.name, typed_view(chunk[spec.begin - begin:spec.end - begin], spec)
+                self._next += 1
+                continue
+            if self._staging is None:
+                self._staging = torch.empty(spec.end - spec.begin, dtype=torch.uint8, device=chunk.device)
+            low, high = max(spec.begin, begin), min(spec.end, end)
+            self._staging[low - spec.begin:high - spec.begin].copy_(chunk[low - begin:high - begin])
+            if high < spec.end:
+                break  # the rest comes with the next bucket
+            staged, self._staging = self._staging, None
+            yield spec.name, typed_view(staged, spec)
+            self._next += 1
+        # an empty tensor at the very end has begin == end == total: complete it once the last byte arrived
+        while self._next < len(tensors) and tensors[self._next].begin == tensors[self._next].end <= end:
+            spec = tensors[self._next]
+            yield spec.name, torch.empty(spec.shape, dtype=spec.torch_dtype, device=chunk.device)
+            self._next += 1

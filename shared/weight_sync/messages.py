@@ -1,0 +1,68 @@
+"""The records the hub brokers between the learner's sender and the generators' receivers (JSON over HTTP).
+
+The rendezvous, in order: the learner registers a :class:`SenderInfo`; a generator posts a :class:`JoinRequest`
+and gets a member id; the sender picks the request up, makes sure the relay holds its newest version, opens a
+group and posts an :class:`Offer` (address, port, ranks, group id, the relay version to load first); the
+generator loads that version over HTTP, then connects. From then on the generator polls between engine calls;
+when the sender has announced a newer version the hub marks it ready and it enters the receive; the sender
+serves ready members. Nothing else passes between them outside the group itself.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Transport = Literal["collective", "ipc", "http"]
+Backend = Literal["gloo", "nccl"]
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SenderInfo(_Record):
+    sender_id: str = Field(min_length=1, max_length=200, description="Unique per learner process.")
+    host: str = Field(min_length=1, max_length=255, description="Address generators connect to.")
+    backend: Backend = Field(description="gloo (learner on CPU) or nccl (learner on GPU).")
+    device_uuid: str | None = Field(None, max_length=100, description="The learner rank 0's GPU (IPC needs the "
+                                    "same one).")
+    layout: list[tuple[str, str, list[int]]] = Field(max_length=1_000_000, description="[name, dtype, shape] "
+                                                     "of each published tensor, in buffer order.")
+    bucket_bytes: int = Field(gt=0, description="Bytes per broadcast.")
+    timeout_s: float = Field(gt=0, description="Per-operation timeout of the groups.")
+
+
+class JoinRequest(_Record):
+    generator_id: str = Field(min_length=1, max_length=200)
+    transport: Transport = Field(description="What the generator asks for.")
+    workers: int = Field(1, ge=1, le=1024, description="Engine workers taking part (vLLM tensor-parallel ranks).")
+    device_uuid: str | None = Field(None, max_length=100, description="The generator's GPU (for IPC).")
+
+
+class Offer(_Record):
+    member_id: str
+    group_id: str = Field(description="Names the group's store prefix: tcp://host:port.")
+    host: str
+    port: int = Field(ge=1, le=65535)
+    world_size: int = Field(ge=2)
+    first_rank: int = Field(1, description="The generator's worker i is rank first_rank + i; the learner is 0.")
+    backend: Backend
+    transport: Transport
+    relay_version: int | None = Field(description="Load this version over HTTP before connecting.")
+    bucket_bytes: int
+    timeout_s: float
+    ipc_handle: dict | None = Field(None, description="CUDA IPC handle of the send buffer (transport ipc).")
+
+
+class MemberPoll(_Record):
+    version: int = Field(ge=0, description="The version the generator serves now.")
+    wait_s: float = Field(0.0, ge=0, le=60, description="Long-poll while nothing is to be done.")
+
+
+class MemberAnswer(_Record):
+    action: Literal["wait", "connect", "receive", "rejoin", "idle"]
+    announced: int | None = None
+    offer: Offer | None = None
+    reason: str | None = None
