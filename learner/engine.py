@@ -67,12 +67,14 @@ def deepspeed_config(cfg: LearnerConfig, world_size: int, device: torch.device) 
             if cfg.zero_stage == 0:
                 raise LearnerSetupError("learner.offload_optimizer needs zero_stage >= 1")
             zero["offload_optimizer"] = {"device": "cpu", "pin_memory": device.type == "cuda"}
+        adamw = {"lr": cfg.lr, "betas": list(cfg.adam_betas), "eps": cfg.adam_eps, "weight_decay": cfg.weight_decay,
+                 # torch_adam: torch.optim.AdamW. Without it DeepSpeed JIT-compiles FusedAdam (or CPU Adam) with
+                 # nvcc/g++ at start-up: minutes, and a crash on images that set TORCH_CUDA_ARCH_LIST=9.0a
+                 "torch_adam": True}
+        if device.type == "cuda" and not cfg.offload_optimizer:
+            adamw["fused"] = True  # torch's own fused CUDA kernel (shipped compiled; one launch per step)
         config = {
-            # torch_adam: torch.optim.AdamW. Without it DeepSpeed JIT-compiles FusedAdam (or CPU Adam) with nvcc/g++
-            # at start-up: minutes, and a crash on images that set TORCH_CUDA_ARCH_LIST=9.0a
-            "optimizer": {"type": "AdamW", "params": {"lr": cfg.lr, "betas": list(cfg.adam_betas),
-                                                      "eps": cfg.adam_eps, "weight_decay": cfg.weight_decay,
-                                                      "torch_adam": True}},
+            "optimizer": {"type": "AdamW", "params": adamw},
             "gradient_clipping": cfg.grad_clip,
             "zero_optimization": zero,
             "bf16": {"enabled": uses_bf16(cfg, device)},
