@@ -83,30 +83,91 @@ class TransformersEngine:
         for i, prompt in enumerate(prompts):  # left padding: generation continues right after each prompt
             input_ids[i, width - len(prompt):] = torch.tensor(prompt)
             attention[i, width - len(prompt):] = 1
-        greedy = sampling.temperature == 0
-        kwargs = dict(do_sample=False) if greedy else dict(
-            do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p,
-            top_k=sampling.top_k if sampling.top_k > 0 else None)
-        # each prompt repeated n times (rather than num_return_sequences, which greedy decoding refuses)
-        input_ids, attention = input_ids.repeat_interleave(n, dim=0), attention.repeat_interleave(n, dim=0)
-        out = self.model.generate(
-            input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device),
-            max_new_tokens=sampling.max_tokens, output_logits=True,
-            return_dict_in_generate=True, pad_token_id=self.pad_id, eos_token_id=sorted(self.eos_ids), **kwargs)
-        generated = out.sequences[:, width:].cpu()
-        # raw logits of each step -> the sampled token's logprob under logits / temperature
-        logits = torch.stack(out.logits, dim=1).float().cpu()  # [B*n, steps, V]
-        scale = 1.0 if greedy else sampling.temperature
-        token_logprobs = (logits / scale).log_softmax(-1).gather(-1, generated.unsqueeze(-1)).squeeze(-1)
+        tokens, token_logprobs = sample_with_logprobs(
+            self.model, input_ids.to(self.device), attention.to(self.device), n, sampling, sorted(self.eos_ids),
+            self.pad_id)
+        tokens, token_logprobs = tokens.cpu(), token_logprobs.cpu()  # one copy per chunk, [B*n, steps] each
         results = []
         for i in range(len(prompts)):
             group = []
             for j in range(n):
                 row = i * n + j
-                tokens = generated[row].tolist()
-                stop = next((k for k, t in enumerate(tokens) if t in self.eos_ids), None)
-                length = stop + 1 if stop is not None else len(tokens)
-                group.append(SampledCompletion(tokens[:length], token_logprobs[row, :length].tolist(),
+                ids = tokens[row].tolist()
+                stop = next((k for k, t in enumerate(ids) if t in self.eos_ids), None)
+                length = stop + 1 if stop is not None else len(ids)
+                group.append(SampledCompletion(ids[:length], token_logprobs[row, :length].tolist(),
                                                "stop" if stop is not None else "length"))
             results.append(group)
         return results
+
+
+# How often (in decoding steps) the loop asks whether every row has stopped: each ask waits for the device.
+STOP_CHECK_EVERY = 8
+
+
+def filter_logits(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """``generate``'s sampling filters in its order (top-k, then top-p on what is left), on logits / temperature:
+    removed tokens get -inf. At least one token always stays."""
+    if 0 < top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, top_k, dim=-1).values[..., -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(scaled, descending=False)
+        drop_sorted = sorted_logits.softmax(-1).cumsum(-1) <= (1 - top_p)
+        drop_sorted[..., -1:] = False
+        scaled = scaled.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
+    return scaled
+
+
+@torch.no_grad()
+def sample_with_logprobs(model, input_ids: torch.Tensor, attention: torch.Tensor, n: int, sampling: SamplingParams,
+                         eos_ids: list[int], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode ``n`` completions of each left-padded prompt with the KV cache; returns the tokens [B*n, steps] and
+    each sampled token's logprob under log_softmax(logits / T) over the whole vocabulary (T = 1 when greedy).
+
+    Memory is bounded by one step's logits ([B*n, V]), never [B*n, steps, V]: the logprob of the sampled token is
+    gathered as soon as it is drawn. The prompt is encoded once and its cache repeated n times. Everything stays on
+    the model's device; the host is asked whether all rows stopped every STOP_CHECK_EVERY steps only.
+    Rows past their EOS get ``pad_id`` (logprob 0), as ``generate`` pads them.
+    """
+    greedy = sampling.temperature == 0
+    temperature = 1.0 if greedy else sampling.temperature
+    device = input_ids.device
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True,
+                logits_to_keep=1)
+    cache = out.past_key_values
+    logits = out.logits[:, -1, :]
+    if n > 1:
+        cache.batch_repeat_interleave(n)
+        logits = logits.repeat_interleave(n, dim=0)
+        attention = attention.repeat_interleave(n, dim=0)
+        positions = positions.repeat_interleave(n, dim=0)
+    rows = logits.shape[0]
+    steps = sampling.max_tokens
+    tokens = torch.full((rows, steps), pad_id, dtype=torch.long, device=device)
+    logprobs = torch.zeros((rows, steps), dtype=torch.float32, device=device)
+    finished = torch.zeros(rows, dtype=torch.bool, device=device)
+    eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
+    next_position = positions[:, -1:] + 1
+    for step in range(steps):
+        scaled = logits.float() / temperature
+        log_probs = scaled.log_softmax(-1)
+        if greedy:
+            chosen = scaled.argmax(-1)
+        else:
+            probs = filter_logits(scaled, sampling.top_k, sampling.top_p).softmax(-1)
+            chosen = torch.multinomial(probs, 1).squeeze(-1)
+        chosen = chosen.masked_fill(finished, pad_id)
+        tokens[:, step] = chosen
+        logprobs[:, step] = log_probs.gather(-1, chosen.unsqueeze(-1)).squeeze(-1).masked_fill(finished, 0.0)
+        finished |= torch.isin(chosen, eos)
+        if step + 1 == steps or ((step + 1) % STOP_CHECK_EVERY == 0 and bool(finished.all())):
+            break
+        attention = torch.cat([attention, torch.ones((rows, 1), dtype=attention.dtype, device=device)], dim=-1)
+        out = model(input_ids=chosen.unsqueeze(-1), attention_mask=attention, position_ids=next_position,
+                    past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+        logits = out.logits[:, -1, :]
+        next_position = next_position + 1
+    return tokens[:, :step + 1], logprobs[:, :step + 1]

@@ -2,7 +2,13 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-from generator.engines.hf import TransformersEngine, WeightLoadError, load_safetensors_into
+from generator.engines.hf import (
+    TransformersEngine,
+    WeightLoadError,
+    filter_logits,
+    load_safetensors_into,
+    sample_with_logprobs,
+)
 from shared.logprobs import sequence_logprobs
 from shared.protocol import SamplingParams
 
@@ -79,3 +85,89 @@ def test_weight_files_that_do_not_fit_are_refused(tiny_model_dir, tmp_path):
         raise AssertionError("expected WeightLoadError")
     except WeightLoadError as exc:
         assert "no values for" in str(exc)
+
+
+class _ForceTokens:
+    """A logits processor that makes ``generate`` emit given tokens (its raw ``output_logits`` stay untouched)."""
+
+    def __init__(self, forced: torch.Tensor, width: int) -> None:
+        self.forced, self.width = forced, width
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        step = input_ids.shape[1] - self.width
+        keep = self.forced[:, step:step + 1]
+        return torch.full_like(scores, float("-inf")).scatter(-1, keep, 0.0)
+
+
+def _old_full_logits_logprobs(model, input_ids, attention, tokens, temperature, pad_id):
+    """The engine's former computation: every step's raw logits from ``generate`` ([rows, steps, V] fp32), divided
+    by the temperature, log-softmaxed, gathered at the sampled tokens; here with the tokens forced."""
+    from transformers import LogitsProcessorList
+
+    out = model.generate(input_ids=input_ids, attention_mask=attention, max_new_tokens=tokens.shape[1],
+                         min_new_tokens=tokens.shape[1], do_sample=False, output_logits=True,
+                         return_dict_in_generate=True, pad_token_id=pad_id, eos_token_id=None,
+                         logits_processor=LogitsProcessorList([_ForceTokens(tokens, input_ids.shape[1])]))
+    assert torch.equal(out.sequences[:, input_ids.shape[1]:], tokens)
+    logits = torch.stack(out.logits, dim=1).float()
+    return (logits / temperature).log_softmax(-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def _left_padded(prompts, pad_id):
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
+    return ids, mask
+
+
+def test_sampled_token_logprobs_equal_the_old_full_logits_computation(tiny_model, tiny_model_dir):
+    """Same values within 1e-5 as the former [rows, steps, V] path, for sampled (top-k/top-p) and greedy decoding,
+    with left padding and the prompt's cache shared by the n samples of each prompt."""
+    pad = 0
+    ids, mask = _left_padded(PROMPTS, pad)
+    for sampling, n in ((SamplingParams(temperature=0.7, top_k=20, top_p=0.9, max_tokens=10), 3),
+                        (SamplingParams(temperature=0.0, max_tokens=10), 1)):
+        torch.manual_seed(5)
+        tokens, logprobs = sample_with_logprobs(tiny_model, ids, mask, n, sampling, eos_ids=[], pad_id=pad)
+        assert tokens.shape == logprobs.shape == (len(PROMPTS) * n, 10)
+        temperature = sampling.temperature or 1.0
+        old = _old_full_logits_logprobs(tiny_model, ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0),
+                                        tokens, temperature, pad)
+        assert torch.all(logprobs < 0)
+        torch.testing.assert_close(logprobs, old, atol=1e-5, rtol=0)
+
+
+def test_greedy_tokens_equal_generate_and_rows_stop_at_eos(tiny_model):
+    ids, mask = _left_padded(PROMPTS, 0)
+    reference = tiny_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                                    pad_token_id=0, eos_token_id=None)[:, ids.shape[1]:]
+    tokens, _ = sample_with_logprobs(tiny_model, ids, mask, 1, SamplingParams(temperature=0.0, max_tokens=12),
+                                     eos_ids=[], pad_id=0)
+    assert torch.equal(tokens, reference)
+    # make each row's third token its EOS: later steps are padding with logprob 0, like generate's padding
+    eos = int(reference[1, 2])
+    tokens, logprobs = sample_with_logprobs(tiny_model, ids, mask, 1, SamplingParams(temperature=0.0, max_tokens=12),
+                                            eos_ids=[eos], pad_id=0)
+    first = int((reference[1] == eos).nonzero()[0])
+    assert first <= 2 and tokens[1, first] == eos
+    assert torch.all(tokens[1, first + 1:] == 0) and torch.all(logprobs[1, first + 1:] == 0)
+    assert torch.all(logprobs[1, :first + 1] < 0)
+
+
+def test_filters_match_generates_top_k_and_top_p_warpers():
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    scores = torch.randn(6, 50, generator=torch.Generator().manual_seed(0)) * 3
+    for top_k, top_p in ((5, 1.0), (-1, 0.8), (10, 0.5), (-1, 1.0)):
+        expected = scores
+        if top_k > 0:
+            expected = TopKLogitsWarper(top_k)(None, expected)
+        if top_p < 1:
+            expected = TopPLogitsWarper(top_p)(None, expected)
+        got = filter_logits(scores, top_k, top_p)
+        assert torch.equal(torch.isinf(got), torch.isinf(expected)), (top_k, top_p)
+        assert torch.equal(got[~torch.isinf(got)], scores[~torch.isinf(got)])
+    kept = (~torch.isinf(filter_logits(scores, -1, 0.5))).sum(-1)
+    assert torch.all(kept >= 1) and torch.all(kept < 50)
