@@ -269,3 +269,120 @@ def test_zero3_accumulates_micro_batches_like_zero0(distributed, tiny_model_dir)
     assert norms[3] is not None and norms[3] > 0
     for name, value in params[0].items():
         torch.testing.assert_close(params[3][name], value, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_deepspeed_config_for_a_gpu_builds_without_any_op(distributed, tiny_model_dir, monkeypatch):
+    """The config generated for device cuda (bf16, torch's fused AdamW) builds engines at ZeRO 0, 2 and 3 with
+    every DeepSpeed op loader refusing: nothing in it asks for a compiled op. Built here on the CPU (DeepSpeed's
+    accelerator), so no GPU is needed to know that the GPU learner starts without nvcc."""
+    from deepspeed.ops.op_builder.builder import OpBuilder
+
+    def refuse(self, *args, **kwargs):
+        raise AssertionError(f"DeepSpeed tried to build or load the {self.name} op")
+
+    monkeypatch.setattr(OpBuilder, "load", refuse)
+    monkeypatch.setattr(OpBuilder, "jit_load", refuse)
+    cuda = torch.device("cuda")
+    for stage in (0, 2, 3):
+        cfg = LearnerConfig(model=str(tiny_model_dir), zero_stage=stage, tensorboard_dir=None, metrics_jsonl=None)
+        config = deepspeed_config(cfg, 1, cuda)
+        assert config["bf16"] == {"enabled": True}
+        assert config["optimizer"]["params"]["torch_adam"] is True and config["optimizer"]["params"]["fused"] is True
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)
+        engine = create_engine(cfg, model, cuda)
+        optimizer = engine.optimizer
+        while hasattr(optimizer, "optimizer"):
+            optimizer = optimizer.optimizer
+        assert type(optimizer) is torch.optim.AdamW and optimizer.defaults["fused"] is True, stage
+    # optimizer states in CPU memory: torch's AdamW there too (fused is for CUDA tensors)
+    offload = deepspeed_config(LearnerConfig(zero_stage=2, offload_optimizer=True), 1, cuda)
+    assert offload["optimizer"]["params"]["torch_adam"] is True and "fused" not in offload["optimizer"]["params"]
+
+
+def _loss_and_grads(model, micro, loss_cfg):
+    model.zero_grad()
+    num_tokens, num_seqs = (sum(loss_normalizers(mb.loss_lengths)[i] for mb in micro) for i in (0, 1))
+    total = 0.0
+    for mb in micro:
+        result, _ = micro_batch_loss(model, mb, loss_cfg, temperature=1.0, old_mode="behaviour",
+                                     num_tokens=num_tokens, num_seqs=num_seqs)
+        result.loss.backward()
+        total += float(result.loss.detach())
+    return total, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
+def test_packed_token_budget_micro_batches_equal_one_padded_batch(tiny_model_dir, aggregation):
+    """Rows of different lengths: one padded micro-batch against micro-batches cut by a token budget (rows of
+    mixed groups) run packed, and padded: the same loss (global normalisers) and gradients within 1e-5."""
+    groups = sampled_groups(tiny_model_dir, [[1.0, 0.0, 0.5, 0.2], [0.0, 2.0, 1.0, 0.3]], seed=4, max_tokens=12)
+    batch = batch_of(groups, with_ref=True)
+    # the untrained model rarely samples its end token: cut the completions to different lengths
+    batch.completion_lengths = torch.minimum(batch.completion_lengths, torch.tensor([12, 3, 7, 1, 10, 5, 12, 8]))
+    total = (batch.prompt_lengths + batch.completion_lengths).tolist()
+    assert len(set(total)) > 2, total  # mixed lengths, or there is no padding to remove
+    advantages = advantages_of(batch)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    cfg = LossConfig(beta=0.05, aggregation=aggregation)
+    reference = _loss_and_grads(model, split_micro_batches(batch, advantages, 1, False, CPU), cfg)
+    budget = 2 * max(total)
+    for packing in ("packed", "padded"):
+        micro = split_micro_batches(batch, advantages, 1, False, CPU, token_budget=budget, packing=packing)
+        assert len(micro) >= 3 and all(mb.layout == packing for mb in micro)
+        assert sum(mb.input_ids.shape[0] for mb in micro) == batch.batch_size
+        for mb in micro:
+            lengths = (mb.prompt_lengths + mb.completion_lengths).tolist()
+            cost = sum(lengths) if packing == "packed" else len(lengths) * max(lengths)
+            assert cost <= budget or len(lengths) == 1
+        loss, grads = _loss_and_grads(model, micro, cfg)
+        assert loss == pytest.approx(reference[0], abs=1e-5)
+        for name, grad in reference[1].items():
+            torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=0, msg=f"{packing} {name}")
+
+
+def test_token_budget_keeps_each_row_once_with_its_own_data(tiny_model_dir):
+    groups = sampled_groups(tiny_model_dir, [[1.0, 0.0, 0.5], [0.0, 2.0, 1.0], [0.3, 0.1, 0.9]], seed=5,
+                            max_tokens=10)
+    batch = batch_of(groups)
+    batch.completion_lengths = torch.minimum(batch.completion_lengths, torch.tensor([10, 2, 7, 1, 9, 5, 10, 4, 3]))
+    advantages = advantages_of(batch)
+    micro = split_micro_batches(batch, advantages, 2, False, CPU, token_budget=40, packing="packed")
+    assert len(micro) >= 2
+    seen = []
+    for mb in micro:
+        for i in range(mb.input_ids.shape[0]):
+            # find the batch row this is: same ids over its length and the same advantage
+            n = int(mb.prompt_lengths[i] + mb.completion_lengths[i])
+            match = [r for r in range(batch.batch_size)
+                     if int(batch.prompt_lengths[r] + batch.completion_lengths[r]) == n
+                     and torch.equal(batch.input_ids[r, :n], mb.input_ids[i, :n])
+                     and float(advantages[r]) == float(mb.advantages[i]) and r not in seen]
+            assert match, (mb, i)
+            seen.append(match[0])
+            c = int(mb.completion_lengths[i])
+            assert torch.equal(mb.behaviour_logprobs[i, :c], batch.behaviour_logprobs[match[0], :c])
+    assert sorted(seen) == list(range(batch.batch_size))
+
+
+def test_step_reports_the_gap_to_the_behaviour_logprobs(distributed, tiny_model_dir):
+    """logprob_diff_mean / _max: |learner logprob - generator logprob| over every sampled token, from the
+    logprobs of the step's own forward (checked against a separate naive computation before the update)."""
+    groups = sampled_groups(tiny_model_dir, [[1.0, 0.0, 0.0, 1.0], [0.0, 1.0, 0.5, 0.5]], seed=11)
+    batch = batch_of(groups)
+    gen = torch.Generator().manual_seed(0)
+    batch.behaviour_logprobs = batch.behaviour_logprobs - 0.3 * torch.rand(batch.behaviour_logprobs.shape,
+                                                                            generator=gen)
+    engine = make_engine(tiny_model_dir, lr=1e-3, groups_per_step=2, micro_batches=2)
+    with torch.no_grad():
+        learner = naive_sequence_logprobs(engine.module, batch.input_ids, batch.prompt_lengths,
+                                          batch.completion_lengths)
+    mask = torch.arange(learner.shape[1]) < batch.completion_lengths[:, None]
+    gap = (learner - batch.behaviour_logprobs[:, :learner.shape[1]]).abs()[mask]
+    micro = split_micro_batches(batch, advantages_of(batch), 2, False, CPU, token_budget=None)
+    outcome = grpo_step(engine, micro, LossConfig(beta=0.0), temperature=1.0, old_mode="behaviour", world_size=1,
+                        log_entropy=False, chunk_tokens=None)
+    assert outcome.finite
+    assert gap.mean() > 0.05  # the perturbation shows
+    assert outcome.metrics["logprob_diff_mean"] == pytest.approx(float(gap.mean()), abs=1e-5)
+    assert outcome.metrics["logprob_diff_max"] == pytest.approx(float(gap.max()), abs=1e-5)
+    assert "sampled_tokens" not in outcome.metrics and "logprob_diff_sum" not in outcome.metrics
