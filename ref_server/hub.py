@@ -17,10 +17,15 @@
   accepted and not yet trained on, leased ones included.
 * Duplicates: a group id seen recently is acknowledged again without being queued twice, so a generator may
   safely retry an upload whose answer it did not receive.
+* Cost: the lock is never held across disk writes (an upload's spool file is written and fsynced before it takes
+  the lock, and only renamed under it), and no call the learner makes every step does work proportional to the
+  queue: staleness drops pop a heap ordered by policy version, and :meth:`take` looks only at the groups it takes
+  (and at any not-yet-scored ones ahead of them).
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
 import os
 import threading
@@ -33,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from ref_server.batching import GroupRows, assemble_batch
 from ref_server.scorer import ReferenceScorer, Row
 from shared.protocol import ProtocolError, RolloutGroup, TrainBatch
 from shared.wire import WireError
@@ -53,7 +59,7 @@ class _Entry:
     seq: int
     group: RolloutGroup
     spool_path: Path | None
-    ref_logprobs: list[torch.Tensor] | None = None
+    rows: GroupRows | None = None     # the group laid out as batch rows, set when it becomes ready
     ready: bool = False
 
 
@@ -110,6 +116,10 @@ class RolloutHub:
         self._seen: OrderedDict[str, None] = OrderedDict()
         self._seen_limit = max(10_000, 4 * capacity)
         self._next_seq = 0
+        self._reserved = 0            # uploads admitted and still writing their spool file (count against capacity)
+        # (policy_version, seq) of queued groups, oldest version on top: staleness drops pop from here. Entries of
+        # groups taken, acknowledged or already dropped are skipped when they surface (a requeued lease pushes again)
+        self._by_version: list[tuple[int, int]] = []
         self._cond = threading.Condition()
         self.spool_dir = Path(spool_dir) if spool_dir else None
         if self.spool_dir is not None:
@@ -129,15 +139,28 @@ class RolloutHub:
                 self.counters.refused_stale += 1
                 self._remember(group.group_id)
                 return self._answer(accepted=False, dropped="stale")
-            if len(self._entries) >= self.capacity:
+            if len(self._entries) + self._reserved >= self.capacity:
                 self.counters.rejected_full += 1
                 raise HubFull(f"rollout queue is full ({self.capacity} groups)")
+            self._reserved += 1
+            self._remember(group.group_id)  # a retry arriving while this one writes is answered as a duplicate
+        try:
+            written = self._spool_write(group.group_id, data)  # the slow part (fsync), outside the lock
+        except BaseException:
+            with self._cond:
+                self._reserved -= 1
+                self._seen.pop(group.group_id, None)
+            raise
+        with self._cond:
+            self._reserved -= 1
             seq = self._next_seq
             self._next_seq += 1
-            spool_path = self._spool(seq, group.group_id, data)
-            entry = _Entry(seq, group, spool_path)
+            entry = _Entry(seq, group, self._spool_commit(written, seq, group.group_id))
             self._entries[seq] = entry
-            self._remember(group.group_id)
+            heapq.heappush(self._by_version, (group.policy_version, seq))
+            if len(self._by_version) > 2 * len(self._entries) + 64:  # mostly groups gone since: rebuild (amortised)
+                self._by_version = [(e.group.policy_version, e.seq) for e in self._entries.values()]
+                heapq.heapify(self._by_version)
             self.counters.accepted += 1
         self._start_scoring(entry)
         return self._answer(accepted=True)
@@ -161,7 +184,6 @@ class RolloutHub:
         with self._cond:
             while True:
                 self._expire_leases()
-                self._drop_stale()
                 chosen = self._oldest_ready(num_groups)
                 if chosen is not None:
                     break
@@ -174,9 +196,7 @@ class RolloutHub:
             batch_id = uuid.uuid4().hex
             self._leases[batch_id] = _Lease(chosen, time.monotonic() + self.lease_timeout_s)
             self.counters.leased += len(chosen)
-        refs = [torch.nn.utils.rnn.pad_sequence(e.ref_logprobs, batch_first=True) for e in chosen] \
-            if self.scorer is not None else None
-        return TrainBatch.from_groups([e.group for e in chosen], refs, batch_id=batch_id)
+        return assemble_batch([e.group for e in chosen], [e.rows for e in chosen], batch_id=batch_id)
 
     def ack(self, batch_ids: list[str]) -> dict[str, str]:
         """The learner applied these batches: their groups are consumed (spool files deleted).
@@ -202,6 +222,21 @@ class RolloutHub:
                     self._unspool(entry)
                 self.counters.consumed += len(done)
                 self._finish(batch_id, None)
+        return answer
+
+    def release(self, batch_ids: list[str]) -> dict[str, str]:
+        """The learner hands back leases it will not train (it is stopping): their groups go back to the front of
+        the queue now rather than after the lease timeout. Per id: ``"released"`` or ``"unknown"``."""
+        with self._cond:
+            answer = {}
+            for batch_id in batch_ids:
+                lease = self._leases.get(batch_id)
+                if lease is None:
+                    answer[batch_id] = "unknown"
+                    continue
+                lease.deadline = float("-inf")
+                answer[batch_id] = "released"
+            self._expire_leases(reason="handed back")
         return answer
 
     def renew(self, batch_ids: list[str]) -> dict[str, str]:
@@ -264,7 +299,7 @@ class RolloutHub:
                     return chosen
         return None
 
-    def _expire_leases(self) -> None:
+    def _expire_leases(self, reason: str = "") -> None:
         now = time.monotonic()
         expired = [batch_id for batch_id, lease in self._leases.items() if lease.deadline <= now]
         if not expired:
@@ -273,12 +308,17 @@ class RolloutHub:
             lease = self._leases.pop(batch_id)
             for entry in lease.entries:
                 self._entries[entry.seq] = entry
+                heapq.heappush(self._by_version, (entry.group.policy_version, entry.seq))
             self.counters.lease_expired += len(lease.entries)
             self._finish(batch_id, [e.seq for e in lease.entries])
-            log.warning("batch %s was not acknowledged within %.1fs: its %d groups are queued again", batch_id,
-                        self.lease_timeout_s, len(lease.entries))
+            if reason:
+                log.info("batch %s was %s: its %d groups are queued again", batch_id, reason, len(lease.entries))
+            else:
+                log.warning("batch %s was not acknowledged within %.1fs: its %d groups are queued again", batch_id,
+                            self.lease_timeout_s, len(lease.entries))
         # back in arrival order, so the requeued groups are the next batch
         self._entries = OrderedDict(sorted(self._entries.items()))
+        self._drop_stale()  # requeued groups may have gone stale while leased
         self._cond.notify_all()
 
     def _finish(self, batch_id: str, requeued: list[int] | None) -> None:
@@ -290,10 +330,13 @@ class RolloutHub:
         return version < self.learner_version - self.max_staleness
 
     def _drop_stale(self) -> int:
-        stale = [e for e in self._entries.values() if self._is_stale(e.group.policy_version)]
-        for entry in stale:
-            del self._entries[entry.seq]
-            self._unspool(entry)
+        stale = []
+        while self._by_version and self._is_stale(self._by_version[0][0]):
+            _, seq = heapq.heappop(self._by_version)
+            entry = self._entries.pop(seq, None)
+            if entry is not None:  # else taken, acknowledged or dropped since it was pushed
+                stale.append(entry)
+                self._unspool(entry)
         if stale:
             self.counters.dropped_stale += len(stale)
             log.info("dropped %d groups older than version %d - %d", len(stale), self.learner_version,
@@ -326,21 +369,30 @@ class RolloutHub:
                 self._unspool(entry)
 
     def _mark_ready(self, entry: _Entry, ref_logprobs: list[torch.Tensor] | None) -> None:
+        rows = GroupRows.of(entry.group, ref_logprobs)  # in the uploading or scoring thread, not in take()
         with self._cond:
-            entry.ref_logprobs = ref_logprobs
+            entry.rows = rows
             entry.ready = True
             self._cond.notify_all()
 
-    def _spool(self, seq: int, group_id: str, data: bytes) -> Path | None:
+    def _spool_write(self, group_id: str, data: bytes) -> Path | None:
+        """The group's bytes, durable on disk under a temporary name (no sequence number yet)."""
         if self.spool_dir is None:
             return None
-        path = self.spool_dir / f"{seq:012d}-{group_id}.group"
-        tmp = path.with_suffix(".tmp")
+        tmp = self.spool_dir / f"{group_id}.tmp"
         with open(tmp, "wb") as fh:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
-        os.replace(tmp, path)  # a half-written spool file is never picked up: only complete renames count
+        return tmp
+
+    def _spool_commit(self, tmp: Path | None, seq: int, group_id: str) -> Path | None:
+        """Rename the written file to its queue position (a half-written spool file is never picked up: only
+        complete renames count)."""
+        if tmp is None:
+            return None
+        path = self.spool_dir / f"{seq:012d}-{group_id}.group"
+        os.replace(tmp, path)
         return path
 
     def _unspool(self, entry: _Entry) -> None:
@@ -372,6 +424,7 @@ class RolloutHub:
             self._next_seq = max(self._next_seq, seq + 1)
             entry = _Entry(seq, group, path)
             self._entries[seq] = entry
+            heapq.heappush(self._by_version, (group.policy_version, seq))
             self._remember(group.group_id)
             pending.append(entry)
         self.counters.spool_reloaded = len(pending)

@@ -61,6 +61,13 @@ async def ack_batches(body: BatchIds, state: State) -> dict:
     return {"batches": await run_in_threadpool(state.hub.ack, body.batch_ids)}
 
 
+@router.post("/v1/batch/release")
+async def release_batches(body: BatchIds, state: State) -> dict:
+    """Hand back leases that will not be trained (a stopping learner): their groups are queued again at once, at
+    the front. Per id: released or unknown."""
+    return {"batches": await run_in_threadpool(state.hub.release, body.batch_ids)}
+
+
 @router.post("/v1/batch/renew")
 async def renew_leases(body: BatchIds, state: State) -> dict:
     """Keep these leases for another lease timeout (the learner acknowledges at its next checkpoint)."""
