@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,8 +21,10 @@ from generator.datasets import Example, PromptStream, render_prompt
 from generator.engines.base import Engine, SampledCompletion
 from generator.progress import Progress
 from generator.rewards import RewardSet
+from generator.weight_receiver import WeightReceiver
 from shared.client import HubClient, HubUnavailable
 from shared.protocol import RolloutGroup, SamplingParams
+from shared.schema.weight_sync import WeightSyncConfig
 
 log = logging.getLogger("grpo.generator")
 
@@ -70,24 +71,21 @@ class RolloutLoop:
         self.stats = LoopStats()
         self.progress = progress or Progress(enabled=False)
         self._batch_index = 0
+        self.receiver: WeightReceiver | None = None  # generator.main builds it from the weight_sync config
 
     # -- weights --------------------------------------------------------------------------------------------
     def sync_weights(self) -> bool:
-        """Load the hub's newest weights version if it is newer than ours. Returns whether it changed."""
-        latest = self.client.weights_version()
-        if latest is None or latest <= self.policy_version:
+        """Take the newest policy version through the weight-sync receiver (the HTTP relay unless
+        ``generator.main`` set one up from the weight_sync config). Returns whether the version changed."""
+        if self.receiver is None:
+            self.receiver = WeightReceiver(self.engine, self.client, WeightSyncConfig(transport="http"),
+                                           self.generator_id, self.weights_dir)
+        latest = self.receiver.sync(self.policy_version)
+        if latest is None or latest == self.policy_version:
             return False
-        self.weights_dir.mkdir(parents=True, exist_ok=True)
-        path = self.client.download_weights(latest, self.weights_dir / f"v{latest:010d}.safetensors")
-        started = time.perf_counter()
-        self.engine.load_weights(path)
-        log.info("policy version %d -> %d (loaded in %.2fs)", self.policy_version, latest,
-                 time.perf_counter() - started)
+        log.info("policy version %d -> %d (loaded in %.2fs)", self.policy_version, latest, self.receiver.last_load_s)
         self.policy_version = latest
         self.stats.weight_updates += 1
-        for old in self.weights_dir.glob("v*.safetensors"):
-            if old != path:
-                old.unlink(missing_ok=True)
         return True
 
     # -- one step -------------------------------------------------------------------------------------------

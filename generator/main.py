@@ -13,6 +13,7 @@ from generator.datasets import (
     R1_SYSTEM_PROMPT,
     PromptStream,
     arithmetic_examples,
+    arithmetic_words_examples,
     hf_examples,
     jsonl_examples,
 )
@@ -20,6 +21,8 @@ from generator.loop import LoopStats, RolloutLoop
 from generator.progress import Progress
 from generator.rewards import RewardSet
 from generator.tasks.arithmetic import ArithmeticTask
+from generator.tasks.arithmetic_words import WordsArithmeticTask
+from generator.weight_receiver import WeightReceiver
 from shared.client import HubClient, service_client, stop_on_signals
 from shared.devices import default_dtype, resolve_device
 from shared.errors import UsageError
@@ -36,6 +39,9 @@ class GeneratorSetupError(UsageError):
 def load_examples(cfg: DatasetConfig, seed: int):
     if cfg.kind == "arithmetic":
         return arithmetic_examples(ArithmeticTask(**cfg.arithmetic), cfg.split, cfg.arithmetic_pool, seed)
+    if cfg.kind == "arithmetic_words":
+        return arithmetic_words_examples(WordsArithmeticTask(**cfg.arithmetic), cfg.split, cfg.arithmetic_pool,
+                                         seed)
     if cfg.kind == "jsonl":
         return jsonl_examples(cfg.path, cfg.question_field, cfg.answer_field)
     return hf_examples(cfg.path, split=cfg.split, subset=cfg.subset, question_field=cfg.question_field,
@@ -45,7 +51,7 @@ def load_examples(cfg: DatasetConfig, seed: int):
 def system_prompt_for(cfg: DatasetConfig) -> str | None:
     if cfg.system_prompt is not None:
         return cfg.system_prompt or None
-    return None if cfg.kind == "arithmetic" else R1_SYSTEM_PROMPT
+    return None if cfg.kind in ("arithmetic", "arithmetic_words") else R1_SYSTEM_PROMPT
 
 
 def resolve_engine_name(requested: str) -> str:
@@ -103,9 +109,13 @@ def run_generator(config: GRPOConfig, stop: threading.Event | None = None) -> Lo
     engine = build_engine(config)
     try:
         loop = build_loop(config, engine, client, Progress(total=cfg.max_groups), rewards, examples)
+        loop.receiver = WeightReceiver(engine, client, config.weight_sync, loop.generator_id, cfg.weights_dir)
         log.info("generator %s: engine %s, G=%d, %d prompts per batch, hub %s", loop.generator_id, engine.name,
                  cfg.group_size, cfg.prompts_per_batch, cfg.hub_url)
-        return loop.run(stop, max_groups=cfg.max_groups)
+        try:
+            return loop.run(stop, max_groups=cfg.max_groups)
+        finally:
+            loop.receiver.close()
     finally:
         engine.close()
         client.close()

@@ -30,8 +30,9 @@ from learner.engine import (
     init_distributed,
     uses_bf16,
 )
-from learner.metrics import MetricsLogger
-from learner.publish import export_hf_folder, publish
+from learner.metrics import LappedEngine, MetricsLogger, StepClock
+from learner.prefetch import BatchPrefetcher
+from learner.publish import export_hf_folder
 from learner.step import (
     all_reduce,
     batch_advantages,
@@ -40,7 +41,8 @@ from learner.step import (
     recompute_old_logprobs,
     split_micro_batches,
 )
-from shared.client import HubClient, HubUnavailable, service_client, stop_on_signals
+from learner.weight_sender import WeightPublisher
+from shared.client import service_client, stop_on_signals
 from shared.devices import resolve_device
 from shared.errors import ServiceError, UsageError
 from shared.protocol import TrainBatch
@@ -63,32 +65,23 @@ class LearnerResult:
 
 
 def _agree(flag: bool, device: torch.device, op=dist.ReduceOp.MAX) -> bool:
+    if dist.get_world_size() == 1:  # nobody to agree with: no tensor, no device round trip
+        return flag
     return bool(all_reduce(torch.tensor([1.0 if flag else 0.0], device=device), op).item() > 0.5)
 
 
-def wait_for_batch(client: HubClient, num_groups: int, wait_s: float, stop: threading.Event,
-                   metrics: MetricsLogger, ledger: DeliveryLedger) -> TrainBatch | None:
-    """Long-poll the hub until a batch with untrained groups arrives (progress message every wait) or a stop is
-    requested.
+def skip_shared_memory_allreduce() -> None:
+    """No JIT compilation at learner start on a CPU.
 
-    An unreachable hub raises HubUnavailable (after the client's retries): never an endless 'waiting for batch'."""
-    started = time.monotonic()
-    while not stop.is_set():
-        try:
-            batch = client.get_batch(num_groups, wait_s=wait_s)
-            if batch is not None:
-                batch = ledger.fresh_part(batch)
-                if batch is not None:
-                    return batch
-                continue
-            stats = client.hub_stats()
-        except HubUnavailable:
-            if stop.is_set():  # shutting down and the hub is gone too: nothing left to wait for
-                return None
-            raise
-        metrics.message(f"waiting for {num_groups} groups: hub holds {stats['ready']} ready of "
-                        f"{stats['queue_depth']} queued, waited {time.monotonic() - started:.0f}s")
-    return None
+    The first DeepSpeed process group on a CPU probes every DeepSpeed op with compiler subprocesses and JIT-builds
+    its shared-memory all-reduce with g++ (measured 90 s on 2 busy cores; seconds even when cached, since ninja
+    re-checks the build). The learner needs neither: its optimizer is torch's AdamW (``torch_adam``) and gloo
+    all-reduces a world of one or a few CPU ranks. ``deepspeed.ops.__compatible_ops__`` is the table DeepSpeed
+    consults (computed on first access); filled in beforehand, it names the op as not available, and DeepSpeed's
+    communication backend falls back to ``torch.distributed``."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__ = {"deepspeed_shm_comm": False}
 
 
 class Learner:
@@ -108,6 +101,8 @@ class Learner:
         self.device = resolve_device(cfg.device, local_rank=int(os.environ.get("LOCAL_RANK", "0")))
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        else:
+            skip_shared_memory_allreduce()
         init_distributed(self.device)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         torch.manual_seed(config.seed + self.rank)
@@ -123,6 +118,18 @@ class Learner:
         self.ledger = DeliveryLedger(self.client, ack_on_checkpoint=cfg.checkpoint_every is not None,
                                      lease_timeout_s=self.client.hub_stats()["lease_timeout_s"], consumed=consumed)
         self.hub_version = self._check_hub(resume, dtype)
+        # weight sync: a send buffer on rank 0 and background transfers (its threads get their own clients)
+        self.publisher = WeightPublisher(
+            self.engine.module, lambda: service_client(cfg.hub_url, config.ref_server.token, cfg.retry_max_s),
+            config.weight_sync, rank=self.rank, world=self.world, device=self.device,
+            relay_version=self.hub_version or None)
+        # the next batch is leased and decoded while this one trains (its own client: sessions are per thread)
+        self.prefetcher = BatchPrefetcher(service_client(cfg.hub_url, config.ref_server.token, cfg.retry_max_s),
+                                          cfg.groups_per_step, cfg.batch_wait_s, self.stop, self.ledger,
+                                          progress=self.metrics.message)
+        self.fetched = None           # how the batch being trained was fetched (background times, for the metrics)
+        self.clock = StepClock()
+        self.timed_engine = LappedEngine(self.engine, self.clock)
         self.skipped = self.nonfinite_in_row = 0
         self.staging = os.path.join(cfg.checkpoint_dir, "..", "publish")
 
@@ -149,14 +156,19 @@ class Learner:
     def run(self) -> LearnerResult:
         cfg = self.cfg
         try:
+            self.clock = StepClock()  # the first step's wall time starts here, after set-up
+            self.timed_engine = LappedEngine(self.engine, self.clock)
             while cfg.max_steps is None or self.step < cfg.max_steps:
-                started = time.perf_counter()
                 batch = self.next_batch()
+                self.clock.lap("wait")
                 if batch is None:
                     break
-                self.train_on(batch, waited=time.perf_counter() - started)
+                self.train_on(batch)
+            self.prefetcher.close()
             self.finish()
         finally:
+            self.publisher.close()
+            self.prefetcher.close()
             self.metrics.close()
             self.client.close()
         return LearnerResult(self.step, self.version, self.skipped, self.stop.is_set(), self.ledger.duplicates)
@@ -166,49 +178,62 @@ class Learner:
         if _agree(self.stop.is_set(), self.device):
             self.stop.set()
             return None
-        batch = wait_for_batch(self.client, self.cfg.groups_per_step, self.cfg.batch_wait_s, self.stop,
-                               self.metrics, self.ledger)
+        batch, fetched = self.prefetcher.next()
         if _agree(batch is None, self.device):  # a rank stopped while waiting: everyone stops
             self.stop.set()
-            return None
+            return None  # a batch this rank had leased goes back to the hub when the prefetcher closes
+        self.fetched = fetched
         return batch
 
-    def train_on(self, batch: TrainBatch, waited: float) -> None:
+    def train_on(self, batch: TrainBatch) -> None:
         """``updates_per_batch`` GRPO steps on one batch, each followed by publishing and logging; then the batch
         counts as trained (before any checkpoint, so that a checkpoint holding its update also holds its ids)."""
-        cfg, algorithm = self.cfg, self.config.algorithm
+        cfg, algorithm, clock = self.cfg, self.config.algorithm, self.clock
         advantages = batch_advantages(batch, algorithm.advantage)
-        micro = split_micro_batches(batch, advantages, cfg.micro_batches, cfg.mask_truncated, self.device)
+        rollout_metrics = batch_metrics(batch, advantages, self.version)
+        # host numbers from host tensors (the batch is still on the CPU here): no device round trip for them
+        tokens = float((batch.prompt_lengths + batch.completion_lengths).sum())
+        if self.world > 1:
+            tokens = float(all_reduce(torch.tensor([tokens], device=self.device)).item())
+        clock.lap("advantages")
+        micro = split_micro_batches(batch, advantages, cfg.micro_batches, cfg.mask_truncated, self.device,
+                                    token_budget=cfg.micro_batch_tokens, packing=cfg.packing)
+        clock.lap("host_to_device")
         if cfg.old_logprobs == "recompute":
             recompute_old_logprobs(self.engine.module, micro, batch.temperature, cfg.logprob_chunk_tokens)
-        rollout_metrics = batch_metrics(batch, advantages, self.version)
-        tokens = float(all_reduce(torch.tensor([float((batch.prompt_lengths + batch.completion_lengths).sum())],
-                                               device=self.device)).item())
+            clock.lap("old_logprobs")
+        fetched, self.fetched = self.fetched, None
         first_step = self.step
         for _ in range(cfg.updates_per_batch):
             lr = float(self.engine.get_lr()[0])  # the rate this step uses (the scheduler advances in step())
-            compute_started = time.perf_counter()
-            outcome = grpo_step(self.engine, micro, algorithm.loss, temperature=batch.temperature,
+            outcome = grpo_step(self.timed_engine, micro, algorithm.loss, temperature=batch.temperature,
                                 old_mode=cfg.old_logprobs, world_size=self.world, log_entropy=cfg.log_entropy,
                                 chunk_tokens=cfg.logprob_chunk_tokens)
-            compute_s = time.perf_counter() - compute_started
+            clock.lap("step_reduce")
             if not outcome.finite:
                 self._skip_nonfinite()
                 continue
             self.nonfinite_in_row = 0
             self.step += 1
-            publish_s = self.publish_if_due()
+            self.publish_if_due()
+            clock.lap("publish")
+            times = clock.take()
+            background = {"time_fetch_background_s": fetched.fetch_s,
+                          "time_decode_background_s": fetched.decode_s} if fetched is not None else {}
+            fetched = None
             self.metrics.log(self.step, {
                 **rollout_metrics, **outcome.metrics, "loss": outcome.loss, "version": self.version, "lr": lr,
-                "time_wait_s": waited, "time_compute_s": compute_s, "time_publish_s": publish_s,
-                "tokens_per_s": tokens / max(compute_s, 1e-9), "skipped_nonfinite": self.skipped,
-                "duplicate_groups": self.ledger.duplicates})
-            waited = 0.0
+                **times, **background, "tokens_per_s": tokens / max(times["time_compute_s"], 1e-9),
+                "skipped_nonfinite": self.skipped, "duplicate_groups": self.ledger.duplicates,
+                **self.publisher.metrics()})
+            clock.lap("metrics")
             if cfg.max_steps is not None and self.step >= cfg.max_steps:
                 break
         self.ledger.trained(batch)
+        clock.lap("ledger")
         if cfg.checkpoint_every and self.step // cfg.checkpoint_every > first_step // cfg.checkpoint_every:
             self.checkpoint()
+            clock.lap("checkpoint")
 
     def _skip_nonfinite(self) -> None:
         self.skipped += 1
@@ -225,7 +250,8 @@ class Learner:
         # version = step; after resuming behind a hub that already published newer weights (a crash between
         # publishing and checkpointing), versions continue after the hub's so they stay monotonic for generators
         self.version = max(self.step, self.hub_version + 1)
-        publish(self.engine, self.client, self.version, self.staging, rank=self.rank)
+        # the copy into the send buffer; the transfer runs in the background (learner/weight_sender.py)
+        self.publisher.publish(self.version)
         self.hub_version = self.version
         if self.rank == 0:
             self.client.report_version(self.version)
@@ -242,6 +268,7 @@ class Learner:
         cfg = self.cfg
         if self.stop.is_set() or not cfg.checkpoint_every or self.step % cfg.checkpoint_every:
             self.checkpoint()
+        self.publisher.finish(self.version)  # the last version reaches the relay (and the members)
         export_hf_folder(self.engine, cfg.model, cfg.output_dir, rank=self.rank)
 
 

@@ -106,7 +106,8 @@ class SyncRendezvous:
             ready = [{"member_id": m.member_id, "version": m.ready_for} for m in self.members.values()
                      if m.state == "active" and m.ready_for is not None]
             if joins or ready or wait_s <= 0:
-                return {"joins": joins, "ready": ready}
+                http = sum(1 for m in self.members.values() if m.state == "active" and m.request.transport == "http")
+                return {"joins": joins, "ready": ready, "http_members": http}
             started = time.monotonic()
             await self._wait(wait_s)
             wait_s -= time.monotonic() - started
@@ -143,7 +144,9 @@ class SyncRendezvous:
             raise RendezvousError(429, f"{len(live)} weight-sync members already (limit {self.max_members})")
         self._forget_ended()
         member_id = f"m{next(self._ids)}-{request.generator_id}"
-        self.members[member_id] = Member(member_id, request, self.sender.sender_id)
+        member = self.members[member_id] = Member(member_id, request, self.sender.sender_id)
+        if request.transport == "http":
+            member.state = "active"  # no group: it tells the sender to keep the relay current for it
         self._notify()
         return member_id
 
@@ -168,6 +171,8 @@ class SyncRendezvous:
             return MemberAnswer(action="wait", announced=self.announced)
         if member.state == "offered":
             return MemberAnswer(action="connect", announced=self.announced, offer=member.offer)
+        if member.request.transport == "http":
+            return MemberAnswer(action="idle", announced=self.announced)
         if self.announced is not None and self.announced > member.version:
             if member.ready_for != self.announced:
                 member.ready_for = self.announced

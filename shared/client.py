@@ -162,6 +162,11 @@ class HubClient:
             return self._request("PUT", f"/v1/weights/{version}", data=fh, rewind=lambda: fh.seek(0),
                                  headers={"Content-Type": OCTET}, timeout_s=max(self.timeout_s, 600.0)).json()
 
+    def upload_weights_stream(self, version: int, stream) -> dict:
+        """Upload a safetensors stream (``read``, ``seek``, ``__len__``: e.g. the learner's send buffer)."""
+        return self._request("PUT", f"/v1/weights/{version}", data=stream, rewind=lambda: stream.seek(0),
+                             headers={"Content-Type": OCTET}, timeout_s=max(self.timeout_s, 600.0)).json()
+
     def download_weights(self, version: int, dest: str | Path, chunk_bytes: int = 8 * 2**20) -> Path:
         """Stream a published version to ``dest`` (written to a temporary name, then renamed)."""
         dest = Path(dest)

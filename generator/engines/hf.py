@@ -62,6 +62,39 @@ class TransformersEngine:
         count = load_safetensors_into(self.model, path)
         log.info("loaded %d tensors from %s", count, path)
 
+    # -- weight sync through a group with the learner (generator/weight_receiver.py) -------------------------
+    weight_sync_workers = 1
+    _weight_group = None
+
+    def device_uuid(self) -> str | None:
+        from shared.weight_sync.ipc import device_uuid
+
+        return device_uuid(self.device)
+
+    def connect_weight_group(self, offer: dict) -> None:
+        """Join the learner's group as rank ``first_rank`` (after checking the offered layout fits the model)."""
+        from shared.weight_sync.layout import Layout
+        from shared.weight_sync.receiver import GroupReceiver, check_layout_fits
+
+        problem = check_layout_fits(self.model, Layout.from_json(offer["layout"]))
+        if problem is not None:
+            raise WeightLoadError(f"the learner's weights do not fit this model: {problem}")
+        self.disconnect_weight_group()
+        self._weight_group = GroupReceiver(offer, offer["first_rank"], self.device)
+
+    def receive_weight_version(self) -> int:
+        """Take one version from the group straight into the model's parameters (one bucket at a time)."""
+        from shared.weight_sync.receiver import copy_into_module
+
+        if self._weight_group is None:
+            raise RuntimeError("not connected to a weight-sync group")
+        return self._weight_group.receive(lambda tensors: copy_into_module(self.model, tensors))
+
+    def disconnect_weight_group(self) -> None:
+        if self._weight_group is not None:
+            self._weight_group.close()
+            self._weight_group = None
+
     def close(self) -> None:
         pass
 

@@ -54,6 +54,8 @@ class Offer(_Record):
     bucket_bytes: int
     timeout_s: float
     ipc_handle: dict | None = Field(None, description="CUDA IPC handle of the send buffer (transport ipc).")
+    layout: list[tuple[str, str, list[int]]] = Field(description="[name, dtype, shape] of each tensor, in buffer "
+                                                     "order (Layout.to_json).")
 
 
 class MemberPoll(_Record):

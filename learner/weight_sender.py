@@ -1,0 +1,520 @@
+"""The learner's side of the weight sync: copy into a send buffer, return, transfer in the background.
+
+:class:`WeightPublisher` (every rank) copies the policy into one flat send buffer on rank 0 (gathering ZeRO-3
+partitions, every rank taking part, one parameter at a time) and returns: the learner's stall per publish is that
+copy. :class:`WeightSender` (rank 0) then moves the buffer in background threads:
+
+* to the HTTP relay (a safetensors stream: header + buffer), when no generator holds a group, when some
+  generator only uses HTTP, when a late joiner needs the current version first, and at the end of the run;
+* through a process group per generator (:mod:`shared.weight_sync.groups`: gloo on CPU, NCCL on GPU), to the
+  members the hub reports waiting in the receive, in buckets of ``weight_sync.bucket_mb``;
+* through CUDA IPC (the buffer's handle, opened once by the generator) when they share a GPU: the group then only
+  carries the header and the completion step.
+
+One version is in flight at most: while any transfer reads the buffer, a publish is skipped and counted (the next
+one carries newer weights); a version overwritten before anyone received it is counted as superseded. A member
+whose transfer fails or times out is dropped (counted) after at most ``weight_sync.timeout_s``; it rejoins through
+the hub, loading the current version over HTTP first. Non-finite weights are never published (counted).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from learner.publish import _full_shape, _gathered
+from shared.client import HubClient, HubError, HubUnavailable
+from shared.schema.weight_sync import WeightSyncConfig
+from shared.weight_sync import groups
+from shared.weight_sync.ipc import device_uuid, export_handle
+from shared.weight_sync.layout import Layout, bucket_ranges
+
+log = logging.getLogger("grpo.learner.weight_sync")
+
+
+@dataclass
+class SyncCounters:
+    """What the metrics report about the weight sync (rank 0)."""
+
+    published: int = 0              # versions copied into the send buffer
+    skipped_busy: int = 0           # publishes skipped: the previous version was still being transferred
+    superseded: int = 0             # versions overwritten before any transfer of them started
+    refused_nonfinite: int = 0      # publishes refused: NaN/inf in the weights
+    relay_uploads: int = 0
+    served: int = 0                 # (member, version) transfers completed
+    dropped: int = 0                # members dropped after a failed / timed-out transfer
+    members: int = 0                # members holding a group now
+    last_stall_s: float = 0.0       # the learner's time in the last publish (the copy)
+    last_transfer_s: float = 0.0    # from "buffer holds version V" to its last transfer (relay or member) done
+
+
+class _BufferReader:
+    """A safetensors file (header + buffer) as a seekable stream for ``requests`` (no file on disk; a GPU buffer
+    is copied to the host one chunk at a time)."""
+
+    def __init__(self, header: bytes, buffer: torch.Tensor, chunk_bytes: int = 16 * 2**20) -> None:
+        self.header, self.buffer, self.chunk_bytes = header, buffer, chunk_bytes
+        self.position = 0
+        self._chunk_start, self._chunk = -1, b""
+
+    def __len__(self) -> int:
+        return len(self.header) + self.buffer.numel()
+
+    def seek(self, position: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self.position, 2: len(self)}[whence]
+        self.position = base + position
+        return self.position
+
+    def tell(self) -> int:
+        return self.position
+
+    def read(self, size: int | None = -1) -> bytes:
+        left = len(self) - self.position
+        size = left if size is None or size < 0 else min(size, left)
+        if size <= 0:
+            return b""
+        if self.position < len(self.header):
+            out = self.header[self.position:self.position + size]
+        else:
+            offset = self.position - len(self.header)
+            if not self._chunk_start <= offset < self._chunk_start + len(self._chunk):
+                self._chunk_start = offset
+                self._chunk = self.buffer[offset:offset + self.chunk_bytes].cpu().numpy().tobytes()
+            inside = offset - self._chunk_start
+            out = self._chunk[inside:inside + size]
+        self.position += len(out)
+        return out
+
+
+class _MemberLink:
+    """One generator's group: formed in its own thread (waiting for the generator to connect), then serving one
+    version at a time from the shared buffer. Any failure drops the member; the thread then ends."""
+
+    def __init__(self, sender: WeightSender, member_id: str, request: dict) -> None:
+        self.sender, self.member_id, self.request = sender, member_id, request
+        self.jobs: queue.Queue[int | None] = queue.Queue()
+        self.group = None
+        self.sent_version = -1   # the newest version handed to this member's thread (never sent twice)
+        self.alive = True
+        cfg = sender.cfg
+        self.via_ipc = request["transport"] == "ipc"
+        self.backend = "gloo" if self.via_ipc else sender.backend
+        world = 1 + int(request.get("workers", 1))
+        self.store = groups.host_store(cfg.host, world, cfg.join_timeout_s)
+        self.address = groups.store_address(cfg.host, self.store.port)
+        self.world = world
+        self.thread = threading.Thread(target=self._run, name=f"weight-sync-{member_id}", daemon=True)
+
+    def offer(self, relay_version: int | None) -> dict:
+        cfg = self.sender.cfg
+        return {"member_id": self.member_id, "group_id": self.address, "host": cfg.host, "port": self.store.port,
+                "world_size": self.world, "first_rank": 1, "backend": self.backend,
+                "transport": self.request["transport"], "relay_version": relay_version,
+                "bucket_bytes": cfg.bucket_bytes, "timeout_s": cfg.timeout_s,
+                "ipc_handle": self.sender.ipc_handle() if self.via_ipc else None,
+                "layout": self.sender.layout.to_json()}
+
+    def _run(self) -> None:
+        cfg, sender = self.sender.cfg, self.sender
+        try:
+            self.group = groups.build_group(self.store, self.address, 0, self.world, self.backend, cfg.timeout_s)
+            self.store.set_timeout(timedelta(seconds=cfg.timeout_s))
+            sender.member_state(self.member_id, "active")
+            log.info("weight sync: %s joined (%s, %s, %d worker(s))", self.member_id, self.request["transport"],
+                     self.backend, self.world - 1)
+            with sender.lock:
+                sender.counters.members += 1
+            while (version := self.jobs.get()) is not None:
+                self._serve(version)
+        except (RuntimeError, ConnectionError, TimeoutError, ValueError) as exc:
+            self._drop(f"{type(exc).__name__}: {exc}")
+        finally:
+            groups.close_group(self.group)
+            self.alive = False
+
+    def _serve(self, version: int) -> None:
+        sender, cfg = self.sender, self.sender.cfg
+        try:
+            sender.wait_buffer_ready()
+            header = groups.VersionHeader(version, sender.layout.total_bytes, cfg.bucket_bytes,
+                                          sender.layout.fingerprint(), self.via_ipc)
+            device = sender.buffer.device if self.backend == "nccl" else torch.device("cpu")
+            groups.broadcast(self.group, header.to_tensor().to(device), cfg.timeout_s)
+            if not self.via_ipc:
+                for begin, end in bucket_ranges(sender.layout.total_bytes, cfg.bucket_bytes):
+                    groups.broadcast(self.group, sender.buffer[begin:end], cfg.timeout_s)
+            if not groups.agree_all_applied(self.group, True, device, cfg.timeout_s):
+                raise RuntimeError(f"the generator refused version {version} (see its log)")
+        finally:
+            sender.transfer_done(self.member_id)
+        sender.served(self.member_id, version)
+
+    def _drop(self, reason: str) -> None:
+        with self.sender.lock:
+            self.sender.counters.dropped += 1
+            if self.group is not None:
+                self.sender.counters.members -= 1
+        log.warning("weight sync: dropping %s: %s", self.member_id, reason)
+        self.sender.member_state(self.member_id, "dropped", reason=reason[:1900])
+
+
+class WeightSender:
+    """Rank 0's background transfers of the send buffer (see the module docstring)."""
+
+    def __init__(self, client_factory: Callable[[], HubClient], cfg: WeightSyncConfig, layout: Layout,
+                 buffer: torch.Tensor, relay_version: int | None) -> None:
+        self.client_factory, self.cfg, self.layout, self.buffer = client_factory, cfg, layout, buffer
+        self._local = threading.local()   # one HubClient per thread: a requests session is not thread-safe
+        self._clients: list[HubClient] = []
+        self.backend = "nccl" if buffer.device.type == "cuda" else "gloo"
+        self.counters = SyncCounters()
+        self.lock = threading.Condition()
+        self.version: int | None = None          # the version the buffer holds (complete and finite)
+        self.copying = False
+        self.transfers: set[str] = set()         # who reads the buffer now ("relay" or member ids)
+        self.sent_versions: set[int] = set()     # versions whose transfer started (for "superseded")
+        self.published_at: dict[int, float] = {}
+        self.relay_version = relay_version
+        self.announced: int | None = None
+        self.links: dict[str, _MemberLink] = {}
+        self.http_members = 0
+        self.ready_event: torch.cuda.Event | None = None
+        self._ipc_handle: dict | None = None
+        self.stopping = threading.Event()
+        self.sender_id = f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.groups_enabled = cfg.transport != "http"
+        self._threads = [threading.Thread(target=self._version_loop, name="weight-sync-versions", daemon=True)]
+        if self.groups_enabled:
+            self._register()
+            self._threads.append(threading.Thread(target=self._rendezvous_loop, name="weight-sync-rendezvous",
+                                                  daemon=True))
+        for thread in self._threads:
+            thread.start()
+
+    @property
+    def client(self) -> HubClient:
+        client = getattr(self._local, "client", None)
+        if client is None:
+            client = self._local.client = self.client_factory()
+            with self.lock:
+                self._clients.append(client)
+        return client
+
+    def _register(self) -> None:
+        cfg = self.cfg
+        self.client.sync_register_sender({
+            "sender_id": self.sender_id, "host": cfg.host, "backend": self.backend,
+            "device_uuid": device_uuid(self.buffer.device), "layout": self.layout.to_json(),
+            "bucket_bytes": cfg.bucket_bytes, "timeout_s": cfg.timeout_s})
+
+    # -- called by the learner (rank 0) ---------------------------------------------------------------------
+    def begin_copy(self) -> bool:
+        """May the learner overwrite the buffer now? False (counted) while a transfer reads it."""
+        with self.lock:
+            if self.transfers:
+                self.counters.skipped_busy += 1
+                return False
+            self.copying = True
+            return True
+
+    def end_copy(self, version: int, finite: bool, stall_s: float) -> None:
+        with self.lock:
+            self.copying = False
+            self.counters.last_stall_s = stall_s
+            if not finite:
+                self.counters.refused_nonfinite += 1
+                self.version = None  # the buffer now holds garbage: nothing to serve until the next publish
+            else:
+                if self.version is not None and self.version not in self.sent_versions:
+                    self.counters.superseded += 1
+                self.version = version
+                self.counters.published += 1
+                self.published_at[version] = time.perf_counter()
+                if self.buffer.device.type == "cuda":
+                    self.ready_event = torch.cuda.Event()
+                    self.ready_event.record()
+            self.lock.notify_all()
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Until no transfer reads the buffer and the newest version went where it goes (True), or timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self.lock:
+            while self.transfers or (self.version is not None and self._pending(self.version)):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self.lock.wait(min(remaining, 0.1))
+        return True
+
+    def upload_final(self) -> None:
+        """The buffer's version onto the relay (the run's last weights stay downloadable)."""
+        with self.lock:
+            version = self.version
+            if version is None or (self.relay_version is not None and version <= self.relay_version):
+                return
+            self.transfers.add("relay")
+        self._upload_relay(version)
+
+    def close(self) -> None:
+        self.stopping.set()
+        with self.lock:
+            self.lock.notify_all()
+        for thread in self._threads:
+            thread.join(timeout=self.cfg.poll_s + 5)
+        for link in list(self.links.values()):
+            link.jobs.put(None)
+        if self.groups_enabled:
+            try:  # one attempt: a hub that is gone has forgotten us anyway
+                self.client.abort.set()
+                self.client.sync_unregister_sender(self.sender_id)
+            except (HubError, HubUnavailable) as exc:
+                log.warning("weight sync: could not unregister from the hub: %s", exc)
+        with self.lock:
+            for client in self._clients:
+                client.abort.set()
+                client.close()
+
+    # -- shared with the member threads ---------------------------------------------------------------------
+    def ipc_handle(self) -> dict:
+        if self._ipc_handle is None:
+            self._ipc_handle = export_handle(self.buffer)
+        return self._ipc_handle
+
+    def wait_buffer_ready(self) -> None:
+        if self.ready_event is not None:
+            self.ready_event.synchronize()
+
+    def transfer_done(self, who: str) -> None:
+        with self.lock:
+            self.transfers.discard(who)
+            self.lock.notify_all()
+
+    def served(self, member_id: str, version: int) -> None:
+        with self.lock:
+            self.counters.served += 1
+            if version in self.published_at:
+                self.counters.last_transfer_s = time.perf_counter() - self.published_at[version]
+        self.member_state(member_id, "served", version=version)
+
+    def member_state(self, member_id: str, state: str, *, reason: str | None = None,
+                     version: int | None = None) -> None:
+        try:
+            self.client.sync_member_state(self.sender_id, member_id, state, reason=reason, version=version)
+        except (HubError, HubUnavailable) as exc:
+            log.warning("weight sync: could not tell the hub %s is %s: %s", member_id, state, exc)
+
+    # -- background -----------------------------------------------------------------------------------------
+    def _group_members(self) -> int:
+        return sum(1 for link in self.links.values() if link.alive)
+
+    def _relay_wanted(self) -> bool:
+        return not self.groups_enabled or self.http_members > 0 or self._group_members() == 0
+
+    def _pending(self, version: int) -> bool:
+        """Does ``version`` still have to be uploaded or announced?"""
+        relay = self._relay_wanted() and (self.relay_version is None or version > self.relay_version)
+        announce = self.groups_enabled and (self.announced is None or version > self.announced)
+        return relay or announce
+
+    def _version_loop(self) -> None:
+        """Each new buffer version: onto the relay when someone needs it there, then announced to members."""
+        while not self.stopping.is_set():
+            with self.lock:
+                while not self.stopping.is_set() and (self.copying or self.version is None
+                                                      or not self._pending(self.version)):
+                    self.lock.wait(0.5)
+                if self.stopping.is_set():
+                    return
+                version = self.version
+                upload = self._relay_wanted() and (self.relay_version is None or version > self.relay_version)
+                if upload:
+                    self.transfers.add("relay")
+            try:
+                if upload:
+                    self._upload_relay(version)
+                if self.groups_enabled and (self.announced is None or version > self.announced):
+                    try:
+                        self.client.sync_announce(self.sender_id, version)
+                    except HubError as exc:
+                        if exc.status != 409:
+                            raise
+                        self._register()  # the hub forgot us (restarted): register again, then announce
+                        self.client.sync_announce(self.sender_id, version)
+                    with self.lock:
+                        self.announced = version
+                        self.lock.notify_all()
+            except (HubError, HubUnavailable) as exc:
+                log.warning("weight sync: version %d not delivered to the hub: %s", version, exc)
+                self.stopping.wait(1.0)
+
+    def _upload_relay(self, version: int) -> None:
+        """Upload ``version`` from the buffer (the caller added "relay" to the transfers)."""
+        started = time.perf_counter()
+        try:
+            self.wait_buffer_ready()
+            with self.lock:
+                self.sent_versions.add(version)
+            header = self.layout.safetensors_header({"grpo_version": str(version)})
+            self.client.upload_weights_stream(version, _BufferReader(header, self.buffer))
+            with self.lock:
+                self.relay_version = version
+                self.counters.relay_uploads += 1
+                if version in self.published_at:
+                    self.counters.last_transfer_s = time.perf_counter() - self.published_at[version]
+            log.info("weight sync: version %d on the relay (%.2fs)", version, time.perf_counter() - started)
+        except HubError as exc:
+            if exc.status != 409:  # 409: the relay already holds this or a newer version (a resumed run)
+                raise
+            with self.lock:
+                self.relay_version = max(self.relay_version or 0, version)
+        finally:
+            self.transfer_done("relay")
+
+    def _rendezvous_loop(self) -> None:
+        """Answer join requests (relay first, then an offer) and hand ready members to their threads."""
+        while not self.stopping.is_set():
+            try:
+                work = self.client.sync_work(self.sender_id, wait_s=self.cfg.poll_s)
+                self.http_members = int(work.get("http_members", 0))
+                for request in work["joins"]:
+                    self._answer_join(request)
+                dispatched = self._dispatch(work["ready"])
+                if work["ready"] and not dispatched:
+                    with self.lock:  # nothing to start now (copying, or all in flight): wait for a change
+                        self.lock.wait(0.05)
+            except (HubError, HubUnavailable) as exc:
+                if self.stopping.is_set():
+                    return
+                log.warning("weight sync: rendezvous with the hub failed: %s", exc)
+                self.stopping.wait(1.0)
+
+    def _answer_join(self, request: dict) -> None:
+        member_id = request["member_id"]
+        if request["transport"] == "ipc" and self.buffer.device.type != "cuda":
+            self.member_state(member_id, "dropped", reason="CUDA IPC needs the learner on a GPU")
+            return
+        wanted = "nccl" if request["transport"] == "collective" and self.backend == "nccl" else "gloo"
+        if request["transport"] == "collective" and wanted != self.backend:
+            self.member_state(member_id, "dropped", reason=f"the learner's groups use {self.backend}")
+            return
+        # the late joiner loads the current version over HTTP first: make sure the relay holds it
+        with self.lock:
+            while self.transfers or self.copying:
+                self.lock.wait(0.1)
+            version = self.version
+            upload = version is not None and (self.relay_version is None or version > self.relay_version)
+            if upload:
+                self.transfers.add("relay")
+        if upload:
+            self._upload_relay(version)
+        link = _MemberLink(self, member_id, request)
+        self.links[member_id] = link
+        link.thread.start()
+        self.client.sync_offer(self.sender_id, link.offer(self.relay_version))
+
+    def _dispatch(self, ready: list[dict]) -> int:
+        started = 0
+        with self.lock:
+            if self.copying or self.version is None:
+                return 0
+            for item in ready:
+                link = self.links.get(item["member_id"])
+                if link is None or not link.alive or item["member_id"] in self.transfers:
+                    continue
+                if self.version <= link.sent_version:
+                    continue  # a stale "ready" (the hub hears "served" after the transfer ended): sent already
+                link.sent_version = self.version
+                self.transfers.add(item["member_id"])
+                self.sent_versions.add(self.version)
+                link.jobs.put(self.version)
+                started += 1
+        return started
+
+
+class WeightPublisher:
+    """Every rank builds one; rank 0 holds the buffer and the sender. :meth:`publish` is collective."""
+
+    def __init__(self, module: torch.nn.Module, client_factory: Callable[[], HubClient], cfg: WeightSyncConfig, *,
+                 rank: int,
+                 world: int, device: torch.device, relay_version: int | None) -> None:
+        self.module, self.cfg, self.rank, self.world, self.device = module, cfg, rank, world, device
+        dtype = next(module.parameters()).dtype
+        self.layout = Layout.build([(n, _full_shape(p)) for n, p in module.named_parameters()], dtype)
+        self.sender: WeightSender | None = None
+        self.last_copied: int | None = None
+        if rank == 0:
+            on_gpu = device.type == "cuda" and cfg.transport != "http"
+            buffer = torch.empty(self.layout.total_bytes, dtype=torch.uint8, device=device if on_gpu else "cpu")
+            self.sender = WeightSender(client_factory, cfg, self.layout, buffer, relay_version)
+
+    def _agree(self, flag: bool) -> bool:
+        """Rank 0's decision, on every rank (the ZeRO-3 gather below is a collective)."""
+        if self.world == 1:
+            return flag
+        tensor = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.device)
+        dist.broadcast(tensor, src=0)
+        return bool(tensor.item())
+
+    def publish(self, version: int) -> float:
+        """Copy the weights into the send buffer as ``version`` (unless a transfer still reads it); the stall."""
+        started = time.perf_counter()
+        go = self._agree(self.sender.begin_copy() if self.sender is not None else False)
+        if not go:
+            return time.perf_counter() - started
+        finite = self._copy()
+        stall = time.perf_counter() - started
+        if self.sender is not None:
+            self.sender.end_copy(version, finite, stall)
+            if finite:
+                self.last_copied = version
+            else:
+                log.warning("weights of version %d hold NaN/inf: not published (training goes on)", version)
+        return stall
+
+    @torch.no_grad()
+    def _copy(self) -> bool:
+        buffer = self.sender.buffer if self.sender is not None else None
+        bad = torch.zeros((), dtype=torch.bool, device=self.device)
+        for spec, (_, param) in zip(self.layout.tensors, self.module.named_parameters()):
+            with _gathered(param):
+                if buffer is None:
+                    continue
+                tensor = param.detach()
+                bad |= ~torch.isfinite(tensor).all()
+                buffer[spec.begin:spec.end].view(spec.torch_dtype).copy_(tensor.reshape(-1), non_blocking=True)
+        return not bool(bad.item()) if buffer is not None else True
+
+    def finish(self, version: int) -> None:
+        """End of the run (collective): wait for transfers, publish ``version`` if it never made it into the
+        buffer, and leave it on the relay."""
+        idle = self.sender.wait_idle(self.cfg.timeout_s * 4) if self.sender is not None else True
+        if not idle:
+            log.warning("weight sync: transfers still running after %.0fs at the end of the run",
+                        self.cfg.timeout_s * 4)
+        owed = self.sender is not None and idle and (self.last_copied is None or self.last_copied < version)
+        if self._agree(owed):
+            self.publish(version)
+            if self.sender is not None:
+                self.sender.wait_idle(self.cfg.timeout_s * 4)
+        if self.sender is not None:
+            self.sender.upload_final()
+
+    def metrics(self) -> dict[str, float]:
+        if self.sender is None:
+            return {}
+        with self.sender.lock:
+            return {f"weight_sync_{k}": float(v) for k, v in asdict(self.sender.counters).items()}
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()

@@ -1,0 +1,127 @@
+"""The receiving end of one group, for any engine: the transformers engine runs it in the generator process, the
+vLLM worker extension in each worker. What to do with the tensors is the caller's ``apply``.
+
+A transfer is all or nothing for the protocol: whatever ``apply`` does (a shape that does not fit, a layout that
+differs from the sender's), the receiver still takes every bucket and then answers the completion step with
+"refused", so the learner's sender never waits on a receiver that gave up half-way. Its weights may then be
+mixed: :class:`TransferRefused` says so, and the generator reloads a whole version over HTTP.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+
+import torch
+
+from shared.weight_sync import groups
+from shared.weight_sync.layout import BucketUnpacker, Layout, bucket_ranges
+
+log = logging.getLogger("grpo.weight_sync.receiver")
+Apply = Callable[[Iterator[tuple[str, torch.Tensor]]], None]
+
+
+class TransferRefused(RuntimeError):
+    """This receiver could not apply the version (its weights may be partly updated)."""
+
+
+class GroupReceiver:
+    """Rank ``rank`` of a group the learner formed; ``device`` is where received tensors land."""
+
+    def __init__(self, offer: dict, rank: int, device: torch.device, group=None) -> None:
+        self.offer, self.rank, self.device = offer, rank, device
+        self.layout = Layout.from_json(offer["layout"])
+        self.timeout_s = float(offer["timeout_s"])
+        self.via_ipc = offer["transport"] == "ipc"
+        self.group = group
+        if self.group is None:
+            store = groups.join_store(offer["host"], offer["port"], offer["world_size"], self.timeout_s)
+            self.group = groups.build_group(store, offer["group_id"], rank, offer["world_size"], offer["backend"],
+                                            self.timeout_s)
+        self.wire_device = device if offer["backend"] == "nccl" else torch.device("cpu")
+        self.shared: torch.Tensor | None = None
+        if self.via_ipc:
+            from shared.weight_sync.ipc import open_handle
+
+            self.shared = open_handle(offer["ipc_handle"])
+        self.bucket: torch.Tensor | None = None  # allocated at the first transfer, one bucket's size
+
+    def receive(self, apply: Apply) -> int:
+        """One version: header, buckets (or the IPC buffer), completion. Returns the version."""
+        header_tensor = torch.zeros(groups.HEADER_LEN, dtype=torch.int64, device=self.wire_device)
+        groups.broadcast(self.group, header_tensor, self.timeout_s)
+        header = groups.VersionHeader.from_tensor(header_tensor)
+        problem = None
+        if header.fingerprint != self.layout.fingerprint() or header.total_bytes != self.layout.total_bytes:
+            problem = "the sender's layout differs from the one it offered"
+        chunks = self._chunks(header)
+        if problem is None:
+            try:
+                apply(self._tensors(chunks))
+            except (RuntimeError, ValueError, KeyError) as exc:
+                problem = f"{type(exc).__name__}: {exc}"
+        for _ in chunks:  # drain what apply did not take: the sender's broadcasts must all complete
+            pass
+        applied = groups.agree_all_applied(self.group, problem is None, self.wire_device, self.timeout_s)
+        if problem is not None:
+            raise TransferRefused(f"version {header.version} refused: {problem}")
+        if not applied:
+            raise TransferRefused(f"version {header.version}: another worker of this engine refused it")
+        return header.version
+
+    def _chunks(self, header: groups.VersionHeader) -> Iterator[tuple[int, torch.Tensor]]:
+        for begin, end in bucket_ranges(header.total_bytes, header.bucket_bytes):
+            if self.via_ipc:
+                yield begin, self.shared[begin:end]
+                continue
+            if self.bucket is None or self.bucket.numel() < header.bucket_bytes:
+                self.bucket = torch.empty(min(header.bucket_bytes, header.total_bytes), dtype=torch.uint8,
+                                          device=self.wire_device)
+            chunk = self.bucket[:end - begin]
+            groups.broadcast(self.group, chunk, self.timeout_s)
+            yield begin, chunk
+
+    def _tensors(self, chunks: Iterator[tuple[int, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        unpacker = BucketUnpacker(self.layout)
+        for begin, chunk in chunks:
+            for name, tensor in unpacker.feed(begin, chunk):
+                yield name, tensor.to(self.device) if tensor.device != self.device else tensor
+            if unpacker.done:
+                return
+
+    def close(self) -> None:
+        groups.close_group(self.group)
+        self.group = None
+
+
+def copy_into_module(model: torch.nn.Module, tensors: Iterator[tuple[str, torch.Tensor]]) -> int:
+    """Copy each named tensor into the parameter/buffer of that name (tied copies share storage)."""
+    state = dict(model.named_parameters(remove_duplicate=False))
+    state.update(dict(model.named_buffers()))
+    count = 0
+    with torch.no_grad():
+        for name, tensor in tensors:
+            target = state.get(name)
+            if target is None:
+                raise KeyError(f"tensor {name!r} is not in the model")
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise ValueError(f"{name} has shape {tuple(tensor.shape)}, the model has {tuple(target.shape)}")
+            target.copy_(tensor)
+            count += 1
+    return count
+
+
+def check_layout_fits(model: torch.nn.Module, layout: Layout) -> str | None:
+    """Why ``layout`` cannot be loaded into ``model`` (unknown names, shapes, uncovered parameters), or None."""
+    state = dict(model.named_parameters(remove_duplicate=False))
+    state.update(dict(model.named_buffers()))
+    covered = set()
+    for spec in layout.tensors:
+        target = state.get(spec.name)
+        if target is None:
+            return f"tensor {spec.name!r} is not in the model"
+        if tuple(target.shape) != spec.shape:
+            return f"{spec.name} has shape {spec.shape}, the model has {tuple(target.shape)}"
+        covered.add(id(target))
+    missing = [n for n, p in model.named_parameters() if id(p) not in covered]
+    return f"no values for {missing[:5]}" if missing else None

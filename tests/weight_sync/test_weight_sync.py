@@ -1,0 +1,230 @@
+"""Weight sync on CPU for real: a real hub (uvicorn), the learner's publisher + sender threads, transformers
+generators receiving through gloo groups, a subprocess receiver killed mid-transfer."""
+
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
+
+from generator.engines.hf import TransformersEngine
+from generator.weight_receiver import WeightReceiver
+from learner.weight_sender import WeightPublisher
+from shared.client import HubClient, RetryPolicy
+from shared.schema import WeightSyncConfig
+from tests.live_server import LiveServer, make_config
+
+# ~50 KiB buckets: the tiny model's 192 x 192 projections (144 KiB) span several buckets
+CFG = dict(transport="collective", bucket_mb=0.05, timeout_s=5.0, join_timeout_s=30.0, poll_s=0.2)
+
+
+def client(url: str) -> HubClient:
+    return HubClient(url, retry=RetryPolicy(max_retry_s=10, initial_backoff_s=0.05, max_backoff_s=0.2))
+
+
+def make_publisher(model, url, **overrides) -> WeightPublisher:
+    cfg = WeightSyncConfig(**{**CFG, **overrides})
+    return WeightPublisher(model, lambda: client(url), cfg, rank=0, world=1, device=torch.device("cpu"),
+                           relay_version=None)
+
+
+class Generator:
+    """A transformers engine and its receiver, synced the way the rollout loop does it between engine calls."""
+
+    def __init__(self, model_dir, url, name, tmp_path, **overrides) -> None:
+        self.engine = TransformersEngine(model_dir)
+        self.receiver = WeightReceiver(self.engine, client(url), WeightSyncConfig(**{**CFG, **overrides}), name,
+                                       tmp_path / f"w-{name}")
+        self.version = 0
+
+    def sync_until(self, version: int, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.version < version:
+            assert time.monotonic() < deadline, f"{self.receiver.generator_id} stuck at version {self.version}"
+            latest = self.receiver.sync(self.version)
+            if latest is not None:
+                self.version = latest
+            else:
+                time.sleep(0.02)
+
+    def connect(self, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.engine._weight_group is None:
+            assert time.monotonic() < deadline, "never connected"
+            latest = self.receiver.sync(self.version)
+            self.version = latest if latest is not None else self.version
+            time.sleep(0.02)
+
+
+def sync_all(generators, version):
+    errors = []
+
+    def run(g):
+        try:
+            g.sync_until(version)
+        except BaseException as exc:  # reported to the test thread below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(g,)) for g in generators]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+
+
+def perturb(model, seed):
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * 0.01)
+
+
+def assert_same_weights(learner, engine):
+    state = dict(engine.model.named_parameters())
+    for name, param in learner.named_parameters():
+        assert torch.equal(param, state[name]), name
+
+
+def wait_for(condition, timeout_s=20.0):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def learner_model(tiny_model_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+
+
+def test_two_generators_hold_the_learners_weights_bit_for_bit_after_each_version(
+        tiny_model_dir, learner_model, tmp_path):
+    with LiveServer(make_config(tmp_path)) as live:
+        publisher = make_publisher(learner_model, live.url)
+        try:
+            gens = [Generator(tiny_model_dir, live.url, n, tmp_path) for n in ("gen-a", "gen-b")]
+            for g in gens:
+                g.connect()
+            assert [g.receiver.transport for g in gens] == ["collective", "collective"]
+            for version in (1, 2, 3):
+                perturb(learner_model, version)
+                publisher.publish(version)
+                sync_all(gens, version)
+                for g in gens:
+                    assert g.version == version
+                    assert_same_weights(learner_model, g.engine)
+            counters = publisher.sender.counters
+            assert counters.served == 6 and counters.dropped == 0 and counters.members == 2
+            # every version went through the groups: the relay was never needed (members held groups)
+            assert HubClient(live.url).weights_version() is None and counters.relay_uploads == 0
+            assert counters.last_transfer_s > 0
+        finally:
+            publisher.close()
+
+
+def test_a_late_joiner_loads_the_current_version_over_http_then_receives_through_the_group(
+        tiny_model_dir, learner_model, tmp_path):
+    with LiveServer(make_config(tmp_path)) as live:
+        publisher = make_publisher(learner_model, live.url)
+        try:
+            early = Generator(tiny_model_dir, live.url, "early", tmp_path)
+            early.connect()
+            for version in (1, 2):
+                perturb(learner_model, version)
+                publisher.publish(version)
+                sync_all([early], version)
+            assert HubClient(live.url).weights_version() is None  # nobody needed the relay so far
+            late = Generator(tiny_model_dir, live.url, "late", tmp_path)
+            late.connect()
+            # it joined at version 2, which the sender put on the relay for it and it loaded over HTTP
+            assert late.version == 2 and HubClient(live.url).weights_version() == 2
+            assert_same_weights(learner_model, late.engine)
+            perturb(learner_model, 3)
+            publisher.publish(3)
+            sync_all([early, late], 3)
+            assert_same_weights(learner_model, late.engine)
+            assert HubClient(live.url).weights_version() == 2  # version 3 came through the group, not the relay
+            assert publisher.sender.counters.served == 4
+        finally:
+            publisher.close()
+
+
+def test_superseded_versions_are_skipped_and_nonfinite_weights_are_never_published(
+        tiny_model_dir, learner_model, tmp_path):
+    with LiveServer(make_config(tmp_path)) as live:
+        publisher = make_publisher(learner_model, live.url)
+        try:
+            gen = Generator(tiny_model_dir, live.url, "gen", tmp_path)
+            gen.connect()
+            for version in (1, 2, 3):  # the generator is busy generating: it takes none of them meanwhile
+                perturb(learner_model, version)
+                publisher.publish(version)
+            wait_for(lambda: live.state.sync.announced == 3)
+            assert publisher.sender.counters.superseded == 2 and publisher.sender.counters.published == 3
+            gen.sync_until(3)
+            assert_same_weights(learner_model, gen.engine)
+            with torch.no_grad():
+                next(learner_model.parameters())[0, 0] = float("nan")
+            publisher.publish(4)
+            counters = publisher.sender.counters
+            assert counters.refused_nonfinite == 1 and counters.published == 3
+            time.sleep(0.5)
+            assert live.state.sync.announced == 3 and gen.receiver.sync(3) is None  # nothing new to take
+            assert publisher.metrics()["weight_sync_refused_nonfinite"] == 1.0
+        finally:
+            publisher.close()
+
+
+def test_a_generator_given_nonfinite_weights_over_http_keeps_serving_its_version(tiny_model_dir, tmp_path, caplog):
+    with LiveServer(make_config(tmp_path)) as live:
+        gen = Generator(tiny_model_dir, live.url, "gen", tmp_path, transport="http")
+        before = {k: v.clone() for k, v in gen.engine.model.state_dict().items()}
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+        state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+        state["model.norm.weight"][3] = float("inf")
+        save_file(state, str(tmp_path / "bad.safetensors"))
+        HubClient(live.url).upload_weights(1, tmp_path / "bad.safetensors")
+        with caplog.at_level("WARNING", logger="grpo.generator.weights"):
+            assert gen.receiver.sync(0) is None and gen.receiver.sync(0) is None  # refused once, not re-fetched
+        assert gen.receiver.refused_nonfinite == 1
+        assert "weights version 1 holds NaN/inf (tensor model.norm.weight)" in caplog.text
+        for name, value in gen.engine.model.state_dict().items():
+            assert torch.equal(value, before[name]), name
+
+
+def test_a_generator_killed_mid_transfer_is_dropped_within_the_timeout(tiny_model_dir, learner_model, tmp_path):
+    with LiveServer(make_config(tmp_path)) as live:
+        publisher = make_publisher(learner_model, live.url, timeout_s=20.0)
+        peer = subprocess.Popen([sys.executable, "-m", "tests.weight_sync.peer", live.url], stdout=subprocess.PIPE,
+                                text=True)
+        try:
+            healthy = Generator(tiny_model_dir, live.url, "healthy", tmp_path)
+            healthy.connect()
+            assert peer.stdout.readline().strip() == "CONNECTED"
+            wait_for(lambda: publisher.sender.counters.members == 2)
+            perturb(learner_model, 1)
+            publisher.publish(1)
+            assert peer.stdout.readline().split() == ["RECEIVING", "1"]
+            sync_all([healthy], 1)
+            # the peer still holds version 1's transfer open: the next publish is skipped, not waited for
+            started = time.perf_counter()
+            publisher.publish(2)
+            assert time.perf_counter() - started < 1.0 and publisher.sender.counters.skipped_busy == 1
+            killed_at = time.monotonic()
+            peer.kill()
+            wait_for(lambda: publisher.sender.counters.dropped == 1, timeout_s=25)
+            assert time.monotonic() - killed_at < 20.0  # a dead peer: at most the timeout (here: its socket closed)
+            assert live.state.sync.dropped_total == 1 and publisher.sender.counters.members == 1
+            perturb(learner_model, 3)
+            publisher.publish(3)  # the sender goes on with the members left
+            sync_all([healthy], 3)
+            assert_same_weights(learner_model, healthy.engine)
+        finally:
+            peer.kill()
+            peer.wait(10)
+            publisher.close()
