@@ -3,8 +3,8 @@ generators receiving through gloo groups, a subprocess receiver killed mid-trans
 
 import subprocess
 import sys
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -61,20 +61,10 @@ class Generator:
 
 
 def sync_all(generators, version):
-    errors = []
-
-    def run(g):
-        try:
-            g.sync_until(version)
-        except BaseException as exc:  # reported to the test thread below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(g,)) for g in generators]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
+    """Every generator syncs at once (the sender serves ready members in parallel); errors re-raised here."""
+    with ThreadPoolExecutor(len(generators)) as pool:
+        for future in [pool.submit(g.sync_until, version) for g in generators]:
+            future.result(timeout=60)
 
 
 def perturb(model, seed):
