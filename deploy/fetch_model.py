@@ -13,6 +13,7 @@ recording where it came from; a later call finds that file and skips the convers
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import shutil
@@ -87,8 +88,11 @@ def require_gguf_reader(module: str = "gguf") -> None:
         raise UsageError(f"reading GGUF files needs the {module!r} package; install it with: pip install gguf")
 
 
+@functools.lru_cache(maxsize=1)
 def load_gguf(path: Path):
-    """(model, tokenizer) as transformers loads them from the GGUF file: fp32, dequantized."""
+    """(model, tokenizer) as transformers loads them from the GGUF file: fp32, dequantized. The last load is kept
+    (``load_gguf.cache_clear()`` frees it): reading and dequantizing takes ~15 s, and a check of the written folder
+    against the GGUF model in the same process needs it again."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from generator.tasks.arithmetic import ArithmeticTask
+from generator.tasks.arithmetic_words import WordsArithmeticTask
 from shared.errors import UsageError
 
 # DeepSeek-R1-Zero style system prompt (DeepSeek-R1, Guo et al. 2025; as in simple_GRPO), the default for math datasets.
@@ -43,6 +44,14 @@ def arithmetic_examples(task: ArithmeticTask, split: str, count: int, seed: int)
     """``count`` problems of ``split`` drawn with a fixed seed (the task's space may be far larger)."""
     problems = task.sample(count, split, random.Random(seed))
     return [Example(p.prompt, {"answer": p.answer}, f"arith:{p.prompt}") for p in problems]
+
+
+def arithmetic_words_examples(task: WordsArithmeticTask, split: str, count: int, seed: int) -> list[Example]:
+    """``count`` problems in words of ``split`` drawn with a fixed seed; the operands travel with the answer so the
+    ``final_number`` reward can tell working from the operands."""
+    problems = task.sample(count, split, random.Random(seed))
+    return [Example(p.prompt, {"answer": p.answer, "operands": list(p.operands)}, f"words:{p.prompt}")
+            for p in problems]
 
 
 def jsonl_examples(path: str | Path, question_field: str = "question", answer_field: str | None = "answer"

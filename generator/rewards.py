@@ -23,6 +23,7 @@ from typing import Any
 import requests
 
 from generator.tasks.arithmetic import check_answer, extract_answer, normalize_int
+from generator.tasks.arithmetic_words import final_number_correct
 from shared.errors import UsageError
 from shared.registry import Registry
 
@@ -123,6 +124,21 @@ def arithmetic_reward(correct: float = 1.0, wrong: float = 0.0, answer_field: st
             if predicted is not None:
                 return wrong + partial * digit_agreement(predicted, normalize_int(gold) or gold)
         return wrong
+
+    return per_completion(score)
+
+
+@REWARDS.register("final_number")
+def final_number_reward(correct: float = 1.0, wrong: float = 0.0, answer_field: str = "answer",
+                        operands_field: str = "operands", max_other_numbers: int = 3) -> GroupReward:
+    """For models that answer in prose: the number given as the answer (a ``\\boxed{}``, the number after the last
+    "answer is/:", else the last number) equals the reference; numbers listed after it, or more than
+    ``max_other_numbers`` of working besides the operands, get no credit (generator/tasks/arithmetic_words.py)."""
+
+    def score(prompt: str, completion: str, example: dict[str, Any]) -> float:
+        operands = example.get(operands_field) or ()
+        ok = final_number_correct(completion, gold_answer(example, answer_field), operands, max_other_numbers)
+        return correct if ok else wrong
 
     return per_completion(score)
 

