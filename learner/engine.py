@@ -98,6 +98,7 @@ def create_engine(cfg: LearnerConfig, model: torch.nn.Module, device: torch.devi
     """``deepspeed.initialize`` on ``model`` with the generated config; returns the engine."""
     import deepspeed
 
+    match_accelerator(device)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -112,7 +113,23 @@ def create_engine(cfg: LearnerConfig, model: torch.nn.Module, device: torch.devi
     return engine
 
 
+def match_accelerator(device: torch.device) -> None:
+    """Make DeepSpeed's accelerator the learner's device type.
+
+    DeepSpeed picks CUDA whenever a GPU is visible and then moves the model there, whatever ``learner.device``
+    says; ``device: cpu`` on a GPU machine (and the CPU tests run there) would get a model on the GPU and
+    batches on the CPU. A CPU device therefore selects DeepSpeed's CPU accelerator (a no-op where it already is)."""
+    from deepspeed.accelerator import get_accelerator, set_accelerator
+
+    if device.type == "cpu" and get_accelerator().device_name() != "cpu":
+        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+        log.info("learner device cpu: DeepSpeed's CPU accelerator instead of %s", get_accelerator().device_name())
+        set_accelerator(CPU_Accelerator())
+
+
 def init_distributed(device: torch.device) -> None:
     import deepspeed
 
+    match_accelerator(device)
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")

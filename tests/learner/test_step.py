@@ -386,3 +386,22 @@ def test_step_reports_the_gap_to_the_behaviour_logprobs(distributed, tiny_model_
     assert outcome.metrics["logprob_diff_mean"] == pytest.approx(float(gap.mean()), abs=1e-5)
     assert outcome.metrics["logprob_diff_max"] == pytest.approx(float(gap.max()), abs=1e-5)
     assert "sampled_tokens" not in outcome.metrics and "logprob_diff_sum" not in outcome.metrics
+
+
+def test_cpu_device_selects_deepspeeds_cpu_accelerator():
+    """On a GPU machine DeepSpeed picks CUDA and would move a ``device: cpu`` learner's model to the GPU (the CPU
+    tests here would then mix devices). Simulated by installing DeepSpeed's CUDA accelerator object."""
+    from deepspeed.accelerator import get_accelerator, set_accelerator
+    from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
+
+    from learner.engine import match_accelerator
+
+    original = get_accelerator()
+    try:
+        set_accelerator(CUDA_Accelerator())
+        match_accelerator(torch.device("cuda"))
+        assert get_accelerator().device_name() == "cuda"
+        match_accelerator(CPU)
+        assert get_accelerator().device_name() == "cpu"
+    finally:
+        set_accelerator(original)
