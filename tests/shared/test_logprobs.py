@@ -5,7 +5,10 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, Qwen2Config
 
 from shared.logprobs import (
+    DEFAULT_CHUNK_BYTES,
+    GPU_CHUNK_BYTES,
     chunk_tokens_for,
+    default_chunk_bytes,
     logprobs_from_hidden,
     naive_sequence_logprobs,
     sequence_logprobs,
@@ -164,6 +167,46 @@ def test_rejects_bad_lengths_and_temperature(model):
 def test_chunk_size_from_byte_budget():
     assert chunk_tokens_for(151936) == 220
     assert chunk_tokens_for(10**9) == 1
+    assert default_chunk_bytes("cpu") == DEFAULT_CHUNK_BYTES == 128 * 2**20
+    assert chunk_tokens_for(151936, device=torch.device("cpu")) == 220
+    assert chunk_tokens_for(151936, 512 * 2**20) == 883
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@CUDA
+def test_gpu_chunks_are_bigger_where_memory_allows():
+    free, _ = torch.cuda.mem_get_info()
+    chunk_bytes = default_chunk_bytes("cuda")
+    assert DEFAULT_CHUNK_BYTES <= chunk_bytes <= GPU_CHUNK_BYTES
+    if free >= 32 * GPU_CHUNK_BYTES:
+        assert chunk_bytes == GPU_CHUNK_BYTES and chunk_tokens_for(151936, device="cuda") == 883
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_bf16_head_gradients_match_autograd_in_bf16(device):
+    """bf16 weights: the backward's matmuls run in bf16 (as autograd through the model's own head does) and the
+    weight gradient is summed over chunks in fp32; against autograd of the plain bf16 expression."""
+    gen = torch.Generator().manual_seed(0)
+    hidden = (torch.randn(50, 32, generator=gen)).to(device, torch.bfloat16).requires_grad_()
+    head = torch.nn.Linear(32, VOCAB, bias=False).to(device, torch.bfloat16)
+    targets = torch.randint(0, VOCAB, (50,), generator=gen).to(device)
+    weights = torch.rand(50, generator=gen).to(device)
+    logp, entropy = logprobs_from_hidden(hidden, head, targets, temperature=0.7, with_entropy=True, chunk_tokens=16)
+    ((logp * weights).sum() + 0.3 * entropy.sum()).backward()
+    ours = hidden.grad.float().clone(), head.weight.grad.float().clone()
+    assert head.weight.grad.dtype == torch.bfloat16
+    hidden.grad, head.weight.grad = None, None
+    full = (head(hidden).float() / 0.7).log_softmax(-1)
+    want_logp = full.gather(-1, targets[:, None]).squeeze(-1)
+    want_entropy = -(full.exp() * full).sum(-1)
+    ((want_logp * weights).sum() + 0.3 * want_entropy.sum()).backward()
+    torch.testing.assert_close(logp, want_logp.detach(), atol=1e-4, rtol=0)
+    for got, want in zip(ours, (hidden.grad.float(), head.weight.grad.float())):
+        scale = want.abs().max()
+        assert scale > 0
+        assert (got - want).abs().max() <= 0.02 * scale, ((got - want).abs().max(), scale)
 
 
 @settings(max_examples=25, deadline=None)
