@@ -7,11 +7,51 @@ import logging
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger("grpo.learner")
 
 # What the console line shows, in order (the JSONL/TensorBoard get everything).
 CONSOLE_KEYS = ("loss", "reward_mean", "kl_mean", "entropy", "clip_frac_high", "tokens_per_s")
+
+# Where a learner step's wall time goes, in the order the training thread spends it. ``metrics`` is writing the
+# previous step's record (it cannot time its own write). Compute is what a faster control plane cannot remove.
+STEP_PARTS = ("metrics", "wait", "advantages", "host_to_device", "old_logprobs", "forward_backward", "optimizer",
+              "step_reduce", "publish", "version_report", "ledger", "checkpoint")
+COMPUTE_PARTS = ("old_logprobs", "forward_backward", "optimizer", "step_reduce")
+
+
+class StepClock:
+    """Contiguous laps of the training thread between two logged steps.
+
+    :meth:`lap` charges the time since the previous lap to one part, so every moment between two records lands in
+    exactly one part and the parts sum to the step's wall time (``time_step_s``). On a GPU a part ends when the host
+    gets there, not when its kernels finish: queued work is charged to the part that next waits for the device
+    (the one host sync per step, in ``step_reduce``), which is why the compute parts are reported together too."""
+
+    def __init__(self) -> None:
+        self._mark = time.perf_counter()
+        self._parts: dict[str, float] = {}
+
+    def lap(self, part: str) -> float:
+        if part not in STEP_PARTS:
+            raise KeyError(f"unknown step part {part!r} (known: {', '.join(STEP_PARTS)})")
+        now = time.perf_counter()
+        spent = now - self._mark
+        self._parts[part] = self._parts.get(part, 0.0) + spent
+        self._mark = now
+        return spent
+
+    def take(self) -> dict[str, float]:
+        """``time_<part>_s`` for every part, ``time_step_s`` (their sum), ``time_compute_s`` and
+        ``time_overhead_s`` (step minus compute); the parts start again from zero."""
+        parts = {name: self._parts.get(name, 0.0) for name in STEP_PARTS}
+        self._parts = {}
+        compute = sum(parts[name] for name in COMPUTE_PARTS)
+        total = sum(parts.values())
+        record: dict[str, Any] = {f"time_{name}_s": value for name, value in parts.items()}
+        record.update(time_step_s=total, time_compute_s=compute, time_overhead_s=total - compute)
+        return record
 
 
 class MetricsLogger:
@@ -78,3 +118,21 @@ class MetricsLogger:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+class LappedEngine:
+    """The DeepSpeed engine as the GRPO step sees it, with a lap on each side of ``step()``: the time before it is
+    forward and backward, the time inside it the optimizer. Everything else goes to the engine itself."""
+
+    def __init__(self, engine, clock: StepClock) -> None:
+        self._engine = engine
+        self._clock = clock
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+    def step(self, *args, **kwargs):
+        self._clock.lap("forward_backward")
+        result = self._engine.step(*args, **kwargs)
+        self._clock.lap("optimizer")
+        return result

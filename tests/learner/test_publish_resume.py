@@ -111,7 +111,7 @@ def test_resume_after_kill_continues_with_the_same_step_parameters_and_lr(tiny_m
         step = int(newest.removeprefix("step"))
         # a checkpoint killed half-way: a newer tag folder without the COMPLETE marker is never picked up
         half = tmp_path / "ckpt" / f"step{step + 1:08d}"
-        half.mkdir()
+        half.mkdir(exist_ok=True)  # the kill may have come while the learner was writing exactly this one
         (half / "mp_rank_00_model_states.pt").write_bytes(b"truncated")
         published = HubClient(live.url).download_weights(step, tmp_path / "at_checkpoint.safetensors")
         # resume with max_steps = the checkpoint's step: no training, only the export of what was restored
