@@ -31,7 +31,7 @@ from learner.engine import (
     uses_bf16,
 )
 from learner.metrics import LappedEngine, MetricsLogger, StepClock
-from learner.prefetch import BatchPrefetcher
+from learner.prefetch import BatchPrefetcher, HubCalls
 from learner.publish import export_hf_folder
 from learner.step import (
     all_reduce,
@@ -115,8 +115,11 @@ class Learner:
         self.metrics = MetricsLogger(jsonl=cfg.metrics_jsonl, tensorboard_dir=cfg.tensorboard_dir,
                                      wandb_project=cfg.wandb_project, enabled=self.rank == 0,
                                      total_steps=cfg.max_steps, run_config=config.model_dump(mode="json"))
+        # acknowledgements and lease renewals leave from a background thread (its own client)
+        self.hub_calls = HubCalls(service_client(cfg.hub_url, config.ref_server.token, cfg.retry_max_s))
         self.ledger = DeliveryLedger(self.client, ack_on_checkpoint=cfg.checkpoint_every is not None,
-                                     lease_timeout_s=self.client.hub_stats()["lease_timeout_s"], consumed=consumed)
+                                     lease_timeout_s=self.client.hub_stats()["lease_timeout_s"], consumed=consumed,
+                                     calls=self.hub_calls.submit)
         self.hub_version = self._check_hub(resume, dtype)
         # weight sync: a send buffer on rank 0 and background transfers (its threads get their own clients)
         self.publisher = WeightPublisher(
@@ -166,7 +169,9 @@ class Learner:
                 self.train_on(batch)
             self.prefetcher.close()
             self.finish()
+            self.hub_calls.flush()  # every acknowledgement reached the hub before the learner reports success
         finally:
+            self.hub_calls.close()
             self.publisher.close()
             self.prefetcher.close()
             self.metrics.close()
@@ -268,7 +273,7 @@ class Learner:
         cfg = self.cfg
         if self.stop.is_set() or not cfg.checkpoint_every or self.step % cfg.checkpoint_every:
             self.checkpoint()
-        self.publisher.finish(self.version)  # the last version reaches the relay (and the members)
+        self.publisher.finish(self.version, stopping=self.stop.is_set())  # the last version reaches the relay
         export_hf_folder(self.engine, cfg.model, cfg.output_dir, rank=self.rank)
 
 

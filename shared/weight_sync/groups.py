@@ -95,13 +95,23 @@ def close_group(group: ProcessGroup | None) -> None:
         pass
 
 
-def broadcast(group: ProcessGroup, tensor: torch.Tensor, timeout_s: float) -> None:
-    """Rank 0's ``tensor`` into everyone's ``tensor`` (in place), bounded by ``timeout_s``."""
+def start_broadcast(group: ProcessGroup, tensor: torch.Tensor):
+    """Start rank 0's ``tensor`` into everyone's ``tensor``; returns the work to :func:`finish` (receivers post
+    the next bucket's receive this way while they apply the current one)."""
     from torch.distributed import BroadcastOptions
 
     options = BroadcastOptions()
     options.rootRank, options.rootTensor = 0, 0
-    group.broadcast([tensor], options).wait(timedelta(seconds=timeout_s))
+    return group.broadcast([tensor], options)
+
+
+def finish(work, timeout_s: float) -> None:
+    work.wait(timedelta(seconds=timeout_s))
+
+
+def broadcast(group: ProcessGroup, tensor: torch.Tensor, timeout_s: float) -> None:
+    """Rank 0's ``tensor`` into everyone's ``tensor`` (in place), bounded by ``timeout_s``."""
+    finish(start_broadcast(group, tensor), timeout_s)
 
 
 def agree_all_applied(group: ProcessGroup, applied: bool, device: torch.device, timeout_s: float) -> bool:

@@ -44,7 +44,7 @@ class GroupReceiver:
             from shared.weight_sync.ipc import open_handle
 
             self.shared = open_handle(offer["ipc_handle"])
-        self.bucket: torch.Tensor | None = None  # allocated at the first transfer, one bucket's size
+        self.buffers: list[torch.Tensor] | None = None  # two buckets' worth, allocated at the first transfer
 
     def receive(self, apply: Apply) -> int:
         """One version: header, buckets (or the IPC buffer), completion. Returns the version."""
@@ -70,15 +70,27 @@ class GroupReceiver:
         return header.version
 
     def _chunks(self, header: groups.VersionHeader) -> Iterator[tuple[int, torch.Tensor]]:
-        for begin, end in bucket_ranges(header.total_bytes, header.bucket_bytes):
-            if self.via_ipc:
+        """Buckets in order. Two receive buffers: the next bucket's receive is posted before the current one is
+        handed out, so the learner sends it while this side copies the current one into the model."""
+        ranges = bucket_ranges(header.total_bytes, header.bucket_bytes)
+        if self.via_ipc:
+            for begin, end in ranges:
                 yield begin, self.shared[begin:end]
-                continue
-            if self.bucket is None or self.bucket.numel() < header.bucket_bytes:
-                self.bucket = torch.empty(min(header.bucket_bytes, header.total_bytes), dtype=torch.uint8,
-                                          device=self.wire_device)
-            chunk = self.bucket[:end - begin]
-            groups.broadcast(self.group, chunk, self.timeout_s)
+            return
+        size = min(header.bucket_bytes, header.total_bytes)
+        if self.buffers is None or self.buffers[0].numel() < size:
+            self.buffers = [torch.empty(size, dtype=torch.uint8, device=self.wire_device) for _ in range(2)]
+
+        def start(index: int):
+            begin, end = ranges[index]
+            chunk = self.buffers[index % 2][:end - begin]
+            return chunk, groups.start_broadcast(self.group, chunk)
+
+        pending = start(0) if ranges else None
+        for index, (begin, _) in enumerate(ranges):
+            chunk, work = pending
+            groups.finish(work, self.timeout_s)
+            pending = start(index + 1) if index + 1 < len(ranges) else None
             yield begin, chunk
 
     def _tensors(self, chunks: Iterator[tuple[int, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,0 +1,306 @@
+"""Weight sync: from "the learner has new weights" to "every generator serves them", per transport.
+
+For each model (the tiny demo model; a Qwen2.5-0.5B-shaped model with random weights and a 128-token vocabulary,
+358 M parameters, as in issue 12) and each transport that applies on this machine:
+
+* ``http``: the learner's publisher with ``weight_sync.transport: http`` (send buffer -> relay upload in the
+  background), generators polling the relay, downloading, checking and loading the file;
+* ``gloo`` (CPU) / ``nccl`` (GPU): ``transport: collective``, generators joined through the hub, each served
+  bucket by bucket through its group;
+* ``ipc`` (GPU): learner and generator on the same GPU, the generator copying out of the learner's mapped buffer;
+* ``bare``: a bare ``broadcast`` of the same number of bytes, one flat tensor, in a group of the same size (gloo
+  on CPU, NCCL on GPU), measured in the same run: the floor any transport is compared with.
+
+Generators are separate processes (``--role generator``), each a real transformers engine and
+:class:`generator.weight_receiver.WeightReceiver` polling as often as it would between engine calls; they report
+when they serve each version (wall clock, same host). The learner's side is the real
+:class:`learner.weight_sender.WeightPublisher`; its stall per publish (the copy into the send buffer) is compared
+with the forward + backward time of one micro-batch of the same model (a lower bound of a learner step).
+The last line is a JSON summary.
+
+    .venv/bin/python bench/weight_sync.py                        # CPU: tiny + 0.5B-shaped, http / gloo / bare
+    .venv/bin/python bench/weight_sync.py --models tiny --repeats 5
+    .venv/bin/python bench/weight_sync.py --device cuda          # + nccl / ipc (one GPU: ipc and http only)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+QWEN_SHAPE = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                  intermediate_size=4864, vocab_size=128, max_position_embeddings=32768, tie_word_embeddings=True,
+                  rope_theta=1000000.0, rms_norm_eps=1e-6, hidden_act="silu", use_sliding_window=False)
+
+
+def build_model_dir(name: str, out: Path, dtype: torch.dtype) -> Path:
+    """A model folder with random weights (nothing downloaded) and the demo's character tokenizer."""
+    from deploy.demo.tiny_model import TinyModelSpec, build_char_tokenizer, build_tiny_model, save_model_dir
+
+    tokenizer = build_char_tokenizer()
+    if name == "tiny":
+        model = build_tiny_model(tokenizer, TinyModelSpec(seed=1))
+    else:
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(Qwen2Config(**QWEN_SHAPE, bos_token_id=tokenizer.bos_token_id,
+                                             eos_token_id=tokenizer.eos_token_id,
+                                             pad_token_id=tokenizer.pad_token_id))
+    return save_model_dir(model.to(dtype), tokenizer, out)
+
+
+# ------------------------------------------------------------------------------------------- generator process
+def run_generator(args: argparse.Namespace) -> None:
+    """Sync as fast as a generator between engine calls would, print ``VERSION v wall_time`` per version."""
+    from generator.engines.hf import TransformersEngine
+    from generator.weight_receiver import WeightReceiver
+    from shared.client import HubClient, RetryPolicy
+    from shared.schema import WeightSyncConfig
+
+    torch.set_num_threads(1)
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    engine = TransformersEngine(args.model_dir, device=args.device, dtype=dtype)
+    cfg = WeightSyncConfig(transport=args.transport, bucket_mb=args.bucket_mb, timeout_s=60, join_timeout_s=600,
+                           poll_s=0.2)
+    client = HubClient(args.url, retry=RetryPolicy(max_retry_s=30))
+    receiver = WeightReceiver(engine, client, cfg, args.name, Path(args.work) / f"w-{args.name}")
+    have, ready = 0, args.transport == "http"
+    if ready:
+        print("READY", flush=True)
+    while True:
+        latest = receiver.sync(have)
+        if latest is not None:
+            have = latest
+            print(f"VERSION {latest} {time.time():.6f}", flush=True)
+        if not ready and getattr(engine, "_weight_group", None) is not None:
+            ready = True
+            print("READY", flush=True)
+        time.sleep(args.poll_every_s)
+
+
+class GeneratorProcess:
+    def __init__(self, args: argparse.Namespace, url: str, model_dir: Path, transport: str, name: str,
+                 device: str) -> None:
+        cmd = [sys.executable, __file__, "--role", "generator", "--url", url, "--model-dir", str(model_dir),
+               "--transport", transport, "--name", name, "--device", device, "--bucket-mb", str(args.bucket_mb),
+               "--work", args.work, "--poll-every-s", str(args.poll_every_s)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+        self.ready = threading.Event()
+        self.served: dict[int, float] = {}
+        self.changed = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            parts = line.split()
+            if parts[:1] == ["READY"]:
+                self.ready.set()
+            elif parts[:1] == ["VERSION"]:
+                with self.changed:
+                    self.served[int(parts[1])] = float(parts[2])
+                    self.changed.notify_all()
+
+    def wait_version(self, version: int, timeout_s: float) -> float:
+        deadline = time.monotonic() + timeout_s
+        with self.changed:
+            while version not in self.served:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise RuntimeError(f"generator never served version {version} (exit {self.proc.poll()})")
+                self.changed.wait(0.1)
+            return self.served[version]
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait(30)
+
+
+class HubProcess:
+    """The ref server (hub + relay, no reference model) in its own process, as in a run: its event loop must not
+    compete with the learner's threads for this process's GIL."""
+
+    def __init__(self, work: Path) -> None:
+        code = ("import sys, time; from tests.live_server import LiveServer, make_config; from pathlib import Path; "
+                "live = LiveServer(make_config(Path(sys.argv[1]))).__enter__(); print(live.url, flush=True); "
+                "time.sleep(10**6)")
+        root = Path(__file__).resolve().parents[1]
+        self.proc = subprocess.Popen([sys.executable, "-c", code, str(work)], stdout=subprocess.PIPE, text=True,
+                                     cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)})
+        self.url = self.proc.stdout.readline().strip()
+        if not self.url.startswith("http"):
+            raise RuntimeError("the hub did not start")
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait(30)
+
+
+# ------------------------------------------------------------------------------------------------ measurements
+def measure_transport(args, url: str, model, model_dir: Path, transport: str, devices: list[str],
+                      learner_device: torch.device, first_version: int) -> dict:
+    """Publish ``repeats`` versions; per version the time until every generator served it, and the stall."""
+    from learner.weight_sender import WeightPublisher
+    from shared.client import HubClient, RetryPolicy
+    from shared.schema import WeightSyncConfig
+
+    wire = {"gloo": "collective", "nccl": "collective", "ipc": "ipc", "http": "http"}[transport]
+    cfg = WeightSyncConfig(transport=wire, bucket_mb=args.bucket_mb, timeout_s=60, join_timeout_s=600, poll_s=0.2)
+    publisher = WeightPublisher(model, lambda: HubClient(url, retry=RetryPolicy(max_retry_s=60)), cfg, rank=0,
+                                world=1, device=learner_device, relay_version=HubClient(url).weights_version())
+    gens = [GeneratorProcess(args, url, model_dir, wire, f"{transport}-{i}", d) for i, d in enumerate(devices)]
+    try:
+        for g in gens:
+            if not g.ready.wait(600):
+                raise RuntimeError(f"{transport} generator did not get ready")
+        latencies, stalls = [], []
+        for version in range(first_version, first_version + args.repeats):
+            started = time.time()
+            stalls.append(publisher.publish(version))
+            done = max(g.wait_version(version, 600) for g in gens)
+            latencies.append(done - started)
+            time.sleep(0.2)  # let the sender post its bookkeeping before the next version
+        counters = publisher.metrics()
+    finally:
+        for g in gens:
+            g.stop()
+        publisher.close()
+    return {"publish_to_serving_s": statistics.median(latencies), "all_s": [round(x, 4) for x in latencies],
+            "stall_s": statistics.median(stalls), "skipped_busy": counters.get("weight_sync_skipped_busy", 0.0)}
+
+
+def measure_bare_broadcast(total_bytes: int, receivers: int, backend: str, devices: list[str], repeats: int) -> float:
+    """Median seconds of one broadcast of ``total_bytes`` (one flat tensor) from rank 0 to ``receivers`` ranks
+    in other processes, the same group construction as the transports."""
+    from shared.weight_sync import groups
+
+    store = groups.host_store("127.0.0.1", receivers + 1, 300)
+    address = groups.store_address("127.0.0.1", store.port)
+    code = ("import sys,torch; from shared.weight_sync import groups as g; "
+            "s=g.join_store('127.0.0.1',int(sys.argv[1]),int(sys.argv[2]),300); "
+            "pg=g.build_group(s,sys.argv[3],int(sys.argv[4]),int(sys.argv[2]),sys.argv[5],300); "
+            "t=torch.empty(int(sys.argv[6]),dtype=torch.uint8,device=sys.argv[7]); "
+            "[(g.broadcast(pg,t,300), g.agree_all_applied(pg,True,t.device,300)) for _ in range(int(sys.argv[8]))]")
+    root = Path(__file__).resolve().parents[1]
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(store.port), str(receivers + 1), address, str(r + 1),
+                               backend, str(total_bytes), devices[r], str(repeats)], cwd=root,
+                              env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)})
+             for r in range(receivers)]
+    group = groups.build_group(store, address, 0, receivers + 1, backend, 300)
+    device = torch.device(devices[0] if backend == "nccl" else "cpu")
+    tensor = torch.ones(total_bytes, dtype=torch.uint8, device=device)
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        groups.broadcast(group, tensor, 300)
+        groups.agree_all_applied(group, True, device, 300)  # every receiver has the bytes
+        times.append(time.perf_counter() - started)
+    for p in procs:
+        p.wait(120)
+    groups.close_group(group)
+    return statistics.median(times)
+
+
+def step_time(model, device: torch.device, batch: int = 4, seq: int = 64) -> float:
+    """Forward + backward of one micro-batch: a lower bound of the learner's step time for this model."""
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=device)
+    times = []
+    for _ in range(2):
+        started = time.perf_counter()
+        model(input_ids=ids, labels=ids).loss.backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - started)
+        model.zero_grad(set_to_none=True)
+    return min(times)
+
+
+def bench_model(args, name: str, live_url: str, first_version: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    on_gpu = args.device == "cuda"
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    model_dir = build_model_dir(name, Path(args.work) / name, dtype)
+    learner_device = torch.device("cuda:0" if on_gpu else "cpu")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(learner_device)
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    n_gen = args.generators if args.generators else (2 if name == "tiny" else 1)
+    result: dict = {"params": sum(p.numel() for p in model.parameters()), "bytes": total, "generators": n_gen}
+    version = first_version
+    gpus = torch.cuda.device_count() if on_gpu else 0
+    plans = [("http", ["cpu"] * n_gen if not on_gpu else ["cuda:0"] * n_gen)]
+    if not on_gpu:
+        plans.append(("gloo", ["cpu"] * n_gen))
+    elif gpus > n_gen:
+        plans.append(("nccl", [f"cuda:{i + 1}" for i in range(n_gen)]))
+    if on_gpu:
+        plans.append(("ipc", ["cuda:0"] * n_gen))
+    for transport, devices in plans:
+        print(f"[{name}] {transport}: {n_gen} generator(s) on {devices}", flush=True)
+        result[transport] = measure_transport(args, live_url, model, model_dir, transport, devices,
+                                              learner_device, version)
+        version += args.repeats + 1
+        print(f"[{name}] {transport}: {json.dumps(result[transport])}", flush=True)
+    bare_backend, bare_devices = ("nccl", [f"cuda:{i + 1}" for i in range(n_gen)]) if gpus > n_gen else (
+        "gloo", ["cpu"] * n_gen)
+    result["bare_broadcast_s"] = measure_bare_broadcast(total, n_gen, bare_backend, bare_devices, args.repeats)
+    result["bare_backend"] = bare_backend
+    result["step_fwd_bwd_s"] = step_time(model, learner_device)
+    http = result["http"]["publish_to_serving_s"]
+    for transport, _ in plans:
+        r = result[transport]
+        r["vs_http"] = r["publish_to_serving_s"] / http
+        r["vs_bare"] = r["publish_to_serving_s"] / result["bare_broadcast_s"]
+        r["stall_vs_step"] = r["stall_s"] / result["step_fwd_bwd_s"]
+    return result, version
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--role", choices=["bench", "generator"], default="bench")
+    parser.add_argument("--models", default="tiny,qwen0.5b-shape", help="comma list of tiny, qwen0.5b-shape")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--repeats", type=int, default=3, help="versions published per transport")
+    parser.add_argument("--generators", type=int, default=0, help="generators (default: 2 tiny, 1 for 0.5B)")
+    parser.add_argument("--bucket-mb", type=float, default=256.0)
+    parser.add_argument("--poll-every-s", type=float, default=0.01, help="generator's pause between syncs")
+    parser.add_argument("--url"), parser.add_argument("--model-dir"), parser.add_argument("--transport")
+    parser.add_argument("--name"), parser.add_argument("--work", default=None)
+    args = parser.parse_args(argv)
+    if args.role == "generator":
+        args.device = args.device if args.device != "cuda" else "cuda:0"
+        run_generator(args)
+        return 0
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device visible")
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    with tempfile.TemporaryDirectory(prefix="bench-weight-sync-") as work:
+        args.work = work
+        summary: dict = {"bench": "weight_sync", "device": args.device, "cpus": os.cpu_count(),
+                         "loadavg_start": list(os.getloadavg()), "bucket_mb": args.bucket_mb,
+                         "repeats": args.repeats, "models": {}}
+        for name in args.models.split(","):  # a hub per model: the relay holds one model's versions
+            hub = HubProcess(Path(work) / f"hub-{name}")
+            try:
+                summary["models"][name], _ = bench_model(args, name, hub.url, 1)
+            finally:
+                hub.stop()
+        summary["loadavg_end"] = list(os.getloadavg())
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
