@@ -85,7 +85,7 @@ def run_generator(args: argparse.Namespace) -> None:
         if latest is not None:
             have = latest
             print(f"VERSION {latest} {time.time():.6f}", flush=True)
-        if not ready and getattr(engine, "_weight_group", None) is not None:
+        if not ready and receiver.connected:
             ready = True
             print("READY", flush=True)
         time.sleep(args.poll_every_s)

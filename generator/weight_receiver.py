@@ -58,6 +58,7 @@ class WeightReceiver:
         self.refused_nonfinite = 0
         self.failed_receives = 0
         self.last_load_s = 0.0
+        self.connected = False              # the engine holds a group with the learner
 
     # -- the loop's entry point ----------------------------------------------------------------------------
     def sync(self, have: int) -> int | None:
@@ -139,11 +140,13 @@ class WeightReceiver:
             self.close()
             self.mode = "http"
             return loaded
+        self.connected = True
         log.info("weight sync: connected to %s (%s)", offer["group_id"], offer["backend"])
         return loaded
 
     def _disconnect(self) -> None:
         self.member_id = None
+        self.connected = False
         if hasattr(self.engine, "disconnect_weight_group"):
             self.engine.disconnect_weight_group()
 

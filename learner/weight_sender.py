@@ -126,6 +126,8 @@ class _MemberLink:
 
     def _run(self) -> None:
         cfg, sender = self.sender.cfg, self.sender
+        if sender.buffer.device.type == "cuda":
+            torch.cuda.set_device(sender.buffer.device)  # a new thread starts on GPU 0; NCCL uses the current one
         try:
             self.group = groups.build_group(self.store, self.address, 0, self.world, self.backend, cfg.timeout_s)
             self.store.set_timeout(timedelta(seconds=cfg.timeout_s))

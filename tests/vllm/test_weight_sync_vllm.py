@@ -53,6 +53,10 @@ def test_vllm_engine_receives_versions_through_its_worker_extension(model_dir, t
             try:
                 before = [g[0].token_ids for g in greedy(engine, ids)]
                 have, deadline = 0, time.monotonic() + 60
+                while not receiver.connected:  # joined through the hub before the first version
+                    assert time.monotonic() < deadline, "the vLLM engine never connected"
+                    assert receiver.sync(have) is None
+                    time.sleep(0.02)
                 for version in (1, 2):
                     gen = torch.Generator().manual_seed(version)
                     with torch.no_grad():
