@@ -17,7 +17,9 @@ fixed seed; nothing is downloaded). Presets:
   x 8 completions, 256 prompt + 1024 completion tokens, 1 micro-batch.
 
 Batch: ``--groups`` :class:`shared.protocol.RolloutGroup` of ``--group-size`` completions, random prompt and
-completion ids (every completion full length, so no padding), uniform random rewards, behaviour logprobs
+completion ids (every completion full length, so no padding, unless ``--completion-len-min`` makes each
+completion's length uniform in [min, ``--completion-len``]: mixed lengths, as real rollouts have), uniform
+random rewards, behaviour logprobs
 ``-U(log V - 0.5, log V + 0.5)`` (about what a random-weight model assigns, so importance ratios are ~1 rather
 than all clipped), reference logprobs = behaviour + U(-0.1, 0.1); :meth:`TrainBatch.from_groups` and the learner compute the
 GRPO advantages.
@@ -36,7 +38,13 @@ peak-RSS counter (``/proc/self/clear_refs`` <- ``5``), runs the steps, and repor
 state the engine adds: weights' copies, gradient buffers, optimizer states). On CUDA: ``max_memory_allocated``
 - ``memory_allocated`` before (after ``reset_peak_memory_stats``), plus the absolute ``max_memory_allocated``.
 MFU (CUDA) = 6 x parameters x tokens/s / ``--peak-tflops`` (default 989: H100 SXM bf16 dense); the JSON also
-holds the variant with the attention term (6N + 12 x layers x hidden x sequence length per token).
+holds the variant with the attention term (6N + 12 x layers x hidden x sequence length per token). tokens/s
+counts real tokens (prompt + completion of every row), never padding.
+
+Layouts: ``--packings`` runs every stage with each ``learner.packing`` value (``padded``, ``packed``, ``auto``;
+default the learner's default ``auto``), ``--micro-batch-tokens`` sets ``learner.micro_batch_tokens``. Ratios are
+against the first (stage, packing) row of the same run; the first-step losses of all rows must agree (packing
+changes the layout, not the numbers).
 
 With one process ZeRO-2/3 partition nothing across ranks (a world of one holds every partition), but their
 code paths do run: ZeRO-2's flat fp32 gradient/optimizer partitions and bucketed reductions, ZeRO-3's
@@ -47,6 +55,7 @@ Run from the repository root::
 
     .venv/bin/python bench/learner_throughput.py                                  # CPU, cpu-small, ZeRO 0 2 3
     .venv/bin/python bench/learner_throughput.py --gradient-checkpointing
+    .venv/bin/python bench/learner_throughput.py --zero-stages 0 --completion-len-min 16 --packings padded packed
     .venv/bin/python bench/learner_throughput.py --device cuda                    # qwen2.5-0.5b preset, bf16
     .venv/bin/python bench/learner_throughput.py --preset qwen2.5-0.5b --device cuda --dry-run  # no GPU used
 
@@ -132,12 +141,14 @@ def synthetic_batch(args: argparse.Namespace, vocab: int):
     g, p, c = args.group_size, args.prompt_len, args.completion_len
     centre = math.log(vocab)
     groups, refs = [], []
+    shortest = args.completion_len_min if args.completion_len_min is not None else c
     for i in range(args.groups):
         behaviour = -(centre - 0.5 + torch.rand(g, c, generator=gen))
+        lengths = torch.randint(shortest, c + 1, (g,), generator=gen)
         group = RolloutGroup(
             prompt_ids=torch.randint(0, vocab, (p,), generator=gen),
             completion_ids=torch.randint(0, vocab, (g, c), generator=gen),
-            completion_lengths=torch.full((g,), c, dtype=torch.long),
+            completion_lengths=lengths,
             behaviour_logprobs=behaviour,
             rewards=torch.rand(g, generator=gen),
             finish_reasons=["stop"] * g, policy_version=0, generator_id="bench",
@@ -176,7 +187,8 @@ def _child(args: argparse.Namespace) -> None:
     cfg = LearnerConfig(model=f"random-init:{args.preset}", zero_stage=args.zero_stage,
                         groups_per_step=args.groups, micro_batches=args.micro_batches,
                         precision=args.precision, gradient_checkpointing=args.gradient_checkpointing,
-                        lr=args.lr, device=args.device)
+                        lr=args.lr, device=args.device, packing=args.packing,
+                        micro_batch_tokens=args.micro_batch_tokens)
     loss_cfg = LossConfig(beta=0.04)
     dtype = torch.bfloat16 if uses_bf16(cfg, device) else torch.float32
 
@@ -190,7 +202,9 @@ def _child(args: argparse.Namespace) -> None:
 
     batch = synthetic_batch(args, config.vocab_size)
     tokens = int((batch.prompt_lengths + batch.completion_lengths).sum())
-    micro = split_micro_batches(batch, batch_advantages(batch, AdvantageConfig()), cfg.micro_batches, cfg.mask_truncated, device)
+    micro = split_micro_batches(batch, batch_advantages(batch, AdvantageConfig()), cfg.micro_batches,
+                                cfg.mask_truncated, device, token_budget=cfg.micro_batch_tokens, packing=cfg.packing)
+    padded_tokens = sum(mb.input_ids.numel() for mb in micro)
 
     t0 = time.perf_counter()
     engine = create_engine(cfg, model, device)
@@ -246,6 +260,9 @@ def _child(args: argparse.Namespace) -> None:
     step_s = statistics.median(times) if times else first_step_s
     result = {
         "zero_stage": args.zero_stage,
+        "packing": args.packing,
+        "micro_batches": len(micro),
+        "padded_tokens_per_step": padded_tokens,
         "device": str(device),
         "dtype": str(dtype).removeprefix("torch."),
         "n_params": n_params,
@@ -300,20 +317,24 @@ def _combine(results: list[dict]) -> dict:
     return row
 
 
-def _run_child(args: argparse.Namespace, stage: int, round_: int = 0) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--_child", "--zero-stage", str(stage),
+def _run_child(args: argparse.Namespace, stage: int, packing: str, round_: int = 0) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--_child", "--zero-stage", str(stage), "--packing", packing,
            "--preset", args.preset, "--device", args.device, "--precision", args.precision,
            "--groups", str(args.groups), "--group-size", str(args.group_size),
            "--prompt-len", str(args.prompt_len), "--completion-len", str(args.completion_len),
            "--micro-batches", str(args.micro_batches), "--steps", str(args.steps), "--lr", str(args.lr),
            "--seed", str(args.seed), "--rounds", "1"]
+    if args.completion_len_min is not None:
+        cmd += ["--completion-len-min", str(args.completion_len_min)]
+    if args.micro_batch_tokens is not None:
+        cmd += ["--micro-batch-tokens", str(args.micro_batch_tokens)]
     if args.gradient_checkpointing:
         cmd.append("--gradient-checkpointing")
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
     env.pop("RANK", None)  # a fresh world of one per child, whatever launched the parent
     env.pop("WORLD_SIZE", None)
-    print(f"  running ZeRO-{stage}{f' (round {round_ + 1}/{args.rounds})' if args.rounds > 1 else ''} ...",
+    print(f"  running ZeRO-{stage} {packing}{f' (round {round_ + 1}/{args.rounds})' if args.rounds > 1 else ''} ...",
           file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
@@ -328,7 +349,7 @@ def _run_child(args: argparse.Namespace, stage: int, round_: int = 0) -> dict:
     tail = "\n".join((proc.stdout + "\n" + proc.stderr).strip().splitlines()[-60:])
     print(f"  ZeRO-{stage} FAILED (exit code {proc.returncode}); last lines:\n{tail}", file=sys.stderr,
           flush=True)
-    return {"zero_stage": stage, "ok": False, "returncode": proc.returncode, "error_tail": tail,
+    return {"zero_stage": stage, "packing": packing, "ok": False, "returncode": proc.returncode, "error_tail": tail,
             "child_wall_s": wall}
 
 
@@ -343,6 +364,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--group-size", type=int, default=None, help="completions per group")
     parser.add_argument("--prompt-len", type=int, default=None)
     parser.add_argument("--completion-len", type=int, default=None)
+    parser.add_argument("--completion-len-min", type=int, default=None,
+                        help="each completion's length uniform in [this, --completion-len] (default: all full)")
+    parser.add_argument("--packings", nargs="+", choices=["auto", "packed", "padded"], default=["auto"],
+                        help="learner.packing values to run every stage with (ratios against the first)")
+    parser.add_argument("--micro-batch-tokens", type=int, default=None, help="LearnerConfig.micro_batch_tokens")
     parser.add_argument("--micro-batches", type=int, default=None, help="LearnerConfig.micro_batches")
     parser.add_argument("--steps", type=int, default=None, help="timed steps after 1 warm-up step (median "
                         "reported; default 5 on CPU, 10 on CUDA)")
@@ -367,6 +393,7 @@ def main(argv: list[str] | None = None) -> int:
                              "disagree")
     parser.add_argument("--_child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--zero-stage", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--packing", default="auto", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
     if args.device == "auto":
@@ -389,8 +416,9 @@ def main(argv: list[str] | None = None) -> int:
 
     config = model_config(args.preset)
     n_params = count_params(config)
-    seq_len = args.prompt_len + args.completion_len
-    tokens = args.groups * args.group_size * seq_len
+    shortest = args.completion_len_min if args.completion_len_min is not None else args.completion_len
+    seq_len = args.prompt_len + (shortest + args.completion_len) / 2  # mean row length
+    tokens = round(args.groups * args.group_size * seq_len)
     fpt = flops_per_token(n_params, config, seq_len)
     precision = args.precision if args.precision != "auto" else ("bf16" if args.device == "cuda" else
                                                                  "fp32" if args.device == "cpu" else "auto")
@@ -399,9 +427,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{config.num_key_value_heads} KV, intermediate {config.intermediate_size}, vocab "
           f"{config.vocab_size}, tied embeddings {config.tie_word_embeddings}), {n_params / 1e6:.2f} M "
           f"parameters", flush=True)
+    lengths = f"{shortest}..{args.completion_len}" if shortest != args.completion_len else f"{args.completion_len}"
     print(f"  batch: {args.groups} groups x {args.group_size} completions x ({args.prompt_len} prompt + "
-          f"{args.completion_len} completion) tokens = {tokens} tokens/step, {args.micro_batches} "
-          f"micro-batch(es); beta 0.04 with reference logprobs; device {args.device}, precision "
+          f"{lengths} completion) tokens = ~{tokens} tokens/step, {args.micro_batches} "
+          f"micro-batch(es){f', micro_batch_tokens {args.micro_batch_tokens}' if args.micro_batch_tokens else ''}; "
+          f"packing {' / '.join(args.packings)}; beta 0.04 with reference logprobs; device {args.device}, precision "
           f"{precision}, gradient checkpointing {'on' if args.gradient_checkpointing else 'off'}; 1 warm-up "
           f"+ {args.steps} timed steps per stage"
           f"{f', {args.rounds} interleaved rounds' if args.rounds > 1 else ''}", flush=True)
@@ -424,13 +454,14 @@ def main(argv: list[str] | None = None) -> int:
 
     # Rounds run the stages interleaved (0 2 3 0 2 3 ...): a change in the machine's load hits every stage.
     load_start = _loadavg()
-    runs = {stage: [] for stage in args.zero_stages}
+    keys = [(stage, packing) for stage in args.zero_stages for packing in args.packings]
+    runs = {key: [] for key in keys}
     for round_ in range(args.rounds):
-        for stage in args.zero_stages:
-            runs[stage].append(_run_child(args, stage, round_))
-    rows = [_combine(runs[stage]) for stage in args.zero_stages]
+        for stage, packing in keys:
+            runs[stage, packing].append(_run_child(args, stage, packing, round_))
+    rows = [_combine(runs[key]) for key in keys]
     good = [r for r in rows if r["ok"]]
-    base = next((r for r in good if r["zero_stage"] == args.zero_stages[0]), None)
+    base = next((r for r in good if (r["zero_stage"], r["packing"]) == keys[0]), None)
     for r in good:
         r["tokens_per_s_ratio"] = r["tokens_per_s"] / base["tokens_per_s"] if base else None
         r["best_tokens_per_s_ratio"] = r["best_tokens_per_s"] / base["best_tokens_per_s"] if base else None
@@ -441,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
             r["mfu"] = r["achieved_tflops"] / args.peak_tflops
             r["mfu_with_attention"] = fpt["6N+attn"] * r["tokens_per_s"] / 1e12 / args.peak_tflops
 
-    every = [r for stage in args.zero_stages for r in runs[stage] if r["ok"]]  # all rounds: must all agree
+    every = [r for key in keys for r in runs[key] if r["ok"]]  # all rounds: must all agree
     first_losses = [r["first_step_loss"] for r in every]
     last_losses = [r["losses"][-1] for r in every if r["losses"]]
     first_diff = max(first_losses) - min(first_losses) if len(first_losses) > 1 else 0.0
@@ -457,8 +488,9 @@ def main(argv: list[str] | None = None) -> int:
     finite = all(r["all_finite"] for r in good)
     ok = len(good) == len(rows) and finite and agree and updates_agree
 
-    ref = f"vs ZeRO-{args.zero_stages[0]}"
-    header = (f"{'stage':<7} {'tokens/s':>10} {ref:>9} {'step s':>8} {'best tok/s':>10} {ref:>9} "
+    ref = "vs first"
+    header = (f"{'stage':<7} {'packing':<7} {'mb':>3} {'pad %':>6} {'tokens/s':>10} {ref:>9} {'step s':>8} "
+              f"{'best tok/s':>10} {ref:>9} "
               f"{'peak extra MiB':>14} {ref:>9} "
               f"{'peak total MiB':>14} {'steady MiB':>10} {'first-step loss':>16} {'grad norm':>10} "
               f"{'last loss':>12}")
@@ -469,11 +501,13 @@ def main(argv: list[str] | None = None) -> int:
     print("-" * len(header))
     for r in rows:
         if not r["ok"]:
-            print(f"ZeRO-{r['zero_stage']:<2} FAILED (exit code {r['returncode']}; see the error above and "
+            print(f"ZeRO-{r['zero_stage']:<2} {r['packing']:<7} FAILED (exit code {r['returncode']}; see the error above and "
                   f"in the JSON)")
             continue
         ratio = lambda v: f"{v:>9.3f}" if v is not None else f"{'-':>9}"  # noqa: E731
-        line = (f"ZeRO-{r['zero_stage']:<2} {r['tokens_per_s']:>10.1f} {ratio(r['tokens_per_s_ratio'])} "
+        padding = 100 * (1 - r["tokens_per_step"] / r["padded_tokens_per_step"])
+        line = (f"ZeRO-{r['zero_stage']:<2} {r['packing']:<7} {r['micro_batches']:>3} {padding:>6.1f} "
+                f"{r['tokens_per_s']:>10.1f} {ratio(r['tokens_per_s_ratio'])} "
                 f"{r['step_s']:>8.3f} {r['best_tokens_per_s']:>10.1f} {ratio(r['best_tokens_per_s_ratio'])} "
                 f"{r['peak_extra_mib']:>14.1f} {ratio(r['peak_extra_ratio'])} "
                 f"{r['peak_total_mib']:>14.1f} {r['steady_mib']:>10.1f} {r['first_step_loss']:>16.8f} "
@@ -484,13 +518,14 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
     print()
     if good:
-        print(f"first-step loss (same model, data, seed; before any update): max difference across stages "
+        print(f"first-step loss (same model, data, seed; before any update): max difference across rows "
               f"{first_diff:.3e} (tolerance {tol:g} x max(|loss|, 1)): {'AGREE' if agree else 'DISAGREE'}")
         print(f"last loss (after the warm-up + {args.steps} updates): max difference {last_diff:.3e}: "
               f"{'AGREE' if updates_agree else 'DISAGREE: the stages applied different updates'}; first-step "
               f"grad norm (pre-clip, where DeepSpeed reports one) max relative difference {norm_diff:.3e}; "
               f"all losses finite: {finite}")
-        print("tokens/s: median step of the median round; best tok/s: the fastest timed step of any round "
+        print("mb: micro-batches; pad %: padding in the padded [rows, width] micro-batches (what packing removes)")
+        print("tokens/s: real tokens (no padding), median step of the median round; best tok/s: the fastest timed step of any round "
               "(less sensitive to other work on a shared machine)")
         print(f"memory method: {good[0]['method']}; 'steady' = "
               f"{'memory_allocated' if args.device == 'cuda' else 'VmRSS'} after the warm-up step (weights, "
@@ -499,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
               + ", ".join(f"ZeRO-{r['zero_stage']} {r['achieved_tflops'] * 1e3:.1f}" for r in good)
               + " GFLOPS (6N x tokens/s)")
     if len(good) < len(rows):
-        print("FAILED stages: " + ", ".join(f"ZeRO-{r['zero_stage']}" for r in rows if not r["ok"]))
+        print("FAILED: " + ", ".join(f"ZeRO-{r['zero_stage']} {r['packing']}" for r in rows if not r["ok"]))
 
     summary = {
         "benchmark": "learner_throughput",
@@ -509,7 +544,8 @@ def main(argv: list[str] | None = None) -> int:
         "device": args.device,
         "precision": precision,
         "groups": args.groups, "group_size": args.group_size, "prompt_len": args.prompt_len,
-        "completion_len": args.completion_len, "micro_batches": args.micro_batches,
+        "completion_len": args.completion_len, "completion_len_min": shortest, "micro_batches": args.micro_batches,
+        "micro_batch_tokens": args.micro_batch_tokens, "packings": args.packings,
         "tokens_per_step": tokens,
         "gradient_checkpointing": args.gradient_checkpointing,
         "steps": args.steps,

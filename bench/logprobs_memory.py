@@ -5,8 +5,8 @@ Compares, on one sequence of ``T`` completion tokens (batch 1) with a Qwen2.5-0.
 
 * ``naive``:   ``logits = lm_head(hidden).float(); logits.log_softmax(-1).gather(-1, targets[:, None])``
 * ``chunked``: :func:`shared.logprobs.logprobs_from_hidden` (LM head applied ``chunk_tokens`` rows at a time,
-  default ``chunk_tokens_for(vocab)`` = 128 MiB of fp32 logits; activation checkpointing per chunk when
-  autograd is on).
+  default the library's per-device ``chunk_tokens_for(vocab, device=...)``: 128 MiB of fp32 logits on CPU, 512
+  MiB on a GPU with the free memory for it; a hand-written backward recomputes one chunk's logits at a time).
 
 Forward only by default (under ``torch.no_grad()``, the scoring path); ``--backward`` measures forward +
 backward of ``logprobs.sum()`` w.r.t. the hidden states and the head weight (the training path).
@@ -28,8 +28,8 @@ Run from the repository root::
     .venv/bin/python bench/logprobs_memory.py --backward --repeats 1
     .venv/bin/python bench/logprobs_memory.py --seq-lens 4096 --chunk-tokens 64 128 256 512 1024 --repeats 1
 
-Targets (from the issue, checked at every T, informational unless ``--strict``): chunked peak extra memory
-<= 1/8 of naive, chunked time <= 1.2x naive.
+Targets (from issue 14, checked at every T, informational unless ``--strict``): chunked peak extra memory
+<= 1/8 of naive; chunked time <= 1.1x naive forward, <= 1.4x naive forward + backward.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from pathlib import Path
 
 MIB = 2**20
 MEMORY_RATIO_TARGET = 1 / 8
-TIME_RATIO_TARGET = 1.2
+TIME_RATIO_TARGET = {"forward": 1.1, "forward+backward": 1.4}
 
 
 # ----------------------------------------------------------------------------------------------- child side
@@ -88,7 +88,7 @@ def _child(args: argparse.Namespace) -> None:
     hidden.requires_grad_(args.backward)
     del weight
 
-    chunk_tokens = args.chunk_tokens or chunk_tokens_for(vocab)
+    chunk_tokens = args.chunk_tokens or chunk_tokens_for(vocab, device=device)
 
     def run_variant() -> torch.Tensor:
         if args.variant == "naive":
@@ -246,8 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     from shared.logprobs import chunk_tokens_for
 
     chunk_list = args.chunk_tokens or [None]
-    default_chunk = chunk_tokens_for(args.vocab)
+    default_chunk = chunk_tokens_for(args.vocab, device=args.device)
     mode = "forward+backward" if args.backward else "forward"
+    time_target = TIME_RATIO_TARGET[mode]
     dtype = "bf16 weights/hidden, fp32 logits" if args.device == "cuda" else "fp32"
     print(f"logprobs memory benchmark: {mode}, device={args.device} ({dtype}), vocab={args.vocab}, "
           f"hidden={args.hidden}, batch=1, repeats={args.repeats} (+1 warm-up = the memory run), "
@@ -268,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
                 res["mem_ratio"] = res["peak_extra_mib"] / naive["peak_extra_mib"]
                 res["time_ratio"] = res["time_s"] / naive["time_s"]
                 res["mem_pass"] = res["mem_ratio"] <= MEMORY_RATIO_TARGET
-                res["time_pass"] = res["time_ratio"] <= TIME_RATIO_TARGET
+                res["time_pass"] = res["time_ratio"] <= time_target
                 res["agree"] = all(v <= tol for k, v in res.items() if k.endswith("_diff"))
                 ok = ok and res["mem_pass"] and res["time_pass"] and res["agree"]
                 rows.append(res)
@@ -276,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
             os.remove(naive_file)
 
     header = (f"{'T':>6} {'variant':<16} {'peak extra MiB':>14} {'time s':>8} {'mem ratio':>10} "
-              f"{'time ratio':>10}  {'max|dlogp|':>10}  targets (mem<=1/8, time<=1.2x)")
+              f"{'time ratio':>10}  {'max|dlogp|':>10}  targets (mem<=1/8, time<={time_target}x)")
     print()
     print(header)
     print("-" * len(header))

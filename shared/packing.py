@@ -110,7 +110,7 @@ def linear_flops_per_token(model: nn.Module) -> float:
     config = getattr(model, "config", None)
     hidden = int(getattr(config, "hidden_size", 0) or 0)
     vocab = int(getattr(config, "vocab_size", 0) or 0)
-    total = sum(p.numel() for p in model.parameters())
+    total = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3: the full size
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     tied = head is not None and head.weight is getattr(model.get_input_embeddings(), "weight", None)
     body = total - vocab * hidden * (1 if tied else 2)

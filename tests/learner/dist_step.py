@@ -1,10 +1,12 @@
 """One learner step under torchrun (or alone): used by test_distributed.py.
 
-    torchrun --nproc_per_node W tests/learner/dist_step.py MODEL_DIR GROUPS_DIR OUT_DIR MICRO_BATCHES SCALE
+    torchrun --nproc_per_node W tests/learner/dist_step.py MODEL_DIR GROUPS_DIR OUT_DIR MICRO_BATCHES SCALE \
+        [TOKEN_BUDGET PACKING]
 
 Rank r takes its share of the groups (in order); rank 0 writes the loss, metrics and parameters after the step.
 With SCALE ``batch`` the advantages divide by the std of every rank's rewards (all-reduced), so W ranks must give
-what one rank with all the groups gives."""
+what one rank with all the groups gives. With TOKEN_BUDGET the micro-batches are cut by tokens (learner.micro_batch_tokens)
+and laid out by PACKING; rank 0 writes how many micro-batches it ran."""
 
 import json
 import sys
@@ -24,6 +26,8 @@ from shared.schema import AdvantageConfig, LearnerConfig, LossConfig
 def main() -> None:
     model_dir, groups_dir, out_dir, micro = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])
     scale = sys.argv[5]
+    token_budget = int(sys.argv[6]) if len(sys.argv) > 6 else None
+    packing = sys.argv[7] if len(sys.argv) > 7 else "padded"
     ensure_single_process_env()
     init_distributed(torch.device("cpu"))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -38,12 +42,17 @@ def main() -> None:
                         grad_clip=1.0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     engine = create_engine(cfg, model, torch.device("cpu"))
-    outcome = grpo_step(engine, split_micro_batches(batch, advantages, micro, False, torch.device("cpu")),
+    pieces = split_micro_batches(batch, advantages, micro, False, torch.device("cpu"), token_budget=token_budget,
+                                 packing=packing)
+    outcome = grpo_step(engine, pieces,
                         LossConfig(beta=0.04, aggregation="token-mean"), temperature=1.0, old_mode="behaviour",
                         world_size=world, log_entropy=False, chunk_tokens=None)
+    counts = [None] * world
+    dist.all_gather_object(counts, len(pieces))
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "result.json").write_text(json.dumps({"loss": outcome.loss, **outcome.metrics}))
+        (out_dir / "result.json").write_text(json.dumps({"loss": outcome.loss, "micro_batches_per_rank": counts,
+                                                         **outcome.metrics}))
         save_file({n: p.detach().contiguous() for n, p in engine.module.named_parameters()},
                   str(out_dir / "params.safetensors"))
     dist.barrier()
