@@ -100,6 +100,12 @@ def create_engine(cfg: LearnerConfig, model: torch.nn.Module, device: torch.devi
 
     match_accelerator(device)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if cfg.attn_implementation is not None:
+        try:
+            model.set_attn_implementation(cfg.attn_implementation)
+        except (ImportError, ValueError) as exc:
+            raise LearnerSetupError(f"learner.attn_implementation {cfg.attn_implementation!r}: {exc}") from None
+        log.info("learner: %s attention", model.config._attn_implementation)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False

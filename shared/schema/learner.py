@@ -72,6 +72,10 @@ class LearnerConfig(StrictModel):
     batch_wait_s: float = Field(10.0, ge=0, description="Long-poll wait of one batch request.")
     retry_max_s: float = Field(300.0, gt=0, description="How long an unreachable hub is retried before failing.")
     device: str = Field("auto", description="'auto', 'cpu' or 'cuda' (each rank uses its LOCAL_RANK GPU).")
+    attn_implementation: str | None = Field(
+        None, description="Attention kernel of the policy, set on the loaded model (transformers' "
+        "attn_implementation): 'sdpa', 'eager', 'flash_attention_2' (needs the flash-attn package; variable-length "
+        "kernel, so packed rows cost no N^2 mask), 'flex_attention'. Null: transformers' default (sdpa).")
     logprob_chunk_tokens: int | None = Field(None, ge=1, description="Tokens per LM-head chunk in the logprob "
                                              "computation (null: 128 MiB of fp32 logits per chunk on CPU, 512 "
                                              "MiB on a GPU, less when its free memory is short).")

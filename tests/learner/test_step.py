@@ -405,3 +405,12 @@ def test_cpu_device_selects_deepspeeds_cpu_accelerator():
         assert get_accelerator().device_name() == "cpu"
     finally:
         set_accelerator(original)
+
+
+def test_attn_implementation_is_set_on_the_model_or_refused_by_name(distributed, tiny_model_dir):
+    from learner.engine import LearnerSetupError
+
+    engine = make_engine(tiny_model_dir, attn_implementation="eager")
+    assert engine.module.config._attn_implementation == "eager"
+    with pytest.raises(LearnerSetupError, match="learner.attn_implementation 'no_such_kernel'"):
+        make_engine(tiny_model_dir, attn_implementation="no_such_kernel")
