@@ -41,10 +41,11 @@ MFU (CUDA) = 6 x parameters x tokens/s / ``--peak-tflops`` (default 989: H100 SX
 holds the variant with the attention term (6N + 12 x layers x hidden x sequence length per token). tokens/s
 counts real tokens (prompt + completion of every row), never padding.
 
-Layouts: ``--packings`` runs every stage with each ``learner.packing`` value (``padded``, ``packed``, ``auto``;
-default the learner's default ``auto``), ``--micro-batch-tokens`` sets ``learner.micro_batch_tokens``. Ratios are
-against the first (stage, packing) row of the same run; the first-step losses of all rows must agree (packing
-changes the layout, not the numbers).
+Layouts: ``--layouts`` runs every stage with each ``PACKING[:TOKENS]``: ``learner.packing`` (``padded``,
+``packed``, ``auto``; default the learner's default ``auto``) and optionally ``learner.micro_batch_tokens``
+(without it, ``--micro-batches`` whole-group micro-batches: the learner before token budgets). Ratios are against
+the first (stage, layout) row of the same run; the first-step losses of all rows must agree (the layout changes
+how the work is cut, not the numbers).
 
 With one process ZeRO-2/3 partition nothing across ranks (a world of one holds every partition), but their
 code paths do run: ZeRO-2's flat fp32 gradient/optimizer partitions and bucketed reductions, ZeRO-3's
@@ -55,7 +56,8 @@ Run from the repository root::
 
     .venv/bin/python bench/learner_throughput.py                                  # CPU, cpu-small, ZeRO 0 2 3
     .venv/bin/python bench/learner_throughput.py --gradient-checkpointing
-    .venv/bin/python bench/learner_throughput.py --zero-stages 0 --completion-len-min 16 --packings padded packed
+    .venv/bin/python bench/learner_throughput.py --zero-stages 0 --completion-len-min 16 \
+        --layouts padded packed auto:544 packed:544
     .venv/bin/python bench/learner_throughput.py --device cuda                    # qwen2.5-0.5b preset, bf16
     .venv/bin/python bench/learner_throughput.py --preset qwen2.5-0.5b --device cuda --dry-run  # no GPU used
 
@@ -260,7 +262,7 @@ def _child(args: argparse.Namespace) -> None:
     step_s = statistics.median(times) if times else first_step_s
     result = {
         "zero_stage": args.zero_stage,
-        "packing": args.packing,
+        "layout": args.packing + (f":{args.micro_batch_tokens}" if args.micro_batch_tokens else ""),
         "micro_batches": len(micro),
         "padded_tokens_per_step": padded_tokens,
         "device": str(device),
@@ -317,7 +319,8 @@ def _combine(results: list[dict]) -> dict:
     return row
 
 
-def _run_child(args: argparse.Namespace, stage: int, packing: str, round_: int = 0) -> dict:
+def _run_child(args: argparse.Namespace, stage: int, layout: str, round_: int = 0) -> dict:
+    packing, _, budget = layout.partition(":")
     cmd = [sys.executable, os.path.abspath(__file__), "--_child", "--zero-stage", str(stage), "--packing", packing,
            "--preset", args.preset, "--device", args.device, "--precision", args.precision,
            "--groups", str(args.groups), "--group-size", str(args.group_size),
@@ -326,15 +329,15 @@ def _run_child(args: argparse.Namespace, stage: int, packing: str, round_: int =
            "--seed", str(args.seed), "--rounds", "1"]
     if args.completion_len_min is not None:
         cmd += ["--completion-len-min", str(args.completion_len_min)]
-    if args.micro_batch_tokens is not None:
-        cmd += ["--micro-batch-tokens", str(args.micro_batch_tokens)]
+    if budget:
+        cmd += ["--micro-batch-tokens", budget]
     if args.gradient_checkpointing:
         cmd.append("--gradient-checkpointing")
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
     env.pop("RANK", None)  # a fresh world of one per child, whatever launched the parent
     env.pop("WORLD_SIZE", None)
-    print(f"  running ZeRO-{stage} {packing}{f' (round {round_ + 1}/{args.rounds})' if args.rounds > 1 else ''} ...",
+    print(f"  running ZeRO-{stage} {layout}{f' (round {round_ + 1}/{args.rounds})' if args.rounds > 1 else ''} ...",
           file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
@@ -349,8 +352,16 @@ def _run_child(args: argparse.Namespace, stage: int, packing: str, round_: int =
     tail = "\n".join((proc.stdout + "\n" + proc.stderr).strip().splitlines()[-60:])
     print(f"  ZeRO-{stage} FAILED (exit code {proc.returncode}); last lines:\n{tail}", file=sys.stderr,
           flush=True)
-    return {"zero_stage": stage, "packing": packing, "ok": False, "returncode": proc.returncode, "error_tail": tail,
+    return {"zero_stage": stage, "layout": layout, "ok": False, "returncode": proc.returncode, "error_tail": tail,
             "child_wall_s": wall}
+
+
+def _layout(text: str) -> str:
+    packing, _, budget = text.partition(":")
+    if packing not in ("auto", "packed", "padded") or (budget and not (budget.isdigit() and int(budget) > 0)):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected auto|packed|padded, optionally :TOKENS (a positive "
+                                         "integer)")
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -366,9 +377,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--completion-len", type=int, default=None)
     parser.add_argument("--completion-len-min", type=int, default=None,
                         help="each completion's length uniform in [this, --completion-len] (default: all full)")
-    parser.add_argument("--packings", nargs="+", choices=["auto", "packed", "padded"], default=["auto"],
-                        help="learner.packing values to run every stage with (ratios against the first)")
-    parser.add_argument("--micro-batch-tokens", type=int, default=None, help="LearnerConfig.micro_batch_tokens")
+    parser.add_argument("--layouts", nargs="+", type=_layout, default=["auto"],
+                        help="PACKING[:TOKENS] each: learner.packing (auto, packed, padded) and optionally "
+                             "learner.micro_batch_tokens; every stage runs each (ratios against the first)")
     parser.add_argument("--micro-batches", type=int, default=None, help="LearnerConfig.micro_batches")
     parser.add_argument("--steps", type=int, default=None, help="timed steps after 1 warm-up step (median "
                         "reported; default 5 on CPU, 10 on CUDA)")
@@ -394,6 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--_child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--zero-stage", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--packing", default="auto", help=argparse.SUPPRESS)
+    parser.add_argument("--micro-batch-tokens", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
     if args.device == "auto":
@@ -430,8 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     lengths = f"{shortest}..{args.completion_len}" if shortest != args.completion_len else f"{args.completion_len}"
     print(f"  batch: {args.groups} groups x {args.group_size} completions x ({args.prompt_len} prompt + "
           f"{lengths} completion) tokens = ~{tokens} tokens/step, {args.micro_batches} "
-          f"micro-batch(es){f', micro_batch_tokens {args.micro_batch_tokens}' if args.micro_batch_tokens else ''}; "
-          f"packing {' / '.join(args.packings)}; beta 0.04 with reference logprobs; device {args.device}, precision "
+          f"micro-batch(es) unless a token budget is given; layouts {' / '.join(args.layouts)}; beta 0.04 with reference logprobs; device {args.device}, precision "
           f"{precision}, gradient checkpointing {'on' if args.gradient_checkpointing else 'off'}; 1 warm-up "
           f"+ {args.steps} timed steps per stage"
           f"{f', {args.rounds} interleaved rounds' if args.rounds > 1 else ''}", flush=True)
@@ -454,14 +465,14 @@ def main(argv: list[str] | None = None) -> int:
 
     # Rounds run the stages interleaved (0 2 3 0 2 3 ...): a change in the machine's load hits every stage.
     load_start = _loadavg()
-    keys = [(stage, packing) for stage in args.zero_stages for packing in args.packings]
+    keys = [(stage, layout) for stage in args.zero_stages for layout in args.layouts]
     runs = {key: [] for key in keys}
     for round_ in range(args.rounds):
-        for stage, packing in keys:
-            runs[stage, packing].append(_run_child(args, stage, packing, round_))
+        for stage, layout in keys:
+            runs[stage, layout].append(_run_child(args, stage, layout, round_))
     rows = [_combine(runs[key]) for key in keys]
     good = [r for r in rows if r["ok"]]
-    base = next((r for r in good if (r["zero_stage"], r["packing"]) == keys[0]), None)
+    base = next((r for r in good if (r["zero_stage"], r["layout"]) == keys[0]), None)
     for r in good:
         r["tokens_per_s_ratio"] = r["tokens_per_s"] / base["tokens_per_s"] if base else None
         r["best_tokens_per_s_ratio"] = r["best_tokens_per_s"] / base["best_tokens_per_s"] if base else None
@@ -489,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
     ok = len(good) == len(rows) and finite and agree and updates_agree
 
     ref = "vs first"
-    header = (f"{'stage':<7} {'packing':<7} {'mb':>3} {'pad %':>6} {'tokens/s':>10} {ref:>9} {'step s':>8} "
+    header = (f"{'stage':<7} {'layout':<12} {'mb':>3} {'pad %':>6} {'tokens/s':>10} {ref:>9} {'step s':>8} "
               f"{'best tok/s':>10} {ref:>9} "
               f"{'peak extra MiB':>14} {ref:>9} "
               f"{'peak total MiB':>14} {'steady MiB':>10} {'first-step loss':>16} {'grad norm':>10} "
@@ -501,12 +512,13 @@ def main(argv: list[str] | None = None) -> int:
     print("-" * len(header))
     for r in rows:
         if not r["ok"]:
-            print(f"ZeRO-{r['zero_stage']:<2} {r['packing']:<7} FAILED (exit code {r['returncode']}; see the error above and "
+            print(f"ZeRO-{r['zero_stage']:<2} {r['layout']:<12} FAILED (exit code {r['returncode']}; see the error "
+                  "above and "
                   f"in the JSON)")
             continue
         ratio = lambda v: f"{v:>9.3f}" if v is not None else f"{'-':>9}"  # noqa: E731
         padding = 100 * (1 - r["tokens_per_step"] / r["padded_tokens_per_step"])
-        line = (f"ZeRO-{r['zero_stage']:<2} {r['packing']:<7} {r['micro_batches']:>3} {padding:>6.1f} "
+        line = (f"ZeRO-{r['zero_stage']:<2} {r['layout']:<12} {r['micro_batches']:>3} {padding:>6.1f} "
                 f"{r['tokens_per_s']:>10.1f} {ratio(r['tokens_per_s_ratio'])} "
                 f"{r['step_s']:>8.3f} {r['best_tokens_per_s']:>10.1f} {ratio(r['best_tokens_per_s_ratio'])} "
                 f"{r['peak_extra_mib']:>14.1f} {ratio(r['peak_extra_ratio'])} "
@@ -524,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{'AGREE' if updates_agree else 'DISAGREE: the stages applied different updates'}; first-step "
               f"grad norm (pre-clip, where DeepSpeed reports one) max relative difference {norm_diff:.3e}; "
               f"all losses finite: {finite}")
-        print("mb: micro-batches; pad %: padding in the padded [rows, width] micro-batches (what packing removes)")
+        print("layout: learner.packing[:micro_batch_tokens]; mb: micro-batches; pad %: padding in the padded [rows, width] micro-batches (what packing removes)")
         print("tokens/s: real tokens (no padding), median step of the median round; best tok/s: the fastest timed step of any round "
               "(less sensitive to other work on a shared machine)")
         print(f"memory method: {good[0]['method']}; 'steady' = "
@@ -534,7 +546,7 @@ def main(argv: list[str] | None = None) -> int:
               + ", ".join(f"ZeRO-{r['zero_stage']} {r['achieved_tflops'] * 1e3:.1f}" for r in good)
               + " GFLOPS (6N x tokens/s)")
     if len(good) < len(rows):
-        print("FAILED: " + ", ".join(f"ZeRO-{r['zero_stage']} {r['packing']}" for r in rows if not r["ok"]))
+        print("FAILED: " + ", ".join(f"ZeRO-{r['zero_stage']} {r['layout']}" for r in rows if not r["ok"]))
 
     summary = {
         "benchmark": "learner_throughput",
@@ -545,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:
         "precision": precision,
         "groups": args.groups, "group_size": args.group_size, "prompt_len": args.prompt_len,
         "completion_len": args.completion_len, "completion_len_min": shortest, "micro_batches": args.micro_batches,
-        "micro_batch_tokens": args.micro_batch_tokens, "packings": args.packings,
+        "layouts": args.layouts,
         "tokens_per_step": tokens,
         "gradient_checkpointing": args.gradient_checkpointing,
         "steps": args.steps,
