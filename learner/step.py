@@ -82,7 +82,13 @@ def micro_batch_rows(batch: TrainBatch, parts: int, token_budget: int | None = N
                 for start, end in zip(bounds[:-1], bounds[1:])]
     lengths = (batch.prompt_lengths + batch.completion_lengths).tolist()
     local = len(split_by_token_budget(lengths, token_budget, packed=packed, min_parts=parts))
-    count = int(all_reduce(torch.tensor([float(local)], device=device), dist.ReduceOp.MAX).item())
+    # one all-reduce: the most micro-batches any rank needs, and the fewest rows any rank has
+    count, neg_rows = all_reduce(torch.tensor([float(local), -float(len(lengths))], device=device),
+                                 dist.ReduceOp.MAX).tolist()
+    if count > -neg_rows:  # raised on every rank alike, so none is left waiting in a collective
+        raise ValueError(f"a rank needs {int(count)} micro-batches of at most {token_budget} tokens but another "
+                         f"has only {int(-neg_rows)} rows: raise learner.micro_batch_tokens")
+    count = int(count)
     return [torch.tensor(rows, dtype=torch.long)
             for rows in split_by_token_budget(lengths, token_budget, packed=packed, parts=count)]
 
