@@ -247,6 +247,7 @@ def bench_model(args, name: str, live_url: str, first_version: int) -> dict:
         plans.append(("nccl", [f"cuda:{i + 1}" for i in range(n_gen)]))
     if on_gpu:
         plans.append(("ipc", ["cuda:0"] * n_gen))
+    plans = [(t, d) for t, d in plans if t == "http" or args.transports is None or t in args.transports.split(",")]
     for transport, devices in plans:
         print(f"[{name}] {transport}: {n_gen} generator(s) on {devices}", flush=True)
         result[transport] = measure_transport(args, live_url, model, model_dir, transport, devices,
@@ -275,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="versions published per transport")
     parser.add_argument("--generators", type=int, default=0, help="generators (default: 2 tiny, 1 for 0.5B)")
     parser.add_argument("--bucket-mb", type=float, default=256.0)
+    parser.add_argument("--transports", default=None, help="comma list among gloo, nccl, ipc (http always runs)")
     parser.add_argument("--poll-every-s", type=float, default=0.01, help="generator's pause between syncs")
     parser.add_argument("--url"), parser.add_argument("--model-dir"), parser.add_argument("--transport")
     parser.add_argument("--name"), parser.add_argument("--work", default=None)

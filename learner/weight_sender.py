@@ -467,6 +467,7 @@ class WeightPublisher:
         if rank == 0:
             on_gpu = device.type == "cuda" and cfg.transport != "http"
             buffer = torch.empty(self.layout.total_bytes, dtype=torch.uint8, device=device if on_gpu else "cpu")
+            buffer.zero_()  # touch every page now, not during the first publish (a stall of its own)
             self.sender = WeightSender(client_factory, cfg, self.layout, buffer, relay_version)
 
     def _agree(self, flag: bool) -> bool:
@@ -495,16 +496,21 @@ class WeightPublisher:
 
     @torch.no_grad()
     def _copy(self) -> bool:
+        """Copy every parameter into the buffer; True when all are finite. The check is each tensor's min and max
+        (NaN propagates through both, inf shows in one): one cheap pass, no bool tensor the size of the weights,
+        and a single device sync at the end."""
         buffer = self.sender.buffer if self.sender is not None else None
-        bad = torch.zeros((), dtype=torch.bool, device=self.device)
+        extremes = []
         for spec, (_, param) in zip(self.layout.tensors, self.module.named_parameters()):
             with _gathered(param):
-                if buffer is None:
+                if buffer is None or param.numel() == 0:
                     continue
                 tensor = param.detach()
-                bad |= ~torch.isfinite(tensor).all()
+                extremes.append(torch.stack(torch.aminmax(tensor.reshape(-1))).float())
                 buffer[spec.begin:spec.end].view(spec.torch_dtype).copy_(tensor.reshape(-1), non_blocking=True)
-        return not bool(bad.item()) if buffer is not None else True
+        if buffer is None or not extremes:
+            return True
+        return bool(torch.isfinite(torch.stack(extremes)).all().item())
 
     def finish(self, version: int, stopping: bool = False) -> None:
         """End of the run (collective): wait for transfers, publish ``version`` if it never made it into the
