@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from shared.client import HubClient, HubError
+from shared.client import HubClient, HubError, HubUnavailable
 from shared.errors import ServiceError
 from shared.schema.weight_sync import WeightSyncConfig
 
@@ -83,7 +83,7 @@ class WeightReceiver:
         if self.member_id is not None:
             try:
                 self.client.sync_leave(self.member_id)
-            except HubError as exc:  # the hub already forgot us (restarted): nothing to leave
+            except (HubError, HubUnavailable) as exc:  # the hub forgot us or is gone: nothing left to leave
                 log.info("weight sync: leave: %s", exc)
         self._disconnect()
 
