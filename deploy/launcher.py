@@ -2,7 +2,10 @@
 
 * The resolved config is written to ``run_dir/config.yaml`` and every service reads it (so all three agree on the
   algorithm, temperature and hub address).
-* The ref server starts first; the others start once its ``/healthz`` answers.
+* Every service starts at once: the learner and the generators spend their first seconds importing and loading
+  their models, and their first hub request retries (with back-off, within ``retry_max_s``) until the ref server
+  answers, so nothing waits for the ref server's start-up in series. The launcher still waits for the ref
+  server's ``/healthz`` (``run.health_timeout_s``) and stops the run if it never answers.
 * GPU indices in ``run.placement`` index this node's visible GPUs; each service gets ``CUDA_VISIBLE_DEVICES`` set
   to the physical ids they name (an empty list, or no GPU at all, means CPU).
 * Every output line is prefixed with the service name on the console and written to ``run_dir/logs/NAME.log``.
@@ -164,10 +167,9 @@ def run(config: GRPOConfig) -> int:
     status = 0
     try:
         ref, learner, generators = services[0], services[1], services[2:]
-        ref.start(console_lock)
-        wait_healthy(f"http://{config.ref_server.host}:{config.ref_server.port}", ref, config.run.health_timeout_s)
-        for service in (learner, *generators):
+        for service in (ref, learner, *generators):
             service.start(console_lock)
+        wait_healthy(f"http://{config.ref_server.host}:{config.ref_server.port}", ref, config.run.health_timeout_s)
         while True:
             if stop_signal:
                 status = 128 + stop_signal[0]

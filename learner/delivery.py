@@ -12,6 +12,12 @@ expired, or after the hub or the learner restarted. This ledger drops the groups
 Each rank keeps its own ledger (a checkpoint holds every rank's ids, and a resumed rank loads all of them). While
 running, a group re-delivered to a *different* rank than the one that trained it would not be recognised; that
 needs a lease to expire under a live learner, which the renewals prevent.
+
+With ``calls`` (a :class:`learner.prefetch.HubCalls`), acknowledgements and renewals are sent by a background
+thread, in order, and the training thread does not wait for them. Nothing changes for exactly-once: a group is
+dropped because this ledger remembers it, not because the hub was told; a learner that dies before an
+acknowledgement left is in the same place as one that died just before sending it (the lease expires, the groups
+come back, a resumed learner drops those its checkpoint holds).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 from shared.client import HubClient
 from shared.protocol import TrainBatch
@@ -28,8 +35,11 @@ log = logging.getLogger("grpo.learner")
 
 class DeliveryLedger:
     def __init__(self, client: HubClient, *, ack_on_checkpoint: bool, lease_timeout_s: float,
-                 consumed: list[str] = (), remember: int = 1_000_000) -> None:
+                 consumed: list[str] = (), remember: int = 1_000_000,
+                 calls: Callable[[Callable[[HubClient], None]], None] | None = None) -> None:
         self.client = client
+        # how a hub call is made: now, with this client; or handed to a background thread (HubCalls.submit)
+        self._call = calls or (lambda call: call(self.client))
         self.ack_on_checkpoint = ack_on_checkpoint
         self.renew_every_s = lease_timeout_s / 3
         self.remember = remember
@@ -74,16 +84,24 @@ class DeliveryLedger:
     def _renew_if_due(self) -> None:
         if time.monotonic() - self._renewed < self.renew_every_s:
             return
-        answer = self.client.renew_batches(self.pending)
-        lost = [batch_id for batch_id, status in answer.items() if status != "renewed"]
-        if lost:  # the hub restarted or the lease ran out: its groups come back and are dropped as duplicates
-            log.warning("%d leases could not be renewed (%s): the hub will deliver their groups again", len(lost),
-                        ", ".join(lost[:3]))
+        self._call(lambda client, pending=list(self.pending): _renew(client, pending))
         self._renewed = time.monotonic()
 
     def _ack(self, batch_ids: list[str]) -> None:
-        answer = self.client.ack_batches([b for b in batch_ids if b])
-        unknown = [batch_id for batch_id, status in answer.items() if status == "unknown"]
-        if unknown:
-            log.warning("the hub did not know %d acknowledged batches (%s): restarted since?", len(unknown),
-                        ", ".join(unknown[:3]))
+        self._call(lambda client, ids=[b for b in batch_ids if b]: _ack(client, ids))
+
+
+def _ack(client: HubClient, batch_ids: list[str]) -> None:
+    answer = client.ack_batches(batch_ids)
+    unknown = [batch_id for batch_id, status in answer.items() if status == "unknown"]
+    if unknown:
+        log.warning("the hub did not know %d acknowledged batches (%s): restarted since?", len(unknown),
+                    ", ".join(unknown[:3]))
+
+
+def _renew(client: HubClient, batch_ids: list[str]) -> None:
+    answer = client.renew_batches(batch_ids)
+    lost = [batch_id for batch_id, status in answer.items() if status != "renewed"]
+    if lost:  # the hub restarted or the lease ran out: its groups come back and are dropped as duplicates
+        log.warning("%d leases could not be renewed (%s): the hub will deliver their groups again", len(lost),
+                    ", ".join(lost[:3]))

@@ -143,7 +143,9 @@ class Learner:
             raise LearnerSetupError(
                 f"algorithm.loss.beta is {self.config.algorithm.loss.beta} but the ref server at {self.cfg.hub_url} "
                 "has no reference model loaded (its algorithm.loss.beta is 0?): start both with the same config")
-        hub_version = self.client.weights_version() or 0
+        # the newest version the hub knows: on its relay, or reported by a learner (the relay may lag behind the
+        # reports: weights reach it only when a generator needs them there)
+        hub_version = max(self.client.weights_version() or 0, self.client.hub_stats()["learner_version"])
         if hub_version > self.version and not resume:
             raise LearnerSetupError(
                 f"the hub already holds weights version {hub_version} from an earlier run; a fresh learner would "

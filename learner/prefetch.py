@@ -1,5 +1,5 @@
 """Talking to the hub off the training thread: the next batch is leased while the current one trains, and version
-reports go out without the training thread waiting for their answer.
+acknowledgements and version reports go out without the training thread waiting for their answer.
 
 :class:`BatchPrefetcher` keeps at most one batch ahead of training (so a batch is trained at most one version later
 than it would be without prefetching). Exactly-once delivery is unchanged: the background thread only *leases* and
@@ -140,61 +140,56 @@ class BatchPrefetcher:
                         batch_id, exc)
 
 
-class VersionReporter:
-    """Reports the learner's version to the hub from a background thread: the training thread never waits for the
-    answer. Only the newest pending version is sent (versions only grow; the hub wants the newest)."""
+class HubCalls:
+    """Hub calls whose answer the training thread does not need right away (acknowledgements, lease renewals,
+    version reports), made in order by one background thread with its own client.
+
+    A call that fails is raised on the training thread at its next :meth:`submit` or :meth:`flush`, so a hub
+    that stays unreachable still stops the learner, one step later instead of in the middle of one."""
 
     def __init__(self, client: HubClient) -> None:
         self.client = client
-        self._pending: int | None = None
-        self._sent = -1
-        self._cond = threading.Condition()
-        self._closed = False
+        self._calls: queue.Queue = queue.Queue()
+        self._idle = threading.Condition()
+        self._pending = 0
         self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="version-report", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="hub-calls", daemon=True)
         self._thread.start()
 
-    def report(self, version: int) -> None:
-        """Queue ``version`` (returns at once); raises the previous report's failure, if any."""
-        if self.error is not None:
-            raise self.error
-        with self._cond:
-            self._pending = version
-            self._cond.notify()
+    def submit(self, call) -> None:
+        """Queue ``call(client)``; returns at once."""
+        self._raise()
+        with self._idle:
+            self._pending += 1
+        self._calls.put(call)
 
-    def flush(self, timeout_s: float = 30.0) -> None:
-        """Wait until every queued version is sent (before the learner exits or checkpoints)."""
+    def flush(self, timeout_s: float = 60.0) -> None:
+        """Wait until every queued call is made (before a checkpoint or the learner's exit)."""
         deadline = time.monotonic() + timeout_s
-        with self._cond:
-            while self._pending is not None and self.error is None and time.monotonic() < deadline:
-                self._cond.wait(timeout=0.1)
-        if self.error is not None:
-            raise self.error
+        with self._idle:
+            while self._pending and self.error is None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"{self._pending} hub calls still queued after {timeout_s:.0f}s")
+                self._idle.wait(timeout=min(remaining, 0.5))
+        self._raise()
 
     def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
+        self._calls.put(None)
         self._thread.join(timeout=30)
         self.client.close()
 
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise self.error
+
     def _run(self) -> None:
-        while True:
-            with self._cond:
-                while self._pending is None and not self._closed:
-                    self._cond.wait()
-                if self._pending is None:
-                    return
-                version = self._pending
-            try:
-                if version > self._sent:
-                    self.client.report_version(version)
-                    self._sent = version
-            except Exception as exc:  # noqa: BLE001 - re-raised on the training thread at its next report
-                self.error = exc
-            with self._cond:
-                if self._pending == version:
-                    self._pending = None
-                self._cond.notify_all()
-                if self.error is not None:
-                    return
+        while (call := self._calls.get()) is not None:
+            if self.error is None:  # after a failure the rest is dropped: the training thread raises it
+                try:
+                    call(self.client)
+                except Exception as exc:  # noqa: BLE001 - re-raised on the training thread
+                    self.error = exc
+            with self._idle:
+                self._pending -= 1
+                self._idle.notify_all()

@@ -7,8 +7,8 @@ import time
 import pytest
 
 from learner.delivery import DeliveryLedger
-from learner.prefetch import BatchPrefetcher, VersionReporter
-from shared.client import HubClient, HubUnavailable, RetryPolicy
+from learner.prefetch import BatchPrefetcher, HubCalls
+from shared.client import HubClient, HubError, HubUnavailable, RetryPolicy
 from tests.live_server import LiveServer, make_config
 from tests.ref_server.helpers import make_group
 
@@ -36,7 +36,8 @@ def test_one_batch_is_leased_ahead_and_every_group_is_trained_exactly_once(live)
     for g in groups:
         client.upload_group(g)
     hub = live.state.hub
-    ledger = DeliveryLedger(client, ack_on_checkpoint=True, lease_timeout_s=300.0)  # acks wait for a checkpoint
+    calls = HubCalls(HubClient(live.url))  # acknowledgements from a background thread, as the learner sends them
+    ledger = DeliveryLedger(client, ack_on_checkpoint=True, lease_timeout_s=300.0, calls=calls.submit)
     stop = threading.Event()
     fetch = prefetcher(live.url, stop, ledger)
     try:
@@ -56,8 +57,10 @@ def test_one_batch_is_leased_ahead_and_every_group_is_trained_exactly_once(live)
             trained += batch.group_ids
             ledger.trained(batch)
         ledger.checkpointed()
+        calls.flush()
     finally:
         fetch.close()
+        calls.close()
     assert sorted(trained) == sorted(g.group_id for g in groups) and len(trained) == 8
     assert ledger.duplicates == 2  # the re-delivered copy was dropped, never trained again
     assert hub.counters.consumed == 8 and hub.depth() == 0 and hub.leased_depth() == 0
@@ -107,16 +110,21 @@ def test_an_unreachable_hub_is_raised_on_the_training_thread(tmp_path):
     fetch.close()
 
 
-def test_version_reports_are_sent_in_the_background_newest_last(live):
-    reporter = VersionReporter(HubClient(live.url))
+def test_hub_calls_are_made_in_order_and_a_failure_surfaces_on_the_training_thread(live):
+    calls = HubCalls(HubClient(live.url))
+    hub = live.state.hub
     try:
         for version in (1, 2, 3):
-            reporter.report(version)  # returns at once
-        reporter.flush()
-        assert live.state.hub.learner_version == 3
-        live.state.hub.report_version(10)
-        reporter.report(4)  # older than the hub's: the failure surfaces at the next report
-        with pytest.raises(Exception, match="409"):
-            reporter.flush()
+            calls.submit(lambda client, v=version: client.report_version(v))  # returns at once
+        calls.flush()
+        assert hub.learner_version == 3
+        hub.report_version(10)
+        calls.submit(lambda client: client.report_version(4))  # older than the hub's: 409
+        with pytest.raises(HubError) as failure:
+            calls.flush()
+        assert failure.value.status == 409
+        with pytest.raises(HubError):  # and at the next call, which is not made
+            calls.submit(lambda client: client.report_version(11))
+        assert hub.learner_version == 10
     finally:
-        reporter.close()
+        calls.close()
