@@ -106,6 +106,8 @@ class _MemberLink:
         self.group = None
         self.sent_version = -1   # the newest version handed to this member's thread (never sent twice)
         self.alive = True
+        self.dropped = False
+        self.counted = False     # counted in the members metric (its group formed)
         cfg = sender.cfg
         self.via_ipc = request["transport"] == "ipc"
         self.backend = "gloo" if self.via_ipc else sender.backend
@@ -131,11 +133,14 @@ class _MemberLink:
         try:
             self.group = groups.build_group(self.store, self.address, 0, self.world, self.backend, cfg.timeout_s)
             self.store.set_timeout(timedelta(seconds=cfg.timeout_s))
+            with sender.lock:
+                if self.dropped:  # dropped as silent while the group formed
+                    return
+                self.counted = True
+                sender.counters.members += 1
             sender.member_state(self.member_id, "active")
             log.info("weight sync: %s joined (%s, %s, %d worker(s))", self.member_id, self.request["transport"],
                      self.backend, self.world - 1)
-            with sender.lock:
-                sender.counters.members += 1
             while (version := self.jobs.get()) is not None:
                 self._serve(version)
         except (RuntimeError, ConnectionError, TimeoutError, ValueError) as exc:
@@ -162,9 +167,12 @@ class _MemberLink:
         sender.served(self.member_id, version)
 
     def _drop(self, reason: str) -> None:
+        if self.dropped:
+            return
         with self.sender.lock:
+            self.dropped = True
             self.sender.counters.dropped += 1
-            if self.group is not None:
+            if self.counted:
                 self.sender.counters.members -= 1
         log.warning("weight sync: dropping %s: %s", self.member_id, reason)
         self.sender.member_state(self.member_id, "dropped", reason=reason[:1900])
@@ -220,7 +228,7 @@ class WeightSender:
         self.client.sync_register_sender({
             "sender_id": self.sender_id, "host": cfg.host, "backend": self.backend,
             "device_uuid": device_uuid(self.buffer.device), "layout": self.layout.to_json(),
-            "bucket_bytes": cfg.bucket_bytes, "timeout_s": cfg.timeout_s})
+            "bucket_bytes": cfg.bucket_bytes, "timeout_s": cfg.timeout_s, "member_idle_s": cfg.member_idle_s})
 
     # -- called by the learner (rank 0) ---------------------------------------------------------------------
     def begin_copy(self) -> bool:
@@ -398,6 +406,8 @@ class WeightSender:
             try:
                 work = self.client.sync_work(self.sender_id, wait_s=self.cfg.poll_s)
                 self.http_members = int(work.get("http_members", 0))
+                for member_id in work.get("silent", []):
+                    self._drop_silent(member_id)
                 for request in work["joins"]:
                     self._answer_join(request)
                 dispatched = self._dispatch(work["ready"])
@@ -433,6 +443,26 @@ class WeightSender:
         self.links[member_id] = link
         link.thread.start()
         self.client.sync_offer(self.sender_id, link.offer(self.relay_version))
+
+    def _drop_silent(self, member_id: str) -> None:
+        """A member that stopped polling (died between transfers): close its group, count it, tell the hub."""
+        with self.lock:
+            if member_id in self.transfers:  # mid-transfer: the transfer's timeout decides
+                return
+            link = self.links.pop(member_id, None)
+        if link is None:
+            return
+        with self.lock:
+            if link.dropped:
+                return
+            link.dropped, link.alive = True, False
+            self.counters.dropped += 1
+            if link.counted:
+                self.counters.members -= 1
+        link.jobs.put(None)  # its thread closes the group
+        reason = f"silent for more than {self.cfg.member_idle_s:.0f}s"
+        log.warning("weight sync: dropping %s: %s", member_id, reason)
+        self.member_state(member_id, "dropped", reason=reason)
 
     def _dispatch(self, ready: list[dict]) -> int:
         started = 0

@@ -105,9 +105,12 @@ class SyncRendezvous:
                      if m.state == "pending" and m.sender_id == sender_id]
             ready = [{"member_id": m.member_id, "version": m.ready_for} for m in self.members.values()
                      if m.state == "active" and m.ready_for is not None]
-            if joins or ready or wait_s <= 0:
+            now, idle_limit = time.monotonic(), self.sender.member_idle_s if self.sender is not None else None
+            silent = [m.member_id for m in self.members.values() if m.state in ("offered", "active")
+                      and idle_limit is not None and now - m.last_seen > idle_limit]
+            if joins or ready or silent or wait_s <= 0:
                 http = sum(1 for m in self.members.values() if m.state == "active" and m.request.transport == "http")
-                return {"joins": joins, "ready": ready, "http_members": http}
+                return {"joins": joins, "ready": ready, "silent": silent, "http_members": http}
             started = time.monotonic()
             await self._wait(wait_s)
             wait_s -= time.monotonic() - started
@@ -125,6 +128,8 @@ class SyncRendezvous:
         self._require_sender(sender_id)
         member = self._member(member_id)
         if state == "active":
+            if member.state != "offered":
+                raise RendezvousError(409, f"member {member_id} is {member.state}, not offered")
             member.state = "active"
         elif state == "served":
             member.ready_for, member.version = None, max(member.version, version or 0)

@@ -25,6 +25,9 @@ class WeightSyncConfig(StrictModel):
                              "counted.")
     join_timeout_s: float = Field(600.0, gt=0, description="How long the sender waits for a generator it offered "
                                   "a group to connect (it first loads the current version over HTTP).")
+    member_idle_s: float = Field(900.0, gt=0, description="A generator that has not polled the hub for this long "
+                                 "(it polls between engine calls) is dropped and counted: one that died between two "
+                                 "transfers. Keep it above the longest engine call.")
     host: str = Field("127.0.0.1", description="Address the learner's rank 0 listens on for groups and announces "
                       "through the hub (set a reachable address when generators run on other hosts).")
     poll_s: float = Field(1.0, gt=0, le=30, description="Long-poll wait of the sender's rendezvous requests "

@@ -32,6 +32,8 @@ class SenderInfo(_Record):
                                                      "of each published tensor, in buffer order.")
     bucket_bytes: int = Field(gt=0, description="Bytes per broadcast.")
     timeout_s: float = Field(gt=0, description="Per-operation timeout of the groups.")
+    member_idle_s: float = Field(900.0, gt=0, description="A member silent this long is reported to the sender, "
+                                 "which drops it (a generator that died between two transfers).")
 
 
 class JoinRequest(_Record):

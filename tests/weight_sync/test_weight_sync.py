@@ -219,3 +219,23 @@ def test_a_generator_killed_mid_transfer_is_dropped_within_the_timeout(tiny_mode
             peer.kill()
             peer.wait(10)
             publisher.close()
+
+
+def test_a_generator_that_stops_polling_is_dropped_and_the_relay_takes_over(tiny_model_dir, learner_model, tmp_path):
+    with LiveServer(make_config(tmp_path)) as live:
+        publisher = make_publisher(learner_model, live.url, member_idle_s=1.0)
+        try:
+            gen = Generator(tiny_model_dir, live.url, "gen", tmp_path, member_idle_s=1.0)
+            gen.connect()
+            wait_for(lambda: publisher.sender.counters.members == 1)
+            # it died between two engine calls: no poll, no transfer in flight, its sockets idle
+            wait_for(lambda: publisher.sender.counters.dropped == 1, timeout_s=10)
+            assert publisher.sender.counters.members == 0
+            wait_for(lambda: live.state.sync.summary()["members"] == {"dropped": 1})
+            publisher.publish(1)  # nobody holds a group now: the version goes to the relay
+            wait_for(lambda: HubClient(live.url).weights_version() == 1)
+            # back, it is told to rejoin and meanwhile takes the relay's version
+            assert gen.receiver.sync(0) == 1 and gen.receiver.member_id is None and not gen.receiver.connected
+            assert_same_weights(learner_model, gen.engine)
+        finally:
+            publisher.close()
