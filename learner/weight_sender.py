@@ -193,8 +193,8 @@ class WeightSender:
         self.version: int | None = None          # the version the buffer holds (complete and finite)
         self.copying = False
         self.transfers: set[str] = set()         # who reads the buffer now ("relay" or member ids)
-        self.sent_versions: set[int] = set()     # versions whose transfer started (for "superseded")
-        self.published_at: dict[int, float] = {}
+        self.version_sent = False                # a transfer of the buffer's version started ("superseded")
+        self.published_at: dict[int, float] = {}  # the buffer's version -> when it was complete
         self.relay_version = relay_version
         self.announced: int | None = None
         self.links: dict[str, _MemberLink] = {}
@@ -248,11 +248,11 @@ class WeightSender:
                 self.counters.refused_nonfinite += 1
                 self.version = None  # the buffer now holds garbage: nothing to serve until the next publish
             else:
-                if self.version is not None and self.version not in self.sent_versions:
+                if self.version is not None and not self.version_sent:
                     self.counters.superseded += 1
-                self.version = version
+                self.version, self.version_sent = version, False
                 self.counters.published += 1
-                self.published_at[version] = time.perf_counter()
+                self.published_at = {version: time.perf_counter()}
                 if self.buffer.device.type == "cuda":
                     self.ready_event = torch.cuda.Event()
                     self.ready_event.record()
@@ -383,7 +383,7 @@ class WeightSender:
         try:
             self.wait_buffer_ready()
             with self.lock:
-                self.sent_versions.add(version)
+                self.version_sent = self.version_sent or version == self.version
             header = self.layout.safetensors_header({"grpo_version": str(version)})
             self.client.upload_weights_stream(version, _BufferReader(header, self.buffer))
             with self.lock:
@@ -477,7 +477,7 @@ class WeightSender:
                     continue  # a stale "ready" (the hub hears "served" after the transfer ended): sent already
                 link.sent_version = self.version
                 self.transfers.add(item["member_id"])
-                self.sent_versions.add(self.version)
+                self.version_sent = True
                 link.jobs.put(self.version)
                 started += 1
         return started
