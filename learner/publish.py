@@ -1,4 +1,6 @@
-"""Writing the policy as a safetensors file one parameter at a time, and publishing it to the hub.
+"""Writing the policy as a safetensors file one parameter at a time (the final Hugging Face folder).
+
+Publishing to the generators is learner/weight_sender.py: a send buffer and background transfers.
 
 The safetensors header (names, dtypes, shapes, offsets) is known from parameter metadata alone, so the file is
 written header first and then each tensor as soon as it is gathered: memory never holds more than one full
@@ -87,27 +89,6 @@ def write_safetensors(model: torch.nn.Module, path: str | Path, *, is_writer: bo
         return 0
     os.replace(path.with_name(path.name + ".partial"), path)
     return len(header) + data_size
-
-
-def publish(engine, client, version: int, staging_dir: str | Path, *, rank: int, dtype: torch.dtype | None = None
-            ) -> float | None:
-    """Write the policy (all ranks gather, rank 0 writes) and upload it as ``version``. Returns MB on rank 0."""
-    staging = Path(staging_dir)
-    if rank == 0:
-        staging.mkdir(parents=True, exist_ok=True)
-    path = staging / f"v{version:010d}.safetensors"
-    size = write_safetensors(engine.module, path, is_writer=rank == 0, dtype=dtype,
-                             metadata={"grpo_version": str(version)})
-    megabytes = None
-    if rank == 0:
-        try:
-            client.upload_weights(version, path)
-        finally:
-            path.unlink(missing_ok=True)
-        megabytes = size / 2**20
-    if dist.is_initialized():
-        dist.barrier()
-    return megabytes
 
 
 def export_hf_folder(engine, source_dir: str | Path, out_dir: str | Path, *, rank: int) -> None:
