@@ -11,7 +11,7 @@ off there only when the linear layers dominate, which :func:`choose_layout` esti
 Whether a model honours packed position ids is probed once per model (:func:`supports_packing`): two copies of
 the same short row packed together must give the same hidden states; a model whose mask ignores position ids
 (or that forces a KV cache) lets the second copy attend to the first and fails the probe, and then every batch
-is padded. Which path is used is logged when it first is, and whenever it changes.
+is padded. Each layout is logged (INFO) the first time a model uses it.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ Layout = Literal["packed", "padded"]
 VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3", "flex_attention")
 
 _support: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
-_last_layout: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+_logged_layouts: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -154,10 +154,11 @@ def choose_layout(model: nn.Module, lengths: list[int], mode: PackingMode, body:
     else:
         costs = layout_costs(model, lengths)
         layout = "packed" if costs["packed"] < costs["padded"] else "padded"
-    if _last_layout.get(model) != layout:
-        log.info("attention layout: %s rows (%s attention, packing mode %s)", layout,
+    logged = _logged_layouts.setdefault(model, set())
+    if layout not in logged:
+        log.info("attention layout: %s rows (%s attention, packing mode %s; logged once per layout)", layout,
                  attention_implementation(model), mode)
-        _last_layout[model] = layout
+        logged.add(layout)
     return layout
 
 
