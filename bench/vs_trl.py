@@ -327,6 +327,15 @@ def step_breakdown(records: list[dict]) -> dict[str, float]:
     return result
 
 
+def finish_run(name: str, run: dict, ev: GRPOConfig, out: Path) -> None:
+    """Evaluate a run's snapshots now and keep its numbers on disk (a later failure loses nothing)."""
+    run["accuracy"] = evaluate_points(ev, run.pop("folders"))
+    print(f"[bench] {name}: " + ", ".join(f"step {s}: {a:.1%} at {run['clock'][s]:.0f}s" if a is not None
+                                          else f"step {s}: missing" for s, a in run["accuracy"].items()),
+          flush=True)
+    (out / f"{name}.json").write_text(json.dumps(run, indent=2, default=str) + "\n")
+
+
 # -- report -------------------------------------------------------------------------------------------------
 def machine() -> dict:
     import torch
@@ -395,24 +404,16 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_trl:
         print("[bench] TRL GRPOTrainer ...", flush=True)
         runs["trl"] = run_trl(config, model_dir, args.device, steps, out)
-    print("[bench] grpo run ...", flush=True)
-    runs["grpo"] = run_grpo(config, model_dir, args.device, steps, every, out / "grpo", args.port,
-                            tree)
+        finish_run("trl", runs["trl"], ev, out)
+    variants = {"grpo": {}}
     if args.curves:
-        print("[bench] grpo run, on-policy (max_staleness 0) ...", flush=True)
-        runs["grpo_on_policy"] = run_grpo(config, model_dir, args.device, steps, every, out / "grpo-on-policy",
-                                          args.port,
-                                          ref_server__max_staleness=0)
-        print("[bench] grpo run, generators ahead with truncated IS (max_staleness 2, recompute) ...", flush=True)
-        runs["grpo_ahead_tis"] = run_grpo(config, model_dir, args.device, steps, every, out / "grpo-ahead-tis",
-                                          args.port,
-                                          ref_server__max_staleness=2, learner__old_logprobs="recompute",
-                                          algorithm__loss__tis_cap=config.algorithm.loss.tis_cap or 2.0)
-    for name, run in runs.items():
-        run["accuracy"] = evaluate_points(ev, run.pop("folders"))
-        print(f"[bench] {name}: " + ", ".join(f"step {s}: {a:.1%} at {run['clock'][s]:.0f}s" if a is not None
-                                              else f"step {s}: missing" for s, a in run["accuracy"].items()),
-              flush=True)
+        variants["grpo_on_policy"] = {"ref_server__max_staleness": 0}
+        variants["grpo_ahead_tis"] = {"ref_server__max_staleness": 2, "learner__old_logprobs": "recompute",
+                                      "algorithm__loss__tis_cap": config.algorithm.loss.tis_cap or 2.0}
+    for name, changes in variants.items():
+        print(f"[bench] {name} ({changes or 'the config as given'}) ...", flush=True)
+        runs[name] = run_grpo(config, model_dir, args.device, steps, every, out / name, args.port, tree, **changes)
+        finish_run(name, runs[name], ev, out)
     target = args.target if args.target is not None else runs["trl"]["accuracy"][total_steps]
     summary["target_accuracy"] = target
     for run in runs.values():

@@ -47,6 +47,7 @@ class BatchPrefetcher:
         self._ready: queue.Queue[FetchedBatch | BaseException] = queue.Queue(maxsize=1)
         self._slot = threading.Semaphore(1)   # one batch ahead: fetched only once the previous one was taken
         self._closed = threading.Event()
+        self._consumer_waiting = threading.Event()  # the training thread is blocked in next(): worth a message
         self._thread = threading.Thread(target=self._run, name="batch-prefetch", daemon=True)
         self._started = False
 
@@ -62,7 +63,9 @@ class BatchPrefetcher:
             try:
                 item = self._ready.get(timeout=0.1)
             except queue.Empty:
+                self._consumer_waiting.set()
                 continue
+            self._consumer_waiting.clear()
             self._slot.release()          # the background thread may lease the one after it now
             if isinstance(item, BaseException):
                 raise item
@@ -123,7 +126,7 @@ class BatchPrefetcher:
             if response.status_code == 200:
                 batch = TrainBatch.from_bytes(response.content)
                 return FetchedBatch(batch, fetch_s=t1 - t0, decode_s=time.perf_counter() - t1)
-            if self.progress is not None and not self._closed.is_set():
+            if self.progress is not None and self._consumer_waiting.is_set() and not self._closed.is_set():
                 stats = self.client.hub_stats()
                 self.progress(f"waiting for {self.num_groups} groups: hub holds {stats['ready']} ready of "
                               f"{stats['queue_depth']} queued, waited {time.monotonic() - started:.0f}s")
