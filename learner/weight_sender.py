@@ -190,7 +190,8 @@ class WeightSender:
         self.backend = "nccl" if buffer.device.type == "cuda" else "gloo"
         self.counters = SyncCounters()
         self.lock = threading.Condition()
-        self.version: int | None = None          # the version the buffer holds (complete and finite)
+        self.version: int | None = None          # the version the buffer holds (complete)
+        self.checked = False                     # ... and found finite: only then is it sent anywhere
         self.copying = False
         self.transfers: set[str] = set()         # who reads the buffer now ("relay" or member ids)
         self.version_sent = False                # a transfer of the buffer's version started ("superseded")
@@ -240,29 +241,51 @@ class WeightSender:
             self.copying = True
             return True
 
-    def end_copy(self, version: int, finite: bool, stall_s: float) -> None:
+    def end_copy(self, version: int, stall_s: float) -> None:
+        """The buffer holds ``version`` (not yet checked for NaN/inf: the version thread does that next)."""
         with self.lock:
             self.copying = False
             self.counters.last_stall_s = stall_s
-            if not finite:
-                self.counters.refused_nonfinite += 1
-                self.version = None  # the buffer now holds garbage: nothing to serve until the next publish
-            else:
-                if self.version is not None and not self.version_sent:
-                    self.counters.superseded += 1
-                self.version, self.version_sent = version, False
-                self.counters.published += 1
-                self.published_at = {version: time.perf_counter()}
-                if self.buffer.device.type == "cuda":
-                    self.ready_event = torch.cuda.Event()
-                    self.ready_event.record()
+            if self.version is not None and self.checked and not self.version_sent:
+                self.counters.superseded += 1
+            self.version, self.checked, self.version_sent = version, False, False
+            self.published_at = {version: time.perf_counter()}
+            if self.buffer.device.type == "cuda":
+                self.ready_event = torch.cuda.Event()
+                self.ready_event.record()
             self.lock.notify_all()
+
+    def _buffer_finite(self) -> bool:
+        """NaN/inf anywhere in the buffer? One min/max pass (NaN propagates through both, inf shows in one)."""
+        self.wait_buffer_ready()
+        if not self.layout.tensors or self.layout.total_bytes == 0:
+            return True
+        values = self.buffer.view(self.layout.tensors[0].torch_dtype)
+        return bool(torch.isfinite(torch.stack(torch.aminmax(values))).all().item())
+
+    def _check(self, version: int) -> None:
+        """Refuse (count, never serve) a version holding NaN/inf; the caller added "check" to the transfers."""
+        try:
+            finite = self._buffer_finite()
+        finally:
+            with self.lock:
+                self.transfers.discard("check")
+                if self.version == version:
+                    if finite:
+                        self.checked = True
+                        self.counters.published += 1
+                    else:
+                        self.counters.refused_nonfinite += 1
+                        self.version = None  # nothing to serve until the next publish
+                self.lock.notify_all()
+        if not finite:
+            log.warning("weights of version %d hold NaN/inf: not published (training goes on)", version)
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Until no transfer reads the buffer and the newest version went where it goes (True), or timeout."""
         deadline = time.monotonic() + timeout_s
         with self.lock:
-            while self.transfers or (self.version is not None and self._pending(self.version)):
+            while self.transfers or (self.version is not None and (not self.checked or self._pending(self.version))):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False
@@ -273,7 +296,8 @@ class WeightSender:
         """The buffer's version onto the relay (the run's last weights stay downloadable)."""
         with self.lock:
             version = self.version
-            if version is None or (self.relay_version is not None and version <= self.relay_version):
+            if version is None or not self.checked or (self.relay_version is not None
+                                                       and version <= self.relay_version):
                 return
             self.transfers.add("relay")
         self._upload_relay(version)
@@ -350,15 +374,19 @@ class WeightSender:
         """Each new buffer version: onto the relay when someone needs it there, then announced to members."""
         while not self.stopping.is_set():
             with self.lock:
-                while not self.stopping.is_set() and (self.copying or self.version is None
-                                                      or not self._pending(self.version)):
+                while not self.stopping.is_set() and (self.copying or self.version is None or (
+                        self.checked and not self._pending(self.version))):
                     self.lock.wait(0.5)
                 if self.stopping.is_set():
                     return
-                version = self.version
-                upload = self._relay_wanted() and (self.relay_version is None or version > self.relay_version)
-                if upload:
-                    self.transfers.add("relay")
+                version, need_check = self.version, not self.checked
+                upload = not need_check and self._relay_wanted() and (self.relay_version is None
+                                                                      or version > self.relay_version)
+                if need_check or upload:  # both read the buffer: no publish overwrites it meanwhile
+                    self.transfers.add("check" if need_check else "relay")
+            if need_check:
+                self._check(version)
+                continue
             try:
                 if upload:
                     self._upload_relay(version)
@@ -431,7 +459,7 @@ class WeightSender:
             return
         # the late joiner loads the current version over HTTP first: make sure the relay holds it
         with self.lock:
-            while self.transfers or self.copying:
+            while self.transfers or self.copying or (self.version is not None and not self.checked):
                 self.lock.wait(0.1)
             version = self.version
             upload = version is not None and (self.relay_version is None or version > self.relay_version)
@@ -467,7 +495,7 @@ class WeightSender:
     def _dispatch(self, ready: list[dict]) -> int:
         started = 0
         with self.lock:
-            if self.copying or self.version is None:
+            if self.copying or self.version is None or not self.checked:
                 return 0
             for item in ready:
                 link = self.links.get(item["member_id"])
@@ -514,33 +542,23 @@ class WeightPublisher:
         go = self._agree(self.sender.begin_copy() if self.sender is not None else False)
         if not go:
             return time.perf_counter() - started
-        finite = self._copy()
+        self._copy()
         stall = time.perf_counter() - started
         if self.sender is not None:
-            self.sender.end_copy(version, finite, stall)
-            if finite:
-                self.last_copied = version
-            else:
-                log.warning("weights of version %d hold NaN/inf: not published (training goes on)", version)
+            self.sender.end_copy(version, stall)
+            self.last_copied = version
         return stall
 
     @torch.no_grad()
-    def _copy(self) -> bool:
-        """Copy every parameter into the buffer; True when all are finite. The check is each tensor's min and max
-        (NaN propagates through both, inf shows in one): one cheap pass, no bool tensor the size of the weights,
-        and a single device sync at the end."""
+    def _copy(self) -> None:
+        """Copy every parameter into the buffer (gathering ZeRO-3 partitions; every rank takes part). The finite
+        check runs in the sender's thread afterwards: it is not part of the learner's stall."""
         buffer = self.sender.buffer if self.sender is not None else None
-        extremes = []
         for spec, (_, param) in zip(self.layout.tensors, self.module.named_parameters()):
             with _gathered(param):
-                if buffer is None or param.numel() == 0:
-                    continue
-                tensor = param.detach()
-                extremes.append(torch.stack(torch.aminmax(tensor.reshape(-1))).float())
-                buffer[spec.begin:spec.end].view(spec.torch_dtype).copy_(tensor.reshape(-1), non_blocking=True)
-        if buffer is None or not extremes:
-            return True
-        return bool(torch.isfinite(torch.stack(extremes)).all().item())
+                if buffer is not None and param.numel():
+                    buffer[spec.begin:spec.end].view(spec.torch_dtype).copy_(param.detach().reshape(-1),
+                                                                             non_blocking=True)
 
     def finish(self, version: int, stopping: bool = False) -> None:
         """End of the run (collective): wait for transfers, publish ``version`` if it never made it into the

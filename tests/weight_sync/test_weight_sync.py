@@ -154,7 +154,8 @@ def test_superseded_versions_are_skipped_and_nonfinite_weights_are_never_publish
             for version in (1, 2, 3):  # the generator is busy generating: it takes none of them meanwhile
                 perturb(learner_model, version)
                 publisher.publish(version)
-            wait_for(lambda: live.state.sync.announced == 3)
+                wait_for(lambda v=version: live.state.sync.announced == v)  # checked and announced, then replaced
+            # versions 1 and 2 were checked, then overwritten before anyone took them
             assert publisher.sender.counters.superseded == 2 and publisher.sender.counters.published == 3
             gen.sync_until(3)
             assert_same_weights(learner_model, gen.engine)
@@ -162,7 +163,8 @@ def test_superseded_versions_are_skipped_and_nonfinite_weights_are_never_publish
                 next(learner_model.parameters())[0, 0] = float("nan")
             publisher.publish(4)
             counters = publisher.sender.counters
-            assert counters.refused_nonfinite == 1 and counters.published == 3
+            wait_for(lambda: counters.refused_nonfinite == 1)  # checked by the sender, after the learner's copy
+            assert counters.published == 3
             time.sleep(0.5)
             assert live.state.sync.announced == 3 and gen.receiver.sync(3) is None  # nothing new to take
             assert publisher.metrics()["weight_sync_refused_nonfinite"] == 1.0
