@@ -501,8 +501,11 @@ class WeightSender:
                 link = self.links.get(item["member_id"])
                 if link is None or not link.alive or item["member_id"] in self.transfers:
                     continue
-                if self.version <= link.sent_version:
-                    continue  # a stale "ready" (the hub hears "served" after the transfer ended): sent already
+                if self.version <= link.sent_version or item.get("have", link.sent_version) < link.sent_version:
+                    # a stale "ready": it came from the poll before our last transfer to this member (the hub
+                    # hears "served" only after the transfer ended). The generator may be back in a long engine
+                    # call; a transfer now would wait for it and drop it after timeout_s.
+                    continue
                 link.sent_version = self.version
                 self.transfers.add(item["member_id"])
                 self.version_sent = True

@@ -36,6 +36,7 @@ class Member:
     offer: Offer | None = None
     version: int = 0                  # what the generator last said it serves
     ready_for: int | None = None      # the announced version it is waiting in the receive for
+    ready_have: int = 0               # the version it reported in the poll that sent it into that receive
     reason: str | None = None
     last_seen: float = field(default_factory=time.monotonic)
 
@@ -103,8 +104,8 @@ class SyncRendezvous:
         while True:
             joins = [{"member_id": m.member_id, **m.request.model_dump()} for m in self.members.values()
                      if m.state == "pending" and m.sender_id == sender_id]
-            ready = [{"member_id": m.member_id, "version": m.ready_for} for m in self.members.values()
-                     if m.state == "active" and m.ready_for is not None]
+            ready = [{"member_id": m.member_id, "version": m.ready_for, "have": m.ready_have}
+                     for m in self.members.values() if m.state == "active" and m.ready_for is not None]
             now, idle_limit = time.monotonic(), self.sender.member_idle_s if self.sender is not None else None
             silent = [m.member_id for m in self.members.values() if m.state in ("offered", "active")
                       and idle_limit is not None and now - m.last_seen > idle_limit]
@@ -180,7 +181,7 @@ class SyncRendezvous:
             return MemberAnswer(action="idle", announced=self.announced)
         if self.announced is not None and self.announced > member.version:
             if member.ready_for != self.announced:
-                member.ready_for = self.announced
+                member.ready_for, member.ready_have = self.announced, member.version
                 self._notify()
             return MemberAnswer(action="receive", announced=self.announced)
         return MemberAnswer(action="idle", announced=self.announced)

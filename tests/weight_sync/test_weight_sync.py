@@ -241,3 +241,39 @@ def test_a_generator_that_stops_polling_is_dropped_and_the_relay_takes_over(tiny
             assert_same_weights(learner_model, gen.engine)
         finally:
             publisher.close()
+
+
+def test_a_generator_in_an_engine_call_longer_than_the_timeout_is_not_sent_a_version_it_did_not_ask_for(
+        tiny_model_dir, learner_model, tmp_path):
+    """The hub hears "served" after the transfer ended; a version published in between must wait for the
+    generator's next poll, not go to the "ready" left over from the poll before (the generator is generating)."""
+    with LiveServer(make_config(tmp_path)) as live:
+        publisher = make_publisher(learner_model, live.url, timeout_s=2.0)
+        sender = publisher.sender
+        report = sender.member_state
+
+        def slow_served_report(member_id, state, **kwargs):
+            if state == "served":  # a loaded hub / learner: the report arrives late
+                time.sleep(1.5)
+            report(member_id, state, **kwargs)
+
+        sender.member_state = slow_served_report
+        try:
+            gen = Generator(tiny_model_dir, live.url, "gen", tmp_path, timeout_s=2.0)
+            gen.connect()
+            perturb(learner_model, 1)
+            publisher.publish(1)
+            sync_all([gen], 1)
+            wait_for(lambda: not sender.transfers)  # the transfer ended; the hub has not heard "served" yet
+            perturb(learner_model, 2)
+            publisher.publish(2)
+            assert sender.counters.skipped_busy == 0
+            wait_for(lambda: live.state.sync.announced == 2)
+            time.sleep(2.0 * 2 + 1.5)  # the generator's engine call: longer than timeout_s, no poll meanwhile
+            assert sender.counters.dropped == 0 and sender.counters.served == 1
+            gen.sync_until(2)  # its next poll: version 2 through the group
+            assert gen.receiver.connected and gen.receiver.failed_receives == 0
+            assert_same_weights(learner_model, gen.engine)
+            assert sender.counters.served == 2 and sender.counters.dropped == 0 and sender.counters.members == 1
+        finally:
+            publisher.close()
