@@ -6,8 +6,9 @@ copy. :class:`WeightSender` (rank 0) then moves the buffer in background threads
 
 * to the HTTP relay (a safetensors stream: header + buffer), when no generator holds a group, when some
   generator only uses HTTP, when a late joiner needs the current version first, and at the end of the run;
-* through a process group per generator (:mod:`shared.weight_sync.groups`: gloo on CPU, NCCL on GPU), to the
-  members the hub reports waiting in the receive, in buckets of ``weight_sync.bucket_mb``;
+* through a process group per generator (:mod:`learner.weight_members`, built with :mod:`shared.weight_sync.groups`:
+  gloo on CPU, NCCL on GPU), to the members the hub reports waiting in the receive, in buckets of
+  ``weight_sync.bucket_mb``;
 * through CUDA IPC (the buffer's handle, opened once by the generator) when they share a GPU: the group then only
   carries the header and the completion step.
 
@@ -21,23 +22,21 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import threading
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from learner.publish import _full_shape, _gathered
+from learner.weight_members import GroupMembers
 from shared.client import HubClient, HubError, HubUnavailable
 from shared.schema.weight_sync import WeightSyncConfig
-from shared.weight_sync import groups
 from shared.weight_sync.ipc import device_uuid, export_handle
-from shared.weight_sync.layout import Layout, bucket_ranges
+from shared.weight_sync.layout import Layout
 
 log = logging.getLogger("grpo.learner.weight_sync")
 
@@ -96,88 +95,6 @@ class _BufferReader:
         return out
 
 
-class _MemberLink:
-    """One generator's group: formed in its own thread (waiting for the generator to connect), then serving one
-    version at a time from the shared buffer. Any failure drops the member; the thread then ends."""
-
-    def __init__(self, sender: WeightSender, member_id: str, request: dict) -> None:
-        self.sender, self.member_id, self.request = sender, member_id, request
-        self.jobs: queue.Queue[int | None] = queue.Queue()
-        self.group = None
-        self.sent_version = -1   # the newest version handed to this member's thread (never sent twice)
-        self.alive = True
-        self.dropped = False
-        self.counted = False     # counted in the members metric (its group formed)
-        cfg = sender.cfg
-        self.via_ipc = request["transport"] == "ipc"
-        self.backend = "gloo" if self.via_ipc else sender.backend
-        world = 1 + int(request.get("workers", 1))
-        self.store = groups.host_store(cfg.host, world, cfg.join_timeout_s)
-        self.address = groups.store_address(cfg.host, self.store.port)
-        self.world = world
-        self.thread = threading.Thread(target=self._run, name=f"weight-sync-{member_id}", daemon=True)
-
-    def offer(self, relay_version: int | None) -> dict:
-        cfg = self.sender.cfg
-        return {"member_id": self.member_id, "group_id": self.address, "host": cfg.host, "port": self.store.port,
-                "world_size": self.world, "first_rank": 1, "backend": self.backend,
-                "transport": self.request["transport"], "relay_version": relay_version,
-                "bucket_bytes": cfg.bucket_bytes, "timeout_s": cfg.timeout_s,
-                "ipc_handle": self.sender.ipc_handle() if self.via_ipc else None,
-                "layout": self.sender.layout.to_json()}
-
-    def _run(self) -> None:
-        cfg, sender = self.sender.cfg, self.sender
-        if sender.buffer.device.type == "cuda":
-            torch.cuda.set_device(sender.buffer.device)  # a new thread starts on GPU 0; NCCL uses the current one
-        try:
-            self.group = groups.build_group(self.store, self.address, 0, self.world, self.backend, cfg.timeout_s)
-            self.store.set_timeout(timedelta(seconds=cfg.timeout_s))
-            with sender.lock:
-                if self.dropped:  # dropped as silent while the group formed
-                    return
-                self.counted = True
-                sender.counters.members += 1
-            sender.member_state(self.member_id, "active")
-            log.info("weight sync: %s joined (%s, %s, %d worker(s))", self.member_id, self.request["transport"],
-                     self.backend, self.world - 1)
-            while (version := self.jobs.get()) is not None:
-                self._serve(version)
-        except (RuntimeError, ConnectionError, TimeoutError, ValueError) as exc:
-            self._drop(f"{type(exc).__name__}: {exc}")
-        finally:
-            groups.close_group(self.group)
-            self.alive = False
-
-    def _serve(self, version: int) -> None:
-        sender, cfg = self.sender, self.sender.cfg
-        try:
-            sender.wait_buffer_ready()
-            header = groups.VersionHeader(version, sender.layout.total_bytes, cfg.bucket_bytes,
-                                          sender.layout.fingerprint(), self.via_ipc)
-            device = sender.buffer.device if self.backend == "nccl" else torch.device("cpu")
-            groups.broadcast(self.group, header.to_tensor().to(device), cfg.timeout_s)
-            if not self.via_ipc:
-                for begin, end in bucket_ranges(sender.layout.total_bytes, cfg.bucket_bytes):
-                    groups.broadcast(self.group, sender.buffer[begin:end], cfg.timeout_s)
-            if not groups.agree_all_applied(self.group, True, device, cfg.timeout_s):
-                raise RuntimeError(f"the generator refused version {version} (see its log)")
-        finally:
-            sender.transfer_done(self.member_id)
-        sender.served(self.member_id, version)
-
-    def _drop(self, reason: str) -> None:
-        if self.dropped:
-            return
-        with self.sender.lock:
-            self.dropped = True
-            self.sender.counters.dropped += 1
-            if self.counted:
-                self.sender.counters.members -= 1
-        log.warning("weight sync: dropping %s: %s", self.member_id, reason)
-        self.sender.member_state(self.member_id, "dropped", reason=reason[:1900])
-
-
 class WeightSender:
     """Rank 0's background transfers of the send buffer (see the module docstring)."""
 
@@ -198,17 +115,16 @@ class WeightSender:
         self.published_at: dict[int, float] = {}  # the buffer's version -> when it was complete
         self.relay_version = relay_version
         self.announced: int | None = None
-        self.links: dict[str, _MemberLink] = {}
-        self.http_members = 0
         self.ready_event: torch.cuda.Event | None = None
         self._ipc_handle: dict | None = None
         self.stopping = threading.Event()
         self.sender_id = f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.groups_enabled = cfg.transport != "http"
+        self.members = GroupMembers(self) if self.groups_enabled else None  # generators holding a group
         self._threads = [threading.Thread(target=self._version_loop, name="weight-sync-versions", daemon=True)]
         if self.groups_enabled:
             self._register()
-            self._threads.append(threading.Thread(target=self._rendezvous_loop, name="weight-sync-rendezvous",
+            self._threads.append(threading.Thread(target=self.members.rendezvous_loop, name="weight-sync-rendezvous",
                                                   daemon=True))
         for thread in self._threads:
             thread.start()
@@ -300,7 +216,7 @@ class WeightSender:
                                                        and version <= self.relay_version):
                 return
             self.transfers.add("relay")
-        self._upload_relay(version)
+        self.upload_relay(version)
 
     def abort_requests(self) -> None:
         """From now on every hub request is tried once (a service shutting down does not wait out the retry
@@ -317,8 +233,8 @@ class WeightSender:
             self.lock.notify_all()
         for thread in self._threads:
             thread.join(timeout=self.cfg.poll_s + 5)
-        for link in list(self.links.values()):
-            link.jobs.put(None)
+        if self.members is not None:
+            self.members.close()
         if self.groups_enabled:
             try:  # one attempt: a hub that is gone has forgotten us anyway
                 self.client.sync_unregister_sender(self.sender_id)
@@ -358,11 +274,8 @@ class WeightSender:
             log.warning("weight sync: could not tell the hub %s is %s: %s", member_id, state, exc)
 
     # -- background -----------------------------------------------------------------------------------------
-    def _group_members(self) -> int:
-        return sum(1 for link in self.links.values() if link.alive)
-
     def _relay_wanted(self) -> bool:
-        return not self.groups_enabled or self.http_members > 0 or self._group_members() == 0
+        return self.members is None or self.members.http_members > 0 or self.members.alive() == 0
 
     def _pending(self, version: int) -> bool:
         """Does ``version`` still have to be uploaded or announced?"""
@@ -389,7 +302,7 @@ class WeightSender:
                 continue
             try:
                 if upload:
-                    self._upload_relay(version)
+                    self.upload_relay(version)
                 if self.groups_enabled and (self.announced is None or version > self.announced):
                     try:
                         self.client.sync_announce(self.sender_id, version)
@@ -405,7 +318,7 @@ class WeightSender:
                 log.warning("weight sync: version %d not delivered to the hub: %s", version, exc)
                 self.stopping.wait(1.0)
 
-    def _upload_relay(self, version: int) -> None:
+    def upload_relay(self, version: int) -> None:
         """Upload ``version`` from the buffer (the caller added "relay" to the transfers)."""
         started = time.perf_counter()
         try:
@@ -427,92 +340,6 @@ class WeightSender:
                 self.relay_version = max(self.relay_version or 0, version)
         finally:
             self.transfer_done("relay")
-
-    def _rendezvous_loop(self) -> None:
-        """Answer join requests (relay first, then an offer) and hand ready members to their threads."""
-        while not self.stopping.is_set():
-            try:
-                work = self.client.sync_work(self.sender_id, wait_s=self.cfg.poll_s)
-                self.http_members = int(work.get("http_members", 0))
-                for member_id in work.get("silent", []):
-                    self._drop_silent(member_id)
-                for request in work["joins"]:
-                    self._answer_join(request)
-                dispatched = self._dispatch(work["ready"])
-                if work["ready"] and not dispatched:
-                    with self.lock:  # nothing to start now (copying, or all in flight): wait for a change
-                        self.lock.wait(0.05)
-            except (HubError, HubUnavailable) as exc:
-                if self.stopping.is_set():
-                    return
-                log.warning("weight sync: rendezvous with the hub failed: %s", exc)
-                self.stopping.wait(1.0)
-
-    def _answer_join(self, request: dict) -> None:
-        member_id = request["member_id"]
-        if request["transport"] == "ipc" and self.buffer.device.type != "cuda":
-            self.member_state(member_id, "dropped", reason="CUDA IPC needs the learner on a GPU")
-            return
-        wanted = "nccl" if request["transport"] == "collective" and self.backend == "nccl" else "gloo"
-        if request["transport"] == "collective" and wanted != self.backend:
-            self.member_state(member_id, "dropped", reason=f"the learner's groups use {self.backend}")
-            return
-        # the late joiner loads the current version over HTTP first: make sure the relay holds it
-        with self.lock:
-            while self.transfers or self.copying or (self.version is not None and not self.checked):
-                self.lock.wait(0.1)
-            version = self.version
-            upload = version is not None and (self.relay_version is None or version > self.relay_version)
-            if upload:
-                self.transfers.add("relay")
-        if upload:
-            self._upload_relay(version)
-        link = _MemberLink(self, member_id, request)
-        self.links[member_id] = link
-        link.thread.start()
-        self.client.sync_offer(self.sender_id, link.offer(self.relay_version))
-
-    def _drop_silent(self, member_id: str) -> None:
-        """A member that stopped polling (died between transfers): close its group, count it, tell the hub."""
-        with self.lock:
-            if member_id in self.transfers:  # mid-transfer: the transfer's timeout decides
-                return
-            link = self.links.pop(member_id, None)
-        if link is None:
-            return
-        with self.lock:
-            if link.dropped:
-                return
-            link.dropped, link.alive = True, False
-            self.counters.dropped += 1
-            if link.counted:
-                self.counters.members -= 1
-        link.jobs.put(None)  # its thread closes the group
-        reason = f"silent for more than {self.cfg.member_idle_s:.0f}s"
-        log.warning("weight sync: dropping %s: %s", member_id, reason)
-        self.member_state(member_id, "dropped", reason=reason)
-
-    def _dispatch(self, ready: list[dict]) -> int:
-        started = 0
-        with self.lock:
-            if self.copying or self.version is None or not self.checked:
-                return 0
-            for item in ready:
-                link = self.links.get(item["member_id"])
-                if link is None or not link.alive or item["member_id"] in self.transfers:
-                    continue
-                if self.version <= link.sent_version or item.get("have", link.sent_version) < link.sent_version:
-                    # a stale "ready": it came from the poll before our last transfer to this member (the hub
-                    # hears "served" only after the transfer ended). The generator may be back in a long engine
-                    # call; a transfer now would wait for it and drop it after timeout_s.
-                    continue
-                link.sent_version = self.version
-                self.transfers.add(item["member_id"])
-                self.version_sent = True
-                link.jobs.put(self.version)
-                started += 1
-        return started
-
 
 class WeightPublisher:
     """Every rank builds one; rank 0 holds the buffer and the sender. :meth:`publish` is collective."""

@@ -1,0 +1,214 @@
+"""The weight sender's generators that hold a process group with it (rank 0 of the learner).
+
+:class:`GroupMembers` runs the rendezvous with the hub in its own thread: it answers join requests (making sure
+the relay holds the current version, then offering a group), drops members that stopped polling, and hands each
+member that the hub reports waiting in the receive to that member's :class:`MemberLink`. A link forms its group in
+its own thread and then serves one version at a time from the sender's buffer (:mod:`learner.weight_sender` owns
+the buffer, its version and the bookkeeping of who reads it). Any failure drops the member, after at most
+``weight_sync.timeout_s``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+import torch
+
+from shared.client import HubError, HubUnavailable
+from shared.weight_sync import groups
+from shared.weight_sync.layout import bucket_ranges
+
+if TYPE_CHECKING:
+    from learner.weight_sender import WeightSender
+
+log = logging.getLogger("grpo.learner.weight_sync")
+
+
+class MemberLink:
+    """One generator's group: formed in its own thread (waiting for the generator to connect), then serving one
+    version at a time from the shared buffer. Any failure drops the member; the thread then ends."""
+
+    def __init__(self, sender: WeightSender, member_id: str, request: dict) -> None:
+        self.sender, self.member_id, self.request = sender, member_id, request
+        self.jobs: queue.Queue[int | None] = queue.Queue()
+        self.group = None
+        self.sent_version = -1   # the newest version handed to this member's thread (never sent twice)
+        self.alive = True
+        self.dropped = False
+        self.counted = False     # counted in the members metric (its group formed)
+        cfg = sender.cfg
+        self.via_ipc = request["transport"] == "ipc"
+        self.backend = "gloo" if self.via_ipc else sender.backend
+        world = 1 + int(request.get("workers", 1))
+        self.store = groups.host_store(cfg.host, world, cfg.join_timeout_s)
+        self.address = groups.store_address(cfg.host, self.store.port)
+        self.world = world
+        self.thread = threading.Thread(target=self._run, name=f"weight-sync-{member_id}", daemon=True)
+
+    def offer(self, relay_version: int | None) -> dict:
+        cfg = self.sender.cfg
+        return {"member_id": self.member_id, "group_id": self.address, "host": cfg.host, "port": self.store.port,
+                "world_size": self.world, "first_rank": 1, "backend": self.backend,
+                "transport": self.request["transport"], "relay_version": relay_version,
+                "bucket_bytes": cfg.bucket_bytes, "timeout_s": cfg.timeout_s,
+                "ipc_handle": self.sender.ipc_handle() if self.via_ipc else None,
+                "layout": self.sender.layout.to_json()}
+
+    def _run(self) -> None:
+        cfg, sender = self.sender.cfg, self.sender
+        if sender.buffer.device.type == "cuda":
+            torch.cuda.set_device(sender.buffer.device)  # a new thread starts on GPU 0; NCCL uses the current one
+        try:
+            self.group = groups.build_group(self.store, self.address, 0, self.world, self.backend, cfg.timeout_s)
+            self.store.set_timeout(timedelta(seconds=cfg.timeout_s))
+            with sender.lock:
+                if self.dropped:  # dropped as silent while the group formed
+                    return
+                self.counted = True
+                sender.counters.members += 1
+            sender.member_state(self.member_id, "active")
+            log.info("weight sync: %s joined (%s, %s, %d worker(s))", self.member_id, self.request["transport"],
+                     self.backend, self.world - 1)
+            while (version := self.jobs.get()) is not None:
+                self._serve(version)
+        except (RuntimeError, ConnectionError, TimeoutError, ValueError) as exc:
+            self._drop(f"{type(exc).__name__}: {exc}")
+        finally:
+            groups.close_group(self.group)
+            self.alive = False
+
+    def _serve(self, version: int) -> None:
+        sender, cfg = self.sender, self.sender.cfg
+        try:
+            sender.wait_buffer_ready()
+            header = groups.VersionHeader(version, sender.layout.total_bytes, cfg.bucket_bytes,
+                                          sender.layout.fingerprint(), self.via_ipc)
+            device = sender.buffer.device if self.backend == "nccl" else torch.device("cpu")
+            groups.broadcast(self.group, header.to_tensor().to(device), cfg.timeout_s)
+            if not self.via_ipc:
+                for begin, end in bucket_ranges(sender.layout.total_bytes, cfg.bucket_bytes):
+                    groups.broadcast(self.group, sender.buffer[begin:end], cfg.timeout_s)
+            if not groups.agree_all_applied(self.group, True, device, cfg.timeout_s):
+                raise RuntimeError(f"the generator refused version {version} (see its log)")
+        finally:
+            sender.transfer_done(self.member_id)
+        sender.served(self.member_id, version)
+
+    def _drop(self, reason: str) -> None:
+        if self.dropped:
+            return
+        with self.sender.lock:
+            self.dropped = True
+            self.sender.counters.dropped += 1
+            if self.counted:
+                self.sender.counters.members -= 1
+        log.warning("weight sync: dropping %s: %s", self.member_id, reason)
+        self.sender.member_state(self.member_id, "dropped", reason=reason[:1900])
+
+
+class GroupMembers:
+    """The sender's members (one :class:`MemberLink` each) and the rendezvous thread that manages them."""
+
+    def __init__(self, sender: WeightSender) -> None:
+        self.sender = sender
+        self.links: dict[str, MemberLink] = {}
+        self.http_members = 0   # generators that joined over HTTP: the relay must get every version for them
+
+    def alive(self) -> int:
+        """Members whose group thread still runs."""
+        return sum(1 for link in self.links.values() if link.alive)
+
+    def close(self) -> None:
+        for link in list(self.links.values()):
+            link.jobs.put(None)
+
+    def rendezvous_loop(self) -> None:
+        """Answer join requests (relay first, then an offer) and hand ready members to their threads."""
+        sender = self.sender
+        while not sender.stopping.is_set():
+            try:
+                work = sender.client.sync_work(sender.sender_id, wait_s=sender.cfg.poll_s)
+                self.http_members = int(work.get("http_members", 0))
+                for member_id in work.get("silent", []):
+                    self._drop_silent(member_id)
+                for request in work["joins"]:
+                    self._answer_join(request)
+                dispatched = self._dispatch(work["ready"])
+                if work["ready"] and not dispatched:
+                    with sender.lock:  # nothing to start now (copying, or all in flight): wait for a change
+                        sender.lock.wait(0.05)
+            except (HubError, HubUnavailable) as exc:
+                if sender.stopping.is_set():
+                    return
+                log.warning("weight sync: rendezvous with the hub failed: %s", exc)
+                sender.stopping.wait(1.0)
+
+    def _answer_join(self, request: dict) -> None:
+        sender, member_id = self.sender, request["member_id"]
+        if request["transport"] == "ipc" and sender.buffer.device.type != "cuda":
+            sender.member_state(member_id, "dropped", reason="CUDA IPC needs the learner on a GPU")
+            return
+        wanted = "nccl" if request["transport"] == "collective" and sender.backend == "nccl" else "gloo"
+        if request["transport"] == "collective" and wanted != sender.backend:
+            sender.member_state(member_id, "dropped", reason=f"the learner's groups use {sender.backend}")
+            return
+        # the late joiner loads the current version over HTTP first: make sure the relay holds it
+        with sender.lock:
+            while sender.transfers or sender.copying or (sender.version is not None and not sender.checked):
+                sender.lock.wait(0.1)
+            version = sender.version
+            upload = version is not None and (sender.relay_version is None or version > sender.relay_version)
+            if upload:
+                sender.transfers.add("relay")
+        if upload:
+            sender.upload_relay(version)
+        link = MemberLink(sender, member_id, request)
+        self.links[member_id] = link
+        link.thread.start()
+        sender.client.sync_offer(sender.sender_id, link.offer(sender.relay_version))
+
+    def _drop_silent(self, member_id: str) -> None:
+        """A member that stopped polling (died between transfers): close its group, count it, tell the hub."""
+        sender = self.sender
+        with sender.lock:
+            if member_id in sender.transfers:  # mid-transfer: the transfer's timeout decides
+                return
+            link = self.links.pop(member_id, None)
+        if link is None:
+            return
+        with sender.lock:
+            if link.dropped:
+                return
+            link.dropped, link.alive = True, False
+            sender.counters.dropped += 1
+            if link.counted:
+                sender.counters.members -= 1
+        link.jobs.put(None)  # its thread closes the group
+        reason = f"silent for more than {sender.cfg.member_idle_s:.0f}s"
+        log.warning("weight sync: dropping %s: %s", member_id, reason)
+        sender.member_state(member_id, "dropped", reason=reason)
+
+    def _dispatch(self, ready: list[dict]) -> int:
+        sender, started = self.sender, 0
+        with sender.lock:
+            if sender.copying or sender.version is None or not sender.checked:
+                return 0
+            for item in ready:
+                link = self.links.get(item["member_id"])
+                if link is None or not link.alive or item["member_id"] in sender.transfers:
+                    continue
+                if sender.version <= link.sent_version or item.get("have", link.sent_version) < link.sent_version:
+                    # a stale "ready": it came from the poll before our last transfer to this member (the hub
+                    # hears "served" only after the transfer ended). The generator may be back in a long engine
+                    # call; a transfer now would wait for it and drop it after timeout_s.
+                    continue
+                link.sent_version = sender.version
+                sender.transfers.add(item["member_id"])
+                sender.version_sent = True
+                link.jobs.put(sender.version)
+                started += 1
+        return started
