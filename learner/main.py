@@ -223,7 +223,7 @@ class Learner:
             self.nonfinite_in_row = 0
             self.step += 1
             self.publish_if_due()
-            clock.lap("publish")
+            clock.lap("version_report")
             times = clock.take()
             background = {"time_fetch_background_s": fetched.fetch_s,
                           "time_decode_background_s": fetched.decode_s} if fetched is not None else {}
@@ -260,8 +260,12 @@ class Learner:
         # the copy into the send buffer; the transfer runs in the background (learner/weight_sender.py)
         self.publisher.publish(self.version)
         self.hub_version = self.version
+        self.clock.lap("publish")
         if self.rank == 0:
-            self.client.report_version(self.version)
+            # in order with the acknowledgements, from the background thread: the hub hears of the version a few
+            # milliseconds later (it only sets which queued groups count as stale), the step does not wait for it
+            version = self.version
+            self.hub_calls.submit(lambda client: client.report_version(version))
         return time.perf_counter() - started
 
     def checkpoint(self) -> None:
