@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -78,8 +79,15 @@ class MemberLink:
         except (RuntimeError, ConnectionError, TimeoutError, ValueError) as exc:
             self._drop(f"{type(exc).__name__}: {exc}")
         finally:
-            groups.close_group(self.group)
+            self._teardown()
             self.alive = False
+
+    def _teardown(self) -> None:
+        """Shut the group down and drop it, then the store, in this thread (see :func:`groups.close_group`)."""
+        group, self.group = self.group, None
+        groups.close_group(group)
+        del group
+        self.store = None
 
     def _serve(self, version: int) -> None:
         sender, cfg = self.sender, self.sender.cfg
@@ -116,15 +124,26 @@ class GroupMembers:
     def __init__(self, sender: WeightSender) -> None:
         self.sender = sender
         self.links: dict[str, MemberLink] = {}
+        self.retired: list[MemberLink] = []  # dropped links whose threads may still tear their groups down
         self.http_members = 0   # generators that joined over HTTP: the relay must get every version for them
 
     def alive(self) -> int:
         """Members whose group thread still runs."""
         return sum(1 for link in self.links.values() if link.alive)
 
-    def close(self) -> None:
-        for link in list(self.links.values()):
+    def close(self, timeout_s: float) -> None:
+        """End every link's thread and wait (at most ``timeout_s`` in all) until each has torn its group down: a
+        process that exits while a link thread still holds its group dies in ``std::terminate`` (status -6)."""
+        links = list(self.links.values()) + self.retired
+        for link in links:
             link.jobs.put(None)
+        deadline = time.monotonic() + timeout_s
+        for link in links:
+            if link.thread.ident is not None:  # started (a link is started as soon as it is made)
+                link.thread.join(timeout=max(0.0, deadline - time.monotonic()))
+            if link.thread.is_alive():
+                log.warning("weight sync: %s's group thread still runs after %.0fs at close", link.member_id,
+                            timeout_s)
 
     def rendezvous_loop(self) -> None:
         """Answer join requests (relay first, then an offer) and hand ready members to their threads."""
@@ -180,6 +199,7 @@ class GroupMembers:
             link = self.links.pop(member_id, None)
         if link is None:
             return
+        self.retired.append(link)
         with sender.lock:
             if link.dropped:
                 return

@@ -234,7 +234,9 @@ class WeightSender:
         for thread in self._threads:
             thread.join(timeout=self.cfg.poll_s + 5)
         if self.members is not None:
-            self.members.close()
+            # a link still forming its group waits for its generator at most join_timeout_s; one serving a
+            # version at most timeout_s per collective: wait a bounded time for the usual case
+            self.members.close(timeout_s=self.cfg.timeout_s + 5)
         if self.groups_enabled:
             try:  # one attempt: a hub that is gone has forgotten us anyway
                 self.client.sync_unregister_sender(self.sender_id)

@@ -14,12 +14,14 @@ status: 1 applied, 0 refused) so the learner knows every worker holds the versio
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 from torch.distributed import PrefixStore, ProcessGroup, TCPStore
 
+log = logging.getLogger("grpo.weight_sync.groups")
 HEADER_LEN = 6
 MAGIC = 0x67727073  # "grps"
 
@@ -86,13 +88,21 @@ def build_group(store: TCPStore, address: str, rank: int, world_size: int, backe
 
 
 def close_group(group: ProcessGroup | None) -> None:
-    """Release a group's connections; a group whose peer died may refuse a clean shutdown, which is then moot."""
+    """Shut a group's backend down now, in the calling thread: its connections closed and its worker threads
+    joined. Callers then drop their last reference to the group (and after it to its store), so the C++ objects
+    are destroyed here and not at interpreter exit, where a backend torn down with its threads still joinable ends
+    the process in ``std::terminate`` (exit status -6) after the work is done. A peer that died may make the
+    shutdown fail; ``abort`` then closes what is left without waiting for anyone."""
     if group is None:
         return
     try:
         group.shutdown()
-    except RuntimeError:  # the peer is gone: nothing left to shut down cleanly
-        pass
+    except RuntimeError as exc:  # the peer is gone: nothing left to shut down cleanly
+        log.info("weight sync: group shutdown failed (%s); aborting it", exc)
+        try:
+            group.abort()
+        except RuntimeError as abort_exc:
+            log.info("weight sync: group abort failed too: %s", abort_exc)
 
 
 def start_broadcast(group: ProcessGroup, tensor: torch.Tensor):

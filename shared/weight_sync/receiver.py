@@ -34,10 +34,11 @@ class GroupReceiver:
         self.timeout_s = float(offer["timeout_s"])
         self.via_ipc = offer["transport"] == "ipc"
         self.group = group
+        self.store = None  # ours to release after the group when we built the group
         if self.group is None:
-            store = groups.join_store(offer["host"], offer["port"], offer["world_size"], self.timeout_s)
-            self.group = groups.build_group(store, offer["group_id"], rank, offer["world_size"], offer["backend"],
-                                            self.timeout_s)
+            self.store = groups.join_store(offer["host"], offer["port"], offer["world_size"], self.timeout_s)
+            self.group = groups.build_group(self.store, offer["group_id"], rank, offer["world_size"],
+                                            offer["backend"], self.timeout_s)
         self.wire_device = device if offer["backend"] == "nccl" else torch.device("cpu")
         self.shared: torch.Tensor | None = None
         if self.via_ipc:
@@ -102,8 +103,13 @@ class GroupReceiver:
                 return
 
     def close(self) -> None:
-        groups.close_group(self.group)
-        self.group = None
+        """Shut the group down and drop it, then the store, now (idempotent; bounded even with the learner gone,
+        see :func:`groups.close_group`)."""
+        group, self.group = self.group, None
+        groups.close_group(group)
+        del group
+        self.store = None
+        self.buffers = None
 
 
 def copy_into_module(model: torch.nn.Module, tensors: Iterator[tuple[str, torch.Tensor]]) -> int:
