@@ -102,9 +102,17 @@ def test_resume_after_kill_continues_with_the_same_step_parameters_and_lr(tiny_m
         proc = subprocess.Popen([GRPO, "learner", "--config", str(config)], stderr=subprocess.PIPE, text=True,
                                 env=env)
         deadline = time.monotonic() + 300
-        while len(complete_tags(tmp_path / "ckpt")) < 2 or "step00000002" not in complete_tags(tmp_path / "ckpt"):
+        hub = HubClient(live.url)
+
+        def relay_holds_the_newest_checkpoint() -> bool:
+            # the relay gets a version in the background and skips one published while the previous is still
+            # being sent, so wait until it holds the newest complete checkpoint's version: the test compares them
+            tags = complete_tags(tmp_path / "ckpt")
+            return "step00000002" in tags and hub.weights_version() == int(tags[-1].removeprefix("step"))
+
+        while not relay_holds_the_newest_checkpoint():
             assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.1)
+            time.sleep(0.05)
         proc.send_signal(signal.SIGKILL)
         proc.communicate(timeout=60)
         newest = complete_tags(tmp_path / "ckpt")[-1]
