@@ -159,6 +159,22 @@ def _split_score(key: str, salt: str) -> float:
     return int.from_bytes(digest[:8], "big") / 2.0**64
 
 
+def sample_split(task, n: int, split: str, rng: random.Random, max_tries_per_item: int = 1000) -> list[Problem]:
+    """``n`` problems of ``split`` from ``task.random_problem`` / ``task.split_of``, by rejection sampling with a
+    budget (an empty split raises instead of looping forever). Shared by the arithmetic tasks."""
+    _check_split(split)
+    out: list[Problem] = []
+    budget = max_tries_per_item * max(n, 1)
+    while len(out) < n:
+        if budget <= 0:
+            raise RuntimeError(f"could not draw {n} {split!r} problems; is the split empty?")
+        budget -= 1
+        problem = task.random_problem(rng)
+        if task.split_of(problem) == split:
+            out.append(problem)
+    return out
+
+
 @dataclass
 class ArithmeticTask:
     """Integer expressions over ``[min_value, max_value]`` with ``num_operands`` operands drawn from ``ops``."""
@@ -201,17 +217,7 @@ class ArithmeticTask:
 
         Raises instead of looping forever when the split is (nearly) empty, e.g. ``heldout_fraction=0``.
         """
-        _check_split(split)
-        out: list[Problem] = []
-        budget = max_tries_per_item * max(n, 1)
-        while len(out) < n:
-            if budget <= 0:
-                raise RuntimeError(f"could not draw {n} {split!r} problems; is the split empty?")
-            budget -= 1
-            problem = self.random_problem(rng)
-            if self.split_of(problem) == split:
-                out.append(problem)
-        return out
+        return sample_split(self, n, split, rng, max_tries_per_item)
 
     def enumerate(self, split: str | None = None, max_problems: int = 1_000_000) -> Iterator[Problem]:
         """Every problem (of ``split``, or all if ``None``) in a fixed order; refuses huge spaces."""

@@ -28,7 +28,14 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from generator.tasks.arithmetic import Problem, _split_score, format_expression, make_problem, normalize_int
+from generator.tasks.arithmetic import (
+    Problem,
+    _split_score,
+    format_expression,
+    make_problem,
+    normalize_int,
+    sample_split,
+)
 
 OP_WORDS = {"+": "plus", "-": "minus", "*": "times"}
 DEFAULT_TEMPLATE = "What is {expression}? Reply with only the number."
@@ -139,15 +146,4 @@ class WordsArithmeticTask:
 
     def sample(self, n: int, split: str, rng: random.Random, max_tries_per_item: int = 1000) -> list[Problem]:
         """``n`` problems of ``split`` drawn with replacement (rejection sampling; raises on an empty split)."""
-        if split not in ("train", "test"):
-            raise ValueError(f"split must be 'train' or 'test', got {split!r}")
-        out: list[Problem] = []
-        budget = max_tries_per_item * max(n, 1)
-        while len(out) < n:
-            if budget <= 0:
-                raise RuntimeError(f"could not draw {n} {split!r} problems; is the split empty?")
-            budget -= 1
-            problem = self.random_problem(rng)
-            if self.split_of(problem) == split:
-                out.append(problem)
-        return out
+        return sample_split(self, n, split, rng, max_tries_per_item)
