@@ -8,6 +8,10 @@
   server's ``/healthz`` (``run.health_timeout_s``) and stops the run if it never answers.
 * GPU indices in ``run.placement`` index this node's visible GPUs; each service gets ``CUDA_VISIBLE_DEVICES`` set
   to the physical ids they name (an empty list, or no GPU at all, means CPU).
+* Services that compute on the CPU share its cores: each gets ``OMP_NUM_THREADS`` = its share of the cores this
+  process may use (:func:`cpu_threads`), so the learner and the generators overlap instead of oversubscribing the
+  cores (two threads per process on two cores made every parallel op wait for a preempted thread). An
+  ``OMP_NUM_THREADS`` already set in the environment is kept.
 * Every output line is prefixed with the service name on the console and written to ``run_dir/logs/NAME.log``.
 * The run ends when the learner finishes (exit 0), on Ctrl-C / SIGTERM (exit 130 / 143), or when any service dies
   (its last log lines are shown; exit 1). Every service is then stopped: SIGTERM, then SIGKILL after
@@ -99,15 +103,40 @@ def gpu_env(indices: list[int], gpus: list[str], who: str) -> dict[str, str]:
     return {"CUDA_VISIBLE_DEVICES": ",".join(gpus[i] for i in indices)}
 
 
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def cpu_threads(config: GRPOConfig, cores: int) -> int:
+    """Torch threads for each service that computes on the CPU: the cores split evenly between them (at least 1).
+
+    Computing on the CPU: the learner's ranks and every generator without GPUs, and the ref server when it scores
+    reference logprobs there (beta > 0). A ref server that only runs the hub is mostly waiting on sockets."""
+    placement = config.run.placement
+    on_cpu = (0 if placement.learner else config.run.learner_ranks or 1) + sum(
+        1 for i in range(config.run.num_generators)
+        if not (placement.generators and placement.generators[i]))
+    if config.algorithm.loss.beta > 0 and not placement.ref_server:
+        on_cpu += 1
+    return max(1, cores // max(on_cpu, 1))
+
+
 def plan(config: GRPOConfig, config_path: Path, run_dir: Path) -> list[Service]:
     """The services to start, in order (the ref server first)."""
     gpus = visible_gpus()
     placement = config.run.placement
     base_env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    threads = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(cpu_threads(config, usable_cores()))}
     grpo = [sys.executable, "-m", "deploy.cli"]
     logs = run_dir / "logs"
-    services = [Service("ref-server", [*grpo, "ref-server", "--config", str(config_path)],
-                        {**base_env, **gpu_env(placement.ref_server, gpus, "the ref server")}, logs / "ref-server.log")]
+    ref_env = {**base_env, **gpu_env(placement.ref_server, gpus, "the ref server")}
+    if not placement.ref_server:
+        ref_env.update(threads)
+    services = [Service("ref-server", [*grpo, "ref-server", "--config", str(config_path)], ref_env,
+                        logs / "ref-server.log")]
     learner_gpus = placement.learner
     ranks = config.run.learner_ranks or max(len(learner_gpus), 1)
     if learner_gpus and ranks != len(learner_gpus):
@@ -119,12 +148,15 @@ def plan(config: GRPOConfig, config_path: Path, run_dir: Path) -> list[Service]:
                        "-m", "deploy.cli", "learner", "--config", str(config_path)]
     learner_env = {**base_env, **gpu_env(learner_gpus, gpus, "the learner")}
     if not learner_gpus:
-        learner_env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
+        learner_env.update(threads)
     services.append(Service("learner", learner_cmd, learner_env, logs / "learner.log"))
     for i in range(config.run.num_generators):
         indices = placement.generators[i] if placement.generators else []
+        gen_env = {**base_env, **gpu_env(indices, gpus, f"generator {i}")}
+        if not indices:
+            gen_env.update(threads)
         services.append(Service(f"gen-{i}", [*grpo, "generator", "--config", str(config_path), "--id", f"gen-{i}"],
-                                {**base_env, **gpu_env(indices, gpus, f"generator {i}")}, logs / f"gen-{i}.log"))
+                                gen_env, logs / f"gen-{i}.log"))
     return services
 
 

@@ -134,8 +134,14 @@ class TransformersEngine:
         return results
 
 
-# How often (in decoding steps) the loop asks whether every row has stopped: each ask waits for the device.
+# How often (in decoding steps) the loop asks whether every row has stopped: on an accelerator each ask waits for
+# the device, so it asks every few steps; on the CPU an ask costs nothing and every step past the last EOS is a
+# whole forward of the batch, so it asks at every step.
 STOP_CHECK_EVERY = 8
+
+
+def stop_check_interval(device: torch.device) -> int:
+    return 1 if device.type == "cpu" else STOP_CHECK_EVERY
 
 
 def filter_logits(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -160,7 +166,7 @@ def sample_with_logprobs(model, input_ids: torch.Tensor, attention: torch.Tensor
 
     Memory is bounded by one step's logits ([B*n, V]), never [B*n, steps, V]: the logprob of the sampled token is
     gathered as soon as it is drawn. The prompt is encoded once and its cache repeated n times. Everything stays on
-    the model's device; the host is asked whether all rows stopped every STOP_CHECK_EVERY steps only.
+    the model's device; the host is asked whether all rows stopped every :func:`stop_check_interval` steps.
     Rows past their EOS get ``pad_id`` (logprob 0), as ``generate`` pads them.
     """
     greedy = sampling.temperature == 0
@@ -183,6 +189,7 @@ def sample_with_logprobs(model, input_ids: torch.Tensor, attention: torch.Tensor
     finished = torch.zeros(rows, dtype=torch.bool, device=device)
     eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
     next_position = positions[:, -1:] + 1
+    check_every = stop_check_interval(device)
     for step in range(steps):
         scaled = logits.float() / temperature
         log_probs = scaled.log_softmax(-1)
@@ -195,7 +202,7 @@ def sample_with_logprobs(model, input_ids: torch.Tensor, attention: torch.Tensor
         tokens[:, step] = chosen
         logprobs[:, step] = log_probs.gather(-1, chosen.unsqueeze(-1)).squeeze(-1).masked_fill(finished, 0.0)
         finished |= torch.isin(chosen, eos)
-        if step + 1 == steps or ((step + 1) % STOP_CHECK_EVERY == 0 and bool(finished.all())):
+        if step + 1 == steps or ((step + 1) % check_every == 0 and bool(finished.all())):
             break
         attention = torch.cat([attention, torch.ones((rows, 1), dtype=attention.dtype, device=device)], dim=-1)
         out = model(input_ids=chosen.unsqueeze(-1), attention_mask=attention, position_ids=next_position,

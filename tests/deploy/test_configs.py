@@ -59,3 +59,33 @@ def test_slurm_template_is_valid_bash_and_uses_real_commands():
         assert command in text
     default = re.search(r"CONFIG=\$\{CONFIG:-([^}]+)\}", text).group(1)
     load_config(ROOT / default)
+
+
+def test_cpu_services_split_the_cores_between_them(tmp_path, monkeypatch):
+    from deploy import launcher
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(launcher, "usable_cores", lambda: 8)
+    config = load_config(ROOT / "deploy" / "configs" / "tiny-cpu.yaml")  # beta 0: the ref server only runs the hub
+    data = config.model_dump(mode="json")
+    data["run"]["num_generators"] = 3
+    config = type(config).model_validate(data)
+    services = {s.name: s for s in plan(config, tmp_path / "c.yaml", tmp_path)}
+    # learner + 3 generators compute on the CPU: 8 cores / 4
+    assert {name: s.env["OMP_NUM_THREADS"] for name, s in services.items()} == {
+        "ref-server": "2", "learner": "2", "gen-0": "2", "gen-1": "2", "gen-2": "2"}
+    data["algorithm"]["loss"]["beta"] = 0.04  # the ref server now scores on the CPU too: 8 // 5
+    services = plan(type(config).model_validate(data), tmp_path / "c.yaml", tmp_path)
+    assert {s.env["OMP_NUM_THREADS"] for s in services} == {"1"}
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's choice wins
+    assert {s.env["OMP_NUM_THREADS"] for s in plan(config, tmp_path / "c.yaml", tmp_path)} == {"3"}
+
+
+def test_gpu_services_keep_their_threads(tmp_path, monkeypatch):
+    from deploy import launcher
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", ",".join(str(i) for i in range(8)))
+    monkeypatch.setattr(launcher, "usable_cores", lambda: 64)
+    config = load_config(ROOT / "deploy" / "configs" / "qwen2.5-7b-gsm8k.yaml")
+    assert all("OMP_NUM_THREADS" not in s.env for s in plan(config, tmp_path / "c.yaml", tmp_path))

@@ -156,6 +156,25 @@ def test_greedy_tokens_equal_generate_and_rows_stop_at_eos(tiny_model):
     assert torch.all(logprobs[1, :first + 1] < 0)
 
 
+def test_on_the_cpu_decoding_stops_at_the_step_where_the_last_row_ended(tiny_model):
+    """Every step past the last EOS is a whole forward of the batch: on the CPU the loop checks at every step."""
+    ids, mask = _left_padded(PROMPTS, 0)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12)
+    reference, _ = sample_with_logprobs(tiny_model, ids, mask, 1, greedy, eos_ids=[], pad_id=0)
+    # each row's third greedy token ends it: all rows have ended after step 3, so 3 columns come back, not 8 or 12
+    eos_ids = sorted({int(t) for t in reference[:, 2]})
+    calls = []
+    hook = tiny_model.register_forward_hook(lambda module, args, out: calls.append(1))
+    try:
+        tokens, _ = sample_with_logprobs(tiny_model, ids, mask, 1, greedy, eos_ids=eos_ids, pad_id=0)
+    finally:
+        hook.remove()
+    last_end = max(int(next(i for i, t in enumerate(row.tolist()) if t in eos_ids)) for row in reference)
+    assert last_end <= 2
+    assert tokens.shape[1] == last_end + 1
+    assert len(calls) == last_end + 1  # the prompt's forward, then one per decoded step before the last
+
+
 def test_filters_match_generates_top_k_and_top_p_warpers():
     from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
