@@ -2,45 +2,56 @@
 
     .venv/bin/pip install -e '.[bench]'          # TRL, for this benchmark only
     .venv/bin/python bench/vs_trl.py --device cpu --steps 150
+    .venv/bin/python bench/vs_trl.py --device cpu --steps 40 --eval-every 10 --repeats 3 --no-curves
     .venv/bin/python bench/vs_trl.py --config deploy/configs/OTHER.yaml --device cuda
 
 What runs, in this order (one at a time, so they do not share the machine with each other):
 
 1. The start model: the config's ``generator.model``. With the demo's tiny model (the default config) it is built
    and warmed up exactly as ``grpo demo`` does (``deploy/demo/run.py: build_model``, cached in its folder).
-2. TRL: ``GRPOTrainer`` in this process, with the settings of :data:`MAPPING` taken from the grpo config, on the
-   config's training prompts (rendered as our generator renders them), rewarded by the config's ``RewardSet``
-   (the project's reward functions, wrapped as one TRL reward function). Its clock starts before the model is
-   loaded, so it includes TRL's start-up as ours includes the services'.
+2. TRL: ``GRPOTrainer`` in a process of its own (``bench/vs_trl_trl.py``, as a user runs ``python train.py``),
+   with the settings of :data:`MAPPING` taken from the grpo config, on the config's training prompts (rendered as
+   our generator renders them), rewarded by the config's ``RewardSet`` (the project's reward functions, wrapped as
+   one TRL reward function). This process never imports TRL.
 3. ``grpo run`` (the launcher, a real subprocess with its three services) on a copy of the config pointed at a
-   fresh run folder. Its clock starts when the subprocess is started (service start-up included); step times
-   are the ``time`` fields of the learner's metrics JSONL. ``--curves`` adds two more runs for off-policy
-   correctness at equal samples: on-policy (``ref_server.max_staleness 0``) and generators ahead
+   fresh run folder. Step times are the ``time`` fields of the learner's metrics JSONL.
+   ``--repeats N`` runs 2 and 3 alternately N times (TRL, grpo, TRL, grpo, ...), so both see the same machine
+   conditions; each repeat's ratio and their median are reported. ``--curves`` then adds two more runs for
+   off-policy correctness at equal samples: on-policy (``ref_server.max_staleness 0``) and generators ahead
    (``max_staleness 2``, old logprobs recomputed, truncated importance sampling with ``algorithm.loss.tis_cap``).
+
+The clocks are the same for both sides: each starts when its subprocess is launched (``Popen``), so it counts the
+interpreter, the imports (torch, transformers, TRL / DeepSpeed...), model loading and, for us, the three services'
+start-up: what a user waits for. For TRL the report also splits its start-up (interpreter + imports, model load +
+trainer construction, first step) and keeps the benchmark's first definition, TRL's clock from the model load
+(``time_to_target_from_model_load_s``), as a second figure.
 
 Accuracy over time: every ``--eval-every`` steps (and at the last) the policy is snapshotted and, after the run,
 evaluated by the project's evaluator (``generator/evaluate.py``: greedy accuracy on the config's held-out split,
-``eval.num_examples`` problems, the same for every run). TRL's snapshots are taken in a ``TrainerCallback``
-(a CPU copy of the state dict; the copy time is subtracted from TRL's clock). Ours are learner checkpoints
+``eval.num_examples`` problems, the same for every run). TRL's snapshots are Hugging Face folders saved by a
+``TrainerCallback`` in TRL's process (the saving time is subtracted from TRL's clock). Ours are learner checkpoints
 (``learner.checkpoint_every`` = the eval interval, all kept), converted to Hugging Face folders after the run;
 the checkpoints' time (``time_checkpoint_s`` in the metrics) is subtracted from our clock. (Checkpoints on also
 means batches are acknowledged at checkpoints, with leases renewed in between, as in any run that checkpoints.)
 A missing checkpoint is reported as missing, never guessed. Time to target = the clock at the first
-evaluated step whose accuracy reaches ``--target`` (default: TRL's final accuracy), so both sides are read on the
-same step grid.
+evaluated step whose accuracy reaches ``--target`` (default: TRL's final accuracy in the first repeat), so both
+sides are read on the same step grid.
 
 The last line is a JSON summary. The numbers mean something only with the machine they came from: the summary
-records the versions, the CPU/GPU, and the load average before and after.
+records the versions, the CPU/GPU, and the load average before and after (and at the start of each run).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import importlib.util
 import json
 import os
 import platform
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -50,43 +61,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import yaml  # noqa: E402
 
-from generator.evaluate import evaluate  # noqa: E402
+from bench.vs_trl_trl import MAPPING, TRLRequest, TRLResult, trl_settings  # noqa: E402
 from shared.config import load_config  # noqa: E402
 from shared.schema import GRPOConfig  # noqa: E402
 
-# grpo config field -> TRL GRPOConfig field, and what it means. Values are read from the grpo config (after
-# --steps), so the two runs use the same numbers; the rows marked "no equivalent" are differences, stated.
-MAPPING = [
-    ("generator.group_size", "num_generations", "G: completions per prompt"),
-    ("learner.groups_per_step", "per_device_train_batch_size (= G x prompts)", "prompts per optimizer step"),
-    ("learner.lr", "learning_rate", "peak learning rate"),
-    ("learner.lr_schedule", "lr_scheduler_type", "schedule ('constant' -> 'constant', or "
-     "'constant_with_warmup' with warm-up steps; cosine with min_lr_ratio -> 'cosine_with_min_lr')"),
-    ("learner.warmup_steps", "warmup_steps", "lr warm-up steps"),
-    ("learner.weight_decay", "weight_decay", "AdamW weight decay"),
-    ("learner.adam_betas", "adam_beta1, adam_beta2", "AdamW betas"),
-    ("learner.adam_eps", "adam_epsilon", "AdamW epsilon"),
-    ("learner.grad_clip", "max_grad_norm", "gradient clipping"),
-    ("algorithm.loss.eps_low", "epsilon", "lower clip range"),
-    ("algorithm.loss.eps_high", "epsilon_high", "upper clip range (clip-higher)"),
-    ("algorithm.loss.aggregation", "loss_type", "'token-mean' -> 'dapo' (global token count)"),
-    ("algorithm.loss.beta", "beta", "KL weight (0: no reference model)"),
-    ("algorithm.advantage.scale", "scale_rewards", "'group' -> 'group', 'batch' -> 'batch', 'none' -> 'none'"),
-    ("learner.updates_per_batch", "num_iterations", "mu: optimizer steps per batch"),
-    ("learner.mask_truncated", "mask_truncated_completions", "truncated completions out of the loss"),
-    ("generator.sampling.max_tokens", "max_completion_length", "new tokens per completion"),
-    ("generator.sampling.temperature", "temperature", "sampling temperature"),
-    ("generator.sampling.top_p", "top_p", "nucleus sampling"),
-    ("generator.sampling.top_k", "top_k", "top-k (-1 -> 0: off)"),
-    ("learner.max_steps", "max_steps", "optimizer steps (--steps)"),
-    ("seed", "seed", "seed"),
-    ("generator.drop_constant_groups", "(no equivalent)", "ours drops zero-variance groups before the learner "
-     "(DAPO dynamic sampling); TRL trains on them (zero advantage, counted in the token mean)"),
-    ("ref_server.max_staleness", "(no equivalent)", "ours samples ahead of the learner (off-policy, ratio against "
-     "the behaviour logprobs); TRL is on-policy"),
-]
-_AGGREGATION = {"token-mean": "dapo", "seq-mean-token-mean": "grpo", "seq-mean-token-sum-norm": "dr_grpo"}
-
+TRL_CHILD = Path(__file__).resolve().with_name("vs_trl_trl.py")
 
 def get(config: GRPOConfig, dotted: str):
     value = config
@@ -146,6 +125,8 @@ def eval_config(config: GRPOConfig, device: str) -> GRPOConfig:
 
 
 def evaluate_points(config: GRPOConfig, folders: dict[int, Path | None]) -> dict[int, float | None]:
+    from generator.evaluate import evaluate
+
     return {step: (evaluate(config, str(folder)).greedy_accuracy if folder is not None else None)
             for step, folder in sorted(folders.items())}
 
@@ -161,112 +142,92 @@ def time_to(target: float, points: dict[int, float | None], clock: dict[int, flo
     return None
 
 
-# -- TRL ----------------------------------------------------------------------------------------------------
-def trl_schedule(learner) -> dict:
-    """Our schedule as transformers names it: our 'constant' warms up first (transformers' 'constant' would
-    skip the warm-up), our cosine ends at ``min_lr_ratio`` x lr."""
-    if learner.lr_schedule == "constant":
-        return {"lr_scheduler_type": "constant_with_warmup" if learner.warmup_steps else "constant"}
-    if learner.lr_schedule == "cosine" and learner.min_lr_ratio > 0:
-        return {"lr_scheduler_type": "cosine_with_min_lr", "lr_scheduler_kwargs": {"min_lr_rate": learner.min_lr_ratio}}
-    return {"lr_scheduler_type": learner.lr_schedule}
+# -- TRL (its own process: bench/vs_trl_trl.py) -------------------------------------------------------------
+def check_trl_installed() -> None:
+    """The parent never imports TRL (its import time belongs to TRL's clock, in the child); it only checks."""
+    missing = [name for name in ("trl", "datasets") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise SystemExit(f"{' and '.join(missing)} not installed for {sys.executable}: TRL's side of this benchmark "
+                         "needs the bench extra: .venv/bin/pip install -e '.[bench]' (or --skip-trl --target ACC)")
 
 
-def trl_settings(config: GRPOConfig, device: str, out: Path) -> dict:
-    gen, learner, loss = config.generator, config.learner, config.algorithm.loss
-    if loss.aggregation not in _AGGREGATION:
-        raise SystemExit(f"algorithm.loss.aggregation {loss.aggregation!r} has no TRL loss_type here")
-    return dict(
-        output_dir=str(out), num_generations=gen.group_size,
-        per_device_train_batch_size=gen.group_size * learner.groups_per_step, gradient_accumulation_steps=1,
-        learning_rate=learner.lr, **trl_schedule(learner), warmup_steps=learner.warmup_steps,
-        weight_decay=learner.weight_decay, adam_beta1=learner.adam_betas[0], adam_beta2=learner.adam_betas[1],
-        adam_epsilon=learner.adam_eps, max_grad_norm=learner.grad_clip, optim="adamw_torch",
-        epsilon=loss.eps_low, epsilon_high=loss.eps_high, loss_type=_AGGREGATION[loss.aggregation],
-        beta=loss.beta, scale_rewards=config.algorithm.advantage.scale, num_iterations=learner.updates_per_batch,
-        mask_truncated_completions=learner.mask_truncated, max_completion_length=gen.sampling.max_tokens,
-        temperature=gen.sampling.temperature, top_p=gen.sampling.top_p, top_k=max(gen.sampling.top_k, 0),
-        max_steps=learner.max_steps, seed=config.seed, use_cpu=device == "cpu", bf16=device == "cuda",
-        logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, dataloader_num_workers=0,
-    )
+def run_trl(config: GRPOConfig, model_dir: str, device: str, steps: list[int], run_dir: Path) -> dict:
+    """TRL's ``GRPOTrainer`` in a subprocess, launched as ``grpo run`` is: the clock starts at ``Popen``."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    request = TRLRequest(config=json.loads(config.model_dump_json()), model_dir=str(Path(model_dir).resolve()),
+                         device=device, eval_steps=steps, out_dir=str(run_dir),
+                         result_path=str(run_dir / "result.json"))
+    request.write(run_dir / "request.json")
+    log_path = run_dir / "trl.log"
+    load = os.getloadavg()
+    with open(log_path, "w") as log:
+        wall_start = time.time()
+        proc = subprocess.Popen([sys.executable, str(TRL_CHILD), str(run_dir / "request.json")], stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            status = proc.wait()
+        except KeyboardInterrupt:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(60)
+            raise
+        process_s = time.time() - wall_start
+    result = read_trl_result(status, Path(request.result_path), log_path)
+    run = trl_run(result, wall_start)
+    folders = {step: (Path(result.snapshots[step]) if step in result.snapshots else None) for step in steps}
+    return run | {"folders": folders, "process_s": process_s, "load_avg_at_start": load,
+                  "missing_snapshots": [s for s, f in folders.items() if f is None]}
 
 
-def trl_dataset(config: GRPOConfig, tokenizer):
-    from datasets import Dataset
-
-    from generator.datasets import render_prompt
-    from generator.main import load_examples, system_prompt_for
-
-    dataset = config.generator.dataset
-    system = system_prompt_for(dataset)
-    examples = load_examples(dataset, config.seed)
-    prompts = [render_prompt(tokenizer, e.question, system, dataset.template) for e in examples]
-    check_prompt_tokens(tokenizer, prompts[:64], chat=dataset.template is None and bool(tokenizer.chat_template))
-    return Dataset.from_list([{"prompt": p, "question": e.question, "data": json.dumps(e.data)}
-                              for p, e in zip(prompts, examples)])
+def read_trl_result(status: int, result_path: Path, log_path: Path) -> TRLResult:
+    """The child's result file, or a SystemExit that says why there is none (with the end of the child's log)."""
+    if status != 0 or not result_path.exists():
+        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:]) if log_path.exists() else ""
+        why = f"exited with status {status}" if status != 0 else f"wrote no {result_path}"
+        raise SystemExit(f"TRL's process (bench/vs_trl_trl.py) {why}; see {log_path}; its last lines:\n{tail}")
+    try:
+        return TRLResult.from_json(result_path.read_text())
+    except (ValueError, TypeError) as exc:  # JSONDecodeError is a ValueError
+        raise SystemExit(f"{result_path}: not a TRL result file ({exc})") from exc
 
 
-def check_prompt_tokens(tokenizer, prompts: list[str], chat: bool) -> None:
-    """TRL tokenizes a text prompt with ``add_special_tokens=True``; our generator leaves special tokens out of a
-    rendered chat template (it has its own). A tokenizer that adds a BOS would give TRL a second one: stop."""
-    for prompt in prompts:
-        trl_ids = tokenizer(text=[prompt])["input_ids"][0]
-        ours = tokenizer(prompt, add_special_tokens=not chat)["input_ids"]
-        if list(trl_ids) != list(ours):
-            raise SystemExit(f"TRL would tokenize the prompt differently from our generator ({len(trl_ids)} vs "
-                             f"{len(ours)} tokens, first {list(trl_ids[:3])} vs {list(ours[:3])}): this tokenizer "
-                             "adds special tokens to a rendered chat template; the comparison would not be fair")
+def trl_clock(result: TRLResult, wall_start: float) -> dict[int, float]:
+    """Seconds from launch to each step's end, less the snapshot time before it. A step's snapshot is saved after
+    its stamp, so it is taken off from the next step on (as ``time_checkpoint_s`` is on our side)."""
+    clock, paused = {}, 0.0
+    for step in sorted(result.step_end_at):
+        clock[step] = result.step_end_at[step] - wall_start - paused
+        paused += result.save_s.get(step, 0.0)
+    return clock
 
 
-def trl_reward(config: GRPOConfig):
-    """The config's rewards (the project's functions, weighted as our generator weighs them) as a TRL reward."""
-    from generator.rewards import RewardSet
+def trl_run(result: TRLResult, wall_start: float) -> dict:
+    """The TRL run's clock and its start-up parts. ``clock`` is from launch (the headline, as ours);
+    ``clock_from_model_load`` starts after the imports (the benchmark's first definition, kept to compare)."""
+    clock = trl_clock(result, wall_start)
+    if not clock:
+        raise SystemExit("TRL's process reported no training step")
+    imports = result.imports_done_at - wall_start
+    ready = result.trainer_ready_at - wall_start
+    first = clock[min(clock)]
+    snapshot_s = sum(result.save_s.values())
+    return {"clock": clock, "clock_from_model_load": {step: t - imports for step, t in clock.items()},
+            "total_s": result.train_done_at - wall_start - snapshot_s,
+            "interpreter_start_s": result.started_at - wall_start,
+            "imports_s": result.imports_done_at - result.started_at,
+            "interpreter_and_imports_s": imports,
+            "model_load_and_trainer_s": ready - imports,
+            "setup_s": ready - imports,  # the old key: model load to trainer built
+            "first_step_duration_s": first - ready, "first_step_s": first, "snapshot_s": snapshot_s,
+            "rewards": result.rewards, "versions": result.versions}
 
-    rewards = RewardSet.from_specs(config.generator.rewards)
 
-    def project_reward(prompts, completions, question, data, **_):
-        return [rewards.score_group(q, [c], json.loads(d)).total[0] for q, c, d in zip(question, completions, data)]
-
-    return project_reward
-
-
-def run_trl(config: GRPOConfig, model_dir: str, device: str, steps: list[int], out: Path) -> dict:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig as TRLConfig
-    from trl import GRPOTrainer
-
-    snapshots: dict[int, dict] = {}
-    clock: dict[int, float] = {}
-    paused = [0.0]
-    started = time.perf_counter()
-
-    class Snapshots(TrainerCallback):
-        def on_step_end(self, args, state, control, model=None, **kwargs):
-            now = time.perf_counter()
-            clock[state.global_step] = now - started - paused[0]
-            if state.global_step in steps:
-                snapshots[state.global_step] = {k: v.detach().to("cpu", copy=True) for k, v in
-                                                 model.state_dict().items()}
-                paused[0] += time.perf_counter() - now
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    trainer = GRPOTrainer(model=model, reward_funcs=trl_reward(config), args=TRLConfig(**trl_settings(config, device,
-                                                                                                   out / "trl")),
-                          train_dataset=trl_dataset(config, tokenizer), processing_class=tokenizer,
-                          callbacks=[Snapshots()])
-    first_step_ready = time.perf_counter() - started
-    trainer.train()
-    total = time.perf_counter() - started - paused[0]
-    folders = {}
-    for step, state in snapshots.items():
-        model.load_state_dict(state)
-        folders[step] = out / "trl-snapshots" / f"step{step:06d}"
-        model.save_pretrained(folders[step])
-        tokenizer.save_pretrained(folders[step])
-    return {"clock": clock, "folders": folders, "total_s": total, "setup_s": first_step_ready,
-            "rewards": [h.get("reward") for h in trainer.state.log_history if "reward" in h]}
+def print_trl_start(name: str, run: dict) -> None:
+    print(f"[bench] {name}: from launch: interpreter + imports {run['interpreter_and_imports_s']:.1f} s "
+          f"(interpreter {run['interpreter_start_s']:.1f} s, imports {run['imports_s']:.1f} s), model load + "
+          f"trainer {run['model_load_and_trainer_s']:.1f} s, first step {run['first_step_duration_s']:.1f} s: "
+          f"first step done at {run['first_step_s']:.1f} s; snapshots took {run['snapshot_s']:.1f} s (off the clock)",
+          flush=True)
 
 
 # -- grpo run ------------------------------------------------------------------------------------------------
@@ -329,6 +290,7 @@ def run_grpo(config: GRPOConfig, model_dir: str, device: str, steps: list[int], 
     path = grpo_config(config, run_dir, port, device, model_dir, learner__checkpoint_every=every,
                        learner__keep_checkpoints=len(steps) + 1, **changes)
     log = open(run_dir / "launcher.log", "w")
+    load = os.getloadavg()
     wall_start = time.time()
     started = time.perf_counter()
     # python -m puts the working directory first on sys.path: the services run the code of ``tree``
@@ -357,7 +319,7 @@ def run_grpo(config: GRPOConfig, model_dir: str, device: str, steps: list[int], 
                                        run_dir / "snapshots" / f"step{step:06d}") for step in steps}
     return {"clock": clock, "folders": folders, "total_s": total, "first_step_s": clock[min(clock)],
             "rewards": [r["reward_mean"] for r in records], "step_time_ms": step_breakdown(records[1:]),
-            "snapshot_s": snapshot_s, "exit_status": status, "missing_snapshots": [s for s, f in folders.items() if f is None]}
+            "snapshot_s": snapshot_s, "exit_status": status, "load_avg_at_start": load, "missing_snapshots": [s for s, f in folders.items() if f is None]}
 
 
 def step_breakdown(records: list[dict]) -> dict[str, float]:
@@ -394,15 +356,46 @@ def machine() -> dict:
     info = {"python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "cpu_count": os.cpu_count(),
             "cpu": platform.processor() or platform.machine(), "load_avg": os.getloadavg()}
-    try:
-        import trl
-
-        info["trl"] = trl.__version__
-    except ImportError:
-        info["trl"] = None
+    for name in ("trl", "datasets"):  # their versions without importing them (TRL is imported by its own process)
+        try:
+            info[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            info[name] = None
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     return info
+
+
+def run_name(side: str, repeat: int) -> str:
+    """``trl`` / ``grpo`` for the first repeat (the keys every earlier summary has), ``trl_r2``... after."""
+    return side if repeat == 1 else f"{side}_r{repeat}"
+
+
+def ratio(ours: float | None, theirs: float | None) -> float | None:
+    return ours / theirs if ours is not None and theirs else None
+
+
+def median(values: list[float | None]) -> float | None:
+    """The median of the values that exist (a run that never reached the target has none)."""
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def repeat_rows(runs: dict[str, dict], repeats: int) -> list[dict]:
+    """Per repeat (TRL then grpo, back to back): both times to target and the ratio ours / TRL, with TRL's clock
+    from launch (the headline) and from model load (the first definition)."""
+    rows = []
+    for repeat in range(1, repeats + 1):
+        trl = runs.get(run_name("trl", repeat), {})
+        ours = runs[run_name("grpo", repeat)]["time_to_target_s"]
+        theirs, from_load = trl.get("time_to_target_s"), trl.get("time_to_target_from_model_load_s")
+        rows.append({"repeat": repeat, "trl_s": theirs, "trl_from_model_load_s": from_load, "grpo_s": ours,
+                     "ratio": ratio(ours, theirs), "ratio_against_trl_from_model_load": ratio(ours, from_load)})
+    return rows
+
+
+def fmt(value: float | None, digits: int = 1) -> str:
+    return "not reached" if value is None else f"{value:.{digits}f}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -410,10 +403,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default="deploy/configs/tiny-cpu.yaml", help="grpo YAML: model, task, settings.")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--steps", type=int, help="Optimizer steps for both (default: the config's max_steps).")
-    parser.add_argument("--target", type=float, help="Accuracy to reach (default: TRL's final accuracy).")
+    parser.add_argument("--target", type=float, help="Accuracy to reach (default: TRL's final accuracy, first repeat).")
     parser.add_argument("--eval-every", type=int, help="Evaluate every N steps (default: steps / 5).")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="Run TRL and `grpo run` (the config as given) alternately N times (TRL, grpo, TRL, "
+                        "grpo, ...), so both see the same machine; reports each ratio and their median.")
     parser.add_argument("--curves", action=argparse.BooleanOptionalAction, default=True,
-                        help="Also run grpo on-policy and ahead with truncated IS (off-policy correctness).")
+                        help="Also run grpo on-policy and ahead with truncated IS (off-policy correctness), once, "
+                        "after the repeats.")
     parser.add_argument("--skip-trl", action="store_true", help="Only grpo runs (needs --target).")
     parser.add_argument("--out", default="runs/bench/vs-trl", help="Work folder (emptied first).")
     parser.add_argument("--port", type=int, default=8481, help="Ref server port of the grpo runs.")
@@ -423,6 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="Override a config key for every run, e.g. eval.num_examples=100 (repeatable).")
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats {args.repeats}: must be at least 1")
     if args.device == "cuda":
         import torch
 
@@ -432,17 +431,21 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--skip-trl needs --target")
     out = Path(args.out).resolve()
     tree = Path(args.grpo_tree).resolve()
+    config = prepare_config(args.config, args.steps, args.set)
+    if not args.skip_trl:
+        check_trl_installed()
+        trl_settings(config, args.device, out / "trl")  # a setting TRL cannot take stops here, before any run
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    config = prepare_config(args.config, args.steps, args.set)
     total_steps = config.learner.max_steps
     every = args.eval_every or max(1, total_steps // 5)
     steps = eval_steps(total_steps, every)
     model_dir = start_model(config)
     ev = eval_config(config, args.device)
     summary: dict = {"config": args.config, "device": args.device, "steps": total_steps, "eval_steps": steps,
-                     "heldout_examples": config.eval.num_examples, "machine_before": machine()}
-    start_acc = evaluate(ev, model_dir).greedy_accuracy
+                     "heldout_examples": config.eval.num_examples, "repeats": args.repeats,
+                     "machine_before": machine()}
+    start_acc = evaluate_points(ev, {0: Path(model_dir)})[0]
     summary["start_accuracy"] = start_acc
     print(f"[bench] start model {model_dir}: greedy accuracy {start_acc:.1%} on {config.eval.num_examples} held-out "
           "problems", flush=True)
@@ -451,36 +454,55 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {ours} = {get(config, ours)!r:>10} -> {theirs}  ({meaning})", flush=True)
 
     runs: dict[str, dict] = {}
-    if not args.skip_trl:
-        print("[bench] TRL GRPOTrainer ...", flush=True)
-        runs["trl"] = run_trl(config, model_dir, args.device, steps, out)
-        finish_run("trl", runs["trl"], ev, out)
-    variants = {"grpo": {}}
+    for repeat in range(1, args.repeats + 1):
+        of = f" (repeat {repeat} of {args.repeats})" if args.repeats > 1 else ""
+        if not args.skip_trl:
+            name = run_name("trl", repeat)
+            print(f"[bench] TRL GRPOTrainer, its own process{of} ...", flush=True)
+            runs[name] = run_trl(config, model_dir, args.device, steps, out / name)
+            print_trl_start(name, runs[name])
+            finish_run(name, runs[name], ev, out)
+        name = run_name("grpo", repeat)
+        print(f"[bench] {name} (the config as given){of} ...", flush=True)
+        runs[name] = run_grpo(config, model_dir, args.device, steps, every, out / name, args.port, tree)
+        finish_run(name, runs[name], ev, out)
+    variants = {}
     if args.curves:
         variants["grpo_on_policy"] = {"ref_server__max_staleness": 0}
         variants["grpo_ahead_tis"] = {"ref_server__max_staleness": 2, "learner__old_logprobs": "recompute",
                                       "algorithm__loss__tis_cap": config.algorithm.loss.tis_cap or 2.0}
     for name, changes in variants.items():
-        print(f"[bench] {name} ({changes or 'the config as given'}) ...", flush=True)
+        print(f"[bench] {name} ({changes}) ...", flush=True)
         runs[name] = run_grpo(config, model_dir, args.device, steps, every, out / name, args.port, tree, **changes)
         finish_run(name, runs[name], ev, out)
+
     target = args.target if args.target is not None else runs["trl"]["accuracy"][total_steps]
+    if target is None:
+        raise SystemExit(f"TRL's snapshot of the last step is missing (see {out / 'trl' / 'trl.log'}); pass --target")
     summary["target_accuracy"] = target
     for run in runs.values():
         run["time_to_target_s"] = time_to(target, run["accuracy"], run["clock"])
-    trl_time = runs.get("trl", {}).get("time_to_target_s")
-    ours = runs["grpo"]["time_to_target_s"]
-    summary["ratio_ours_over_trl"] = ours / trl_time if ours is not None and trl_time else None
-    summary["runs"] = {name: {k: v for k, v in run.items() if k not in ("clock", "rewards")} |
+        if "clock_from_model_load" in run:
+            run["time_to_target_from_model_load_s"] = time_to(target, run["accuracy"], run["clock_from_model_load"])
+    rows = repeat_rows(runs, args.repeats)
+    summary["repeat_results"] = rows
+    # with one repeat these are that repeat's ratios; with more, the medians of the repeats' ratios
+    summary["ratio_ours_over_trl"] = median([row["ratio"] for row in rows])
+    summary["ratio_ours_over_trl_from_model_load"] = median([row["ratio_against_trl_from_model_load"] for row in rows])
+    summary["runs"] = {name: {k: v for k, v in run.items() if k not in ("clock", "clock_from_model_load", "rewards")} |
                        {"clock_at_eval_steps": {s: round(run["clock"][s], 2) for s in steps if s in run["clock"]},
                         "reward_mean_per_step": [round(r, 4) for r in run["rewards"] if r is not None]}
                        for name, run in runs.items()}
     summary["machine_after"] = {"load_avg": os.getloadavg()}
-    print(f"[bench] target accuracy {target:.1%}: TRL {trl_time if trl_time is None else round(trl_time, 1)} s, "
-          f"grpo run {ours if ours is None else round(ours, 1)} s (service start-up included; first learner step at "
-          f"{runs['grpo']['first_step_s']:.1f} s); ratio ours/TRL "
-          f"{summary['ratio_ours_over_trl'] if summary['ratio_ours_over_trl'] is None else round(summary['ratio_ours_over_trl'], 3)}",
-          flush=True)
+    for row in rows:
+        grpo = runs[run_name("grpo", row["repeat"])]
+        print(f"[bench] target accuracy {target:.1%}, repeat {row['repeat']}: TRL {fmt(row['trl_s'])} s from launch "
+              f"({fmt(row['trl_from_model_load_s'])} s from model load), grpo run {fmt(row['grpo_s'])} s from launch "
+              f"(first learner step at {grpo['first_step_s']:.1f} s); ratio ours/TRL {fmt(row['ratio'], 3)} "
+              f"({fmt(row['ratio_against_trl_from_model_load'], 3)} against TRL from model load)", flush=True)
+    if args.repeats > 1:
+        print(f"[bench] median ratio ours/TRL over {args.repeats} repeats: {fmt(summary['ratio_ours_over_trl'], 3)} "
+              f"({fmt(summary['ratio_ours_over_trl_from_model_load'], 3)} against TRL from model load)", flush=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     print(json.dumps(summary, default=str), flush=True)
     return 0
