@@ -6,12 +6,16 @@ member that the hub reports waiting in the receive to that member's :class:`Memb
 its own thread and then serves one version at a time from the sender's buffer (:mod:`learner.weight_sender` owns
 the buffer, its version and the bookkeeping of who reads it). Any failure drops the member, after at most
 ``weight_sync.timeout_s``.
+
+A link serves a version only when its generator asks for it through the group's store (the generator sets the
+next :func:`groups.request_key` as it enters the receive, after the hub told it a newer version is announced):
+the link's thread waits on that key, so the transfer starts within a millisecond of the ask, and a generator that
+is in an engine call is never sent anything. The hub only brokers joining, announcements and silent members.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from datetime import timedelta
@@ -27,6 +31,7 @@ if TYPE_CHECKING:
     from learner.weight_sender import WeightSender
 
 log = logging.getLogger("grpo.learner.weight_sync")
+REQUEST_WAIT_S = 3600.0  # one store wait; a stopping link is woken at once by wake()
 
 
 class MemberLink:
@@ -35,9 +40,11 @@ class MemberLink:
 
     def __init__(self, sender: WeightSender, member_id: str, request: dict) -> None:
         self.sender, self.member_id, self.request = sender, member_id, request
-        self.jobs: queue.Queue[int | None] = queue.Queue()
+        self.stop = threading.Event()
+        self.waiting_on: int | None = None  # the request number the thread waits for in the store (under mutex)
+        self.mutex = threading.Lock()
         self.group = None
-        self.sent_version = -1   # the newest version handed to this member's thread (never sent twice)
+        self.sent_version = -1   # the version of the last transfer to this member
         self.alive = True
         self.dropped = False
         self.counted = False     # counted in the members metric (its group formed)
@@ -74,8 +81,13 @@ class MemberLink:
             sender.member_state(self.member_id, "active")
             log.info("weight sync: %s joined (%s, %s, %d worker(s))", self.member_id, self.request["transport"],
                      self.backend, self.world - 1)
-            while (version := self.jobs.get()) is not None:
+            request = 1
+            while self._wait_request(request):
+                version = self._claim()
+                if version is None:
+                    break
                 self._serve(version)
+                request += 1
         except (RuntimeError, ConnectionError, TimeoutError, ValueError) as exc:
             self._drop(f"{type(exc).__name__}: {exc}")
         finally:
@@ -89,18 +101,81 @@ class MemberLink:
         del group
         self.store = None
 
+    def _wait_request(self, request: int) -> bool:
+        """Until the generator asks for its ``request``-th version (True) or the link is told to stop (False)."""
+        with self.mutex:
+            if self.stop.is_set():
+                return False
+            self.waiting_on = request
+        key = groups.request_key(request)
+        while True:
+            try:  # the store's server wakes us the moment the key is set; no timeout passes in normal use
+                self.store.wait([key], timedelta(seconds=REQUEST_WAIT_S))
+                break
+            except torch.distributed.DistStoreError:  # an hour without a request: wait on
+                if self.stop.is_set():
+                    return False
+        with self.mutex:
+            self.waiting_on = None
+        if self.stop.is_set():
+            return False
+        self.store.delete_key(key)
+        return True
+
+    def wake(self) -> None:
+        """Make the thread see :attr:`stop` (set it first) if it waits for a request: set the key it waits on,
+        through a client of its own (the thread's client is busy in the wait)."""
+        with self.mutex:
+            request = self.waiting_on
+        if request is None or not self.thread.is_alive():
+            return
+        try:
+            client = groups.join_store(self.sender.cfg.host, self.address_port, self.world, 5.0)
+            client.set(groups.request_key(request), b"stop")
+        except RuntimeError as exc:  # the link's store is gone: its thread has ended meanwhile
+            log.info("weight sync: waking %s's thread: %s", self.member_id, exc)
+
+    @property
+    def address_port(self) -> int:
+        return int(self.address.rsplit(":", 1)[1])
+
+    def _claim(self) -> int | None:
+        """The buffer's version for this transfer, marked as read by us (no publish overwrites it meanwhile).
+        Waits while the learner copies or the sender checks a new version; ``timeout_s`` without a version to
+        send (every publish refused as NaN/inf) is a failure: the generator gave up waiting in the receive."""
+        sender = self.sender
+        deadline = time.monotonic() + sender.cfg.timeout_s
+        with sender.lock:
+            while sender.copying or sender.version is None or not sender.checked:
+                if self.stop.is_set() or self.dropped:
+                    return None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no version to send for {sender.cfg.timeout_s:.0f}s after the ask")
+                sender.lock.wait(0.05)
+            self.sent_version = sender.version
+            sender.transfers.add(self.member_id)
+            sender.version_sent = True
+            return sender.version
+
     def _serve(self, version: int) -> None:
+        """Header, buckets, completion: every operation posted at once (gloo runs them in order in its own
+        threads), then waited for, so this thread needs the interpreter lock twice, not once per operation, while
+        the learner's training thread holds it most of the time."""
         sender, cfg = self.sender, self.sender.cfg
         try:
             sender.wait_buffer_ready()
             header = groups.VersionHeader(version, sender.layout.total_bytes, cfg.bucket_bytes,
                                           sender.layout.fingerprint(), self.via_ipc)
             device = sender.buffer.device if self.backend == "nccl" else torch.device("cpu")
-            groups.broadcast(self.group, header.to_tensor().to(device), cfg.timeout_s)
+            works = [groups.start_broadcast(self.group, header.to_tensor().to(device))]
             if not self.via_ipc:
-                for begin, end in bucket_ranges(sender.layout.total_bytes, cfg.bucket_bytes):
-                    groups.broadcast(self.group, sender.buffer[begin:end], cfg.timeout_s)
-            if not groups.agree_all_applied(self.group, True, device, cfg.timeout_s):
+                works += [groups.start_broadcast(self.group, sender.buffer[begin:end])
+                          for begin, end in bucket_ranges(sender.layout.total_bytes, cfg.bucket_bytes)]
+            applied, agreement = groups.start_agreement(self.group, True, device)
+            for work in works:
+                groups.finish(work, cfg.timeout_s)
+            groups.finish(agreement, cfg.timeout_s)
+            if not bool(applied.item() == 1):
                 raise RuntimeError(f"the generator refused version {version} (see its log)")
         finally:
             sender.transfer_done(self.member_id)
@@ -136,7 +211,8 @@ class GroupMembers:
         process that exits while a link thread still holds its group dies in ``std::terminate`` (status -6)."""
         links = list(self.links.values()) + self.retired
         for link in links:
-            link.jobs.put(None)
+            link.stop.set()
+            link.wake()
         deadline = time.monotonic() + timeout_s
         for link in links:
             if link.thread.ident is not None:  # started (a link is started as soon as it is made)
@@ -146,7 +222,7 @@ class GroupMembers:
                             timeout_s)
 
     def rendezvous_loop(self) -> None:
-        """Answer join requests (relay first, then an offer) and hand ready members to their threads."""
+        """Answer join requests (relay first, then an offer) and drop members that stopped polling the hub."""
         sender = self.sender
         while not sender.stopping.is_set():
             try:
@@ -156,10 +232,6 @@ class GroupMembers:
                     self._drop_silent(member_id)
                 for request in work["joins"]:
                     self._answer_join(request)
-                dispatched = self._dispatch(work["ready"])
-                if work["ready"] and not dispatched:
-                    with sender.lock:  # nothing to start now (copying, or all in flight): wait for a change
-                        sender.lock.wait(0.05)
             except (HubError, HubUnavailable) as exc:
                 if sender.stopping.is_set():
                     return
@@ -207,28 +279,8 @@ class GroupMembers:
             sender.counters.dropped += 1
             if link.counted:
                 sender.counters.members -= 1
-        link.jobs.put(None)  # its thread closes the group
+        link.stop.set()
+        link.wake()  # its thread closes the group
         reason = f"silent for more than {sender.cfg.member_idle_s:.0f}s"
         log.warning("weight sync: dropping %s: %s", member_id, reason)
         sender.member_state(member_id, "dropped", reason=reason)
-
-    def _dispatch(self, ready: list[dict]) -> int:
-        sender, started = self.sender, 0
-        with sender.lock:
-            if sender.copying or sender.version is None or not sender.checked:
-                return 0
-            for item in ready:
-                link = self.links.get(item["member_id"])
-                if link is None or not link.alive or item["member_id"] in sender.transfers:
-                    continue
-                if sender.version <= link.sent_version or item.get("have", link.sent_version) < link.sent_version:
-                    # a stale "ready": it came from the poll before our last transfer to this member (the hub
-                    # hears "served" only after the transfer ended). The generator may be back in a long engine
-                    # call; a transfer now would wait for it and drop it after timeout_s.
-                    continue
-                link.sent_version = sender.version
-                sender.transfers.add(item["member_id"])
-                sender.version_sent = True
-                link.jobs.put(sender.version)
-                started += 1
-        return started

@@ -34,9 +34,7 @@ class Member:
     sender_id: str | None
     state: str = "pending"            # pending -> offered -> active; dropped / left end it
     offer: Offer | None = None
-    version: int = 0                  # what the generator last said it serves
-    ready_for: int | None = None      # the announced version it is waiting in the receive for
-    ready_have: int = 0               # the version it reported in the poll that sent it into that receive
+    version: int = 0                  # what the generator last said it serves (or the sender last served it)
     reason: str | None = None
     last_seen: float = field(default_factory=time.monotonic)
 
@@ -99,19 +97,18 @@ class SyncRendezvous:
         self._notify()
 
     async def work(self, sender_id: str, wait_s: float) -> dict:
-        """What the sender has to do: join requests to answer and members waiting in the receive."""
+        """What the sender has to do: join requests to answer and members that stopped polling. (Members waiting
+        in the receive ask the sender's link directly, through their group's store: no hub round trip.)"""
         self._require_sender(sender_id)
         while True:
             joins = [{"member_id": m.member_id, **m.request.model_dump()} for m in self.members.values()
                      if m.state == "pending" and m.sender_id == sender_id]
-            ready = [{"member_id": m.member_id, "version": m.ready_for, "have": m.ready_have}
-                     for m in self.members.values() if m.state == "active" and m.ready_for is not None]
             now, idle_limit = time.monotonic(), self.sender.member_idle_s if self.sender is not None else None
             silent = [m.member_id for m in self.members.values() if m.state in ("offered", "active")
                       and idle_limit is not None and now - m.last_seen > idle_limit]
-            if joins or ready or silent or wait_s <= 0:
+            if joins or silent or wait_s <= 0:
                 http = sum(1 for m in self.members.values() if m.state == "active" and m.request.transport == "http")
-                return {"joins": joins, "ready": ready, "silent": silent, "http_members": http}
+                return {"joins": joins, "silent": silent, "http_members": http}
             started = time.monotonic()
             await self._wait(wait_s)
             wait_s -= time.monotonic() - started
@@ -133,7 +130,7 @@ class SyncRendezvous:
                 raise RendezvousError(409, f"member {member_id} is {member.state}, not offered")
             member.state = "active"
         elif state == "served":
-            member.ready_for, member.version = None, max(member.version, version or 0)
+            member.version = max(member.version, version or 0)
         elif state == "dropped":
             self._end(member, "dropped", reason or "dropped by the learner")
         else:
@@ -180,9 +177,6 @@ class SyncRendezvous:
         if member.request.transport == "http":
             return MemberAnswer(action="idle", announced=self.announced)
         if self.announced is not None and self.announced > member.version:
-            if member.ready_for != self.announced:
-                member.ready_for, member.ready_have = self.announced, member.version
-                self._notify()
             return MemberAnswer(action="receive", announced=self.announced)
         return MemberAnswer(action="idle", announced=self.announced)
 
@@ -203,7 +197,7 @@ class SyncRendezvous:
         if state == "dropped":
             self.dropped_total += 1
             log.warning("weight-sync member %s dropped: %s", member.member_id, reason)
-        member.state, member.reason, member.ready_for = state, reason, None
+        member.state, member.reason = state, reason
 
     def _forget_ended(self) -> None:
         """Keep ended members only while the live ones leave room (their state answers a late poll)."""

@@ -68,7 +68,8 @@ async def unregister_sender(sender_id: str, state: State) -> dict:
 
 @router.post("/v1/weights/sync/announce")
 async def announce(body: _Announce, state: State) -> dict:
-    """The sender holds ``version`` in its buffer: members poll, are marked ready, and receive it."""
+    """The sender holds ``version`` in its buffer: members that poll are told to receive it (and ask the sender
+    for it through their group)."""
     try:
         state.sync.announce(body.sender_id, body.version)
     except RendezvousError as exc:
@@ -78,7 +79,7 @@ async def announce(body: _Announce, state: State) -> dict:
 
 @router.get("/v1/weights/sync/work")
 async def sender_work(state: State, sender_id: str, wait_s: Annotated[float, Query(ge=0, le=60)] = 0.0) -> dict:
-    """Long-poll of the sender: join requests to answer and members waiting in the receive."""
+    """Long-poll of the sender: join requests to answer and members that stopped polling."""
     try:
         return await state.sync.work(sender_id, min(wait_s, state.max_long_poll_s))
     except RendezvousError as exc:

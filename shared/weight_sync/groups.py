@@ -7,6 +7,11 @@ CUDA platform's ``stateless_init_device_torch_dist_pg`` (NCCL), so a vLLM worker
 group the learner built with this module. The global default group (the learner's DeepSpeed world) is never
 touched, and every operation is bounded by the group's timeout: a dead peer is an exception, never a hang.
 
+A receiver asks for each version itself: entering the receive, its first worker sets the key
+:func:`request_key` (n = 1, 2, ... per group) in the learner's store, where the learner's thread for that group
+waits on it (the store's server wakes it in well under a millisecond, no hub round trip and no polling). The
+learner therefore starts a transfer only for a receiver already waiting in it, and at once.
+
 One version on the wire: a header ``int64[HEADER_LEN]`` broadcast from rank 0, the buckets (broadcasts from rank
 0; none for CUDA IPC, where receivers read the shared buffer), then a completion all-reduce (MIN of each rank's
 status: 1 applied, 0 refused) so the learner knows every worker holds the version before it reuses the buffer.
@@ -44,6 +49,11 @@ class VersionHeader:
         if magic != MAGIC:
             raise ConnectionError(f"weight-sync header has magic {magic:#x}, expected {MAGIC:#x}")
         return cls(version, total, bucket, fingerprint, bool(ipc))
+
+
+def request_key(n: int) -> str:
+    """The store key a receiver sets to ask for its ``n``-th version (n >= 1) over this group."""
+    return f"grpo-weight-sync/request/{n}"
 
 
 def store_address(host: str, port: int) -> str:
@@ -124,12 +134,19 @@ def broadcast(group: ProcessGroup, tensor: torch.Tensor, timeout_s: float) -> No
     finish(start_broadcast(group, tensor), timeout_s)
 
 
-def agree_all_applied(group: ProcessGroup, applied: bool, device: torch.device, timeout_s: float) -> bool:
-    """The completion step: True when every rank applied the version (MIN of 1/0 over the group)."""
+def start_agreement(group: ProcessGroup, applied: bool, device: torch.device):
+    """Start the completion step: (flag, work); once the work is finished, ``flag`` is 1 when every rank applied
+    the version (MIN of 1/0 over the group)."""
     from torch.distributed import AllreduceOptions, ReduceOp
 
     flag = torch.tensor([1 if applied else 0], dtype=torch.int32, device=device)
     options = AllreduceOptions()
     options.reduceOp = ReduceOp.MIN
-    group.allreduce([flag], options).wait(timedelta(seconds=timeout_s))
+    return flag, group.allreduce([flag], options)
+
+
+def agree_all_applied(group: ProcessGroup, applied: bool, device: torch.device, timeout_s: float) -> bool:
+    """The completion step: True when every rank applied the version (MIN of 1/0 over the group)."""
+    flag, work = start_agreement(group, applied, device)
+    finish(work, timeout_s)
     return bool(flag.item() == 1)

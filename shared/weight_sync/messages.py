@@ -4,8 +4,9 @@ The rendezvous, in order: the learner registers a :class:`SenderInfo`; a generat
 and gets a member id; the sender picks the request up, makes sure the relay holds its newest version, opens a
 group and posts an :class:`Offer` (address, port, ranks, group id, the relay version to load first); the
 generator loads that version over HTTP, then connects. From then on the generator polls between engine calls;
-when the sender has announced a newer version the hub marks it ready and it enters the receive; the sender
-serves ready members. Nothing else passes between them outside the group itself.
+when the sender has announced a newer version the hub answers "receive", and the generator enters the receive,
+asking the sender's link for the version through the group's store (not through the hub: the transfer starts
+within a millisecond). Nothing else passes between them outside the group and its store.
 """
 
 from __future__ import annotations

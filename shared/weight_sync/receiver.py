@@ -1,6 +1,10 @@
 """The receiving end of one group, for any engine: the transformers engine runs it in the generator process, the
 vLLM worker extension in each worker. What to do with the tensors is the caller's ``apply``.
 
+Each :meth:`GroupReceiver.receive` first asks the learner for the version (its first worker sets the next
+:func:`groups.request_key` in the learner's store), then takes it: the learner serves only receivers that asked, at
+once, so a receiver's time in the receive is the transfer itself.
+
 A transfer is all or nothing for the protocol: whatever ``apply`` does (a shape that does not fit, a layout that
 differs from the sender's), the receiver still takes every bucket and then answers the completion step with
 "refused", so the learner's sender never waits on a receiver that gave up half-way. Its weights may then be
@@ -39,6 +43,9 @@ class GroupReceiver:
             self.store = groups.join_store(offer["host"], offer["port"], offer["world_size"], self.timeout_s)
             self.group = groups.build_group(self.store, offer["group_id"], rank, offer["world_size"],
                                             offer["backend"], self.timeout_s)
+        self.asks = rank == offer.get("first_rank", 1)  # one worker per engine asks for each version
+        self.request_store = self.store   # a group built elsewhere (vLLM's helper): a client of our own, lazily
+        self.requests = 0                 # versions asked for over this group
         self.wire_device = device if offer["backend"] == "nccl" else torch.device("cpu")
         self.shared: torch.Tensor | None = None
         if self.via_ipc:
@@ -48,7 +55,8 @@ class GroupReceiver:
         self.buffers: list[torch.Tensor] | None = None  # two buckets' worth, allocated at the first transfer
 
     def receive(self, apply: Apply) -> int:
-        """One version: header, buckets (or the IPC buffer), completion. Returns the version."""
+        """One version: ask for it, then header, buckets (or the IPC buffer), completion. Returns the version."""
+        self._ask()
         header_tensor = torch.zeros(groups.HEADER_LEN, dtype=torch.int64, device=self.wire_device)
         groups.broadcast(self.group, header_tensor, self.timeout_s)
         header = groups.VersionHeader.from_tensor(header_tensor)
@@ -69,6 +77,16 @@ class GroupReceiver:
         if not applied:
             raise TransferRefused(f"version {header.version}: another worker of this engine refused it")
         return header.version
+
+    def _ask(self) -> None:
+        """Tell the learner's thread for this group that we wait in the receive (it starts the transfer now)."""
+        if not self.asks:
+            return
+        if self.request_store is None:
+            self.request_store = groups.join_store(self.offer["host"], self.offer["port"], self.offer["world_size"],
+                                                   self.timeout_s)
+        self.requests += 1
+        self.request_store.set(groups.request_key(self.requests), b"1")
 
     def _chunks(self, header: groups.VersionHeader) -> Iterator[tuple[int, torch.Tensor]]:
         """Buckets in order. Two receive buffers: the next bucket's receive is posted before the current one is
@@ -108,7 +126,7 @@ class GroupReceiver:
         group, self.group = self.group, None
         groups.close_group(group)
         del group
-        self.store = None
+        self.store = self.request_store = None
         self.buffers = None
 
 

@@ -1,7 +1,7 @@
 """A generator's weight-sync receiver as its own process, for the test that kills one mid-transfer.
 
 It joins through the hub, connects to the learner's group (the real GroupReceiver), waits until the hub says a
-version is ready for it, takes the version header, prints RECEIVING and then stops taking buckets: a receiver
+version is ready for it, asks for it, takes the version header, prints RECEIVING and then stops taking buckets: a receiver
 stuck half-way, which the test then kills with SIGKILL.
 """
 
@@ -26,6 +26,7 @@ def main(url: str) -> None:
             receiver = GroupReceiver(answer["offer"], 1, torch.device("cpu"))
             print("CONNECTED", flush=True)
         elif answer["action"] == "receive" and receiver is not None:
+            receiver._ask()  # as GroupReceiver.receive does: the learner's link serves receivers that asked
             header = torch.zeros(groups.HEADER_LEN, dtype=torch.int64)
             groups.broadcast(receiver.group, header, receiver.timeout_s)
             print("RECEIVING", groups.VersionHeader.from_tensor(header).version, flush=True)
