@@ -394,8 +394,12 @@ def repeat_rows(runs: dict[str, dict], repeats: int) -> list[dict]:
     return rows
 
 
-def fmt(value: float | None, digits: int = 1) -> str:
-    return "not reached" if value is None else f"{value:.{digits}f}"
+def seconds(value: float | None) -> str:
+    return "not reached" if value is None else f"{value:.1f} s"
+
+
+def fmt_ratio(value: float | None) -> str:
+    return "none (a side did not reach the target)" if value is None else f"{value:.3f}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -496,13 +500,13 @@ def main(argv: list[str] | None = None) -> int:
     summary["machine_after"] = {"load_avg": os.getloadavg()}
     for row in rows:
         grpo = runs[run_name("grpo", row["repeat"])]
-        print(f"[bench] target accuracy {target:.1%}, repeat {row['repeat']}: TRL {fmt(row['trl_s'])} s from launch "
-              f"({fmt(row['trl_from_model_load_s'])} s from model load), grpo run {fmt(row['grpo_s'])} s from launch "
-              f"(first learner step at {grpo['first_step_s']:.1f} s); ratio ours/TRL {fmt(row['ratio'], 3)} "
-              f"({fmt(row['ratio_against_trl_from_model_load'], 3)} against TRL from model load)", flush=True)
+        print(f"[bench] target accuracy {target:.1%}, repeat {row['repeat']}: TRL {seconds(row['trl_s'])} from launch "
+              f"({seconds(row['trl_from_model_load_s'])} from model load), grpo run {seconds(row['grpo_s'])} from "
+              f"launch (first learner step at {grpo['first_step_s']:.1f} s); ratio ours/TRL {fmt_ratio(row['ratio'])} "
+              f"(against TRL from model load: {fmt_ratio(row['ratio_against_trl_from_model_load'])})", flush=True)
     if args.repeats > 1:
-        print(f"[bench] median ratio ours/TRL over {args.repeats} repeats: {fmt(summary['ratio_ours_over_trl'], 3)} "
-              f"({fmt(summary['ratio_ours_over_trl_from_model_load'], 3)} against TRL from model load)", flush=True)
+        print(f"[bench] median ratio ours/TRL over {args.repeats} repeats: {fmt_ratio(summary['ratio_ours_over_trl'])} "
+              f"(against TRL from model load: {fmt_ratio(summary['ratio_ours_over_trl_from_model_load'])})", flush=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     print(json.dumps(summary, default=str), flush=True)
     return 0
