@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from generator.engines.base import Engine, SampledCompletion
 from generator.progress import Progress
 from generator.rewards import RewardSet
 from generator.weight_receiver import WeightReceiver
-from shared.client import HubClient, HubUnavailable
+from shared.client import HubClient, HubError, HubUnavailable
 from shared.protocol import RolloutGroup, SamplingParams
 from shared.schema.weight_sync import WeightSyncConfig
 
@@ -44,6 +45,8 @@ class LoopStats:
     completion_tokens: int = 0
     reward_errors: int = 0
     weight_updates: int = 0
+    budget_waits: int = 0           # engine calls put off because the learner could not use more groups yet
+    budget_wait_s: float = 0.0
     reward_sum: float = 0.0
     reward_count: int = 0
     component_sums: dict[str, float] = field(default_factory=dict)
@@ -58,7 +61,8 @@ class RolloutLoop:
     def __init__(self, *, engine: Engine, tokenizer, client: HubClient, rewards: RewardSet, prompts: PromptStream,
                  sampling: SamplingParams, group_size: int, prompts_per_batch: int, generator_id: str,
                  weights_dir: str | Path, system_prompt: str | None = None, template: str | None = None,
-                 drop_constant_groups: bool = False, seed: int = 0, progress: Progress | None = None) -> None:
+                 drop_constant_groups: bool = False, seed: int = 0, progress: Progress | None = None,
+                 wait_for_budget: bool = True, budget_poll_s: float = 2.0) -> None:
         self.engine, self.tokenizer, self.client = engine, tokenizer, client
         self.rewards, self.prompts, self.sampling = rewards, prompts, sampling
         self.group_size, self.prompts_per_batch = group_size, prompts_per_batch
@@ -66,6 +70,8 @@ class RolloutLoop:
         self.weights_dir = Path(weights_dir)
         self.system_prompt, self.template = system_prompt, template
         self.drop_constant_groups = drop_constant_groups
+        self.wait_for_budget = wait_for_budget
+        self.budget_poll_s = budget_poll_s
         self.seed = seed
         self.policy_version = 0
         self.stats = LoopStats()
@@ -87,6 +93,31 @@ class RolloutLoop:
         self.policy_version = latest
         self.stats.weight_updates += 1
         return True
+
+    # -- pacing -------------------------------------------------------------------------------------------------
+    def prompts_wanted(self) -> int:
+        """Prompts for the next engine call: ``prompts_per_batch``, or fewer when the learner can use only that
+        many more groups within the staleness bound (ref_server/pacing.py); waits up to ``budget_poll_s`` on the
+        hub while it can use none, and then returns 0 (sync weights and ask again)."""
+        if not self.wait_for_budget:
+            return self.prompts_per_batch
+        started = time.perf_counter()
+        try:
+            answer = self.client.rollout_budget(self.policy_version, wait_s=self.budget_poll_s)
+        except HubError as exc:
+            if exc.status != 404:
+                raise
+            log.warning("the hub has no /v1/rollouts/budget (an older ref server): generating without pacing")
+            self.wait_for_budget = False
+            return self.prompts_per_batch
+        wanted = answer["wanted"]
+        if wanted is None:  # the learner has not said how many groups a step takes yet
+            return self.prompts_per_batch
+        if wanted > 0:  # a prompt gives at most one group (dynamic sampling may drop it)
+            return min(self.prompts_per_batch, wanted)
+        self.stats.budget_waits += 1
+        self.stats.budget_wait_s += time.perf_counter() - started
+        return 0
 
     # -- one step -------------------------------------------------------------------------------------------
     def encode_prompt(self, example: Example) -> list[int]:
@@ -116,9 +147,10 @@ class RolloutLoop:
                  | {"example_id": example.example_id},
         )
 
-    def step(self) -> list[RolloutGroup]:
-        """One engine call: ``prompts_per_batch`` prompts x G completions, scored (not yet uploaded)."""
-        examples = self.prompts.take(self.prompts_per_batch)
+    def step(self, num_prompts: int | None = None) -> list[RolloutGroup]:
+        """One engine call: ``num_prompts`` (default ``prompts_per_batch``) prompts x G completions, scored (not yet
+        uploaded)."""
+        examples = self.prompts.take(num_prompts or self.prompts_per_batch)
         prompt_ids = [self.encode_prompt(e) for e in examples]
         digest = hashlib.sha256(f"{self.seed}/{self.generator_id}/{self._batch_index}".encode()).digest()
         seed = int.from_bytes(digest[:4], "big") & 0x7FFFFFFF  # reproducible, unlike Python's salted hash()
@@ -159,7 +191,11 @@ class RolloutLoop:
     def _run(self, stop: threading.Event, max_groups: int | None) -> None:
         self.sync_weights()  # a generator that joins late starts from the current version
         while not stop.is_set() and (max_groups is None or self.stats.groups_uploaded < max_groups):
-            groups = self.step()
+            num_prompts = self.prompts_wanted()
+            if num_prompts == 0:
+                self.sync_weights()  # a new learner version ends the wait: its weights raise the budget
+                continue
+            groups = self.step(num_prompts)
             for group in groups:  # uploads finish even when a stop was requested meanwhile
                 if max_groups is not None and self.stats.groups_uploaded >= max_groups:
                     break

@@ -52,5 +52,7 @@ class Progress:
         if self.enabled:
             means = {k: round(v / max(stats.reward_count, 1), 3) for k, v in stats.component_sums.items()}
             log.info("done: %d groups uploaded, %d dropped (constant reward), %d refused as stale, %d reward "
-                     "errors, per-reward means %s, %s", stats.groups_uploaded, stats.groups_dropped_constant,
-                     stats.groups_refused_stale, stats.reward_errors, means, self.summary(stats, version))
+                     "errors, %d engine calls put off for %.1fs (the learner could not use more groups yet), "
+                     "per-reward means %s, %s", stats.groups_uploaded, stats.groups_dropped_constant,
+                     stats.groups_refused_stale, stats.reward_errors, stats.budget_waits, stats.budget_wait_s, means,
+                     self.summary(stats, version))

@@ -7,7 +7,8 @@ expired, or after the hub or the learner restarted. This ledger drops the groups
 
 * checkpoints off: right after its step is applied;
 * checkpoints on: once a checkpoint holds its step (until then the leases are renewed), so a learner that dies
-  between checkpoints resumes from one that has not seen those groups, and the hub still has them.
+  between checkpoints resumes from one that has not seen those groups, and the hub still has them. The hub hears
+  that each such batch is trained (a renewal marked ``trained``), so it paces generators without counting it.
 
 Each rank keeps its own ledger (a checkpoint holds every rank's ids, and a resumed rank loads all of them). While
 running, a group re-delivered to a *different* rank than the one that trained it would not be recognised; that
@@ -68,6 +69,7 @@ class DeliveryLedger:
             self.consumed.popitem(last=False)
         if self.ack_on_checkpoint:
             self.pending.append(batch.batch_id)
+            self._call(lambda client, ids=[batch.batch_id]: _renew(client, ids, trained=True))
             self._renew_if_due()
         else:
             self._ack([batch.batch_id])
@@ -99,8 +101,8 @@ def _ack(client: HubClient, batch_ids: list[str]) -> None:
                     ", ".join(unknown[:3]))
 
 
-def _renew(client: HubClient, batch_ids: list[str]) -> None:
-    answer = client.renew_batches(batch_ids)
+def _renew(client: HubClient, batch_ids: list[str], trained: bool = False) -> None:
+    answer = client.renew_batches(batch_ids, trained=trained)
     lost = [batch_id for batch_id, status in answer.items() if status != "renewed"]
     if lost:  # the hub restarted or the lease ran out: its groups come back and are dropped as duplicates
         log.warning("%d leases could not be renewed (%s): the hub will deliver their groups again", len(lost),

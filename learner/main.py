@@ -117,8 +117,9 @@ class Learner:
                                      total_steps=cfg.max_steps, run_config=config.model_dump(mode="json"))
         # acknowledgements and lease renewals leave from a background thread (its own client)
         self.hub_calls = HubCalls(service_client(cfg.hub_url, config.ref_server.token, cfg.retry_max_s))
+        hub_stats = self.client.hub_stats()
         self.ledger = DeliveryLedger(self.client, ack_on_checkpoint=cfg.checkpoint_every is not None,
-                                     lease_timeout_s=self.client.hub_stats()["lease_timeout_s"], consumed=consumed,
+                                     lease_timeout_s=hub_stats["lease_timeout_s"], consumed=consumed,
                                      calls=self.hub_calls.submit)
         self.hub_version = self._check_hub(resume, dtype)
         # weight sync: a send buffer on rank 0 and background transfers (its threads get their own clients)
@@ -129,7 +130,10 @@ class Learner:
         # the next batch is leased and decoded while this one trains (its own client: sessions are per thread)
         self.prefetcher = BatchPrefetcher(service_client(cfg.hub_url, config.ref_server.token, cfg.retry_max_s),
                                           cfg.groups_per_step, cfg.batch_wait_s, self.stop, self.ledger,
-                                          progress=self.metrics.message)
+                                          progress=self.metrics.message,
+                                          # the hub's bound (its config is the one that counts)
+                                          max_staleness=hub_stats["max_staleness"], start_version=self.version,
+                                          version_after_batch=self.version_after_batch)
         self.fetched = None           # how the batch being trained was fetched (background times, for the metrics)
         self.clock = StepClock()
         self.timed_engine = LappedEngine(self.engine, self.clock)
@@ -152,7 +156,8 @@ class Learner:
                 "train against them. Start the ref server with empty ref_server.weights_dir and spool_dir, or pass "
                 "--resume")
         if self.rank == 0:
-            self.client.report_version(max(self.version, hub_version))
+            # the global batch in groups: the hub paces the generators by it (ref_server/pacing.py)
+            self.client.report_version(max(self.version, hub_version), self.cfg.groups_per_step * self.world)
             log.info("learner: %d rank(s) on %s, ZeRO-%d, %s, step %d, version %d", self.world, self.device.type,
                      self.cfg.zero_stage, dtype, self.step, self.version)
         return hub_version
@@ -242,6 +247,14 @@ class Learner:
             self.checkpoint()
             clock.lap("checkpoint")
 
+    def version_after_batch(self) -> int:
+        """The version this learner will hold once the batch it is about to train is applied: the last step of the
+        batch's ``updates_per_batch`` that publishes (``publish_every``). Non-finite steps make it lower, which only
+        makes the next lease's staleness bound stricter."""
+        end = self.step + self.cfg.updates_per_batch
+        last_publish = end - end % self.cfg.publish_every
+        return max(self.version, last_publish) if last_publish > self.step else self.version
+
     def _skip_nonfinite(self) -> None:
         self.skipped += 1
         self.nonfinite_in_row += 1
@@ -264,8 +277,8 @@ class Learner:
         if self.rank == 0:
             # in order with the acknowledgements, from the background thread: the hub hears of the version a few
             # milliseconds later (it only sets which queued groups count as stale), the step does not wait for it
-            version = self.version
-            self.hub_calls.submit(lambda client: client.report_version(version))
+            version, groups = self.version, self.cfg.groups_per_step * self.world
+            self.hub_calls.submit(lambda client: client.report_version(version, groups))
         return time.perf_counter() - started
 
     def checkpoint(self) -> None:

@@ -1,8 +1,9 @@
 """Talking to the hub off the training thread: the next batch is leased while the current one trains, and version
 acknowledgements and version reports go out without the training thread waiting for their answer.
 
-:class:`BatchPrefetcher` keeps at most one batch ahead of training (so a batch is trained at most one version later
-than it would be without prefetching). Exactly-once delivery is unchanged: the background thread only *leases* and
+:class:`BatchPrefetcher` keeps at most one batch ahead of training. The staleness bound still holds for the batch
+trained one step later than leased: the lease names the oldest version the learner can train at the version it
+will hold by then (``min_version``), and the hub drops older groups first. Exactly-once delivery is unchanged: the background thread only *leases* and
 decodes; the training thread drops the groups it already trained on (:meth:`DeliveryLedger.fresh_part`) when it
 takes the batch, after the previous batch is marked trained, exactly where it did before. A batch that was leased
 and never trained (the learner stops) is handed back to the hub (``POST /v1/batch/release``), so its groups are
@@ -17,6 +18,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from learner.delivery import DeliveryLedger
@@ -37,8 +39,15 @@ class BatchPrefetcher:
     """Leases the next batch in a background thread; :meth:`next` hands it to the training thread."""
 
     def __init__(self, client: HubClient, num_groups: int, wait_s: float, stop: threading.Event,
-                 ledger: DeliveryLedger, progress=None) -> None:
+                 ledger: DeliveryLedger, progress=None, *, max_staleness: int | None = None, start_version: int = 0,
+                 version_after_batch: Callable[[], int] | None = None) -> None:
+        """``max_staleness``: leases ask only for groups within it at the version the batch will be trained at:
+        ``start_version`` for the first batch, then ``version_after_batch()`` (asked by the training thread when it
+        takes a batch: the version it will hold once that batch is trained, when the next one trains)."""
         self.client = client
+        self.max_staleness = max_staleness
+        self.version_after_batch = version_after_batch
+        self._train_version = start_version   # the version the next leased batch will be trained at
         self.num_groups = num_groups
         self.wait_s = wait_s
         self.stop = stop
@@ -66,13 +75,22 @@ class BatchPrefetcher:
                 self._consumer_waiting.set()
                 continue
             self._consumer_waiting.clear()
-            self._slot.release()          # the background thread may lease the one after it now
             if isinstance(item, BaseException):
+                self._slot.release()
                 raise item
             fresh = self.ledger.fresh_part(item.batch)   # after the previous batch was marked trained
+            if fresh is not None and self.version_after_batch is not None:
+                self._train_version = self.version_after_batch()  # before the next lease is asked for
+            self._slot.release()          # the background thread may lease the one after it now
             if fresh is not None:
                 return fresh, item
         return None, None
+
+    def min_version(self) -> int | None:
+        """The oldest policy version the next leased batch may hold (None: no bound asked for)."""
+        if self.max_staleness is None:
+            return None
+        return max(0, self._train_version - self.max_staleness)
 
     def close(self, timeout_s: float | None = None) -> None:
         """Stop fetching; a batch leased and not handed out goes back to the hub's queue."""
@@ -119,9 +137,11 @@ class BatchPrefetcher:
     def _fetch_until_ready(self, started: float) -> FetchedBatch | None:
         while not (self._closed.is_set() or self.stop.is_set()):
             t0 = time.perf_counter()
+            params = {"num_groups": self.num_groups, "timeout": self.wait_s}
+            if (min_version := self.min_version()) is not None:
+                params["min_version"] = min_version
             response = self.client._request(  # noqa: SLF001 - the raw bytes, so that decoding is timed apart
-                "GET", "/v1/batch", params={"num_groups": self.num_groups, "timeout": self.wait_s}, ok=(200, 204),
-                timeout_s=self.client.timeout_s + self.wait_s)
+                "GET", "/v1/batch", params=params, ok=(200, 204), timeout_s=self.client.timeout_s + self.wait_s)
             t1 = time.perf_counter()
             if response.status_code == 200:
                 batch = TrainBatch.from_bytes(response.content)

@@ -4,7 +4,9 @@
 * Reference logprobs are computed in the background as groups arrive (when a scorer is given), so a learner
   asking for a batch finds them attached.
 * Staleness: the learner reports its version; groups sampled more than ``max_staleness`` versions earlier are
-  dropped and counted, never silently.
+  dropped and counted, never silently. A lease may also name the oldest version it can train (``min_version``:
+  the learner leases a batch one step ahead, so it knows the version it will train it at). Generators are paced
+  so that they do not sample groups that could only go stale (:meth:`RolloutHub.budget`, ref_server/pacing.py).
 * Validation: a group that could not join a batch is refused at upload (a temperature other than the hub's, a
   policy version the learner has not published, unsafe ids, non-finite values), so it can never take other groups
   down with it.
@@ -39,6 +41,7 @@ from pathlib import Path
 import torch
 
 from ref_server.batching import GroupRows, assemble_batch
+from ref_server.pacing import groups_wanted
 from ref_server.scorer import ReferenceScorer, Row
 from shared.protocol import ProtocolError, RolloutGroup, TrainBatch
 from shared.wire import WireError
@@ -67,6 +70,7 @@ class _Entry:
 class _Lease:
     entries: list[_Entry]
     deadline: float
+    trained: bool = False   # the learner trained it and holds it for its next checkpoint (pacing leaves it out)
 
 
 @dataclass
@@ -108,6 +112,7 @@ class RolloutHub:
         self._published_version = published_version
         self.counters = HubCounters()
         self.learner_version = 0
+        self.groups_per_step: int | None = None   # the learner's global batch in groups, from its version reports
         self._entries: OrderedDict[int, _Entry] = OrderedDict()
         self._leases: dict[str, _Lease] = {}
         # batch ids acknowledged (-> None) or expired and requeued (-> their groups' sequence numbers), so that a
@@ -166,17 +171,42 @@ class RolloutHub:
         return self._answer(accepted=True)
 
     # -- learner ------------------------------------------------------------------------------------------
-    def report_version(self, version: int) -> int:
-        """The learner's current policy version; drops what it makes stale. Returns how many were dropped."""
+    def report_version(self, version: int, groups_per_step: int | None = None) -> int:
+        """The learner's current policy version (and its global batch in groups, which paces the generators);
+        drops what it makes stale. Returns how many were dropped."""
         with self._cond:
             if version < self.learner_version:
                 raise ValueError(f"version {version} is older than the reported {self.learner_version}")
             self.learner_version = version
+            if groups_per_step is not None:
+                self.groups_per_step = groups_per_step
             dropped = self._drop_stale()
+            self._cond.notify_all()  # generators waiting for a budget
         return dropped
 
-    def take(self, num_groups: int, timeout: float = 0.0) -> TrainBatch | None:
+    def budget(self, policy_version: int, wait_s: float = 0.0) -> dict:
+        """How many groups sampled at ``policy_version`` the learner can still train within ``max_staleness``
+        (:func:`ref_server.pacing.groups_wanted`); waits up to ``wait_s`` while that is 0 and the learner's version
+        stays the same (a new version means new weights for the generator, which changes its answer).
+
+        ``wanted`` is None while the learner has not said how many groups a step takes (any number, up to the
+        queue's capacity, is welcome then)."""
+        deadline = time.monotonic() + wait_s
+        with self._cond:
+            seen_version = self.learner_version
+            while True:
+                wanted = self._wanted(policy_version)
+                remaining = deadline - time.monotonic()
+                if wanted != 0 or self.learner_version != seen_version or remaining <= 0:
+                    return {"wanted": wanted, "learner_version": self.learner_version,
+                            "groups_per_step": self.groups_per_step, "queue_depth": len(self._entries)}
+                self._cond.wait(timeout=min(remaining, 1.0))
+
+    def take(self, num_groups: int, timeout: float = 0.0, min_version: int | None = None) -> TrainBatch | None:
         """Lease the ``num_groups`` oldest ready groups as one batch, waiting up to ``timeout`` s; None if not enough.
+
+        ``min_version``: the learner will train this batch at a version that makes groups older than this stale;
+        they are dropped (and counted) first, as a version report would drop them.
 
         The groups stay spooled until :meth:`ack` names the batch id; an unacknowledged lease expires after
         ``lease_timeout_s`` and its groups go back to the front of the queue."""
@@ -184,6 +214,8 @@ class RolloutHub:
         with self._cond:
             while True:
                 self._expire_leases()
+                if min_version is not None:
+                    self._drop_stale(min_version)
                 chosen = self._oldest_ready(num_groups)
                 if chosen is not None:
                     break
@@ -196,6 +228,7 @@ class RolloutHub:
             batch_id = uuid.uuid4().hex
             self._leases[batch_id] = _Lease(chosen, time.monotonic() + self.lease_timeout_s)
             self.counters.leased += len(chosen)
+            self._cond.notify_all()  # fewer queued groups: generators waiting for a budget may go on
         return assemble_batch([e.group for e in chosen], [e.rows for e in chosen], batch_id=batch_id)
 
     def ack(self, batch_ids: list[str]) -> dict[str, str]:
@@ -222,6 +255,7 @@ class RolloutHub:
                     self._unspool(entry)
                 self.counters.consumed += len(done)
                 self._finish(batch_id, None)
+            self._cond.notify_all()
         return answer
 
     def release(self, batch_ids: list[str]) -> dict[str, str]:
@@ -239,8 +273,10 @@ class RolloutHub:
             self._expire_leases(reason="handed back")
         return answer
 
-    def renew(self, batch_ids: list[str]) -> dict[str, str]:
-        """Extend these leases by ``lease_timeout_s`` from now (the learner holds them until its checkpoint)."""
+    def renew(self, batch_ids: list[str], trained: bool = False) -> dict[str, str]:
+        """Extend these leases by ``lease_timeout_s`` from now (the learner holds them until its checkpoint).
+        ``trained``: the learner has trained them (they are held only for the checkpoint), so they no longer count
+        among the groups it will train before newly sampled ones (:meth:`budget`)."""
         answer = {}
         with self._cond:
             self._expire_leases()
@@ -248,7 +284,10 @@ class RolloutHub:
                 lease = self._leases.get(batch_id)
                 if lease is not None:
                     lease.deadline = time.monotonic() + self.lease_timeout_s
+                    lease.trained = lease.trained or trained
                 answer[batch_id] = "renewed" if lease is not None else "unknown"
+            if trained:
+                self._cond.notify_all()
         return answer
 
     # -- state --------------------------------------------------------------------------------------------
@@ -326,12 +365,25 @@ class RolloutHub:
         while len(self._finished) > 10_000:
             self._finished.popitem(last=False)
 
+    def _wanted(self, policy_version: int) -> int | None:
+        if self.groups_per_step is None:
+            return None
+        # leases not yet trained: the learner's batch in training and the one it prefetched
+        leased = sum(len(lease.entries) for lease in self._leases.values() if not lease.trained)
+        return groups_wanted(generator_version=policy_version, learner_version=self.learner_version,
+                             leased_groups=leased, queued_groups=len(self._entries) + self._reserved,
+                             groups_per_step=self.groups_per_step, max_staleness=self.max_staleness)
+
     def _is_stale(self, version: int) -> bool:
         return version < self.learner_version - self.max_staleness
 
-    def _drop_stale(self) -> int:
+    def _drop_stale(self, min_version: int | None = None) -> int:
+        """Drop queued groups older than the staleness bound (and than ``min_version``, a lease's own bound)."""
+        floor = self.learner_version - self.max_staleness
+        if min_version is not None:
+            floor = max(floor, min_version)
         stale = []
-        while self._by_version and self._is_stale(self._by_version[0][0]):
+        while self._by_version and self._by_version[0][0] < floor:
             _, seq = heapq.heappop(self._by_version)
             entry = self._entries.pop(seq, None)
             if entry is not None:  # else taken, acknowledged or dropped since it was pushed
@@ -339,8 +391,8 @@ class RolloutHub:
                 self._unspool(entry)
         if stale:
             self.counters.dropped_stale += len(stale)
-            log.info("dropped %d groups older than version %d - %d", len(stale), self.learner_version,
-                     self.max_staleness)
+            log.info("dropped %d groups older than version %d (learner at version %d, max_staleness %d)",
+                     len(stale), floor, self.learner_version, self.max_staleness)
         return len(stale)
 
     def _start_scoring(self, entry: _Entry) -> None:

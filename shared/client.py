@@ -129,24 +129,38 @@ class HubClient:
         response = self._request("POST", "/v1/rollouts", data=group.to_bytes(), headers={"Content-Type": OCTET})
         return response.json()
 
-    def get_batch(self, num_groups: int, *, wait_s: float = 0.0) -> TrainBatch | None:
+    def get_batch(self, num_groups: int, *, wait_s: float = 0.0, min_version: int | None = None) -> TrainBatch | None:
         """A batch of ``num_groups`` groups leased to us, or None if the hub did not have them within ``wait_s``.
+        ``min_version``: groups older than this are stale for this batch (the hub drops them).
 
         Acknowledge it with :meth:`ack_batches` once trained on, or its groups return to the queue."""
-        response = self._request("GET", "/v1/batch", params={"num_groups": num_groups, "timeout": wait_s},
-                                 ok=(200, 204), timeout_s=self.timeout_s + wait_s)
+        params = {"num_groups": num_groups, "timeout": wait_s}
+        if min_version is not None:
+            params["min_version"] = min_version
+        response = self._request("GET", "/v1/batch", params=params, ok=(200, 204), timeout_s=self.timeout_s + wait_s)
         return None if response.status_code == 204 else TrainBatch.from_bytes(response.content)
 
     def ack_batches(self, batch_ids: list[str]) -> dict[str, str]:
         """Tell the hub these batches are applied; per id ``acked``, ``already``, ``late`` or ``unknown``."""
         return self._request("POST", "/v1/batch/ack", json={"batch_ids": batch_ids}).json()["batches"]
 
-    def renew_batches(self, batch_ids: list[str]) -> dict[str, str]:
-        """Keep these leases for another lease timeout (per id ``renewed`` or ``unknown``)."""
-        return self._request("POST", "/v1/batch/renew", json={"batch_ids": batch_ids}).json()["batches"]
+    def renew_batches(self, batch_ids: list[str], *, trained: bool = False) -> dict[str, str]:
+        """Keep these leases for another lease timeout (per id ``renewed`` or ``unknown``); ``trained``: they are
+        trained and held only for a checkpoint (the hub then paces generators without them)."""
+        body = {"batch_ids": batch_ids, "trained": True} if trained else {"batch_ids": batch_ids}
+        return self._request("POST", "/v1/batch/renew", json=body).json()["batches"]
 
-    def report_version(self, version: int) -> dict:
-        return self._request("POST", "/v1/learner/version", json={"version": version}).json()
+    def report_version(self, version: int, groups_per_step: int | None = None) -> dict:
+        body = {"version": version} if groups_per_step is None else {"version": version,
+                                                                     "groups_per_step": groups_per_step}
+        return self._request("POST", "/v1/learner/version", json=body).json()
+
+    def rollout_budget(self, policy_version: int, *, wait_s: float = 0.0) -> dict:
+        """``{"wanted": n or None, ...}``: groups at ``policy_version`` the learner can still train (long-polls up to
+        ``wait_s`` while 0)."""
+        return self._request("GET", "/v1/rollouts/budget", params={"policy_version": policy_version,
+                                                                   "wait_s": wait_s},
+                             timeout_s=self.timeout_s + wait_s).json()
 
     def hub_stats(self) -> dict:
         return self._request("GET", "/v1/hub/stats").json()

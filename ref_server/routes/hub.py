@@ -19,10 +19,18 @@ router = APIRouter(tags=["hub"])
 
 class VersionReport(BaseModel):
     version: StrictInt = Field(ge=0, lt=MAX_VERSION, description="The learner's current policy version.")
+    groups_per_step: StrictInt | None = Field(None, ge=1, le=1_000_000, description=(
+        "Groups the learner trains per optimizer step, all ranks together: paces the generators "
+        "(GET /v1/rollouts/budget). Omitted: the hub keeps what it was told before."))
 
 
 class BatchIds(BaseModel):
     batch_ids: list[str] = Field(max_length=4096, description="Batch ids from GET /v1/batch (X-Batch-Id).")
+
+
+class RenewedBatches(BatchIds):
+    trained: bool = Field(False, description="The learner has trained these batches and holds them only for its "
+                          "next checkpoint: they no longer delay newly sampled groups (GET /v1/rollouts/budget).")
 
 
 @router.post("/v1/rollouts", openapi_extra=binary_body("an encoded RolloutGroup"))
@@ -40,15 +48,30 @@ async def upload_rollout(request: Request, state: State) -> JSONResponse:
     return JSONResponse(answer, headers={"X-Queue-Depth": str(answer["queue_depth"])})
 
 
+@router.get("/v1/rollouts/budget")
+async def rollout_budget(state: State,
+                         policy_version: int = Query(ge=0, lt=MAX_VERSION,
+                                                     description="The version the generator samples with."),
+                         wait_s: float = Query(0.0, ge=0, allow_inf_nan=False,
+                                               description="Seconds to wait while nothing is wanted.")) -> dict:
+    """How many groups sampled at ``policy_version`` the learner can still train within ``max_staleness``
+    (``wanted``; null while the learner has not reported its step size). Waits up to ``wait_s`` while that is 0
+    and the learner's version does not change. Generators ask before each engine call."""
+    return await run_in_threadpool(state.hub.budget, policy_version, min(wait_s, state.max_long_poll_s))
+
+
 @router.get("/v1/batch", responses={200: {"content": {OCTET: {}}}, 204: {"description": "not enough groups"}})
 async def take_batch(state: State, num_groups: int = Query(ge=1, le=4096, description="Groups in the batch."),
                      timeout: float = Query(0.0, ge=0, allow_inf_nan=False,
-                                            description="Seconds to wait for enough groups.")):
+                                            description="Seconds to wait for enough groups."),
+                     min_version: int | None = Query(None, ge=0, lt=MAX_VERSION, description=(
+                         "Oldest policy version the learner can train in this batch (it knows the version it will "
+                         "train it at): older queued groups are dropped as stale first."))):
     """Lease the oldest ready groups as one encoded TrainBatch (reference logprobs attached); 204 if too few.
 
     Acknowledge it with ``POST /v1/batch/ack`` once trained; unacknowledged, its groups return to the queue after
     the hub's lease timeout."""
-    batch = await run_in_threadpool(state.hub.take, num_groups, min(timeout, state.max_long_poll_s))
+    batch = await run_in_threadpool(state.hub.take, num_groups, min(timeout, state.max_long_poll_s), min_version)
     headers = {"X-Queue-Depth": str(state.hub.depth())}
     if batch is None:
         return Response(status_code=204, headers=headers)
@@ -69,9 +92,9 @@ async def release_batches(body: BatchIds, state: State) -> dict:
 
 
 @router.post("/v1/batch/renew")
-async def renew_leases(body: BatchIds, state: State) -> dict:
+async def renew_leases(body: RenewedBatches, state: State) -> dict:
     """Keep these leases for another lease timeout (the learner acknowledges at its next checkpoint)."""
-    return {"batches": await run_in_threadpool(state.hub.renew, body.batch_ids),
+    return {"batches": await run_in_threadpool(state.hub.renew, body.batch_ids, body.trained),
             "lease_timeout_s": state.hub.lease_timeout_s}
 
 
@@ -79,7 +102,7 @@ async def renew_leases(body: BatchIds, state: State) -> dict:
 async def learner_version(report: VersionReport, state: State) -> dict:
     """The learner's current policy version; groups it makes stale are dropped (and counted)."""
     try:
-        dropped = await run_in_threadpool(state.hub.report_version, report.version)
+        dropped = await run_in_threadpool(state.hub.report_version, report.version, report.groups_per_step)
     except ValueError as exc:
         raise HTTPException(409, str(exc)) from None
     return {"version": report.version, "dropped_stale": dropped, "queue_depth": state.hub.depth()}
@@ -90,5 +113,6 @@ async def hub_stats(state: State) -> dict:
     hub = state.hub
     return {**asdict(hub.counters), "queue_depth": hub.depth(), "ready": hub.ready_depth(),
             "leased_groups": hub.leased_depth(), "capacity": hub.capacity, "learner_version": hub.learner_version,
+            "groups_per_step": hub.groups_per_step,
             "max_staleness": hub.max_staleness, "lease_timeout_s": hub.lease_timeout_s,
             "temperature": hub.temperature}

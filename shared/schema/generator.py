@@ -91,6 +91,11 @@ class GeneratorConfig(StrictModel):
         "they are counted.")
     max_groups: int | None = Field(None, ge=1, description="Stop after uploading this many groups (null: run "
                                    "until stopped).")
+    wait_for_budget: bool = Field(
+        True, description="Before each engine call, ask the hub how many groups of this generator's policy version "
+        "the learner can still train within ref_server.max_staleness (GET /v1/rollouts/budget) and wait while the "
+        "answer is 0 (new weights end the wait). False: generate continuously; groups past the bound are then "
+        "dropped as stale by the hub (wasted generation).")
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallel size.")
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="vLLM's share of GPU memory.")
     max_model_len: int | None = Field(None, ge=1, description="vLLM context length (default: the model's).")

@@ -134,3 +134,35 @@ def test_two_generators_at_once_draw_different_prompts(engine, tmp_path, tiny_mo
         prompts.setdefault(generator, []).append(batch.input_ids[row, :batch.prompt_lengths[row]].tolist())
     assert prompts["gen-a"] != prompts["gen-b"]
     assert loops[0].prompts.examples == loops[1].prompts.examples  # same pool, different private orders
+
+
+def test_a_paced_generator_samples_only_what_the_learner_can_train_in_time(engine, tmp_path):
+    """On-policy (max_staleness 0), two groups per learner step: the generator samples two prompts, then waits
+    (engine calls put off, counted) until the learner has trained them and published the next version."""
+    with LiveServer(make_config(tmp_path, max_staleness=0)) as live:
+        learner = HubClient(live.url)
+        learner.report_version(0, groups_per_step=2)
+        loop = make_loop(engine, live.url, tmp_path, budget_poll_s=0.2)
+        loop.prompts_per_batch = 4
+        stop = threading.Event()
+        runner = threading.Thread(target=loop.run, args=(stop,))
+        runner.start()
+        try:
+            wait = time.monotonic() + 60
+            while loop.stats.budget_waits < 2:
+                assert time.monotonic() < wait and runner.is_alive()
+                time.sleep(0.05)
+            assert loop.stats.prompts == 2 and live.state.hub.depth() == loop.stats.groups_uploaded <= 2
+            assert loop.stats.budget_wait_s >= 0.2
+        finally:
+            stop.set()
+            runner.join(60)
+    assert not runner.is_alive()
+
+
+def test_an_unpaced_generator_keeps_sampling(engine, tmp_path):
+    with LiveServer(make_config(tmp_path, max_staleness=0)) as live:
+        HubClient(live.url).report_version(0, groups_per_step=2)
+        loop = make_loop(engine, live.url, tmp_path, wait_for_budget=False)
+        loop.run(threading.Event(), max_groups=5)
+        assert loop.stats.budget_waits == 0 and live.state.hub.depth() == 5

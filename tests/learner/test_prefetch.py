@@ -128,3 +128,27 @@ def test_hub_calls_are_made_in_order_and_a_failure_surfaces_on_the_training_thre
         assert hub.learner_version == 10
     finally:
         calls.close()
+
+
+def test_each_lease_asks_for_groups_fit_for_the_version_it_will_be_trained_at(live):
+    """Prefetching trains a batch one version after it was leased: the lease names the oldest version allowed at
+    the version the learner will hold then, so max_staleness holds for what is trained."""
+    client = HubClient(live.url)
+    client.report_version(3)
+    for i, version in enumerate([0, 1, 2, 2, 2, 3, 3]):
+        client.upload_group(make_group(version=version, seed=i))
+    ledger = DeliveryLedger(client, ack_on_checkpoint=False, lease_timeout_s=300.0)
+    stop = threading.Event()
+    fetch = BatchPrefetcher(HubClient(live.url), 2, 0.5, stop, ledger, max_staleness=1, start_version=3,
+                            version_after_batch=lambda: 4)
+    try:
+        first, _ = fetch.next()  # trained at version 3: versions 2 and 3 only
+        assert first.policy_versions.unique().tolist() == [2]
+        wait_until(lambda: live.state.hub.leased_depth() == 4)  # the next one, leased while the first trains
+        ledger.trained(first)
+        second, _ = fetch.next()  # trained at version 4: the third version-2 group is stale for it
+        assert second.policy_versions.unique().tolist() == [3]
+        assert live.state.hub.counters.dropped_stale == 3
+    finally:
+        stop.set()
+        fetch.close()
