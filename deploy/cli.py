@@ -89,6 +89,9 @@ def cmd_generator(args: argparse.Namespace) -> int:
     """Sample groups of completions, score them, upload them to the hub."""
     import logging
 
+    from shared.startup import import_model_classes
+
+    import_model_classes()  # before generator.main: without the optional packages transformers would pull in
     from generator.main import run_generator
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -100,6 +103,9 @@ def cmd_learner(args: argparse.Namespace) -> int:
     """Train: pull batches from the hub, GRPO step with DeepSpeed, publish weights."""
     import logging
 
+    from shared.startup import import_model_classes
+
+    import_model_classes()  # before learner.main: without the optional packages transformers would pull in
     from learner.main import run_learner
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
