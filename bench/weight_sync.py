@@ -16,10 +16,16 @@ Generators are separate processes (``--role generator``), each a real transforme
 when they serve each version (wall clock, same host). The learner's side is the real
 :class:`learner.weight_sender.WeightPublisher`; its stall per publish (the copy into the send buffer) is compared
 with the forward + backward time of one micro-batch of the same model (a lower bound of a learner step).
+For the group transports it also reports the **generator blocked per version**: the generator's time from the
+hub poll that answered "receive" to the weights loaded into its model (what ``grpo run`` logs as "version N
+received in X s"; the generator serves nothing meanwhile), compared with the bare broadcast of the same bytes.
+``--busy-learner`` runs the learner's forward + backward in a loop in a thread of the learner process while the
+versions are published, as in a run, where the training thread holds the interpreter lock most of the time.
 The last line is a JSON summary.
 
     .venv/bin/python bench/weight_sync.py                        # CPU: tiny + 0.5B-shaped, http / gloo / bare
     .venv/bin/python bench/weight_sync.py --models tiny --repeats 5
+    .venv/bin/python bench/weight_sync.py --models tiny --transports gloo --repeats 20 --busy-learner
     .venv/bin/python bench/weight_sync.py --device cuda          # + nccl / ipc (one GPU: ipc and http only)
 """
 
@@ -84,7 +90,7 @@ def run_generator(args: argparse.Namespace) -> None:
         latest = receiver.sync(have)
         if latest is not None:
             have = latest
-            print(f"VERSION {latest} {time.time():.6f}", flush=True)
+            print(f"VERSION {latest} {time.time():.6f} {receiver.last_load_s:.6f}", flush=True)
         if not ready and receiver.connected:
             ready = True
             print("READY", flush=True)
@@ -101,6 +107,7 @@ class GeneratorProcess:
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
         self.ready = threading.Event()
         self.served: dict[int, float] = {}
+        self.blocked: dict[int, float] = {}   # version -> the generator's time in the receive / load
         self.changed = threading.Condition()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -112,6 +119,7 @@ class GeneratorProcess:
             elif parts[:1] == ["VERSION"]:
                 with self.changed:
                     self.served[int(parts[1])] = float(parts[2])
+                    self.blocked[int(parts[1])] = float(parts[3])
                     self.changed.notify_all()
 
     def wait_version(self, version: int, timeout_s: float) -> float:
@@ -161,24 +169,60 @@ def measure_transport(args, url: str, model, model_dir: Path, transport: str, de
     publisher = WeightPublisher(model, lambda: HubClient(url, retry=RetryPolicy(max_retry_s=60)), cfg, rank=0,
                                 world=1, device=learner_device, relay_version=HubClient(url).weights_version())
     gens = [GeneratorProcess(args, url, model_dir, wire, f"{transport}-{i}", d) for i, d in enumerate(devices)]
+    busy = BusyLearner(model, learner_device) if args.busy_learner else None
     try:
         for g in gens:
             if not g.ready.wait(600):
                 raise RuntimeError(f"{transport} generator did not get ready")
-        latencies, stalls = [], []
-        for version in range(first_version, first_version + args.repeats):
+        if busy is not None:
+            busy.start()
+        latencies, stalls, blocked = [], [], []
+        versions = range(first_version, first_version + args.repeats)
+        for version in versions:
             started = time.time()
             stalls.append(publisher.publish(version))
             done = max(g.wait_version(version, 600) for g in gens)
             latencies.append(done - started)
+            blocked += [g.blocked[version] for g in gens]
             time.sleep(0.2)  # let the sender post its bookkeeping before the next version
         counters = publisher.metrics()
     finally:
+        if busy is not None:
+            busy.stop()
         for g in gens:
             g.stop()
         publisher.close()
     return {"publish_to_serving_s": statistics.median(latencies), "all_s": [round(x, 4) for x in latencies],
-            "stall_s": statistics.median(stalls), "skipped_busy": counters.get("weight_sync_skipped_busy", 0.0)}
+            "stall_s": statistics.median(stalls), "skipped_busy": counters.get("weight_sync_skipped_busy", 0.0),
+            "generator_blocked_s": statistics.median(blocked),
+            "generator_blocked_p90_s": sorted(blocked)[int(0.9 * (len(blocked) - 1))],
+            "blocked_all_s": [round(x, 4) for x in blocked],
+            "busy_learner_steps": busy.steps if busy is not None else 0}
+
+
+class BusyLearner:
+    """The learner's training thread in a run: forward + backward of one micro-batch, over and over (it holds the
+    interpreter lock most of the time, and a core), while the sender's threads transfer the versions."""
+
+    def __init__(self, model, device: torch.device) -> None:
+        self.model, self.device = model, device
+        self.halt = threading.Event()
+        self.steps = 0
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def _run(self) -> None:
+        ids = torch.randint(0, self.model.config.vocab_size, (4, 64), device=self.device)
+        while not self.halt.is_set():
+            self.model(input_ids=ids, labels=ids).loss.backward()
+            self.model.zero_grad(set_to_none=True)
+            self.steps += 1
+
+    def stop(self) -> None:
+        self.halt.set()
+        self.thread.join(600)
 
 
 def measure_bare_broadcast(total_bytes: int, receivers: int, backend: str, devices: list[str], repeats: int) -> float:
@@ -265,6 +309,8 @@ def bench_model(args, name: str, live_url: str, first_version: int) -> dict:
         r["vs_http"] = r["publish_to_serving_s"] / http
         r["vs_bare"] = r["publish_to_serving_s"] / result["bare_broadcast_s"]
         r["stall_vs_step"] = r["stall_s"] / result["step_fwd_bwd_s"]
+        if transport != "http":  # the generator's time in the receive against the bare broadcast of the bytes
+            r["blocked_vs_bare"] = r["generator_blocked_s"] / result["bare_broadcast_s"]
     return result, version
 
 
@@ -278,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bucket-mb", type=float, default=256.0)
     parser.add_argument("--transports", default=None, help="comma list among gloo, nccl, ipc (http always runs)")
     parser.add_argument("--poll-every-s", type=float, default=0.01, help="generator's pause between syncs")
+    parser.add_argument("--busy-learner", action="store_true",
+                        help="run forward + backward in a loop in the learner process while publishing (as in a run)")
     parser.add_argument("--url"), parser.add_argument("--model-dir"), parser.add_argument("--transport")
     parser.add_argument("--name"), parser.add_argument("--work", default=None)
     args = parser.parse_args(argv)
@@ -292,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         args.work = work
         summary: dict = {"bench": "weight_sync", "device": args.device, "cpus": os.cpu_count(),
                          "loadavg_start": list(os.getloadavg()), "bucket_mb": args.bucket_mb,
-                         "repeats": args.repeats, "models": {}}
+                         "repeats": args.repeats, "busy_learner": args.busy_learner, "models": {}}
         for name in args.models.split(","):  # a hub per model: the relay holds one model's versions
             hub = HubProcess(Path(work) / f"hub-{name}")
             try:

@@ -55,6 +55,7 @@ class MemberLink:
         self.store = groups.host_store(cfg.host, world, cfg.join_timeout_s)
         self.address = groups.store_address(cfg.host, self.store.port)
         self.world = world
+        self.fingerprint = sender.layout.fingerprint()
         self.thread = threading.Thread(target=self._run, name=f"weight-sync-{member_id}", daemon=True)
 
     def offer(self, relay_version: int | None) -> dict:
@@ -164,8 +165,8 @@ class MemberLink:
         sender, cfg = self.sender, self.sender.cfg
         try:
             sender.wait_buffer_ready()
-            header = groups.VersionHeader(version, sender.layout.total_bytes, cfg.bucket_bytes,
-                                          sender.layout.fingerprint(), self.via_ipc)
+            header = groups.VersionHeader(version, sender.layout.total_bytes, cfg.bucket_bytes, self.fingerprint,
+                                          self.via_ipc)
             device = sender.buffer.device if self.backend == "nccl" else torch.device("cpu")
             works = [groups.start_broadcast(self.group, header.to_tensor().to(device))]
             if not self.via_ipc:

@@ -46,6 +46,11 @@ class GroupReceiver:
         self.asks = rank == offer.get("first_rank", 1)  # one worker per engine asks for each version
         self.request_store = self.store   # a group built elsewhere (vLLM's helper): a client of our own, lazily
         self.requests = 0                 # versions asked for over this group
+        self.fingerprint = self.layout.fingerprint()
+        # an engine with one worker knows the group's verdict without waiting for it (the learner's part is
+        # always "applied"): its completion step finishes in the background, settled before the next use
+        self.sole_worker = offer["world_size"] == 2
+        self.unsettled = None             # (flag, work) of a completion step still running
         self.wire_device = device if offer["backend"] == "nccl" else torch.device("cpu")
         self.shared: torch.Tensor | None = None
         if self.via_ipc:
@@ -56,12 +61,13 @@ class GroupReceiver:
 
     def receive(self, apply: Apply) -> int:
         """One version: ask for it, then header, buckets (or the IPC buffer), completion. Returns the version."""
+        self._settle()
         self._ask()
         header_tensor = torch.zeros(groups.HEADER_LEN, dtype=torch.int64, device=self.wire_device)
         groups.broadcast(self.group, header_tensor, self.timeout_s)
         header = groups.VersionHeader.from_tensor(header_tensor)
         problem = None
-        if header.fingerprint != self.layout.fingerprint() or header.total_bytes != self.layout.total_bytes:
+        if header.fingerprint != self.fingerprint or header.total_bytes != self.layout.total_bytes:
             problem = "the sender's layout differs from the one it offered"
         chunks = self._chunks(header)
         if problem is None:
@@ -71,12 +77,25 @@ class GroupReceiver:
                 problem = f"{type(exc).__name__}: {exc}"
         for _ in chunks:  # drain what apply did not take: the sender's broadcasts must all complete
             pass
-        applied = groups.agree_all_applied(self.group, problem is None, self.wire_device, self.timeout_s)
+        flag, work = groups.start_agreement(self.group, problem is None, self.wire_device)
+        if self.sole_worker and problem is None:
+            self.unsettled = (flag, work)  # the learner's answer is "applied": the engine may go on at once
+            return header.version
+        groups.finish(work, self.timeout_s)
+        applied = bool(flag.item() == 1)
         if problem is not None:
             raise TransferRefused(f"version {header.version} refused: {problem}")
         if not applied:
             raise TransferRefused(f"version {header.version}: another worker of this engine refused it")
         return header.version
+
+    def _settle(self) -> None:
+        """Finish the previous version's completion step (long done in practice; a learner that died meanwhile
+        fails this receive, like any other transfer error)."""
+        if self.unsettled is not None:
+            _, work = self.unsettled
+            self.unsettled = None
+            groups.finish(work, self.timeout_s)
 
     def _ask(self) -> None:
         """Tell the learner's thread for this group that we wait in the receive (it starts the transfer now)."""
@@ -123,6 +142,10 @@ class GroupReceiver:
     def close(self) -> None:
         """Shut the group down and drop it, then the store, now (idempotent; bounded even with the learner gone,
         see :func:`groups.close_group`)."""
+        try:
+            self._settle()
+        except RuntimeError as exc:  # the learner is gone: nothing left to agree with
+            log.info("weight sync: the last completion step did not finish: %s", exc)
         group, self.group = self.group, None
         groups.close_group(group)
         del group
