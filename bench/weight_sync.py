@@ -301,6 +301,14 @@ def bench_model(args, name: str, live_url: str, first_version: int) -> dict:
     bare_backend, bare_devices = ("nccl", [f"cuda:{i + 1}" for i in range(n_gen)]) if gpus > n_gen else (
         "gloo", ["cpu"] * n_gen)
     result["bare_broadcast_s"] = measure_bare_broadcast(total, n_gen, bare_backend, bare_devices, args.repeats)
+    if args.busy_learner:  # the floor under the same load: the bare broadcast beside the busy training thread
+        busy = BusyLearner(model, learner_device)
+        busy.start()
+        try:
+            result["bare_broadcast_busy_s"] = measure_bare_broadcast(total, n_gen, bare_backend, bare_devices,
+                                                                     args.repeats)
+        finally:
+            busy.stop()
     result["bare_backend"] = bare_backend
     result["step_fwd_bwd_s"] = step_time(model, learner_device)
     http = result["http"]["publish_to_serving_s"]
@@ -311,6 +319,8 @@ def bench_model(args, name: str, live_url: str, first_version: int) -> dict:
         r["stall_vs_step"] = r["stall_s"] / result["step_fwd_bwd_s"]
         if transport != "http":  # the generator's time in the receive against the bare broadcast of the bytes
             r["blocked_vs_bare"] = r["generator_blocked_s"] / result["bare_broadcast_s"]
+            if "bare_broadcast_busy_s" in result:
+                r["blocked_vs_bare_busy"] = r["generator_blocked_s"] / result["bare_broadcast_busy_s"]
     return result, version
 
 

@@ -3,6 +3,7 @@ generators receiving through gloo groups, a subprocess receiver killed mid-trans
 
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -275,5 +276,40 @@ def test_a_generator_in_an_engine_call_longer_than_the_timeout_is_not_sent_a_ver
             assert gen.receiver.connected and gen.receiver.failed_receives == 0
             assert_same_weights(learner_model, gen.engine)
             assert sender.counters.served == 2 and sender.counters.dropped == 0 and sender.counters.members == 1
+        finally:
+            publisher.close()
+
+
+def test_a_generator_that_asks_is_served_without_the_sender_hearing_from_the_hub(
+        tiny_model_dir, learner_model, tmp_path):
+    """The ask goes through the group's store to the sender's link: a sender whose long poll of the hub is stuck
+    (a busy hub, a learner whose threads wait for the interpreter lock) still serves each version at once."""
+    with LiveServer(make_config(tmp_path)) as live:
+        publisher = make_publisher(learner_model, live.url)
+        sender = publisher.sender
+        try:
+            gen = Generator(tiny_model_dir, live.url, "gen", tmp_path)
+            gen.connect()
+            wait_for(lambda: sender.counters.members == 1)
+            stuck = threading.Event()
+
+            def stalled_work(sender_id, wait_s):
+                stuck.set()
+                sender.stopping.wait(60)  # the hub never answers the long poll again (until close)
+                return {"joins": [], "silent": [], "http_members": 0}
+
+            for client_ in list(sender._clients):
+                client_.sync_work = stalled_work
+            wait_for(lambda: stuck.is_set())
+            for version in (1, 2, 3):
+                perturb(learner_model, version)
+                publisher.publish(version)
+                wait_for(lambda v=version: live.state.sync.announced == v)
+                started = time.monotonic()
+                gen.sync_until(version, timeout_s=10)
+                assert time.monotonic() - started < 5.0
+                assert_same_weights(learner_model, gen.engine)
+            assert sender.counters.served == 3 and sender.counters.dropped == 0
+            assert gen.receiver.failed_receives == 0
         finally:
             publisher.close()
