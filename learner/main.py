@@ -138,6 +138,7 @@ class Learner:
         self.clock = StepClock()
         self.timed_engine = LappedEngine(self.engine, self.clock)
         self.skipped = self.nonfinite_in_row = 0
+        self._said_prefix = False
         self.staging = os.path.join(cfg.checkpoint_dir, "..", "publish")
 
     def _check_hub(self, resume: bool, dtype: torch.dtype) -> int:
@@ -209,7 +210,12 @@ class Learner:
             tokens = float(all_reduce(torch.tensor([tokens], device=self.device)).item())
         clock.lap("advantages")
         micro = split_micro_batches(batch, advantages, cfg.micro_batches, cfg.mask_truncated, self.device,
-                                    token_budget=cfg.micro_batch_tokens, packing=cfg.packing)
+                                    token_budget=cfg.micro_batch_tokens, packing=cfg.packing,
+                                    prefix_sharing="off" if cfg.gradient_checkpointing else cfg.prefix_sharing)
+        if micro[0].prefix is not None and not self._said_prefix:
+            self._said_prefix = True
+            log.info("prefix sharing: %d prompt passes for %d rows in the first micro-batch (learner.prefix_sharing "
+                     "%s)", micro[0].prefix.num_prompts, len(micro[0].prompt_lengths), cfg.prefix_sharing)
         clock.lap("host_to_device")
         if cfg.old_logprobs == "recompute":
             recompute_old_logprobs(self.engine.module, micro, batch.temperature, cfg.logprob_chunk_tokens)

@@ -20,6 +20,7 @@ from shared.advantages import compute_advantages
 from shared.logprobs import sequence_logprobs
 from shared.losses import PolicyLossOutput, compute_policy_loss, loss_normalizers
 from shared.packing import PackingMode, split_by_token_budget
+from shared.prefix_sharing import PrefixRows, prefix_rows
 from shared.protocol import TrainBatch
 from shared.schema import AdvantageConfig, LossConfig
 
@@ -41,6 +42,7 @@ class MicroBatch:
     ref_logprobs: torch.Tensor | None
     old_logprobs: torch.Tensor | None = None
     layout: PackingMode = "padded"        # how the forward lays the rows out (shared.packing.choose_layout)
+    prefix: PrefixRows | None = None      # rows sharing a prompt: one pass of it (shared.prefix_sharing)
 
 
 @dataclass
@@ -93,14 +95,23 @@ def micro_batch_rows(batch: TrainBatch, parts: int, token_budget: int | None = N
             for rows in split_by_token_budget(lengths, token_budget, packed=packed, parts=count)]
 
 
+def use_prefix_sharing(mode: str, prefix: PrefixRows, rows: int, packing: PackingMode) -> bool:
+    """``learner.prefix_sharing`` for one micro-batch: 'auto' shares when rows average two or more per prompt
+    (and packing was not asked for explicitly)."""
+    if mode == "off" or prefix.num_prompts == rows:
+        return False
+    return mode == "on" or (packing != "packed" and 2 * prefix.num_prompts <= rows)
+
+
 def split_micro_batches(batch: TrainBatch, advantages: torch.Tensor, parts: int, mask_truncated: bool,
                         device: torch.device, *, token_budget: int | None = None,
-                        packing: PackingMode = "padded") -> list[MicroBatch]:
+                        packing: PackingMode = "padded", prefix_sharing: str = "off") -> list[MicroBatch]:
     """Split into micro-batches (:func:`micro_batch_rows`), each trimmed to its own widths.
 
     ``advantages`` is ``[B]``, one per completion (the loss broadcasts it over the completion's tokens).
     ``packing`` is how their forward lays the rows out (``learner.packing``); it also decides how the token
-    budget counts a micro-batch."""
+    budget counts a micro-batch. ``prefix_sharing`` (``learner.prefix_sharing``): rows of a micro-batch that
+    continue one prompt share one pass of it."""
     loss_lengths = batch.completion_lengths.clone()
     if mask_truncated:
         loss_lengths[batch.truncated] = 0
@@ -116,12 +127,18 @@ def split_micro_batches(batch: TrainBatch, advantages: torch.Tensor, parts: int,
             t = t[rows]
             return (t[:, :cols] if cols is not None and t.dim() == 2 else t).to(device)
 
+        prefix = None
+        if prefix_sharing != "off":
+            prefix = prefix_rows(batch.input_ids[rows, :width], batch.prompt_lengths[rows], batch.group_index[rows])
+            if not use_prefix_sharing(prefix_sharing, prefix, len(rows), packing):
+                prefix = None
         pieces.append(MicroBatch(
             input_ids=take(batch.input_ids, width), prompt_lengths=take(batch.prompt_lengths),
             completion_lengths=take(batch.completion_lengths), loss_lengths=take(loss_lengths),
             advantages=take(advantages),
             behaviour_logprobs=take(batch.behaviour_logprobs, width_c),
-            ref_logprobs=take(batch.ref_logprobs, width_c), layout=packing))
+            ref_logprobs=take(batch.ref_logprobs, width_c), layout=packing if prefix is None else "padded",
+            prefix=prefix))
     return pieces
 
 
@@ -135,7 +152,7 @@ def all_reduce(values: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
 def policy_logprobs(model, mb: MicroBatch, temperature: float, *, with_entropy: bool, chunk_tokens: int | None):
     out = sequence_logprobs(model, mb.input_ids, mb.prompt_lengths, mb.completion_lengths,
                             temperature=temperature, with_entropy=with_entropy, chunk_tokens=chunk_tokens,
-                            layout=mb.layout)
+                            layout=mb.layout, prefix=mb.prefix)
     width = mb.behaviour_logprobs.shape[1]
     pad = width - out.logprobs.shape[1]  # a micro-batch of empty completions still has width >= 1
     logprobs = torch.nn.functional.pad(out.logprobs, (0, pad))

@@ -29,6 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 from shared.masks import lengths_to_mask
 from shared.packing import PackingMode, choose_layout, pack_rows
+from shared.prefix_sharing import PrefixRows, SharedPrefixHidden, shared_prefix_hidden
 
 # Default working-set size of one chunk's fp32 logits on CPU. 128 MiB is 220 tokens at vocab 151936: big enough
 # that the LM-head matmul stays efficient, small enough that a chunk's temporaries are a few hundred MB at most.
@@ -317,6 +318,17 @@ def _backbone(model: nn.Module, input_ids: torch.Tensor, prompt_lengths, complet
     return _Backbone(prompt_lengths, completion_lengths, hidden, head, None)
 
 
+def _shared_prefix_backbone(model: nn.Module, input_ids: torch.Tensor, prompt_lengths, completion_lengths,
+                            prefix: PrefixRows) -> SharedPrefixHidden:
+    prompt_lengths = torch.as_tensor(prompt_lengths, device=input_ids.device)
+    if completion_lengths is None:
+        completion_lengths = input_ids.shape[1] - prompt_lengths
+    completion_lengths = torch.as_tensor(completion_lengths, device=input_ids.device)
+    _check_lengths(input_ids, prompt_lengths, completion_lengths)
+    body, head = _split_model(model)
+    return shared_prefix_hidden(body, head, input_ids, prompt_lengths, completion_lengths, prefix)
+
+
 def sequence_logprobs(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -327,13 +339,18 @@ def sequence_logprobs(
     with_entropy: bool = False,
     chunk_tokens: int | None = None,
     layout: PackingMode = "padded",
+    prefix: PrefixRows | None = None,
 ) -> TokenLogprobs:
     """Per-token logprobs of each row's completion under ``model`` (see the module docstring for layout).
 
     ``completion_lengths`` defaults to ``T - prompt_lengths`` (no padding). Returns ``[B, max(completion)]``.
-    Gradients flow when autograd is on; wrap in ``torch.no_grad()`` for scoring.
+    ``prefix`` (shared.prefix_sharing.prefix_rows): rows that continue one prompt share one pass of it (exact; the
+    layout is then padded). Gradients flow when autograd is on; wrap in ``torch.no_grad()`` for scoring.
     """
-    out = _backbone(model, input_ids, prompt_lengths, completion_lengths, layout)
+    if prefix is not None:
+        out = _shared_prefix_backbone(model, input_ids, prompt_lengths, completion_lengths, prefix)
+    else:
+        out = _backbone(model, input_ids, prompt_lengths, completion_lengths, layout)
     prompt_lengths, completion_lengths = out.prompt_lengths, out.completion_lengths
     max_completion = int(completion_lengths.max()) if completion_lengths.numel() else 0
     mask = lengths_to_mask(completion_lengths, max_completion)

@@ -32,6 +32,12 @@ class LearnerConfig(StrictModel):
         "SDPA/eager mask). 'packed': whenever the model passes a one-time probe; 'auto': packed when the probe "
         "passes and it is estimated cheaper (always with flash/flex attention; with SDPA/eager, whose packed "
         "mask costs N^2 attention, only for rows of mixed lengths); 'padded': never. The log says which is used.")
+    prefix_sharing: Literal["auto", "on", "off"] = Field(
+        "auto", description="One forward of each group's prompt for all of its completions: the completions run on "
+        "the prompt's cached keys/values and the gradients add up in the one prompt pass (exact, "
+        "shared/prefix_sharing.py); with G completions per prompt it saves (G - 1) prompt passes. 'auto': on when a "
+        "micro-batch holds at least two rows per distinct prompt, packing is not 'packed' and gradient "
+        "checkpointing is off; 'on': whenever rows share a prompt (not with gradient_checkpointing); 'off': never.")
     updates_per_batch: int = Field(1, ge=1, description="mu: optimizer steps on each pulled batch, with the old "
                                    "logprobs kept fixed (GRPO's iterations).")
     old_logprobs: Literal["behaviour", "recompute"] = Field(
@@ -85,6 +91,9 @@ class LearnerConfig(StrictModel):
         if self.micro_batches > self.groups_per_step:
             raise ValueError(f"micro_batches ({self.micro_batches}) cannot exceed groups_per_step "
                              f"({self.groups_per_step}): a micro-batch holds at least one group")
+        if self.prefix_sharing == "on" and self.gradient_checkpointing:
+            raise ValueError("prefix_sharing 'on' needs gradient_checkpointing off (checkpointed layers do not keep the "
+                             "prompt's key/value cache): set one of them differently")
         if self.lr_schedule != "constant" and self.max_steps is None:
             raise ValueError(f"lr_schedule {self.lr_schedule!r} needs max_steps")
         return self
