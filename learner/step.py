@@ -20,7 +20,7 @@ from shared.advantages import compute_advantages
 from shared.logprobs import sequence_logprobs
 from shared.losses import PolicyLossOutput, compute_policy_loss, loss_normalizers
 from shared.packing import PackingMode, split_by_token_budget
-from shared.prefix_sharing import PrefixRows, prefix_rows
+from shared.prefix_sharing import PrefixRows, prefix_rows, use_prefix_sharing
 from shared.protocol import TrainBatch
 from shared.schema import AdvantageConfig, LossConfig
 
@@ -93,14 +93,6 @@ def micro_batch_rows(batch: TrainBatch, parts: int, token_budget: int | None = N
     count = int(count)
     return [torch.tensor(rows, dtype=torch.long)
             for rows in split_by_token_budget(lengths, token_budget, packed=packed, parts=count)]
-
-
-def use_prefix_sharing(mode: str, prefix: PrefixRows, rows: int, packing: PackingMode) -> bool:
-    """``learner.prefix_sharing`` for one micro-batch: 'auto' shares when rows average two or more per prompt
-    (and packing was not asked for explicitly)."""
-    if mode == "off" or prefix.num_prompts == rows:
-        return False
-    return mode == "on" or (packing != "packed" and 2 * prefix.num_prompts <= rows)
 
 
 def split_micro_batches(batch: TrainBatch, advantages: torch.Tensor, parts: int, mask_truncated: bool,

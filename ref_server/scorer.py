@@ -25,6 +25,7 @@ import torch
 
 from shared.logprobs import sequence_logprobs, sequence_top_logprobs
 from shared.packing import PackingMode, micro_batch_cost
+from shared.prefix_sharing import prefix_rows, use_prefix_sharing
 
 log = logging.getLogger("grpo.ref_server.scorer")
 
@@ -117,7 +118,8 @@ class ReferenceScorer:
     :func:`shared.logprobs.sequence_logprobs` (tests pass a wrapper that simulates running out of memory).
     ``top_forward`` does the same with top-k next tokens (:func:`shared.logprobs.sequence_top_logprobs`).
     ``packing`` is the forward's layout (``ref_server.packing``); unless it is ``padded``, ``batch_tokens`` counts
-    a micro-batch's tokens summed over its rows, otherwise rows x longest row.
+    a micro-batch's tokens summed over its rows, otherwise rows x longest row. ``prefix_sharing``
+    (``ref_server.prefix_sharing``): rows continuing one prompt share one pass of it (the default forward only).
     """
 
     def __init__(
@@ -128,6 +130,7 @@ class ReferenceScorer:
         max_context: int,
         batch_tokens: int = 8192,
         packing: PackingMode = "auto",
+        prefix_sharing: str = "off",
         max_queue_requests: int = 1024,
         forward: Callable[..., torch.Tensor] | None = None,
         top_forward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
@@ -138,6 +141,7 @@ class ReferenceScorer:
         self.max_context = max_context
         self.batch_tokens = batch_tokens
         self.packing = packing
+        self.prefix_sharing = prefix_sharing
         self.device = next(model.parameters()).device
         self._forward = forward or self._default_forward
         self._top_forward = top_forward or self._default_top_forward
@@ -185,9 +189,14 @@ class ReferenceScorer:
 
     # -- worker -------------------------------------------------------------------------------------------
     def _default_forward(self, input_ids, prompt_lengths, completion_lengths, temperature) -> torch.Tensor:
+        prefix = None
+        if self.prefix_sharing != "off":
+            prefix = prefix_rows(input_ids, prompt_lengths)
+            if not use_prefix_sharing(self.prefix_sharing, prefix, input_ids.shape[0], self.packing):
+                prefix = None
         with torch.inference_mode():
             return sequence_logprobs(self.model, input_ids, prompt_lengths, completion_lengths,
-                                     temperature=temperature, layout=self.packing).logprobs
+                                     temperature=temperature, layout=self.packing, prefix=prefix).logprobs
 
     def _default_top_forward(self, input_ids, prompt_lengths, completion_lengths, temperature, k):
         with torch.inference_mode():

@@ -65,7 +65,8 @@ def build_state(config: GRPOConfig) -> ServerState:
         vocab_size = model.config.get_text_config().vocab_size
         max_context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         scorer = ReferenceScorer(model, vocab_size=vocab_size, max_context=max_context or 2**31,
-                                 batch_tokens=cfg.batch_tokens, packing=cfg.packing)
+                                 batch_tokens=cfg.batch_tokens, packing=cfg.packing,
+                                 prefix_sharing=cfg.prefix_sharing)
         tokenizer = ServedTokenizer.load(cfg.model, vocab_size, max_context)
     weights = WeightStore(cfg.weights_dir, keep=cfg.keep_weight_versions, max_bytes=cfg.max_weight_bytes)
     temperature = config.generator.sampling.temperature

@@ -68,6 +68,14 @@ def prefix_rows(input_ids: torch.Tensor, prompt_lengths: torch.Tensor,
     return PrefixRows(torch.tensor(prompt_rows, dtype=torch.long), row_prompt)
 
 
+def use_prefix_sharing(mode: str, prefix: PrefixRows, rows: int, packing: str) -> bool:
+    """The ``prefix_sharing`` setting for one micro-batch: 'auto' shares when rows average two or more per prompt
+    (and packed rows were not asked for explicitly), 'on' whenever any two rows share a prompt."""
+    if mode == "off" or prefix.num_prompts == rows:
+        return False
+    return mode == "on" or (packing != "packed" and 2 * prefix.num_prompts <= rows)
+
+
 @dataclass
 class SharedPrefixHidden:
     """The hidden states a logprob needs, by (row, position) like ``shared.logprobs._Backbone``."""

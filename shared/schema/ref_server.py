@@ -29,6 +29,11 @@ class RefServerConfig(StrictModel):
         "auto", description="Padding-free scoring: a micro-batch's rows concatenated into one sequence with per-row "
         "position ids. 'packed': whenever the model passes a one-time probe; 'auto': packed when that is estimated "
         "cheaper (flash/flex attention: always; SDPA/eager: for rows of mixed lengths); 'padded': never.")
+    prefix_sharing: Literal["auto", "on", "off"] = Field(
+        "auto", description="Score rows that continue the same prompt (a group's completions) with one pass of the "
+        "prompt and the completions on its cached keys/values (exact; shared/prefix_sharing.py). 'auto': when a "
+        "micro-batch holds at least two rows per distinct prompt and packing is not 'packed'; 'on': whenever rows "
+        "share a prompt; 'off': never.")
     max_request_bytes: int = Field(64 * 2**20, ge=1024, description="Largest request body accepted (413 above).")
     max_request_tokens: int = Field(262144, ge=1, description="Most tokens one logprob request may hold (413 above).")
     queue_capacity: int = Field(256, ge=1, description="Rollout groups the hub holds; uploads get 429 when full.")

@@ -109,3 +109,26 @@ def test_the_learner_step_shares_prefixes_when_groups_repeat_prompts():
                                prefix_sharing="auto")[0].prefix is None
     assert split_micro_batches(batch, advantages, 1, False, torch.device("cpu"), packing="packed",
                                prefix_sharing="on")[0].prefix is not None
+
+
+def test_the_reference_scorer_shares_prefixes_with_the_same_results():
+    from ref_server.scorer import ReferenceScorer, Row
+
+    model = _tiny(Qwen2Config).eval()
+    ids, prompts, completions, _ = _groups(num_groups=2, group_size=6, seed=3)
+    rows = [Row(ids[r, :int(prompts[r] + completions[r])].tolist(), int(prompts[r])) for r in range(len(ids))]
+    results, passes = {}, {}
+    for mode in ("off", "on"):
+        seen = []
+        hook = model.model.embed_tokens.register_forward_hook(lambda m, args, out, seen=seen: seen.append(1))
+        scorer = ReferenceScorer(model, vocab_size=VOCAB, max_context=64, packing="padded", prefix_sharing=mode)
+        try:
+            results[mode] = scorer.score(rows, temperature=1.0, timeout=60)
+        finally:
+            scorer.close()
+            hook.remove()
+        passes[mode] = len(seen)
+    assert passes == {"off": 1, "on": 2}  # one padded pass; the prompts' pass and the completions' pass
+    for off, on, n in zip(results["off"], results["on"], completions.tolist()):
+        assert off.shape == on.shape == (n,)
+        torch.testing.assert_close(on, off, atol=2e-5, rtol=0)
