@@ -16,7 +16,8 @@
   learner drops group ids it already trained on, which makes delivery exactly once.
 * Spool: every accepted group is written to ``spool_dir`` before it is acknowledged to the generator and deleted
   on the learner's acknowledgement (or a staleness drop), so a restart (clean or not) reloads every group that was
-  accepted and not yet trained on, leased ones included.
+  accepted and not yet trained on, leased ones included, in its order (file layout, commit by rename, corrupt
+  files: ref_server/spool.py).
 * Duplicates: a group id seen recently is acknowledged again without being queued twice, so a generator may
   safely retry an upload whose answer it did not receive.
 * Cost: the lock is never held across disk writes (an upload's spool file is written and fsynced before it takes
@@ -29,11 +30,10 @@ from __future__ import annotations
 
 import heapq
 import logging
-import os
 import threading
 import time
 import uuid
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,8 +43,8 @@ import torch
 from ref_server.batching import GroupRows, assemble_batch
 from ref_server.pacing import groups_wanted
 from ref_server.scorer import ReferenceScorer, Row
+from ref_server.spool import RolloutSpool
 from shared.protocol import ProtocolError, RolloutGroup, TrainBatch
-from shared.wire import WireError
 
 log = logging.getLogger("grpo.ref_server.hub")
 
@@ -126,9 +126,8 @@ class RolloutHub:
         # groups taken, acknowledged or already dropped are skipped when they surface (a requeued lease pushes again)
         self._by_version: list[tuple[int, int]] = []
         self._cond = threading.Condition()
-        self.spool_dir = Path(spool_dir) if spool_dir else None
-        if self.spool_dir is not None:
-            self.spool_dir.mkdir(parents=True, exist_ok=True)
+        self.spool = RolloutSpool(spool_dir) if spool_dir else None
+        if self.spool is not None:
             self._reload_spool()
 
     # -- generators ---------------------------------------------------------------------------------------
@@ -160,7 +159,8 @@ class RolloutHub:
             self._reserved -= 1
             seq = self._next_seq
             self._next_seq += 1
-            entry = _Entry(seq, group, self._spool_commit(written, seq, group.group_id))
+            spool_path = self.spool.commit(written, seq, group.group_id) if written is not None else None
+            entry = _Entry(seq, group, spool_path)
             self._entries[seq] = entry
             heapq.heappush(self._by_version, (group.policy_version, seq))
             if len(self._by_version) > 2 * len(self._entries) + 64:  # mostly groups gone since: rebuild (amortised)
@@ -428,59 +428,36 @@ class RolloutHub:
             self._cond.notify_all()
 
     def _spool_write(self, group_id: str, data: bytes) -> Path | None:
-        """The group's bytes, durable on disk under a temporary name (no sequence number yet)."""
-        if self.spool_dir is None:
-            return None
-        tmp = self.spool_dir / f"{group_id}.tmp"
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        return tmp
-
-    def _spool_commit(self, tmp: Path | None, seq: int, group_id: str) -> Path | None:
-        """Rename the written file to its queue position (a half-written spool file is never picked up: only
-        complete renames count)."""
-        if tmp is None:
-            return None
-        path = self.spool_dir / f"{seq:012d}-{group_id}.group"
-        os.replace(tmp, path)
-        return path
+        """The group's bytes, durable on disk under a temporary name (None without a spool); the slow part of an
+        upload, called outside the lock."""
+        return self.spool.write(group_id, data) if self.spool is not None else None
 
     def _unspool(self, entry: _Entry) -> None:
         if entry.spool_path is not None:
-            entry.spool_path.unlink(missing_ok=True)
+            self.spool.remove(entry.spool_path)
+
+    def _check_reloaded(self, group: RolloutGroup) -> None:
+        """A spooled group this hub can still batch (its vocabulary and temperature may have changed since)."""
+        group.validate(self.vocab_size)
+        if self.temperature is not None and group.sampling.temperature != self.temperature:
+            raise ProtocolError(f"sampled at temperature {group.sampling.temperature}, the hub now batches "
+                                f"{self.temperature}")
 
     def _reload_spool(self) -> None:
-        assert self.spool_dir is not None
-        for tmp in self.spool_dir.glob("*.tmp"):
-            tmp.unlink()
-        files = sorted(self.spool_dir.glob("*.group"))
-        pending: deque[_Entry] = deque()
-        for path in files:
-            try:
-                int(path.name.split("-", 1)[0])
-                group = RolloutGroup.from_bytes(path.read_bytes()).validate(self.vocab_size)
-                if self.temperature is not None and group.sampling.temperature != self.temperature:
-                    raise ProtocolError(f"sampled at temperature {group.sampling.temperature}, the hub now batches "
-                                        f"{self.temperature}")
-            except (WireError, ValueError, OSError) as exc:
-                self.counters.spool_corrupt += 1
-                bad = self.spool_dir / "corrupt"
-                bad.mkdir(exist_ok=True)
-                os.replace(path, bad / path.name)
-                log.error("spool file %s is unreadable (%s); moved to %s", path.name, exc, bad)
-                continue
-            # Keep the spooled sequence number so that order survives any number of restarts.
-            seq = int(path.name.split("-", 1)[0])
-            self._next_seq = max(self._next_seq, seq + 1)
-            entry = _Entry(seq, group, path)
-            self._entries[seq] = entry
-            heapq.heappush(self._by_version, (group.policy_version, seq))
-            self._remember(group.group_id)
+        """Queue the spooled groups again in their order, each under the sequence number it was spooled with."""
+        assert self.spool is not None
+        found = self.spool.reload(self._check_reloaded)
+        self.counters.spool_corrupt += found.corrupt
+        pending: list[_Entry] = []
+        for spooled in found.groups:
+            self._next_seq = max(self._next_seq, spooled.seq + 1)
+            entry = _Entry(spooled.seq, spooled.group, spooled.path)
+            self._entries[spooled.seq] = entry
+            heapq.heappush(self._by_version, (spooled.group.policy_version, spooled.seq))
+            self._remember(spooled.group.group_id)
             pending.append(entry)
         self.counters.spool_reloaded = len(pending)
         if pending:
-            log.info("reloaded %d spooled groups from %s", len(pending), self.spool_dir)
+            log.info("reloaded %d spooled groups from %s", len(pending), self.spool.directory)
         for entry in pending:
             self._start_scoring(entry)

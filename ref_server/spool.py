@@ -1,0 +1,93 @@
+"""The rollout hub's on-disk spool: every accepted group is a file until the learner has trained on it.
+
+* Writing is split in two so that the hub never holds its lock across a disk write: :meth:`RolloutSpool.write`
+  puts the group's bytes under a temporary name and fsyncs them (outside the lock), and :meth:`RolloutSpool.commit`
+  renames the file to ``{seq:012d}-{group_id}.group``, its queue position (under the lock, a cheap rename).
+* Only complete renames count: a half-written file keeps its ``.tmp`` name and is deleted on reload.
+* :meth:`RolloutSpool.remove` deletes a group's file once the learner acknowledged it (or the hub dropped it).
+* :meth:`RolloutSpool.reload` (at start-up) returns the spooled groups in sequence order, so that a restart, clean
+  or not, queues again every group that was accepted and not yet trained on, in the order it had; a file that
+  cannot be read or that the hub refuses is moved to ``corrupt/`` and counted, never silently deleted.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shared.protocol import RolloutGroup
+from shared.wire import WireError
+
+log = logging.getLogger("grpo.ref_server.spool")
+
+
+@dataclass
+class SpooledGroup:
+    """A group found on disk by :meth:`RolloutSpool.reload`, with the sequence number it was committed under."""
+
+    seq: int
+    group: RolloutGroup
+    path: Path
+
+
+@dataclass
+class SpoolContents:
+    """What :meth:`RolloutSpool.reload` found: the readable groups in sequence order, and how many were not."""
+
+    groups: list[SpooledGroup] = field(default_factory=list)
+    corrupt: int = 0
+
+
+class RolloutSpool:
+    """Group files under ``directory`` (created if missing). Not locked itself: the hub serialises the calls that
+    must be (commit and remove run under its lock; write runs outside it on a name no one else uses)."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+    def write(self, group_id: str, data: bytes) -> Path:
+        """The group's bytes, durable on disk under a temporary name (no sequence number yet)."""
+        tmp = self.directory / f"{group_id}.tmp"
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        return tmp
+
+    def commit(self, tmp: Path, seq: int, group_id: str) -> Path:
+        """Rename a written file to its queue position (a half-written spool file is never picked up: only
+        complete renames count)."""
+        path = self.directory / f"{seq:012d}-{group_id}.group"
+        os.replace(tmp, path)
+        return path
+
+    def remove(self, path: Path) -> None:
+        path.unlink(missing_ok=True)
+
+    def reload(self, check: Callable[[RolloutGroup], None]) -> SpoolContents:
+        """The spooled groups in sequence order (temporary files of unfinished writes are deleted).
+
+        ``check`` raises ValueError for a decoded group the hub cannot take back (e.g. sampled at another
+        temperature than the hub now batches); such a file, like an unreadable one, is moved to ``corrupt/``."""
+        for tmp in self.directory.glob("*.tmp"):
+            tmp.unlink()
+        found = SpoolContents()
+        for path in sorted(self.directory.glob("*.group")):
+            try:
+                # Keep the spooled sequence number so that order survives any number of restarts.
+                seq = int(path.name.split("-", 1)[0])
+                group = RolloutGroup.from_bytes(path.read_bytes())
+                check(group)
+            except (WireError, ValueError, OSError) as exc:
+                found.corrupt += 1
+                bad = self.directory / "corrupt"
+                bad.mkdir(exist_ok=True)
+                os.replace(path, bad / path.name)
+                log.error("spool file %s is unreadable (%s); moved to %s", path.name, exc, bad)
+                continue
+            found.groups.append(SpooledGroup(seq, group, path))
+        return found
