@@ -23,9 +23,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from shared.logprobs import sequence_logprobs, sequence_top_logprobs
+from shared.logprobs import sequence_logprobs
 from shared.packing import PackingMode, micro_batch_cost
 from shared.prefix_sharing import prefix_rows, use_prefix_sharing
+from shared.top_logprobs import sequence_top_logprobs
 
 log = logging.getLogger("grpo.ref_server.scorer")
 
@@ -53,7 +54,7 @@ class Row:
 @dataclass
 class TopRow:
     """A row scored with ``top_k``: its completion tokens' logprobs ``[C]`` and the top-k next tokens ``[C + 1, k]``
-    at each of them and after the last token (see :class:`shared.logprobs.TopLogprobs`)."""
+    at each of them and after the last token (see :class:`shared.top_logprobs.TopLogprobs`)."""
 
     logprobs: torch.Tensor
     top_logprobs: torch.Tensor
@@ -116,7 +117,7 @@ class ReferenceScorer:
 
     ``forward`` is the function that scores one padded micro-batch; it defaults to the chunked
     :func:`shared.logprobs.sequence_logprobs` (tests pass a wrapper that simulates running out of memory).
-    ``top_forward`` does the same with top-k next tokens (:func:`shared.logprobs.sequence_top_logprobs`).
+    ``top_forward`` does the same with top-k next tokens (:func:`shared.top_logprobs.sequence_top_logprobs`).
     ``packing`` is the forward's layout (``ref_server.packing``); unless it is ``padded``, ``batch_tokens`` counts
     a micro-batch's tokens summed over its rows, otherwise rows x longest row. ``prefix_sharing``
     (``ref_server.prefix_sharing``): rows continuing one prompt share one pass of it (the default forward only).

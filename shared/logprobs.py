@@ -17,6 +17,9 @@ Layout of the backbone's forward (``layout``): ``padded`` runs the ``[B, T]`` ro
 
 Chunk size: :func:`default_chunk_bytes` per device, 128 MiB of fp32 logits on CPU and more on a GPU (where the
 LM-head matmul needs bigger chunks to run at matmul speed, and memory allows them).
+
+Top-k next-token logprobs (inference only) are in :mod:`shared.top_logprobs`, built on the same backbone pass
+(:func:`run_backbone`) and chunked head.
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ def chunk_tokens_for(vocab_size: int, max_chunk_bytes: int | None = None, device
     return max(1, max_chunk_bytes // (4 * vocab_size))
 
 
-def _final_logit_transform(model: nn.Module):
+def final_logit_transform(model: nn.Module):
     """Scalings some architectures apply to the LM head's output inside ``forward`` (we bypass ``forward``).
 
     Gemma 2/3 soft-cap the logits, Cohere multiplies them and Granite divides them; without this the logprobs
@@ -180,7 +183,7 @@ class _LinearHeadLogprobs(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None
 
 
-def _fused_head_weight(lm_head: nn.Module, logit_transform) -> torch.Tensor | None:
+def fused_head_weight(lm_head: nn.Module, logit_transform) -> torch.Tensor | None:
     """The weight for the fused path: a bias-free ``nn.Linear`` whose full weight is present (not a ZeRO-3
     partition) and no architecture-specific logit transform. None means: use the checkpointed path."""
     if logit_transform is not None or type(lm_head) is not nn.Linear or lm_head.bias is not None:
@@ -218,7 +221,7 @@ def logprobs_from_hidden(
         vocab = getattr(lm_head, "out_features", None) or (weight.shape[0] if weight is not None else 2**17)
         chunk_tokens = chunk_tokens_for(vocab, device=hidden.device)
 
-    weight = _fused_head_weight(lm_head, logit_transform)
+    weight = fused_head_weight(lm_head, logit_transform)
     if weight is not None:
         logprobs, entropy = _LinearHeadLogprobs.apply(hidden, weight, targets, float(temperature), chunk_tokens,
                                                       with_entropy)
@@ -296,8 +299,8 @@ class _Backbone:
         return self.hidden[self.offsets[rows] + positions]
 
 
-def _backbone(model: nn.Module, input_ids: torch.Tensor, prompt_lengths, completion_lengths,
-              layout: PackingMode = "padded") -> _Backbone:
+def run_backbone(model: nn.Module, input_ids: torch.Tensor, prompt_lengths, completion_lengths,
+                 layout: PackingMode = "padded") -> _Backbone:
     """Lengths as checked tensors on the ids' device (completions default to the rest of each row), the
     backbone's last hidden states (padding masked out of attention, or removed by packing) and the LM head."""
     prompt_lengths = torch.as_tensor(prompt_lengths, device=input_ids.device)
@@ -350,7 +353,7 @@ def sequence_logprobs(
     if prefix is not None:
         out = _shared_prefix_backbone(model, input_ids, prompt_lengths, completion_lengths, prefix)
     else:
-        out = _backbone(model, input_ids, prompt_lengths, completion_lengths, layout)
+        out = run_backbone(model, input_ids, prompt_lengths, completion_lengths, layout)
     prompt_lengths, completion_lengths = out.prompt_lengths, out.completion_lengths
     max_completion = int(completion_lengths.max()) if completion_lengths.numel() else 0
     mask = lengths_to_mask(completion_lengths, max_completion)
@@ -364,7 +367,7 @@ def sequence_logprobs(
         temperature=temperature,
         with_entropy=with_entropy,
         chunk_tokens=chunk_tokens,
-        logit_transform=_final_logit_transform(model),
+        logit_transform=final_logit_transform(model),
     )
     logprobs = logp.new_zeros(mask.shape).index_put((rows, cols), logp)
     entropies = entropy.new_zeros(mask.shape).index_put((rows, cols), entropy) if entropy is not None else None
@@ -396,108 +399,3 @@ def naive_sequence_logprobs(
     for i, (p, c) in enumerate(zip(prompt_lengths.tolist(), completion_lengths.tolist())):
         out[i, :c] = per_position[i, p - 1:p - 1 + c]
     return out
-
-
-@dataclass
-class TopLogprobs:
-    """Result of :func:`sequence_top_logprobs` (inference only, no autograd).
-
-    ``logprobs [B, L]`` is laid out as in :class:`TokenLogprobs`. ``top_logprobs``/``top_ids [B, L + 1, k]`` hold,
-    at column j of row i, the k most likely next tokens (logprob, id; most likely first) of the distribution that
-    predicts column j's completion token; column ``completion_lengths[i]`` is the distribution after the row's last
-    token (the greedy continuation is ``top_ids[i, completion_lengths[i], 0]``). Padding columns are 0.
-    """
-
-    logprobs: torch.Tensor
-    top_logprobs: torch.Tensor
-    top_ids: torch.Tensor
-    completion_lengths: torch.Tensor
-
-
-def top_logprobs_from_hidden(
-    hidden: torch.Tensor,
-    lm_head: nn.Module,
-    targets: torch.Tensor,
-    *,
-    k: int,
-    temperature: float = 1.0,
-    chunk_tokens: int | None = None,
-    logit_transform=None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Chunked ``log softmax(lm_head(hidden) / temperature)``: the targets' logprobs and the top ``k`` of each row.
-
-    Returns fp32 ``[N]`` target logprobs, fp32 ``[N, k]`` top logprobs (descending) and int64 ``[N, k]`` their ids.
-    Each chunk's logits are reduced to ``logsumexp``, the target's logit and ``topk`` while they live, so peak extra
-    memory is a few ``[chunk, V]`` tensors, never ``[N, V]``. A target's logprob and the same token's top-k entry
-    come from the same logits and the same subtraction, so they are bit-identical (a greedy token's logprob equals
-    ``top[:, 0]`` exactly). ``k`` is capped at the vocabulary size. No gradients.
-    """
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    if k < 1:
-        raise ValueError(f"k must be >= 1, got {k}")
-    if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
-        raise ValueError(f"hidden must be [N, H] and targets [N], got {tuple(hidden.shape)}, {tuple(targets.shape)}")
-    weight = _fused_head_weight(lm_head, logit_transform)
-    head_weight = getattr(lm_head, "weight", None)
-    vocab = getattr(lm_head, "out_features", None) or (head_weight.shape[0] if head_weight is not None else None)
-    if vocab is None:
-        raise TypeError(f"cannot tell the vocabulary size of {type(lm_head).__name__}")
-    if chunk_tokens is None:
-        chunk_tokens = chunk_tokens_for(vocab, device=hidden.device)
-    k = min(k, vocab)
-    transform = logit_transform or (lambda logits: logits)
-    n = hidden.shape[0]
-    logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
-    top_values = torch.empty(n, k, dtype=torch.float32, device=hidden.device)
-    top_ids = torch.empty(n, k, dtype=torch.long, device=hidden.device)
-    with torch.no_grad():
-        for start in range(0, n, chunk_tokens):
-            end = min(start + chunk_tokens, n)
-            h = hidden[start:end]
-            # the same logits expression as the fused path of logprobs_from_hidden, so /v1/logprobs agrees
-            logits = (h @ weight.T).float() if weight is not None else transform(lm_head(h).float())
-            if temperature != 1.0:
-                logits.div_(temperature)
-            lse = torch.logsumexp(logits, dim=-1)
-            logp[start:end] = logits.gather(-1, targets[start:end, None]).squeeze(-1) - lse
-            values, ids = logits.topk(k, dim=-1)
-            top_values[start:end] = values - lse[:, None]
-            top_ids[start:end] = ids
-            del logits, values, ids
-    return logp, top_values, top_ids
-
-
-def sequence_top_logprobs(
-    model: nn.Module,
-    input_ids: torch.Tensor,
-    prompt_lengths: torch.Tensor,
-    completion_lengths: torch.Tensor | None = None,
-    *,
-    k: int,
-    temperature: float = 1.0,
-    chunk_tokens: int | None = None,
-    layout: PackingMode = "padded",
-) -> TopLogprobs:
-    """Completion tokens' logprobs plus the top ``k`` next tokens at each of them and after the row's last token.
-
-    Same layout and positions as :func:`sequence_logprobs` (see :class:`TopLogprobs` for the extra column). With
-    ``prompt_lengths`` 1 every token but the first is scored: what an OpenAI-style ``echo`` with ``logprobs`` needs.
-    """
-    with torch.no_grad():
-        out = _backbone(model, input_ids, prompt_lengths, completion_lengths, layout)
-    prompt_lengths, completion_lengths = out.prompt_lengths, out.completion_lengths
-    seq_len = input_ids.shape[1]
-    width = (int(completion_lengths.max()) if completion_lengths.numel() else 0) + 1
-    rows, cols = lengths_to_mask(completion_lengths + 1, width).nonzero(as_tuple=True)
-    positions = prompt_lengths[rows] + cols - 1               # the hidden state at p predicts the token at p + 1
-    has_target = cols < completion_lengths[rows]
-    targets = torch.where(has_target, input_ids[rows, (positions + 1).clamp(max=seq_len - 1)], 0)
-    logp, top_values, top_ids = top_logprobs_from_hidden(
-        out.hidden_at(rows, positions), out.head, targets, k=k, temperature=temperature, chunk_tokens=chunk_tokens,
-        logit_transform=_final_logit_transform(model))
-    batch, k = input_ids.shape[0], top_values.shape[1]
-    logprobs = logp.new_zeros(batch, width - 1).index_put((rows[has_target], cols[has_target]), logp[has_target])
-    top = top_values.new_zeros(batch, width, k).index_put((rows, cols), top_values)
-    ids = top_ids.new_zeros(batch, width, k).index_put((rows, cols), top_ids)
-    return TopLogprobs(logprobs=logprobs, top_logprobs=top, top_ids=ids, completion_lengths=completion_lengths)

@@ -12,9 +12,8 @@ from shared.logprobs import (
     logprobs_from_hidden,
     naive_sequence_logprobs,
     sequence_logprobs,
-    sequence_top_logprobs,
-    top_logprobs_from_hidden,
 )
+from shared.top_logprobs import sequence_top_logprobs, top_logprobs_from_hidden
 
 VOCAB = 97
 

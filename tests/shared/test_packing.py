@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from shared.logprobs import sequence_logprobs, sequence_top_logprobs
+from shared.logprobs import sequence_logprobs
 from shared.packing import (
     choose_layout,
     layout_costs,
@@ -15,6 +15,7 @@ from shared.packing import (
     split_by_token_budget,
     supports_packing,
 )
+from shared.top_logprobs import sequence_top_logprobs
 
 VOCAB = 101
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
