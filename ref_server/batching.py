@@ -2,7 +2,9 @@
 (in the upload or scoring thread), so that leasing a batch is a few copies per group.
 
 The result is exactly :meth:`TrainBatch.from_groups` (same values, dtypes and widths; tests compare them); that
-method builds every row with its own ``cat`` and pads a list of rows, a cost paid per row on every batch.
+method builds every row with its own ``cat`` and pads a list of rows, a cost paid per row on every batch. Only the
+token-aligned tensors are built here: every other field comes from :meth:`TrainBatch.fields_of_groups`, which
+``from_groups`` uses too.
 """
 
 from __future__ import annotations
@@ -45,8 +47,8 @@ class GroupRows:
 
 def assemble_batch(groups: list[RolloutGroup], rows: list[GroupRows], *, batch_id: str) -> TrainBatch:
     """The batch of ``groups`` (all of one temperature, as the hub guarantees) from their prepared rows."""
-    sizes = torch.tensor([g.group_size for g in groups])
-    total = int(sizes.sum())
+    fields = TrainBatch.fields_of_groups(groups)
+    total = sum(g.group_size for g in groups)
     width = max(r.width for r in rows)
     completion_width = max(r.completion_width for r in rows)
     input_ids = torch.zeros(total, width, dtype=torch.long)
@@ -61,16 +63,5 @@ def assemble_batch(groups: list[RolloutGroup], rows: list[GroupRows], *, batch_i
         if ref is not None:
             ref[start:end, :r.completion_width] = r.ref[:, :r.completion_width]
         start = end
-    names = sorted({name for g in groups for name in g.reward_components})
-    return TrainBatch(
-        input_ids=input_ids, behaviour_logprobs=behaviour, ref_logprobs=ref,
-        prompt_lengths=torch.tensor([g.prompt_ids.numel() for g in groups]).repeat_interleave(sizes),
-        completion_lengths=torch.cat([g.completion_lengths.long() for g in groups]),
-        rewards=torch.cat([g.rewards.float() for g in groups]),
-        group_index=torch.arange(len(groups)).repeat_interleave(sizes),
-        policy_versions=torch.tensor([g.policy_version for g in groups]).repeat_interleave(sizes),
-        truncated=torch.tensor([r == "length" for g in groups for r in g.finish_reasons], dtype=torch.bool),
-        reward_components={name: torch.cat([g.reward_components.get(name, torch.full((g.group_size,), float("nan")))
-                                            for g in groups]) for name in names},
-        group_ids=[g.group_id for g in groups], generator_ids=[g.generator_id for g in groups],
-        temperature=groups[0].sampling.temperature, batch_id=batch_id)
+    return TrainBatch(input_ids=input_ids, behaviour_logprobs=behaviour, ref_logprobs=ref, batch_id=batch_id,
+                      **fields)

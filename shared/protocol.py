@@ -11,6 +11,7 @@ import math
 import re
 import uuid
 from dataclasses import asdict, dataclass, field, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -214,26 +215,18 @@ class TrainBatch:
     def num_groups(self) -> int:
         return len(self.group_ids)
 
-    @classmethod
-    def from_groups(cls, groups: list[RolloutGroup], ref_logprobs: list[torch.Tensor] | None, *,
-                    batch_id: str = "") -> TrainBatch:
-        """Concatenate groups into right-padded rows (``ref_logprobs[i]`` is group i's ``[G, L_i]``)."""
+    @staticmethod
+    def fields_of_groups(groups: list[RolloutGroup]) -> dict[str, Any]:
+        """The batch fields of ``groups`` other than the token-aligned tensors (``input_ids``,
+        ``behaviour_logprobs``, ``ref_logprobs``) and ``batch_id``: per-row lengths, rewards, group index, versions,
+        truncation and reward components (NaN in the rows of a group without that component), the per-group ids and
+        the temperature they share (checked). One definition for :meth:`from_groups` and the hub's batch assembly
+        (ref_server/batching.py), so that the two cannot drift."""
         _require(len(groups) > 0, "a batch needs at least one group")
         temperatures = {g.sampling.temperature for g in groups}
         _require(len(temperatures) == 1, f"groups of one batch were sampled at different temperatures {temperatures}")
-        rows, behaviour, refs = [], [], []
-        for index, group in enumerate(groups):
-            for i in range(group.group_size):
-                c = int(group.completion_lengths[i])
-                rows.append(torch.cat([group.prompt_ids.long(), group.completion_ids[i, :c].long()]))
-                behaviour.append(group.behaviour_logprobs[i, :c].float())
-                if ref_logprobs is not None:
-                    refs.append(ref_logprobs[index][i, :c].float())
-        pad = torch.nn.utils.rnn.pad_sequence
         sizes = torch.tensor([g.group_size for g in groups])
-        return cls(
-            input_ids=pad(rows, batch_first=True), behaviour_logprobs=pad(behaviour, batch_first=True),
-            ref_logprobs=pad(refs, batch_first=True) if ref_logprobs is not None else None,
+        return dict(
             prompt_lengths=torch.tensor([g.prompt_ids.numel() for g in groups]).repeat_interleave(sizes),
             completion_lengths=torch.cat([g.completion_lengths.long() for g in groups]),
             rewards=torch.cat([g.rewards.float() for g in groups]),
@@ -246,7 +239,27 @@ class TrainBatch:
                 for name in sorted({name for g in groups for name in g.reward_components})
             },
             group_ids=[g.group_id for g in groups], generator_ids=[g.generator_id for g in groups],
-            temperature=temperatures.pop(), batch_id=batch_id,
+            temperature=temperatures.pop(),
+        )
+
+    @classmethod
+    def from_groups(cls, groups: list[RolloutGroup], ref_logprobs: list[torch.Tensor] | None, *,
+                    batch_id: str = "") -> TrainBatch:
+        """Concatenate groups into right-padded rows (``ref_logprobs[i]`` is group i's ``[G, L_i]``)."""
+        fields = cls.fields_of_groups(groups)
+        rows, behaviour, refs = [], [], []
+        for index, group in enumerate(groups):
+            for i in range(group.group_size):
+                c = int(group.completion_lengths[i])
+                rows.append(torch.cat([group.prompt_ids.long(), group.completion_ids[i, :c].long()]))
+                behaviour.append(group.behaviour_logprobs[i, :c].float())
+                if ref_logprobs is not None:
+                    refs.append(ref_logprobs[index][i, :c].float())
+        pad = torch.nn.utils.rnn.pad_sequence
+        return cls(
+            input_ids=pad(rows, batch_first=True), behaviour_logprobs=pad(behaviour, batch_first=True),
+            ref_logprobs=pad(refs, batch_first=True) if ref_logprobs is not None else None, batch_id=batch_id,
+            **fields,
         )
 
     def select_groups(self, keep: list[int]) -> TrainBatch:
