@@ -77,6 +77,10 @@ class GroupReceiver:
                 problem = f"{type(exc).__name__}: {exc}"
         for _ in chunks:  # drain what apply did not take: the sender's broadcasts must all complete
             pass
+        if self.via_ipc and self.device.type == "cuda":
+            # the copies out of the learner's mapped buffer are queued on our stream: "applied" must mean read,
+            # or the learner's next publish could overwrite the buffer under them
+            torch.cuda.synchronize(self.device)
         flag, work = groups.start_agreement(self.group, problem is None, self.wire_device)
         if self.sole_worker and problem is None:
             self.unsettled = (flag, work)  # the learner's answer is "applied": the engine may go on at once
