@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -77,6 +78,7 @@ class RolloutLoop:
         self.stats = LoopStats()
         self.progress = progress or Progress(enabled=False)
         self._batch_index = 0
+        self.kept_fraction = 1.0   # running share of prompts whose group is kept (dynamic sampling drops the rest)
         self.receiver: WeightReceiver | None = None  # generator.main builds it from the weight_sync config
 
     # -- weights --------------------------------------------------------------------------------------------
@@ -97,8 +99,9 @@ class RolloutLoop:
     # -- pacing -------------------------------------------------------------------------------------------------
     def prompts_wanted(self) -> int:
         """Prompts for the next engine call: ``prompts_per_batch``, or fewer when the learner can use only that
-        many more groups within the staleness bound (ref_server/pacing.py); waits up to ``budget_poll_s`` on the
-        hub while it can use none, and then returns 0 (sync weights and ask again)."""
+        many more groups within the staleness bound (ref_server/pacing.py), divided by the share of prompts whose
+        group is kept (so dynamic sampling does not leave a tail of small engine calls); waits up to
+        ``budget_poll_s`` on the hub while it can use none, and then returns 0 (sync weights and ask again)."""
         if not self.wait_for_budget:
             return self.prompts_per_batch
         started = time.perf_counter()
@@ -113,8 +116,8 @@ class RolloutLoop:
         wanted = answer["wanted"]
         if wanted is None:  # the learner has not said how many groups a step takes yet
             return self.prompts_per_batch
-        if wanted > 0:  # a prompt gives at most one group (dynamic sampling may drop it)
-            return min(self.prompts_per_batch, wanted)
+        if wanted > 0:  # a prompt gives at most one group; dynamic sampling drops some: ask for enough prompts
+            return min(self.prompts_per_batch, math.ceil(wanted / max(self.kept_fraction, 0.1)))
         self.stats.budget_waits += 1
         self.stats.budget_wait_s += time.perf_counter() - started
         return 0
@@ -163,6 +166,9 @@ class RolloutLoop:
             self.stats.completion_tokens += sum(len(s.token_ids) for s in group_samples)
             if group is not None:
                 groups.append(group)
+        # an exponential average over engine calls, weighted by their prompts
+        weight = min(1.0, len(examples) / 64)
+        self.kept_fraction += weight * (len(groups) / max(len(examples), 1) - self.kept_fraction)
         return groups
 
     def upload(self, group: RolloutGroup) -> None:

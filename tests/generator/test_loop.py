@@ -166,3 +166,17 @@ def test_an_unpaced_generator_keeps_sampling(engine, tmp_path):
         loop = make_loop(engine, live.url, tmp_path, wait_for_budget=False)
         loop.run(threading.Event(), max_groups=5)
         assert loop.stats.budget_waits == 0 and live.state.hub.depth() == 5
+
+
+def test_a_paced_generator_asks_for_enough_prompts_to_fill_what_is_wanted(engine, tmp_path):
+    """With half the groups dropped by dynamic sampling, 3 wanted groups take 6 prompts (capped by the batch)."""
+    with LiveServer(make_config(tmp_path, max_staleness=0)) as live:
+        HubClient(live.url).report_version(0, groups_per_step=3)
+        loop = make_loop(engine, live.url, tmp_path, budget_poll_s=0.2)
+        loop.prompts_per_batch = 8
+        loop.kept_fraction = 0.5
+        assert loop.prompts_wanted() == 6
+        loop.kept_fraction = 0.2
+        assert loop.prompts_wanted() == 8
+        loop.step(4)  # every group kept (no dynamic sampling here): the share moves towards 1
+        assert loop.kept_fraction == pytest.approx(0.2 + (4 / 64) * 0.8)
