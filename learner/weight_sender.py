@@ -7,8 +7,8 @@ copy. :class:`WeightSender` (rank 0) then moves the buffer in background threads
 * to the HTTP relay (a safetensors stream: header + buffer), when no generator holds a group, when some
   generator only uses HTTP, when a late joiner needs the current version first, and at the end of the run;
 * through a process group per generator (:mod:`learner.weight_members`, built with :mod:`shared.weight_sync.groups`:
-  gloo on CPU, NCCL on GPU), to the members the hub reports waiting in the receive, in buckets of
-  ``weight_sync.bucket_mb``;
+  gloo on CPU, NCCL on GPU), to each member that asks for it (through its group's store, as it enters the
+  receive), in buckets of ``weight_sync.bucket_mb``;
 * through CUDA IPC (the buffer's handle, opened once by the generator) when they share a GPU: the group then only
   carries the header and the completion step.
 
