@@ -6,9 +6,9 @@
 * ``http``: poll the relay's newest version, download it, check it holds only finite values, load it;
 * ``collective`` / ``ipc``: join through the hub (the learner's sender must be registered), load the version the
   offer names over HTTP first (a late joiner starts from the current weights), connect the engine to the group,
-  then, whenever the hub answers "receive", ask the learner for the version (through the group's store) and take it
-  straight from the learner. ``auto`` asks for IPC
-  when the engine is on the learner's GPU, for a group when both are on the same kind of device, else HTTP.
+  then, whenever the hub answers "receive", ask the learner for the version (through the group's store) and take
+  it straight from the learner. ``auto`` asks for IPC when the engine is on the learner's GPU, for a group when
+  both are on the same kind of device, else HTTP.
 
 A receive that fails half-way leaves the weights partly updated: the receiver then reloads the relay's version
 over HTTP before the next engine call and rejoins. Weights holding NaN/inf are never loaded from the relay: the
