@@ -500,11 +500,15 @@ def main(argv: list[str] | None = None) -> int:
     summary["machine_after"] = {"load_avg": os.getloadavg()}
     for row in rows:
         grpo = runs[run_name("grpo", row["repeat"])]
+        if args.skip_trl:
+            print(f"[bench] target accuracy {target:.1%}, repeat {row['repeat']}: grpo run {seconds(row['grpo_s'])} from "
+                  f"launch (first learner step at {grpo['first_step_s']:.1f} s); TRL not run (--skip-trl)", flush=True)
+            continue
         print(f"[bench] target accuracy {target:.1%}, repeat {row['repeat']}: TRL {seconds(row['trl_s'])} from launch "
               f"({seconds(row['trl_from_model_load_s'])} from model load), grpo run {seconds(row['grpo_s'])} from "
               f"launch (first learner step at {grpo['first_step_s']:.1f} s); ratio ours/TRL {fmt_ratio(row['ratio'])} "
               f"(against TRL from model load: {fmt_ratio(row['ratio_against_trl_from_model_load'])})", flush=True)
-    if args.repeats > 1:
+    if args.repeats > 1 and not args.skip_trl:
         print(f"[bench] median ratio ours/TRL over {args.repeats} repeats: {fmt_ratio(summary['ratio_ours_over_trl'])} "
               f"(against TRL from model load: {fmt_ratio(summary['ratio_ours_over_trl_from_model_load'])})", flush=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
