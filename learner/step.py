@@ -279,7 +279,10 @@ def batch_metrics(batch: TrainBatch, advantages: torch.Tensor, current_version: 
     rewards = batch.rewards.float()
     lengths = batch.completion_lengths.float()
     groups = int(batch.group_index.max()) + 1
-    constant = sum(1 for g in range(groups) if rewards[batch.group_index == g].unique().numel() == 1)
+    # a group is constant when its highest and lowest rewards are equal (two scatter ops, not one op per group)
+    highest = rewards.new_full((groups,), float("-inf")).scatter_reduce(0, batch.group_index, rewards, "amax")
+    lowest = rewards.new_full((groups,), float("inf")).scatter_reduce(0, batch.group_index, rewards, "amin")
+    constant = int((highest == lowest).sum())
     adv = advantages.float()
     staleness = (current_version - batch.policy_versions).float()
     metrics = {

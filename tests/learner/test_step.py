@@ -414,3 +414,17 @@ def test_attn_implementation_is_set_on_the_model_or_refused_by_name(distributed,
     assert engine.module.config._attn_implementation == "eager"
     with pytest.raises(LearnerSetupError, match="learner.attn_implementation 'no_such_kernel'"):
         make_engine(tiny_model_dir, attn_implementation="no_such_kernel")
+
+
+def test_batch_metrics_count_constant_groups_and_staleness():
+    from learner.step import batch_metrics
+
+    groups = [make_group(seed=0, rewards=[1.0, 1.0, 1.0, 1.0], version=2),   # constant
+              make_group(seed=1, rewards=[0.0, 1.0, 0.0, 0.0], version=3),
+              make_group(seed=2, rewards=[0.5, 0.5, 0.5, 0.5], version=3),   # constant
+              make_group(seed=3, rewards=[-1.0, 2.0, 2.0, 2.0], version=1)]
+    batch = batch_of(groups)
+    metrics = batch_metrics(batch, torch.zeros(batch.batch_size), current_version=4)
+    assert metrics["zero_variance_group_frac"] == 0.5
+    assert metrics["staleness_max"] == 3.0 and metrics["staleness_mean"] == pytest.approx((2 + 1 + 1 + 3) / 4)
+    assert metrics["reward_mean"] == pytest.approx(sum(sum(g.rewards.tolist()) for g in groups) / 16)
