@@ -143,6 +143,17 @@ def time_to(target: float, points: dict[int, float | None], clock: dict[int, flo
 
 
 # -- TRL (its own process: bench/vs_trl_trl.py) -------------------------------------------------------------
+def wait_for(command: list[str], log, cwd: Path | None = None) -> int:
+    """Run ``command`` in its own session with its output in ``log``; its exit status. Ctrl-C stops its group."""
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(60)
+        raise
+
+
 def check_trl_installed() -> None:
     """The parent never imports TRL (its import time belongs to TRL's clock, in the child); it only checks."""
     missing = [name for name in ("trl", "datasets") if importlib.util.find_spec(name) is None]
@@ -163,14 +174,7 @@ def run_trl(config: GRPOConfig, model_dir: str, device: str, steps: list[int], r
     load = os.getloadavg()
     with open(log_path, "w") as log:
         wall_start = time.time()
-        proc = subprocess.Popen([sys.executable, str(TRL_CHILD), str(run_dir / "request.json")], stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            status = proc.wait()
-        except KeyboardInterrupt:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(60)
-            raise
+        status = wait_for([sys.executable, str(TRL_CHILD), str(run_dir / "request.json")], log)
         process_s = time.time() - wall_start
     result = read_trl_result(status, Path(request.result_path), log_path)
     run = trl_run(result, wall_start)
@@ -294,14 +298,7 @@ def run_grpo(config: GRPOConfig, model_dir: str, device: str, steps: list[int], 
     wall_start = time.time()
     started = time.perf_counter()
     # python -m puts the working directory first on sys.path: the services run the code of ``tree``
-    proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "run", str(path)], stdout=log, cwd=tree,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        status = proc.wait()
-    except KeyboardInterrupt:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(60)
-        raise
+    status = wait_for([sys.executable, "-m", "deploy.cli", "run", str(path)], log, cwd=tree)
     total = time.perf_counter() - started
     log.close()
     metrics = run_dir / "metrics.jsonl"

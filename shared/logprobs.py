@@ -299,15 +299,21 @@ class _Backbone:
         return self.hidden[self.offsets[rows] + positions]
 
 
-def run_backbone(model: nn.Module, input_ids: torch.Tensor, prompt_lengths, completion_lengths,
-                 layout: PackingMode = "padded") -> _Backbone:
-    """Lengths as checked tensors on the ids' device (completions default to the rest of each row), the
-    backbone's last hidden states (padding masked out of attention, or removed by packing) and the LM head."""
+def _checked_lengths(input_ids: torch.Tensor, prompt_lengths, completion_lengths) -> tuple[torch.Tensor, torch.Tensor]:
+    """The lengths as tensors on the ids' device (completions default to the rest of each row), checked."""
     prompt_lengths = torch.as_tensor(prompt_lengths, device=input_ids.device)
     if completion_lengths is None:
         completion_lengths = input_ids.shape[1] - prompt_lengths
     completion_lengths = torch.as_tensor(completion_lengths, device=input_ids.device)
     _check_lengths(input_ids, prompt_lengths, completion_lengths)
+    return prompt_lengths, completion_lengths
+
+
+def run_backbone(model: nn.Module, input_ids: torch.Tensor, prompt_lengths, completion_lengths,
+                 layout: PackingMode = "padded") -> _Backbone:
+    """Lengths as checked tensors on the ids' device (completions default to the rest of each row), the
+    backbone's last hidden states (padding masked out of attention, or removed by packing) and the LM head."""
+    prompt_lengths, completion_lengths = _checked_lengths(input_ids, prompt_lengths, completion_lengths)
     body, head = _split_model(model)
     lengths = prompt_lengths + completion_lengths
     if layout != "padded" and choose_layout(model, lengths.tolist(), layout, body) == "packed":
@@ -323,11 +329,7 @@ def run_backbone(model: nn.Module, input_ids: torch.Tensor, prompt_lengths, comp
 
 def _shared_prefix_backbone(model: nn.Module, input_ids: torch.Tensor, prompt_lengths, completion_lengths,
                             prefix: PrefixRows) -> SharedPrefixHidden:
-    prompt_lengths = torch.as_tensor(prompt_lengths, device=input_ids.device)
-    if completion_lengths is None:
-        completion_lengths = input_ids.shape[1] - prompt_lengths
-    completion_lengths = torch.as_tensor(completion_lengths, device=input_ids.device)
-    _check_lengths(input_ids, prompt_lengths, completion_lengths)
+    prompt_lengths, completion_lengths = _checked_lengths(input_ids, prompt_lengths, completion_lengths)
     body, head = _split_model(model)
     return shared_prefix_hidden(body, head, input_ids, prompt_lengths, completion_lengths, prefix)
 

@@ -4,20 +4,11 @@ learner step uses it."""
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+from transformers import LlamaConfig, Qwen2Config
 
 from shared.logprobs import sequence_logprobs
 from shared.prefix_sharing import prefix_rows
-
-VOCAB = 101
-
-
-def _tiny(config_cls, attn="sdpa", seed=0):
-    torch.manual_seed(seed)
-    config = config_cls(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, head_dim=8,
-                        attn_implementation=attn)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+from tests.shared.test_packing import VOCAB, _tiny  # the same tiny Llama / Qwen2 shapes
 
 
 def _groups(num_groups=3, group_size=4, seed=0):
