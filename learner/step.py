@@ -27,7 +27,7 @@ from shared.schema import AdvantageConfig, LossConfig
 # How each metric combines over micro-batches and ranks: token-weighted mean, min or max.
 _MIN_KEYS = {"ratio_min", "is_weight_min"}
 _MAX_KEYS = {"ratio_max", "is_weight_max", "logprob_diff_max"}
-# summed over micro-batches and ranks, then turned into means in _reduce_metrics
+# summed over micro-batches and ranks, then turned into means in _step_metrics
 _SUM_KEYS = {"num_tokens", "pg_loss", "logprob_diff_sum", "sampled_tokens"}
 
 
@@ -43,6 +43,7 @@ class MicroBatch:
     old_logprobs: torch.Tensor | None = None
     layout: PackingMode = "padded"        # how the forward lays the rows out (shared.packing.choose_layout)
     prefix: PrefixRows | None = None      # rows sharing a prompt: one pass of it (shared.prefix_sharing)
+    normalizers: tuple[int, int] = (0, 0)  # (loss tokens, loss sequences), counted on the host before the copy
 
 
 @dataclass
@@ -130,7 +131,7 @@ def split_micro_batches(batch: TrainBatch, advantages: torch.Tensor, parts: int,
             advantages=take(advantages),
             behaviour_logprobs=take(batch.behaviour_logprobs, width_c),
             ref_logprobs=take(batch.ref_logprobs, width_c), layout=packing if prefix is None else "padded",
-            prefix=prefix))
+            prefix=prefix, normalizers=loss_normalizers(loss_lengths[rows])))
     return pieces
 
 
@@ -194,51 +195,74 @@ def behaviour_logprob_gap(logprobs: torch.Tensor, behaviour: torch.Tensor,
 
 def grpo_step(engine, micro_batches: list[MicroBatch], loss_cfg: LossConfig, *, temperature: float,
               old_mode: str, world_size: int, log_entropy: bool, chunk_tokens: int | None) -> StepOutcome:
-    """Forward/backward over the micro-batches, then one optimizer step (skipped if any loss is not finite)."""
+    """Forward/backward over the micro-batches, then one optimizer step (skipped if any loss is not finite).
+
+    One host synchronisation per step: losses, finiteness flags and metrics stay on the device while the
+    micro-batches run (a non-finite loss is still backpropagated, and its gradients are dropped with the rest), and
+    come back together, after at most two all-reduces, to decide the optimizer step. (DeepSpeed's own step may
+    synchronise too, e.g. for gradient clipping.)"""
     model = engine.module
     device = micro_batches[0].input_ids.device
-    local = torch.tensor([sum(loss_normalizers(mb.loss_lengths)[i] for mb in micro_batches) for i in (0, 1)],
-                         dtype=torch.float64, device=device)
-    num_tokens, num_seqs = all_reduce(local).tolist()
-    sums: dict[str, float] = {}
-    mins: dict[str, float] = {}
-    maxs: dict[str, float] = {}
-    total_loss = 0.0
-    finite = True
+    # the global normalisers, counted on the host when the micro-batches were cut (no device round trip for a
+    # world of one; one small all-reduce otherwise)
+    local = [float(sum(mb.normalizers[i] for mb in micro_batches)) for i in (0, 1)]
+    if world_size > 1:
+        local = all_reduce(torch.tensor(local, dtype=torch.float64, device=device)).tolist()
+    num_tokens, num_seqs = local
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    sums: dict[str, torch.Tensor] = {}
+    mins: dict[str, torch.Tensor] = {}
+    maxs: dict[str, torch.Tensor] = {}
+    total_loss, nonfinite = zero, zero
     for mb in micro_batches:
         _start_zero3_micro_step(engine)
         result, entropy = micro_batch_loss(model, mb, loss_cfg, temperature=temperature, old_mode=old_mode,
                                            num_tokens=num_tokens, num_seqs=num_seqs, log_entropy=log_entropy,
                                            chunk_tokens=chunk_tokens)
-        ok = all_reduce(torch.tensor([float(torch.isfinite(result.loss))], device=device), dist.ReduceOp.MIN)
-        if ok.item() < 1.0:
-            finite = False
-            break
+        loss = result.loss.detach().double()
+        nonfinite = nonfinite + (~torch.isfinite(loss)).double()
         engine.backward(result.loss * world_size, scale_wrt_gas=False)
-        total_loss += float(result.loss.detach())
-        weight = float(result.metrics["num_tokens"])
-        for key, value in result.metrics.items():
-            value = float(value)
+        total_loss = total_loss + loss
+        values = {key: torch.as_tensor(value, device=device).detach().double()
+                  for key, value in result.metrics.items()}
+        weight = values["num_tokens"]
+        for key, value in values.items():
             if key in _MIN_KEYS:
-                mins[key] = min(mins.get(key, math.inf), value)
+                mins[key] = torch.minimum(mins[key], value) if key in mins else value
             elif key in _MAX_KEYS:
-                maxs[key] = max(maxs.get(key, -math.inf), value)
+                maxs[key] = torch.maximum(maxs[key], value) if key in maxs else value
             elif key in _SUM_KEYS:
-                sums[key] = sums.get(key, 0.0) + value
+                sums[key] = sums.get(key, zero) + value
             else:
-                sums[key] = sums.get(key, 0.0) + value * weight
+                sums[key] = sums.get(key, zero) + value * weight
         if entropy is not None:
             mask = torch.arange(entropy.shape[1], device=device) < mb.completion_lengths.unsqueeze(1)
-            sums["entropy"] = sums.get("entropy", 0.0) + float(entropy.detach()[mask].sum())
-            sums["entropy_tokens"] = sums.get("entropy_tokens", 0.0) + float(mask.sum())
-    if not finite:
-        # drop whatever the earlier micro-batches accumulated; no optimizer or scheduler step
+            sums["entropy"] = sums.get("entropy", zero) + entropy.detach()[mask].double().sum()
+            sums["entropy_tokens"] = sums.get("entropy_tokens", zero) + mask.sum().double()
+    host = _gather_step_numbers(total_loss, nonfinite, sums, mins, maxs)  # the step's one synchronisation
+    if host["nonfinite"] > 0:
+        # drop whatever the micro-batches accumulated; no optimizer or scheduler step
         engine.optimizer.zero_grad()
         engine.zero_grad()
         return StepOutcome(False, math.nan)
     engine.step()
-    return StepOutcome(True, float(all_reduce(torch.tensor([total_loss], device=device))[0]),
-                       _reduce_metrics(sums, mins, maxs, device, grad_norm=engine.get_global_grad_norm()))
+    return StepOutcome(True, host["loss"], _step_metrics(host, grad_norm=engine.get_global_grad_norm()))
+
+
+def _gather_step_numbers(total_loss, nonfinite, sums, mins, maxs) -> dict:
+    """Every rank's step numbers, reduced (sums and the non-finite count summed, maxima and minima taken), as
+    host floats: one SUM and one MAX all-reduce (minima as negated maxima), one copy to the host."""
+    sum_keys, min_keys, max_keys = sorted(sums), sorted(mins), sorted(maxs)
+    summed = all_reduce(torch.stack([total_loss, nonfinite, *(sums[k] for k in sum_keys)]))
+    extremes = [*(-mins[k] for k in min_keys), *(maxs[k] for k in max_keys)]
+    if extremes:
+        summed = torch.cat([summed, all_reduce(torch.stack(extremes), dist.ReduceOp.MAX)])
+    values = summed.tolist()
+    host = {"loss": values[0], "nonfinite": values[1], "sums": dict(zip(sum_keys, values[2:2 + len(sum_keys)]))}
+    rest = values[2 + len(sum_keys):]
+    host["mins"] = {k: -v for k, v in zip(min_keys, rest[:len(min_keys)])}
+    host["maxs"] = dict(zip(max_keys, rest[len(min_keys):]))
+    return host
 
 
 def _start_zero3_micro_step(engine) -> None:
@@ -252,10 +276,8 @@ def _start_zero3_micro_step(engine) -> None:
         engine.optimizer.clear_backward_seen_flag()
 
 
-def _reduce_metrics(sums, mins, maxs, device, grad_norm) -> dict[str, float]:
-    keys = sorted(sums)
-    summed = all_reduce(torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=device)).tolist()
-    totals = dict(zip(keys, summed))
+def _step_metrics(host: dict, grad_norm) -> dict[str, float]:
+    totals = host["sums"]
     tokens = max(totals.get("num_tokens", 0.0), 1.0)
     metrics = {k: v / tokens for k, v in totals.items() if k not in _SUM_KEYS | {"entropy", "entropy_tokens"}}
     metrics["pg_loss"] = totals.get("pg_loss", 0.0)
@@ -264,11 +286,8 @@ def _reduce_metrics(sums, mins, maxs, device, grad_norm) -> dict[str, float]:
     metrics["loss_tokens"] = totals.get("num_tokens", 0.0)
     if "entropy" in totals:
         metrics["entropy"] = totals["entropy"] / max(totals["entropy_tokens"], 1.0)
-    for source, op in ((mins, dist.ReduceOp.MIN), (maxs, dist.ReduceOp.MAX)):
-        names = sorted(source)
-        if names:
-            reduced = all_reduce(torch.tensor([source[k] for k in names], dtype=torch.float64, device=device), op)
-            metrics.update(zip(names, reduced.tolist()))
+    metrics.update(host["mins"])
+    metrics.update(host["maxs"])
     if grad_norm is not None:
         metrics["grad_norm"] = float(grad_norm)
     return metrics
