@@ -457,3 +457,25 @@ def test_the_step_reads_its_numbers_back_from_the_device_once(distributed, tiny_
                         world_size=1, log_entropy=True, chunk_tokens=None)
     monkeypatch.undo()
     assert outcome.finite and [name for name, _ in reads] == ["tolist"], reads
+
+
+@pytest.mark.slow
+def test_prefix_sharing_applies_the_padded_update_under_zero0_and_zero3(distributed, tiny_model_dir):
+    """One prompt pass per group calls the body twice per micro-batch; ZeRO-3 gathers the parameters for both and
+    the update equals the padded step's (two micro-batches, groups of 4 sharing a prompt)."""
+    from learner.publish import iter_parameters
+
+    batch = batch_of(sampled_groups(tiny_model_dir, [[1.0, 0.0, 0.0, 1.0], [0.0, 1.0, 1.0, 0.5]], seed=6))
+    params = {}
+    for stage, sharing in ((0, "off"), (0, "on"), (3, "on")):
+        engine = make_engine(tiny_model_dir, zero_stage=stage, lr=1e-2, groups_per_step=2, micro_batches=2,
+                             adam_eps=1.0, grad_clip=0.0)
+        micro = split_micro_batches(batch, advantages_of(batch), 2, False, CPU, prefix_sharing=sharing)
+        assert all((mb.prefix is not None) == (sharing == "on") for mb in micro)
+        outcome = grpo_step(engine, micro, LossConfig(beta=0.0), temperature=1.0, old_mode="behaviour",
+                            world_size=1, log_entropy=True, chunk_tokens=None)
+        assert outcome.finite
+        params[stage, sharing] = {n: t.detach().clone() for n, t in iter_parameters(engine.module)}
+    for name, value in params[0, "off"].items():
+        torch.testing.assert_close(params[0, "on"][name], value, atol=1e-6, rtol=1e-5, msg=name)
+        torch.testing.assert_close(params[3, "on"][name], value, atol=1e-6, rtol=1e-5, msg=name)
