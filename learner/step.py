@@ -20,7 +20,7 @@ from shared.advantages import compute_advantages
 from shared.logprobs import sequence_logprobs
 from shared.losses import PolicyLossOutput, compute_policy_loss, loss_normalizers
 from shared.packing import PackingMode, split_by_token_budget
-from shared.prefix_sharing import PrefixRows, prefix_rows, use_prefix_sharing
+from shared.prefix_sharing import PrefixRows, shared_prefixes
 from shared.protocol import TrainBatch
 from shared.schema import AdvantageConfig, LossConfig
 
@@ -120,11 +120,8 @@ def split_micro_batches(batch: TrainBatch, advantages: torch.Tensor, parts: int,
             t = t[rows]
             return (t[:, :cols] if cols is not None and t.dim() == 2 else t).to(device)
 
-        prefix = None
-        if prefix_sharing != "off":
-            prefix = prefix_rows(batch.input_ids[rows, :width], batch.prompt_lengths[rows], batch.group_index[rows])
-            if not use_prefix_sharing(prefix_sharing, prefix, len(rows), packing):
-                prefix = None
+        prefix = shared_prefixes(prefix_sharing, batch.input_ids[rows, :width], batch.prompt_lengths[rows], packing,
+                                 batch.group_index[rows])
         pieces.append(MicroBatch(
             input_ids=take(batch.input_ids, width), prompt_lengths=take(batch.prompt_lengths),
             completion_lengths=take(batch.completion_lengths), loss_lengths=take(loss_lengths),

@@ -25,7 +25,7 @@ import torch
 
 from shared.logprobs import sequence_logprobs
 from shared.packing import PackingMode, micro_batch_cost
-from shared.prefix_sharing import prefix_rows, use_prefix_sharing
+from shared.prefix_sharing import shared_prefixes
 from shared.top_logprobs import sequence_top_logprobs
 
 log = logging.getLogger("grpo.ref_server.scorer")
@@ -190,11 +190,7 @@ class ReferenceScorer:
 
     # -- worker -------------------------------------------------------------------------------------------
     def _default_forward(self, input_ids, prompt_lengths, completion_lengths, temperature) -> torch.Tensor:
-        prefix = None
-        if self.prefix_sharing != "off":
-            prefix = prefix_rows(input_ids, prompt_lengths)
-            if not use_prefix_sharing(self.prefix_sharing, prefix, input_ids.shape[0], self.packing):
-                prefix = None
+        prefix = shared_prefixes(self.prefix_sharing, input_ids, prompt_lengths, self.packing)
         with torch.inference_mode():
             return sequence_logprobs(self.model, input_ids, prompt_lengths, completion_lengths,
                                      temperature=temperature, layout=self.packing, prefix=prefix).logprobs

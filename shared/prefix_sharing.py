@@ -76,6 +76,16 @@ def use_prefix_sharing(mode: str, prefix: PrefixRows, rows: int, packing: str) -
     return mode == "on" or (packing != "packed" and 2 * prefix.num_prompts <= rows)
 
 
+def shared_prefixes(mode: str, input_ids: torch.Tensor, prompt_lengths: torch.Tensor, packing: str,
+                    group_index: torch.Tensor | None = None) -> PrefixRows | None:
+    """The rows' shared prompts when the ``prefix_sharing`` setting ``mode`` uses them for this micro-batch
+    (:func:`use_prefix_sharing`), else None (the padded or packed forward). Nothing is looked at when 'off'."""
+    if mode == "off":
+        return None
+    prefix = prefix_rows(input_ids, prompt_lengths, group_index)
+    return prefix if use_prefix_sharing(mode, prefix, input_ids.shape[0], packing) else None
+
+
 @dataclass
 class SharedPrefixHidden:
     """The hidden states a logprob needs, by (row, position) like ``shared.logprobs._Backbone``."""
