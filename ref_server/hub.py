@@ -374,14 +374,17 @@ class RolloutHub:
                              leased_groups=leased, queued_groups=len(self._entries) + self._reserved,
                              groups_per_step=self.groups_per_step, max_staleness=self.max_staleness)
 
+    def _stale_floor(self, min_version: int | None = None) -> int:
+        """The oldest version not stale: the learner's minus ``max_staleness`` (or a lease's own ``min_version``)."""
+        floor = self.learner_version - self.max_staleness
+        return floor if min_version is None else max(floor, min_version)
+
     def _is_stale(self, version: int) -> bool:
-        return version < self.learner_version - self.max_staleness
+        return version < self._stale_floor()
 
     def _drop_stale(self, min_version: int | None = None) -> int:
         """Drop queued groups older than the staleness bound (and than ``min_version``, a lease's own bound)."""
-        floor = self.learner_version - self.max_staleness
-        if min_version is not None:
-            floor = max(floor, min_version)
+        floor = self._stale_floor(min_version)
         stale = []
         while self._by_version and self._by_version[0][0] < floor:
             _, seq = heapq.heappop(self._by_version)
