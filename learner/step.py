@@ -22,6 +22,7 @@ from shared.losses import PolicyLossOutput, compute_policy_loss, loss_normalizer
 from shared.packing import PackingMode, split_by_token_budget
 from shared.prefix_sharing import PrefixRows, shared_prefixes
 from shared.protocol import TrainBatch
+from shared.row_lengths import to_device
 from shared.schema import AdvantageConfig, LossConfig
 
 # How each metric combines over micro-batches and ranks: token-weighted mean, min or max.
@@ -44,6 +45,12 @@ class MicroBatch:
     layout: PackingMode = "padded"        # how the forward lays the rows out (shared.packing.choose_layout)
     prefix: PrefixRows | None = None      # rows sharing a prompt: one pass of it (shared.prefix_sharing)
     normalizers: tuple[int, int] = (0, 0)  # (loss tokens, loss sequences), counted on the host before the copy
+    # The same lengths as host values, taken when the micro-batch was cut (the batch is on the host then): every
+    # size, maximum and index count of the step comes from these, so the step never reads a length back from the
+    # device (on a GPU each such read waits until all queued kernels have run).
+    host_prompt_lengths: list[int] = field(default_factory=list)      # = prompt_lengths
+    host_completion_lengths: list[int] = field(default_factory=list)  # = completion_lengths
+    host_loss_lengths: list[int] = field(default_factory=list)        # = loss_lengths
 
 
 @dataclass
@@ -128,7 +135,9 @@ def split_micro_batches(batch: TrainBatch, advantages: torch.Tensor, parts: int,
             advantages=take(advantages),
             behaviour_logprobs=take(batch.behaviour_logprobs, width_c),
             ref_logprobs=take(batch.ref_logprobs, width_c), layout=packing if prefix is None else "padded",
-            prefix=prefix, normalizers=loss_normalizers(loss_lengths[rows])))
+            prefix=prefix, normalizers=loss_normalizers(loss_lengths[rows]),
+            host_prompt_lengths=batch.prompt_lengths[rows].tolist(), host_completion_lengths=completion.tolist(),
+            host_loss_lengths=loss_lengths[rows].tolist()))
     return pieces
 
 
@@ -140,7 +149,7 @@ def all_reduce(values: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
 
 
 def policy_logprobs(model, mb: MicroBatch, temperature: float, *, with_entropy: bool, chunk_tokens: int | None):
-    out = sequence_logprobs(model, mb.input_ids, mb.prompt_lengths, mb.completion_lengths,
+    out = sequence_logprobs(model, mb.input_ids, *_lengths_of(mb),
                             temperature=temperature, with_entropy=with_entropy, chunk_tokens=chunk_tokens,
                             layout=mb.layout, prefix=mb.prefix)
     width = mb.behaviour_logprobs.shape[1]
@@ -148,6 +157,14 @@ def policy_logprobs(model, mb: MicroBatch, temperature: float, *, with_entropy: 
     logprobs = torch.nn.functional.pad(out.logprobs, (0, pad))
     entropy = torch.nn.functional.pad(out.entropy, (0, pad)) if out.entropy is not None else None
     return logprobs, entropy
+
+
+def _lengths_of(mb: MicroBatch) -> tuple[list[int] | torch.Tensor, list[int] | torch.Tensor]:
+    """Prompt and completion lengths for the forward: the host copies (no device read), or the device tensors for a
+    MicroBatch built without them."""
+    if len(mb.host_prompt_lengths) == mb.input_ids.shape[0] == len(mb.host_completion_lengths):
+        return mb.host_prompt_lengths, mb.host_completion_lengths
+    return mb.prompt_lengths, mb.completion_lengths
 
 
 @torch.no_grad()
@@ -159,7 +176,7 @@ def recompute_old_logprobs(model, micro_batches: list[MicroBatch], temperature: 
 
 
 def micro_batch_loss(model, mb: MicroBatch, loss_cfg: LossConfig, *, temperature: float, old_mode: str,
-                     num_tokens: float, num_seqs: float, log_entropy: bool = False,
+                     num_tokens: float | torch.Tensor, num_seqs: float | torch.Tensor, log_entropy: bool = False,
                      chunk_tokens: int | None = None) -> tuple[PolicyLossOutput, torch.Tensor | None]:
     """The loss of one micro-batch, normalised by the global counts (``old_mode``: see learner.old_logprobs)."""
     logprobs, entropy = policy_logprobs(model, mb, temperature, with_entropy=log_entropy, chunk_tokens=chunk_tokens)
@@ -169,7 +186,8 @@ def micro_batch_loss(model, mb: MicroBatch, loss_cfg: LossConfig, *, temperature
         if mb.old_logprobs is None:
             raise ValueError("old_logprobs='recompute' needs recompute_old_logprobs() before the first update")
         old, behaviour = mb.old_logprobs, mb.behaviour_logprobs
-    result = compute_policy_loss(logprobs, mb.advantages, mb.loss_lengths, loss_cfg, old_logprobs=old,
+    loss_lengths = mb.host_loss_lengths if len(mb.host_loss_lengths) == mb.input_ids.shape[0] else mb.loss_lengths
+    result = compute_policy_loss(logprobs, mb.advantages, loss_lengths, loss_cfg, old_logprobs=old,
                                  behaviour_logprobs=behaviour, ref_logprobs=mb.ref_logprobs,
                                  num_tokens=num_tokens, num_seqs=num_seqs)
     result.metrics.update(behaviour_logprob_gap(logprobs, mb.behaviour_logprobs, mb.completion_lengths))
@@ -183,11 +201,15 @@ def behaviour_logprob_gap(logprobs: torch.Tensor, behaviour: torch.Tensor,
 
     At the first update of a batch whose groups are not stale this is the numerical gap between trainer and
     sampler (bf16, other kernels, vLLM vs transformers); the step reports it as ``logprob_diff_mean`` and
-    ``logprob_diff_max``. The ``ratio`` metrics show it too, but mixed with the clipping."""
+    ``logprob_diff_max``. The ``ratio`` metrics show it too, but mixed with the clipping.
+
+    Masked arithmetic, no ``gap[mask]``: a boolean index has a data-dependent size, which a GPU must report back
+    to the host (a wait for the device per micro-batch)."""
     mask = torch.arange(logprobs.shape[1], device=logprobs.device) < completion_lengths.unsqueeze(1)
-    gap = (logprobs.detach() - behaviour).abs()[mask]
-    return {"logprob_diff_sum": gap.sum(), "sampled_tokens": torch.tensor(float(gap.numel())),
-            "logprob_diff_max": gap.max() if gap.numel() else torch.tensor(0.0)}
+    # gaps are >= 0, so zeros in the masked-out places leave the maximum as it is (and make it 0 when empty)
+    gap = torch.where(mask, (logprobs.detach() - behaviour).abs(), 0.0)
+    largest = gap.amax() if gap.numel() else gap.new_zeros(())
+    return {"logprob_diff_sum": gap.sum(), "sampled_tokens": mask.sum(), "logprob_diff_max": largest}
 
 
 def grpo_step(engine, micro_batches: list[MicroBatch], loss_cfg: LossConfig, *, temperature: float,
@@ -196,16 +218,21 @@ def grpo_step(engine, micro_batches: list[MicroBatch], loss_cfg: LossConfig, *, 
 
     One host synchronisation per step: losses, finiteness flags and metrics stay on the device while the
     micro-batches run (a non-finite loss is still backpropagated, and its gradients are dropped with the rest), and
-    come back together, after at most two all-reduces, to decide the optimizer step. (DeepSpeed's own step may
-    synchronise too, e.g. for gradient clipping.)"""
+    come back together, after at most two all-reduces, to decide the optimizer step. The forward takes every length,
+    width and index count from the micro-batches' host copies (``host_*_lengths``) and the metrics use masked
+    arithmetic, so nothing else waits for the device (tests/learner/test_host_syncs.py records it). DeepSpeed's and
+    transformers' own code may synchronise too (docs/host-syncs.md lists what they do)."""
     model = engine.module
     device = micro_batches[0].input_ids.device
-    # the global normalisers, counted on the host when the micro-batches were cut (no device round trip for a
-    # world of one; one small all-reduce otherwise)
+    # the global normalisers, counted on the host when the micro-batches were cut: host numbers for a world of one;
+    # otherwise one small all-reduce whose result stays on the device (the loss divides by it there)
     local = [float(sum(mb.normalizers[i] for mb in micro_batches)) for i in (0, 1)]
+    num_tokens: float | torch.Tensor
+    num_seqs: float | torch.Tensor
     if world_size > 1:
-        local = all_reduce(torch.tensor(local, dtype=torch.float64, device=device)).tolist()
-    num_tokens, num_seqs = local
+        num_tokens, num_seqs = all_reduce(to_device(local, device, torch.float64)).unbind()
+    else:
+        num_tokens, num_seqs = local
     zero = torch.zeros((), dtype=torch.float64, device=device)
     sums: dict[str, torch.Tensor] = {}
     mins: dict[str, torch.Tensor] = {}
@@ -234,7 +261,7 @@ def grpo_step(engine, micro_batches: list[MicroBatch], loss_cfg: LossConfig, *, 
                 sums[key] = sums.get(key, zero) + value * weight
         if entropy is not None:
             mask = torch.arange(entropy.shape[1], device=device) < mb.completion_lengths.unsqueeze(1)
-            sums["entropy"] = sums.get("entropy", zero) + entropy.detach()[mask].double().sum()
+            sums["entropy"] = sums.get("entropy", zero) + torch.where(mask, entropy.detach(), 0.0).double().sum()
             sums["entropy_tokens"] = sums.get("entropy_tokens", zero) + mask.sum().double()
     host = _gather_step_numbers(total_loss, nonfinite, sums, mins, maxs)  # the step's one synchronisation
     if host["nonfinite"] > 0:

@@ -24,6 +24,7 @@ Top-k next-token logprobs (inference only) are in :mod:`shared.top_logprobs`, bu
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +33,8 @@ from torch.utils.checkpoint import checkpoint
 
 from shared.masks import lengths_to_mask
 from shared.packing import PackingMode, choose_layout, pack_rows
-from shared.prefix_sharing import PrefixRows, SharedPrefixHidden, shared_prefix_hidden
+from shared.prefix_sharing import PrefixRows, shared_prefix_hidden
+from shared.row_lengths import RowLengths, ragged_positions, row_lengths
 
 # Default working-set size of one chunk's fp32 logits on CPU. 128 MiB is 220 tokens at vocab 151936: big enough
 # that the LM-head matmul stays efficient, small enough that a chunk's temporaries are a few hundred MB at most.
@@ -257,20 +259,6 @@ def logprobs_from_hidden(
     return logprobs, entropy
 
 
-def _check_lengths(input_ids: torch.Tensor, prompt_lengths: torch.Tensor, completion_lengths: torch.Tensor) -> None:
-    if input_ids.dim() != 2:
-        raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
-    batch, seq_len = input_ids.shape
-    if prompt_lengths.shape != (batch,) or completion_lengths.shape != (batch,):
-        raise ValueError("prompt_lengths and completion_lengths must be [B]")
-    if batch and int(prompt_lengths.min()) < 1:
-        raise ValueError("every prompt needs at least one token (the first completion token is predicted from it)")
-    if batch and int(completion_lengths.min()) < 0:
-        raise ValueError("completion_lengths must be >= 0")
-    if batch and int((prompt_lengths + completion_lengths).max()) > seq_len:
-        raise ValueError("prompt_lengths + completion_lengths exceeds the sequence length")
-
-
 def _split_model(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     """The transformer body (returns hidden states) and the LM head of a Hugging Face causal LM."""
     head = model.get_output_embeddings()
@@ -287,11 +275,18 @@ class _Backbone:
     """The backbone's output for a batch of rows: ``hidden_at(rows, positions)`` gives ``[N, H]`` hidden states
     of those (row, position in row) pairs whichever layout ran."""
 
-    prompt_lengths: torch.Tensor
-    completion_lengths: torch.Tensor
+    lengths: RowLengths
     hidden: torch.Tensor               # [B, T, H] padded, [N, H] packed
     head: nn.Module
     offsets: torch.Tensor | None       # packed: where each row starts in ``hidden``
+
+    @property
+    def prompt_lengths(self) -> torch.Tensor:
+        return self.lengths.prompt_on_device
+
+    @property
+    def completion_lengths(self) -> torch.Tensor:
+        return self.lengths.completion_on_device
 
     def hidden_at(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self.offsets is None:
@@ -299,46 +294,36 @@ class _Backbone:
         return self.hidden[self.offsets[rows] + positions]
 
 
-def _checked_lengths(input_ids: torch.Tensor, prompt_lengths, completion_lengths) -> tuple[torch.Tensor, torch.Tensor]:
-    """The lengths as tensors on the ids' device (completions default to the rest of each row), checked."""
-    prompt_lengths = torch.as_tensor(prompt_lengths, device=input_ids.device)
-    if completion_lengths is None:
-        completion_lengths = input_ids.shape[1] - prompt_lengths
-    completion_lengths = torch.as_tensor(completion_lengths, device=input_ids.device)
-    _check_lengths(input_ids, prompt_lengths, completion_lengths)
-    return prompt_lengths, completion_lengths
-
-
 def run_backbone(model: nn.Module, input_ids: torch.Tensor, prompt_lengths, completion_lengths,
                  layout: PackingMode = "padded") -> _Backbone:
-    """Lengths as checked tensors on the ids' device (completions default to the rest of each row), the
-    backbone's last hidden states (padding masked out of attention, or removed by packing) and the LM head."""
-    prompt_lengths, completion_lengths = _checked_lengths(input_ids, prompt_lengths, completion_lengths)
+    """Lengths checked (:func:`shared.row_lengths.row_lengths`; completions default to the rest of each row), the
+    backbone's last hidden states (padding masked out of attention, or removed by packing) and the LM head.
+
+    Lengths given as lists are not read from the device at all; device tensors come to the host in one copy."""
+    return _run_backbone(model, input_ids, row_lengths(input_ids, prompt_lengths, completion_lengths), layout)
+
+
+def _run_backbone(model: nn.Module, input_ids: torch.Tensor, lengths: RowLengths, layout: PackingMode) -> _Backbone:
     body, head = _split_model(model)
-    lengths = prompt_lengths + completion_lengths
-    if layout != "padded" and choose_layout(model, lengths.tolist(), layout, body) == "packed":
-        packed = pack_rows(input_ids, lengths)
+    totals = lengths.totals
+    if layout != "padded" and choose_layout(model, totals, layout, body) == "packed":
+        packed = pack_rows(input_ids, totals)
         # no attention mask and no cache: transformers then reads the row boundaries from the position ids
         hidden = body(input_ids=packed.input_ids, position_ids=packed.position_ids,
                       use_cache=False).last_hidden_state[0]
-        return _Backbone(prompt_lengths, completion_lengths, hidden, head, packed.offsets)
-    attention_mask = lengths_to_mask(lengths, input_ids.shape[1]).long()
+        return _Backbone(lengths, hidden, head, packed.offsets)
+    # the mask from the device lengths (lengths_to_mask would read them back to check them: done on the host)
+    on_device = lengths.prompt_on_device + lengths.completion_on_device
+    attention_mask = (torch.arange(input_ids.shape[1], device=input_ids.device) < on_device.unsqueeze(1)).long()
     hidden = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-    return _Backbone(prompt_lengths, completion_lengths, hidden, head, None)
-
-
-def _shared_prefix_backbone(model: nn.Module, input_ids: torch.Tensor, prompt_lengths, completion_lengths,
-                            prefix: PrefixRows) -> SharedPrefixHidden:
-    prompt_lengths, completion_lengths = _checked_lengths(input_ids, prompt_lengths, completion_lengths)
-    body, head = _split_model(model)
-    return shared_prefix_hidden(body, head, input_ids, prompt_lengths, completion_lengths, prefix)
+    return _Backbone(lengths, hidden, head, None)
 
 
 def sequence_logprobs(
     model: nn.Module,
     input_ids: torch.Tensor,
-    prompt_lengths: torch.Tensor,
-    completion_lengths: torch.Tensor | None = None,
+    prompt_lengths: torch.Tensor | Sequence[int],
+    completion_lengths: torch.Tensor | Sequence[int] | None = None,
     *,
     temperature: float = 1.0,
     with_entropy: bool = False,
@@ -349,19 +334,22 @@ def sequence_logprobs(
     """Per-token logprobs of each row's completion under ``model`` (see the module docstring for layout).
 
     ``completion_lengths`` defaults to ``T - prompt_lengths`` (no padding). Returns ``[B, max(completion)]``.
+    Lengths given as lists (the learner's host copies) are never read from the device, so nothing here waits for a
+    GPU; tensors on the device come to the host in one copy (:func:`shared.row_lengths.row_lengths`).
     ``prefix`` (shared.prefix_sharing.prefix_rows): rows that continue one prompt share one pass of it (exact; the
     layout is then padded). Gradients flow when autograd is on; wrap in ``torch.no_grad()`` for scoring.
     """
+    lengths = row_lengths(input_ids, prompt_lengths, completion_lengths)
     if prefix is not None:
-        out = _shared_prefix_backbone(model, input_ids, prompt_lengths, completion_lengths, prefix)
+        body, head = _split_model(model)
+        out = shared_prefix_hidden(body, head, input_ids, lengths, prefix)
     else:
-        out = run_backbone(model, input_ids, prompt_lengths, completion_lengths, layout)
-    prompt_lengths, completion_lengths = out.prompt_lengths, out.completion_lengths
-    max_completion = int(completion_lengths.max()) if completion_lengths.numel() else 0
-    mask = lengths_to_mask(completion_lengths, max_completion)
-    rows, cols = mask.nonzero(as_tuple=True)
+        out = _run_backbone(model, input_ids, lengths, layout)
+    # every completion token's (row, column), row by row, sized on the host: no read of a device value
+    shape = (len(lengths.completion), max(lengths.completion, default=0))
+    rows, cols = ragged_positions(lengths.completion, lengths.completion_on_device)
     # The token at position p is predicted by the hidden state at p - 1.
-    target_positions = prompt_lengths[rows] + cols
+    target_positions = lengths.prompt_on_device[rows] + cols
     logp, entropy = logprobs_from_hidden(
         out.hidden_at(rows, target_positions - 1),
         out.head,
@@ -371,9 +359,9 @@ def sequence_logprobs(
         chunk_tokens=chunk_tokens,
         logit_transform=final_logit_transform(model),
     )
-    logprobs = logp.new_zeros(mask.shape).index_put((rows, cols), logp)
-    entropies = entropy.new_zeros(mask.shape).index_put((rows, cols), entropy) if entropy is not None else None
-    return TokenLogprobs(logprobs=logprobs, entropy=entropies, completion_lengths=completion_lengths)
+    logprobs = logp.new_zeros(shape).index_put((rows, cols), logp)
+    entropies = entropy.new_zeros(shape).index_put((rows, cols), entropy) if entropy is not None else None
+    return TokenLogprobs(logprobs=logprobs, entropy=entropies, completion_lengths=lengths.completion_on_device)
 
 
 def naive_sequence_logprobs(

@@ -20,6 +20,7 @@ then aggregated. ``rho`` is ``pi_theta / pi_old``; ``w`` the truncated importanc
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,7 @@ from shared.config import LossConfig
 from shared.kl import kl_penalty
 from shared.masks import lengths_to_mask, masked_mean, masked_min_max, masked_sum
 from shared.registry import Registry
+from shared.row_lengths import to_device
 
 POLICY_LOSSES: Registry = Registry("policy loss")
 AGGREGATIONS: Registry = Registry("loss aggregation")
@@ -110,9 +112,18 @@ def sequence_ratio_loss(
     return clipped_surrogate(ratio, advantages, eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip=cfg.dual_clip)
 
 
+def _at_least_one(count: float | torch.Tensor, like: torch.Tensor) -> float | torch.Tensor:
+    """``max(count, 1)``: a host number stays one; a tensor (a count on the device, e.g. all-reduced over ranks)
+    is clamped there, in ``like``'s dtype, instead of being read back (which would wait for the device)."""
+    if isinstance(count, torch.Tensor):
+        return count.to(dtype=like.dtype, device=like.device).clamp(min=1.0)
+    return max(float(count), 1.0)
+
+
 @AGGREGATIONS.register("token-mean")
 def token_mean(
-    values: torch.Tensor, mask: torch.Tensor, *, num_tokens: float | None, num_seqs: float | None,
+    values: torch.Tensor, mask: torch.Tensor, *, num_tokens: float | torch.Tensor | None,
+    num_seqs: float | torch.Tensor | None,
     norm_len: int | None,
 ) -> torch.Tensor:
     """DAPO: ``sum_{i,t} l_{i,t} / N_tokens``, where ``N_tokens`` is the GLOBAL count of valid tokens.
@@ -121,12 +132,13 @@ def token_mean(
     equal the loss of the whole batch, however the batch is split. Defaults to the local count.
     """
     denominator = mask.sum() if num_tokens is None else num_tokens
-    return masked_sum(values, mask) / max(float(denominator), 1.0)
+    return masked_sum(values, mask) / _at_least_one(denominator, values)
 
 
 @AGGREGATIONS.register("seq-mean-token-mean")
 def seq_mean_token_mean(
-    values: torch.Tensor, mask: torch.Tensor, *, num_tokens: float | None, num_seqs: float | None,
+    values: torch.Tensor, mask: torch.Tensor, *, num_tokens: float | torch.Tensor | None,
+    num_seqs: float | torch.Tensor | None,
     norm_len: int | None,
 ) -> torch.Tensor:
     """Original GRPO (DeepSeekMath, Shao et al. 2024, eq. 3): ``(1/N_seqs) sum_i (1/|o_i|) sum_t l_{i,t}``.
@@ -136,12 +148,13 @@ def seq_mean_token_mean(
     """
     per_sequence = masked_mean(values, mask, dim=-1)
     denominator = (mask.sum(dim=-1) > 0).sum() if num_seqs is None else num_seqs
-    return per_sequence.sum() / max(float(denominator), 1.0)
+    return per_sequence.sum() / _at_least_one(denominator, values)
 
 
 @AGGREGATIONS.register("seq-mean-token-sum-norm")
 def seq_mean_token_sum_norm(
-    values: torch.Tensor, mask: torch.Tensor, *, num_tokens: float | None, num_seqs: float | None,
+    values: torch.Tensor, mask: torch.Tensor, *, num_tokens: float | torch.Tensor | None,
+    num_seqs: float | torch.Tensor | None,
     norm_len: int | None,
 ) -> torch.Tensor:
     """Dr. GRPO: ``(1/N_seqs) sum_i (1/L) sum_t l_{i,t}`` with a CONSTANT L (the generation's max length),
@@ -150,7 +163,7 @@ def seq_mean_token_sum_norm(
         raise ValueError("seq-mean-token-sum-norm needs a constant norm_len >= 1 (the max completion length)")
     per_sequence = masked_sum(values, mask, dim=-1) / float(norm_len)
     denominator = (mask.sum(dim=-1) > 0).sum() if num_seqs is None else num_seqs
-    return per_sequence.sum() / max(float(denominator), 1.0)
+    return per_sequence.sum() / _at_least_one(denominator, values)
 
 
 def loss_normalizers(completion_lengths: torch.Tensor) -> tuple[int, int]:
@@ -158,6 +171,19 @@ def loss_normalizers(completion_lengths: torch.Tensor) -> tuple[int, int]:
     pass back to :func:`compute_policy_loss` as the global normalisers."""
     lengths = torch.as_tensor(completion_lengths)
     return int(lengths.clamp(min=0).sum()), int((lengths > 0).sum())
+
+
+def _completion_mask(completion_lengths: torch.Tensor | Sequence[int], logprobs: torch.Tensor) -> torch.Tensor:
+    """``[B, L]`` validity of ``logprobs``' columns. Lengths given as a list are checked on the host and compared on
+    the device (no device read); a tensor is checked by :func:`lengths_to_mask` (which reads it back)."""
+    if isinstance(completion_lengths, torch.Tensor):
+        return lengths_to_mask(completion_lengths.to(logprobs.device), logprobs.shape[1])
+    lengths = [int(n) for n in completion_lengths]
+    width = logprobs.shape[1]
+    if any(n < 0 or n > width for n in lengths):
+        raise ValueError(f"completion lengths must be within 0..{width} (the logprobs' width), got {lengths}")
+    on_device = to_device(lengths, logprobs.device)
+    return torch.arange(width, device=logprobs.device) < on_device.unsqueeze(1)
 
 
 @dataclass
@@ -173,14 +199,14 @@ class PolicyLossOutput:
 def compute_policy_loss(
     logprobs: torch.Tensor,
     advantages: torch.Tensor,
-    completion_lengths: torch.Tensor,
+    completion_lengths: torch.Tensor | Sequence[int],
     cfg: LossConfig,
     *,
     old_logprobs: torch.Tensor | None = None,
     behaviour_logprobs: torch.Tensor | None = None,
     ref_logprobs: torch.Tensor | None = None,
-    num_tokens: float | None = None,
-    num_seqs: float | None = None,
+    num_tokens: float | torch.Tensor | None = None,
+    num_seqs: float | torch.Tensor | None = None,
 ) -> PolicyLossOutput:
     """The GRPO loss of one (micro-)batch. Shapes: per-token ``[B, L]``, ``advantages`` ``[B]`` or ``[B, L]``.
 
@@ -191,11 +217,13 @@ def compute_policy_loss(
       corrects the mismatch between the sampler and the trainer. Pass ``None`` when ``old_logprobs`` already
       are the behaviour logprobs (then the ratio itself corrects it).
     * ``ref_logprobs``: required when ``cfg.beta > 0``; the KL term is ``beta * KL_estimator``.
-    * ``num_tokens`` / ``num_seqs``: the global normalisers from :func:`loss_normalizers`.
+    * ``num_tokens`` / ``num_seqs``: the global normalisers from :func:`loss_normalizers` (host numbers, or
+      device tensors, e.g. all-reduced over ranks: then they are not read back).
+    * ``completion_lengths``: which tokens count; a list (host values) is never read back from the device.
     """
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be [B, L], got shape {tuple(logprobs.shape)}")
-    mask = lengths_to_mask(torch.as_tensor(completion_lengths, device=logprobs.device), logprobs.shape[1])
+    mask = _completion_mask(completion_lengths, logprobs)
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1).expand_as(logprobs)
     if cfg.beta > 0 and ref_logprobs is None:

@@ -43,10 +43,18 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
 
 
 def masked_min_max(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Min and max over the masked entries; both 0 when nothing is masked in (a metric, never a NaN)."""
+    """Min and max over the masked entries; both 0 when nothing is masked in (a metric, never a NaN).
+
+    Masked arithmetic, not ``values[mask]``: boolean indexing and ``if mask.any()`` would each wait for a GPU."""
     mask = mask.bool()
-    if not bool(mask.any()):
-        zero = torch.zeros((), dtype=values.dtype, device=values.device)
+    zero = torch.zeros((), dtype=values.dtype, device=values.device)
+    if values.numel() == 0:
         return zero, zero
-    selected = values[mask]
-    return selected.min(), selected.max()
+    if values.is_floating_point():
+        high, low = float("inf"), float("-inf")
+    else:
+        high, low = torch.iinfo(values.dtype).max, torch.iinfo(values.dtype).min
+    anything = mask.any()
+    smallest = values.masked_fill(~mask, high).amin()
+    largest = values.masked_fill(~mask, low).amax()
+    return torch.where(anything, smallest, zero), torch.where(anything, largest, zero)

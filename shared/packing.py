@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import nn
+
+from shared.row_lengths import host_values, ragged_positions, to_device
 
 log = logging.getLogger("grpo.packing")
 
@@ -51,14 +54,22 @@ class PackedRows:
         return self.offsets[rows] + positions
 
 
-def pack_rows(input_ids: torch.Tensor, lengths: torch.Tensor) -> PackedRows:
-    """Concatenate the first ``lengths[i]`` tokens of each row of ``input_ids [B, T]``; positions restart per row."""
-    lengths = torch.as_tensor(lengths, device=input_ids.device)
-    mask = torch.arange(input_ids.shape[1], device=input_ids.device) < lengths[:, None]
-    positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-    offsets = torch.cumsum(lengths, 0) - lengths
-    return PackedRows(input_ids=input_ids[mask][None], position_ids=positions[mask][None], offsets=offsets,
-                      lengths=lengths)
+def pack_rows(input_ids: torch.Tensor, lengths: torch.Tensor | Sequence[int]) -> PackedRows:
+    """Concatenate the first ``lengths[i]`` tokens of each row of ``input_ids [B, T]``; positions restart per row.
+
+    With ``lengths`` a list (host values) nothing is read back from the device: the packed size is their sum and
+    the token indices are built there with that size (:func:`shared.row_lengths.ragged_positions`); a tensor comes
+    to the host once."""
+    (host,) = host_values(lengths)
+    width = input_ids.shape[1]
+    if any(n < 0 or n > width for n in host):
+        raise ValueError(f"row lengths must be within 0..{width} (the rows' width), got {host}")
+    on_device = to_device(lengths if torch.is_tensor(lengths) else host, input_ids.device,
+                          None if torch.is_tensor(lengths) else torch.long)
+    rows, positions = ragged_positions(host, on_device)
+    offsets = torch.cumsum(on_device, 0) - on_device
+    return PackedRows(input_ids=input_ids.reshape(-1)[rows * width + positions][None], position_ids=positions[None],
+                      offsets=offsets, lengths=on_device)
 
 
 def attention_implementation(model: nn.Module) -> str:

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from shared.row_lengths import RowLengths, to_device
+
 
 @dataclass
 class PrefixRows:
@@ -110,20 +112,22 @@ def _gather_cache(cache, index: torch.Tensor) -> None:
         layer.values = layer.values.index_select(0, index)
 
 
-def shared_prefix_hidden(body: nn.Module, head: nn.Module, input_ids: torch.Tensor, prompt_lengths: torch.Tensor,
-                         completion_lengths: torch.Tensor, prefix: PrefixRows) -> SharedPrefixHidden:
+def shared_prefix_hidden(body: nn.Module, head: nn.Module, input_ids: torch.Tensor, lengths: RowLengths,
+                         prefix: PrefixRows) -> SharedPrefixHidden:
     """Run each distinct prompt once and every completion on its cached keys/values (see the module docstring).
 
-    ``input_ids`` are the usual right-padded ``[prompt + completion]`` rows."""
+    ``input_ids`` are the usual right-padded ``[prompt + completion]`` rows, ``lengths`` their checked lengths
+    (:func:`shared.row_lengths.row_lengths`): widths come from its host lists and indices from its device tensors,
+    so nothing here reads a value back from the device."""
     from transformers import DynamicCache
 
     device = input_ids.device
-    lengths = prompt_lengths.to(device)
-    p_max = int(lengths.max())
-    c_max = max(int(completion_lengths.max()), 1)
+    lengths_on_device = lengths.prompt_on_device
+    p_max = max(lengths.prompt, default=0)  # every row's prompt is one of the distinct prompts
+    c_max = max(max(lengths.completion, default=0), 1)
     # the distinct prompts, left-padded so that every one ends at column p_max - 1
-    source = prefix.prompt_rows.to(device)
-    p_len = lengths[source]
+    source = to_device(prefix.prompt_rows, device)
+    p_len = lengths_on_device[source]
     cols = torch.arange(p_max, device=device)
     start = (p_max - p_len).unsqueeze(1)
     take = (cols.unsqueeze(0) - start).clamp(min=0)
@@ -133,17 +137,17 @@ def shared_prefix_hidden(body: nn.Module, head: nn.Module, input_ids: torch.Tens
     cache = DynamicCache()
     prompt_out = body(input_ids=prompt_ids, attention_mask=prompt_mask.long(), position_ids=prompt_positions,
                       past_key_values=cache, use_cache=True)
-    row_prompt = prefix.row_prompt.to(device)
+    row_prompt = to_device(prefix.row_prompt, device)
     last_prompt = prompt_out.last_hidden_state[:, -1][row_prompt]
     _gather_cache(prompt_out.past_key_values, row_prompt)
     # the completions, right after each row's prompt (right-padded; padding is masked out and never read)
     c_cols = torch.arange(c_max, device=device)
-    c_take = (lengths.unsqueeze(1) + c_cols.unsqueeze(0)).clamp(max=input_ids.shape[1] - 1)
-    completion_mask = c_cols.unsqueeze(0) < completion_lengths.to(device).unsqueeze(1)
+    c_take = (lengths_on_device.unsqueeze(1) + c_cols.unsqueeze(0)).clamp(max=input_ids.shape[1] - 1)
+    completion_mask = c_cols.unsqueeze(0) < lengths.completion_on_device.unsqueeze(1)
     completion_ids = input_ids.gather(1, c_take).masked_fill(~completion_mask, 0)
     attention = torch.cat([prompt_mask[row_prompt], completion_mask], dim=1).long()
     completion_out = body(input_ids=completion_ids, attention_mask=attention,
-                          position_ids=lengths.unsqueeze(1) + c_cols.unsqueeze(0),
+                          position_ids=lengths_on_device.unsqueeze(1) + c_cols.unsqueeze(0),
                           past_key_values=prompt_out.past_key_values, use_cache=True)
-    return SharedPrefixHidden(lengths, completion_lengths.to(device), last_prompt,
+    return SharedPrefixHidden(lengths_on_device, lengths.completion_on_device, last_prompt,
                               completion_out.last_hidden_state, head)

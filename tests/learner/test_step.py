@@ -430,35 +430,6 @@ def test_batch_metrics_count_constant_groups_and_staleness():
     assert metrics["reward_mean"] == pytest.approx(sum(sum(g.rewards.tolist()) for g in groups) / 16)
 
 
-def test_the_step_reads_its_numbers_back_from_the_device_once(distributed, tiny_model_dir, monkeypatch):
-    """Losses, finiteness and metrics of every micro-batch stay on the device and come back in one copy (on a GPU
-    each .item() / float(tensor) / .tolist() waits for the device)."""
-    import traceback
-
-    groups = sampled_groups(tiny_model_dir, [[1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 1.0, 1.0]], seed=1)
-    batch = batch_of(groups)
-    engine = make_engine(tiny_model_dir, lr=1e-3, micro_batches=2, groups_per_step=2)
-    micro = split_micro_batches(batch, advantages_of(batch), 2, False, CPU)
-    reads = []
-
-    def counted(name):
-        original = getattr(torch.Tensor, name)
-
-        def read(self, *args, **kwargs):
-            caller = traceback.extract_stack(limit=2)[0]
-            if caller.filename.endswith("learner/step.py"):
-                reads.append((name, caller.lineno))
-            return original(self, *args, **kwargs)
-        return read
-
-    for name in ("item", "tolist", "__float__", "__int__", "__bool__"):
-        monkeypatch.setattr(torch.Tensor, name, counted(name))
-    outcome = grpo_step(engine, micro, LossConfig(beta=0.0), temperature=1.0, old_mode="behaviour",
-                        world_size=1, log_entropy=True, chunk_tokens=None)
-    monkeypatch.undo()
-    assert outcome.finite and [name for name, _ in reads] == ["tolist"], reads
-
-
 @pytest.mark.slow
 def test_prefix_sharing_applies_the_padded_update_under_zero0_and_zero3(distributed, tiny_model_dir):
     """One prompt pass per group calls the body twice per micro-batch; ZeRO-3 gathers the parameters for both and
