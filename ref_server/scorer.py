@@ -26,6 +26,7 @@ import torch
 from shared.logprobs import sequence_logprobs
 from shared.packing import PackingMode, micro_batch_cost
 from shared.prefix_sharing import shared_prefixes
+from shared.row_lengths import to_device
 from shared.top_logprobs import sequence_top_logprobs
 
 log = logging.getLogger("grpo.ref_server.scorer")
@@ -299,8 +300,9 @@ class ReferenceScorer:
     def _score_padded(self, rows: list[Row], temperature: float, top_k: int) -> _Pending:
         input_ids = _pad([r.input_ids for r in rows])
         completion = [r.tokens - r.prompt_length for r in rows]
-        prompt_lengths = torch.tensor([r.prompt_length for r in rows], device=self.device)
-        completion_lengths = torch.tensor(completion, device=self.device)
+        # queued copies (a blocking one to a GPU waits for its queue); sequence_logprobs reads both back in one copy
+        prompt_lengths = to_device([r.prompt_length for r in rows], self.device)
+        completion_lengths = to_device(completion, self.device)
         input_ids = input_ids.to(self.device, non_blocking=True)
         if top_k:
             logprobs, top, ids = self._top_forward(input_ids, prompt_lengths, completion_lengths, temperature, top_k)
