@@ -94,9 +94,13 @@ def visible_gpus() -> list[str]:
         return []
 
 
-def gpu_env(indices: list[int], gpus: list[str], who: str) -> dict[str, str]:
+def gpu_env(indices: list[int], gpus: list[str] | None, who: str) -> dict[str, str]:
+    """The service's CUDA_VISIBLE_DEVICES: the physical ids its indices name; none (hidden) for a CPU service on a
+    node with GPUs, or where the node's GPUs were not looked up (``gpus`` None: no service asked for one)."""
     if not indices:
-        return {"CUDA_VISIBLE_DEVICES": ""} if gpus else {}
+        return {"CUDA_VISIBLE_DEVICES": ""} if gpus is None or gpus else {}
+    if gpus is None:
+        raise ValueError("gpu_env needs the visible GPUs for a service placed on GPUs")
     missing = [i for i in indices if i >= len(gpus)]
     if missing:
         raise LaunchError(f"{who} is placed on GPU index {missing[0]}, but this node has {len(gpus)} visible GPUs")
@@ -126,8 +130,10 @@ def cpu_threads(config: GRPOConfig, cores: int) -> int:
 
 def plan(config: GRPOConfig, config_path: Path, run_dir: Path) -> list[Service]:
     """The services to start, in order (the ref server first)."""
-    gpus = visible_gpus()
     placement = config.run.placement
+    # Counting GPUs imports torch (1.5-2 s before the first service could start): only when a service asks for one.
+    wants_gpus = bool(placement.ref_server or placement.learner or any(placement.generators))
+    gpus = visible_gpus() if wants_gpus else None
     base_env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     threads = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(cpu_threads(config, usable_cores()))}
     grpo = [sys.executable, "-m", "deploy.cli"]

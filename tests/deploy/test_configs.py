@@ -89,3 +89,19 @@ def test_gpu_services_keep_their_threads(tmp_path, monkeypatch):
     monkeypatch.setattr(launcher, "usable_cores", lambda: 64)
     config = load_config(ROOT / "deploy" / "configs" / "qwen2.5-7b-gsm8k.yaml")
     assert all("OMP_NUM_THREADS" not in s.env for s in plan(config, tmp_path / "c.yaml", tmp_path))
+
+
+def test_an_all_cpu_run_does_not_look_for_gpus_and_hides_them(tmp_path, monkeypatch):
+    """Counting GPUs imports torch in the launcher (1.5-2 s before any service starts): a run that places nothing on
+    a GPU never asks, and its services see no GPU whatever the node has."""
+    from deploy import launcher
+
+    def no_lookup():
+        raise AssertionError("an all-CPU run looked up the node's GPUs")
+
+    monkeypatch.setattr(launcher, "visible_gpus", no_lookup)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    config = load_config(ROOT / "deploy" / "configs" / "tiny-cpu.yaml")
+    services = plan(config, tmp_path / "c.yaml", tmp_path)
+    assert [s.name for s in services] == ["ref-server", "learner", "gen-0"]
+    assert {s.env["CUDA_VISIBLE_DEVICES"] for s in services} == {""}
