@@ -7,19 +7,20 @@ so the ops are caught where they are dispatched (a ``TorchDispatchMode``) and, f
 on a CPU tensor (``tolist``, ``numpy``, ``cpu``), by wrapping those methods. Each is attributed to the innermost stack
 frame outside torch: this project's ``learner/`` or ``shared/``, DeepSpeed, or transformers.
 
-What the step's own code may do: one copy to the host per step (``_gather_step_numbers``' ``tolist``). What DeepSpeed
-0.19.8, transformers 5.19 and torch 2.13 do in a steady-state step (ZeRO-0, fp32, torch AdamW, ``grad_clip`` 1.0,
-the tiny Llama with SDPA attention, two micro-batches), as this test records them on the CPU:
+What the step's own code may do: one copy to the host per step (``_gather_step_numbers``' ``tolist``). What the
+libraries do in a recorded steady-state step (DeepSpeed 0.19.8 ZeRO-0 fp32 with torch's AdamW and ``grad_clip`` 1.0,
+transformers 5.19 with SDPA attention, torch 2.13; the tiny Llama, 20 parameter tensors, two micro-batches; printed
+with ``-s``), not ours to change and only reported here:
 
-* DeepSpeed ``engine.step`` (``_take_model_step``): the gradient-clipping norm and the overflow check
-  (``_local_scalar_dense`` in ``runtime/utils.py`` / ``runtime/engine.py``), a handful per step, not per micro-batch.
-* torch's AdamW (reached from DeepSpeed's step): ``_get_value(step)`` reads each parameter's step counter, which is a
-  CPU tensor on a GPU too (not a device wait there; fused AdamW on a GPU does not read it).
-* transformers: SDPA mask creation (``masking_utils``) may ask whether a padding mask is all ones; in the packed
-  layout it reads the position ids to find the row boundaries.
-
-The exact list per configuration is in the assertion message of :func:`test_the_step_waits_for_the_device_once`
-when run with ``-s`` (it prints them); the project's part is asserted, theirs only reported.
+* DeepSpeed ``engine.step`` -> ``_take_model_step`` -> torch AdamW ``_get_value(step)``: one ``_local_scalar_dense``
+  per parameter tensor (20). These step counters live on the CPU for this (non-fused) AdamW, so on a GPU they are
+  host reads, not device waits; the GPU config uses fused AdamW, whose counters are not read back. DeepSpeed's fp32
+  gradient clipping at ZeRO-0 reads nothing.
+* transformers ``masking_utils._ignore_causal_mask_sdpa``: ``fast_all(padding_mask)`` to decide whether SDPA can
+  skip the mask: 2 reads per padded forward with padding (4 per step here), 1 per micro-batch with prefix sharing
+  (the prompt pass).
+* transformers ``masking_utils.find_packed_sequence_indices``: reads whether the position ids hold several rows,
+  1 per packed forward (4 per step with pi_old recomputed: two forwards per micro-batch).
 """
 
 from __future__ import annotations
@@ -200,3 +201,25 @@ def test_the_step_waits_for_the_device_once(distributed, tiny_model_dir, recorde
     print(f"  project: {ours}")
     assert [what for what, _ in ours] == ["tolist"], ours
     assert ours[0][1].startswith("learner/step.py") and "_gather_step_numbers" in ours[0][1], ours
+
+
+def test_the_recorder_sees_each_kind_of_device_wait(recorder):
+    """The detector itself: without this, a torch upgrade that renamed an op would let the step test pass blind."""
+    from shared.masks import lengths_to_mask
+
+    x, mask, counts = torch.arange(6.0), torch.arange(6) % 2 == 0, torch.tensor([1, 2])
+    with recorder:
+        _ = x[mask]
+        x[mask] = 0.0
+        _ = x.nonzero()
+        _ = torch.masked_select(x, mask)
+        _ = torch.unique(counts)
+        _ = counts.repeat_interleave(counts)
+        _ = counts.repeat_interleave(counts, output_size=3)  # the size given: no wait
+        _ = float(x.sum()), x.tolist(), x.cpu()
+        lengths_to_mask(counts)  # project code: reads the lengths to check them
+    kinds = [what for _, what, _ in recorder.events]
+    assert kinds[:8] == ["index with a boolean mask (nonzero)", "index_put_ with a boolean mask (nonzero)", "nonzero",
+                         "masked_select", "_unique2", "repeat_interleave without output_size",
+                         "_local_scalar_dense", "tolist"], kinds
+    assert [what for what, _ in recorder.ours()] == ["_local_scalar_dense", "_local_scalar_dense"], recorder.events
