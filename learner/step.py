@@ -220,8 +220,8 @@ def grpo_step(engine, micro_batches: list[MicroBatch], loss_cfg: LossConfig, *, 
     micro-batches run (a non-finite loss is still backpropagated, and its gradients are dropped with the rest), and
     come back together, after at most two all-reduces, to decide the optimizer step. The forward takes every length,
     width and index count from the micro-batches' host copies (``host_*_lengths``) and the metrics use masked
-    arithmetic, so nothing else waits for the device (tests/learner/test_host_syncs.py records it). DeepSpeed's and
-    transformers' own code may synchronise too (docs/host-syncs.md lists what they do)."""
+    arithmetic, so nothing else waits for the device. DeepSpeed's and transformers' own code may synchronise too;
+    tests/learner/test_host_syncs.py records both and lists theirs."""
     model = engine.module
     device = micro_batches[0].input_ids.device
     # the global normalisers, counted on the host when the micro-batches were cut: host numbers for a world of one;
