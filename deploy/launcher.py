@@ -12,6 +12,10 @@
   process may use (:func:`cpu_threads`), so the learner and the generators overlap instead of oversubscribing the
   cores (two threads per process on two cores made every parallel op wait for a preempted thread). An
   ``OMP_NUM_THREADS`` already set in the environment is kept.
+* On a run where every service is on the CPU, the learner (one rank) and the generators start as forks of this
+  process after it imported torch and transformers once (``run.fork_services``, deploy/forked.py), beside the ref
+  server starting fresh: on a small machine the services no longer import the same modules at once on the same
+  cores.
 * Every output line is prefixed with the service name on the console and written to ``run_dir/logs/NAME.log``.
 * The run ends when the learner finishes (exit 0), on Ctrl-C / SIGTERM (exit 130 / 143), or when any service dies
   (its last log lines are shown; exit 1). Every service is then stopped: SIGTERM, then SIGKILL after
@@ -33,6 +37,7 @@ from pathlib import Path
 import requests
 import yaml
 
+from deploy.forked import ForkedProcess, fork_service, preload
 from shared.schema import GRPOConfig
 
 
@@ -46,14 +51,25 @@ class Service:
     command: list[str]
     env: dict[str, str]
     log_path: Path
-    process: subprocess.Popen | None = None
+    fork_argv: list[str] | None = None    # set: forked from the launcher as `grpo ARGV...` (deploy/forked.py)
+    process: subprocess.Popen | ForkedProcess | None = None
     tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=200))
     reader: threading.Thread | None = None
 
-    def start(self, console_lock: threading.Lock) -> None:
+    def start(self, console_lock: threading.Lock, *, read: bool = True) -> None:
+        """Start the process, and the thread that copies its output to the console and its log (``read``; else
+        :meth:`start_reader` later: a fork must not happen while that thread holds the console's locks)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self.process = subprocess.Popen(self.command, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, text=True, bufsize=1, start_new_session=True)
+        if self.fork_argv is not None:
+            self.process = fork_service(self.fork_argv, self.env)
+        else:
+            self.process = subprocess.Popen(self.command, env=self.env, stdout=subprocess.PIPE,
+                                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, bufsize=1,
+                                            start_new_session=True)
+        if read:
+            self.start_reader(console_lock)
+
+    def start_reader(self, console_lock: threading.Lock) -> None:
         self.reader = threading.Thread(target=self._pump, args=(console_lock,), daemon=True)
         self.reader.start()
 
@@ -70,15 +86,24 @@ class Service:
         if self.process is None or self.process.poll() is not None:
             return
         try:
-            os.killpg(self.process.pid, signal.SIGTERM)
+            self._signal(signal.SIGTERM)
             self.process.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
+            self._signal(signal.SIGKILL)
             self.process.wait(timeout=30)
-        except ProcessLookupError:
-            pass
         if self.reader is not None:
             self.reader.join(timeout=5)
+
+    def _signal(self, signum: int) -> None:
+        """The service's process group (its children too); the process alone if it has no group of its own yet (a
+        fork stopped before its first instruction made one)."""
+        try:
+            os.killpg(self.process.pid, signum)
+        except ProcessLookupError:
+            try:
+                os.kill(self.process.pid, signum)
+            except ProcessLookupError:
+                pass
 
 
 def visible_gpus() -> list[str]:
@@ -134,6 +159,8 @@ def plan(config: GRPOConfig, config_path: Path, run_dir: Path) -> list[Service]:
     # Counting GPUs imports torch (1.5-2 s before the first service could start): only when a service asks for one.
     wants_gpus = bool(placement.ref_server or placement.learner or any(placement.generators))
     gpus = visible_gpus() if wants_gpus else None
+    # an all-CPU run forks the learner (one rank) and the generators from the launcher (deploy/forked.py)
+    fork = config.run.fork_services and not wants_gpus
     base_env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     threads = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(cpu_threads(config, usable_cores()))}
     grpo = [sys.executable, "-m", "deploy.cli"]
@@ -155,14 +182,16 @@ def plan(config: GRPOConfig, config_path: Path, run_dir: Path) -> list[Service]:
     learner_env = {**base_env, **gpu_env(learner_gpus, gpus, "the learner")}
     if not learner_gpus:
         learner_env.update(threads)
-    services.append(Service("learner", learner_cmd, learner_env, logs / "learner.log"))
+    services.append(Service("learner", learner_cmd, learner_env, logs / "learner.log",
+                            fork_argv=learner_cmd[3:] if fork and ranks == 1 else None))
     for i in range(config.run.num_generators):
         indices = placement.generators[i] if placement.generators else []
         gen_env = {**base_env, **gpu_env(indices, gpus, f"generator {i}")}
         if not indices:
             gen_env.update(threads)
-        services.append(Service(f"gen-{i}", [*grpo, "generator", "--config", str(config_path), "--id", f"gen-{i}"],
-                                gen_env, logs / f"gen-{i}.log"))
+        gen_cmd = [*grpo, "generator", "--config", str(config_path), "--id", f"gen-{i}"]
+        services.append(Service(f"gen-{i}", gen_cmd, gen_env, logs / f"gen-{i}.log",
+                                fork_argv=gen_cmd[3:] if fork else None))
     return services
 
 
@@ -205,8 +234,19 @@ def run(config: GRPOConfig) -> int:
     status = 0
     try:
         ref, learner, generators = services[0], services[1], services[2:]
-        for service in (ref, learner, *generators):
-            service.start(console_lock)
+        forked = [s.name for s in services if s.fork_argv is not None]
+        # the ref server first, a fresh process importing beside the launcher's preload; no thread runs in this
+        # process until the forks are made
+        ref.start(console_lock, read=not forked)
+        if forked:
+            preload()
+            _say(console_lock, f"{', '.join(forked)}: forked from this process after importing torch and "
+                               "transformers once (run.fork_services)")
+        for service in (learner, *generators):
+            service.start(console_lock, read=not forked)
+        if forked:
+            for service in services:
+                service.start_reader(console_lock)
         wait_healthy(f"http://{config.ref_server.host}:{config.ref_server.port}", ref, config.run.health_timeout_s)
         while True:
             if stop_signal:
