@@ -1,5 +1,9 @@
+import os
+
 import pytest
 import torch
+
+from learner.engine import ensure_single_process_env, init_distributed
 
 
 @pytest.fixture(autouse=True)
@@ -9,3 +13,18 @@ def restore_functional_linear():
     original = torch.nn.functional.linear
     yield
     torch.nn.functional.linear = original
+
+
+@pytest.fixture(scope="module")
+def distributed():
+    """A process group of one; the RANK/MASTER_PORT variables it needs are removed afterwards, so that learners
+    started as subprocesses by later test modules do not inherit a port this process holds."""
+    saved = {name: os.environ.get(name) for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    ensure_single_process_env()
+    init_distributed(torch.device("cpu"))
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value

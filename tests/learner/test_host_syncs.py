@@ -25,7 +25,6 @@ with ``-s``), not ours to change and only reported here:
 
 from __future__ import annotations
 
-import os
 import traceback
 from collections import Counter
 from pathlib import Path
@@ -35,7 +34,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import shared.packing
-from learner.engine import ensure_single_process_env, init_distributed
 from learner.step import grpo_step, recompute_old_logprobs, split_micro_batches
 from shared.schema import LossConfig
 
@@ -53,21 +51,6 @@ BOOLEAN_INDEXING_OPS = {"index", "index_put", "index_put_", "_index_put_impl_"}
 HOST_READS = ("tolist", "numpy", "cpu")
 # frames between an op's caller and the dispatch mode (not where the op came from)
 DISPATCH_MACHINERY = ("/torch/_dynamo/", "/torch/_compile.py", "/torch/utils/_python_dispatch.py", "/torch/_ops.py")
-
-
-@pytest.fixture(scope="module")
-def distributed():
-    """A process group of one; the RANK/MASTER_PORT variables it needs are removed afterwards, so that learners
-    started as subprocesses by later test modules do not inherit a port this process holds."""
-    saved = {name: os.environ.get(name) for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    ensure_single_process_env()
-    init_distributed(CPU)
-    yield
-    for name, value in saved.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
 
 
 def _owner() -> tuple[str, str]:

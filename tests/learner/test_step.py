@@ -7,8 +7,6 @@ from transformers import AutoModelForCausalLM
 from learner.engine import (
     create_engine,
     deepspeed_config,
-    ensure_single_process_env,
-    init_distributed,
     lr_multiplier,
 )
 from learner.step import (
@@ -27,12 +25,6 @@ from tests.ref_server.helpers import make_group
 from .batches import advantages_of, batch_of, sampled_groups
 
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(scope="module")
-def distributed():
-    ensure_single_process_env()
-    init_distributed(CPU)
 
 
 def make_engine(model_dir, **learner):
