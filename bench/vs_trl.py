@@ -470,6 +470,8 @@ def main(argv: list[str] | None = None) -> int:
     variants = {}
     if args.curves:
         variants["grpo_on_policy"] = {"ref_server__max_staleness": 0}
+        if config.ref_server.max_staleness != 2:
+            variants["grpo_ahead_2"] = {"ref_server__max_staleness": 2}
         variants["grpo_ahead_tis"] = {"ref_server__max_staleness": 2, "learner__old_logprobs": "recompute",
                                       "algorithm__loss__tis_cap": config.algorithm.loss.tis_cap or 2.0}
     for name, changes in variants.items():
