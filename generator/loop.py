@@ -171,8 +171,12 @@ class RolloutLoop:
         self.kept_fraction += weight * (len(groups) / max(len(examples), 1) - self.kept_fraction)
         return groups
 
-    def upload(self, group: RolloutGroup) -> None:
-        answer = self.client.upload_group(group)  # retried by the client on 429 / 5xx / connection errors
+    def upload(self, groups: list[RolloutGroup]) -> None:
+        """One request for the groups of an engine call (retried by the client on 429 / 5xx / connection errors)."""
+        for group, answer in zip(groups, self.client.upload_groups(groups)):
+            self._count(group, answer)
+
+    def _count(self, group: RolloutGroup, answer: dict) -> None:
         self.stats.last_queue_depth = answer.get("queue_depth")
         if answer.get("accepted"):
             self.stats.groups_uploaded += 1
@@ -202,10 +206,9 @@ class RolloutLoop:
                 self.sync_weights()  # a new learner version ends the wait: its weights raise the budget
                 continue
             groups = self.step(num_prompts)
-            for group in groups:  # uploads finish even when a stop was requested meanwhile
-                if max_groups is not None and self.stats.groups_uploaded >= max_groups:
-                    break
-                self.upload(group)
+            if max_groups is not None:
+                groups = groups[:max(0, max_groups - self.stats.groups_uploaded)]
+            self.upload(groups)  # finishes even when a stop was requested meanwhile
             self.progress.update(self.stats, self.policy_version)
             if not stop.is_set():
                 self.sync_weights()

@@ -133,7 +133,24 @@ class RolloutHub:
     # -- generators ---------------------------------------------------------------------------------------
     def put(self, data: bytes) -> dict:
         """Validate and enqueue one encoded group. Returns the answer for the generator (depth included)."""
-        group = RolloutGroup.from_bytes(data).validate(self.vocab_size)
+        return self._enqueue(RolloutGroup.from_bytes(data).validate(self.vocab_size), data)
+
+    def put_many(self, messages: list[bytes]) -> list[dict]:
+        """Enqueue several encoded groups, in order, with one answer each. Every group is decoded and validated
+        before any is queued: a bad one (a ValueError naming its index) queues none. A full queue raises HubFull
+        after the groups before it were queued; a retry of the same request answers those as duplicates."""
+        groups = []
+        for i, data in enumerate(messages):
+            try:
+                group = RolloutGroup.from_bytes(data).validate(self.vocab_size)
+                with self._cond:
+                    self._check_batchable(group)
+            except ValueError as exc:
+                raise type(exc)(f"group {i} of {len(messages)} (none queued): {exc}") from None
+            groups.append(group)
+        return [self._enqueue(group, data) for group, data in zip(groups, messages)]
+
+    def _enqueue(self, group: RolloutGroup, data: bytes) -> dict:
         with self._cond:
             if group.group_id in self._seen:
                 self.counters.duplicates += 1

@@ -31,6 +31,7 @@ from shared.protocol import (
     decode_logprob_response,
     encode_logprob_request,
 )
+from shared.wire import encode_messages
 
 log = logging.getLogger("grpo.client")
 OCTET = "application/octet-stream"
@@ -65,6 +66,7 @@ class HubClient:
         self.session = requests.Session()
         # Set by a service that is shutting down: calls in flight finish, but failures are no longer retried.
         self.abort = threading.Event()
+        self._batch_upload = True  # False once the hub answered 404 to POST /v1/rollouts/batch
         if token:
             self.session.headers["Authorization"] = f"Bearer {token}"
 
@@ -128,6 +130,25 @@ class HubClient:
         """Queue a group; retried (with backoff) while the hub is full. Answer includes ``queue_depth``."""
         response = self._request("POST", "/v1/rollouts", data=group.to_bytes(), headers={"Content-Type": OCTET})
         return response.json()
+
+    def upload_groups(self, groups: list[RolloutGroup]) -> list[dict]:
+        """Queue several groups in one request (``POST /v1/rollouts/batch``): one answer per group, in order; the
+        whole request is retried while the hub is full (groups it already took are answered as duplicates). A hub
+        without that endpoint (an older ref server) gets one request per group."""
+        if not groups:
+            return []
+        if not self._batch_upload:
+            return [self.upload_group(group) for group in groups]
+        body = encode_messages([group.to_bytes() for group in groups])
+        try:
+            response = self._request("POST", "/v1/rollouts/batch", data=body, headers={"Content-Type": OCTET})
+        except HubError as exc:
+            if exc.status != 404:
+                raise
+            log.warning("the hub has no POST /v1/rollouts/batch (an older ref server): one request per group")
+            self._batch_upload = False
+            return [self.upload_group(group) for group in groups]
+        return response.json()["answers"]
 
     def get_batch(self, num_groups: int, *, wait_s: float = 0.0, min_version: int | None = None) -> TrainBatch | None:
         """A batch of ``num_groups`` groups leased to us, or None if the hub did not have them within ``wait_s``.

@@ -71,3 +71,34 @@ def decode(data: bytes, kind: str) -> tuple[dict[str, torch.Tensor], dict[str, A
     except (SafetensorError, RuntimeError, ValueError) as exc:
         raise WireError(f"malformed safetensors body: {exc}") from None
     return tensors, fields
+
+
+GROUPS_KIND = "rollout_groups/v1"
+
+
+def encode_messages(messages: list[bytes]) -> bytes:
+    """Several encoded messages (e.g. rollout groups) in one safetensors blob: message i is the U8 tensor
+    ``message/i``. One request instead of one per message; each message is decoded and checked on its own."""
+    tensors = {f"message/{i}": torch.frombuffer(bytearray(m), dtype=torch.uint8) for i, m in enumerate(messages)}
+    return encode(GROUPS_KIND, tensors, {"count": len(messages)})
+
+
+def decode_messages(data: bytes, max_count: int) -> list[bytes]:
+    """Inverse of :func:`encode_messages`: the messages in order. A container with more than ``max_count``, a gap in
+    the numbering or a tensor that is not U8 bytes is a WireError."""
+    header = read_header(data)
+    kind = (header.get("__metadata__") or {}).get(FORMAT_KEY)
+    if kind != GROUPS_KIND:
+        raise WireError(f"expected a {GROUPS_KIND!r} message, got {kind!r}")
+    names = [name for name in header if name != "__metadata__"]
+    if len(names) > max_count:
+        raise WireError(f"{len(names)} messages in one request; at most {max_count}")
+    expected = {f"message/{i}" for i in range(len(names))}
+    if set(names) != expected:
+        raise WireError("messages must be named message/0 .. message/N-1")
+    if any(header[name].get("dtype") != "U8" for name in names):
+        raise WireError("every message must be a U8 tensor of its bytes")
+    tensors, fields = decode(data, GROUPS_KIND)
+    if fields.get("count") != len(names):
+        raise WireError(f"the container says {fields.get('count')!r} messages but holds {len(names)}")
+    return [tensors[f"message/{i}"].numpy().tobytes() for i in range(len(names))]

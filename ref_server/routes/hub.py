@@ -12,7 +12,9 @@ from starlette.concurrency import run_in_threadpool
 from ref_server.hub import HubFull
 from ref_server.routes.common import OCTET, State, binary_body, read_body
 from shared.protocol import MAX_VERSION
-from shared.wire import WireError
+from shared.wire import WireError, decode_messages
+
+MAX_GROUPS_PER_UPLOAD = 4096  # one request's groups (the request's size is bounded by ref_server.max_request_bytes)
 
 router = APIRouter(tags=["hub"])
 
@@ -46,6 +48,28 @@ async def upload_rollout(request: Request, state: State) -> JSONResponse:
     except ValueError as exc:  # ProtocolError, GroupRejected: well-formed bytes, unacceptable content
         raise HTTPException(422, str(exc)) from None
     return JSONResponse(answer, headers={"X-Queue-Depth": str(answer["queue_depth"])})
+
+
+@router.post("/v1/rollouts/batch", openapi_extra=binary_body(
+    "several encoded RolloutGroups in one container (shared.wire.encode_messages: U8 tensors message/0..N-1)"))
+async def upload_rollouts(request: Request, state: State) -> JSONResponse:
+    """Queue several rollout groups (an engine call's worth) in one request: one answer per group, in order.
+
+    Every group is checked before any is queued (400/422 naming the group: none queued). 429 with Retry-After when
+    the queue fills part-way: the groups before are queued, and the same request sent again answers them as
+    duplicates."""
+    body = await read_body(request, state.max_request_bytes)
+    try:
+        messages = decode_messages(body, MAX_GROUPS_PER_UPLOAD)
+        answers = await run_in_threadpool(state.hub.put_many, messages)
+    except HubFull as exc:
+        raise HTTPException(429, str(exc), {"Retry-After": "1", "X-Queue-Depth": str(state.hub.depth())}) from None
+    except WireError as exc:
+        raise HTTPException(400, str(exc)) from None
+    except ValueError as exc:  # ProtocolError, GroupRejected: well-formed bytes, unacceptable content
+        raise HTTPException(422, str(exc)) from None
+    depth = state.hub.depth()
+    return JSONResponse({"answers": answers, "queue_depth": depth}, headers={"X-Queue-Depth": str(depth)})
 
 
 @router.get("/v1/rollouts/budget")

@@ -38,8 +38,13 @@ def make_loop(engine, url, tmp_path, generator_id="gen-a", rewards=None, retry_s
 def test_groups_reach_the_hub_with_provenance(engine, tmp_path, tiny_model_dir):
     with LiveServer(make_config(tmp_path, tiny_model_dir)) as live:
         loop = make_loop(engine, live.url, tmp_path)
+        requests_sent = []
+        send = loop.client._request
+        loop.client._request = lambda method, path, **kw: requests_sent.append(path) or send(method, path, **kw)
         stats = loop.run(threading.Event(), max_groups=3)
         assert stats.groups_uploaded == 3 and stats.prompts == 4  # two engine calls of two prompts
+        # one upload request per engine call (the second call's groups cut to the one still wanted)
+        assert requests_sent.count("/v1/rollouts/batch") == 2 and "/v1/rollouts" not in requests_sent
         batch = HubClient(live.url).get_batch(3, wait_s=20)
     assert batch.batch_size == 12 and batch.policy_versions.tolist() == [0] * 12
     assert batch.temperature == 1.0 and set(batch.reward_components) == {"arithmetic", "format"}
