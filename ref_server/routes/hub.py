@@ -35,18 +35,24 @@ class RenewedBatches(BatchIds):
                           "next checkpoint: they no longer delay newly sampled groups (GET /v1/rollouts/budget).")
 
 
-@router.post("/v1/rollouts", openapi_extra=binary_body("an encoded RolloutGroup"))
-async def upload_rollout(request: Request, state: State) -> JSONResponse:
-    """Queue one rollout group. 429 with Retry-After when the queue is full; the answer carries its depth."""
-    body = await read_body(request, state.max_request_bytes)
+async def _queue(state, put, payload):
+    """``put(payload)`` on the hub's thread pool, its refusals as HTTP errors: 429 with Retry-After when the queue
+    is full, 400 for bytes that are not a message, 422 for a well-formed group the hub cannot take."""
     try:
-        answer = await run_in_threadpool(state.hub.put, body)
+        return await run_in_threadpool(put, payload)
     except HubFull as exc:
         raise HTTPException(429, str(exc), {"Retry-After": "1", "X-Queue-Depth": str(state.hub.depth())}) from None
     except WireError as exc:
         raise HTTPException(400, str(exc)) from None
     except ValueError as exc:  # ProtocolError, GroupRejected: well-formed bytes, unacceptable content
         raise HTTPException(422, str(exc)) from None
+
+
+@router.post("/v1/rollouts", openapi_extra=binary_body("an encoded RolloutGroup"))
+async def upload_rollout(request: Request, state: State) -> JSONResponse:
+    """Queue one rollout group. 429 with Retry-After when the queue is full; the answer carries its depth."""
+    body = await read_body(request, state.max_request_bytes)
+    answer = await _queue(state, state.hub.put, body)
     return JSONResponse(answer, headers={"X-Queue-Depth": str(answer["queue_depth"])})
 
 
@@ -61,13 +67,9 @@ async def upload_rollouts(request: Request, state: State) -> JSONResponse:
     body = await read_body(request, state.max_request_bytes)
     try:
         messages = decode_messages(body, MAX_GROUPS_PER_UPLOAD)
-        answers = await run_in_threadpool(state.hub.put_many, messages)
-    except HubFull as exc:
-        raise HTTPException(429, str(exc), {"Retry-After": "1", "X-Queue-Depth": str(state.hub.depth())}) from None
     except WireError as exc:
         raise HTTPException(400, str(exc)) from None
-    except ValueError as exc:  # ProtocolError, GroupRejected: well-formed bytes, unacceptable content
-        raise HTTPException(422, str(exc)) from None
+    answers = await _queue(state, state.hub.put_many, messages)
     depth = state.hub.depth()
     return JSONResponse({"answers": answers, "queue_depth": depth}, headers={"X-Queue-Depth": str(depth)})
 
