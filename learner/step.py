@@ -41,16 +41,16 @@ class MicroBatch:
     advantages: torch.Tensor
     behaviour_logprobs: torch.Tensor
     ref_logprobs: torch.Tensor | None
+    # The same lengths as host values, taken when the micro-batch was cut (the batch is on the host then): every
+    # size, maximum and index count of the step comes from these, so the step never reads a length back from the
+    # device (on a GPU each such read waits until all queued kernels have run).
+    host_prompt_lengths: list[int]        # = prompt_lengths
+    host_completion_lengths: list[int]    # = completion_lengths
+    host_loss_lengths: list[int]          # = loss_lengths
     old_logprobs: torch.Tensor | None = None
     layout: PackingMode = "padded"        # how the forward lays the rows out (shared.packing.choose_layout)
     prefix: PrefixRows | None = None      # rows sharing a prompt: one pass of it (shared.prefix_sharing)
     normalizers: tuple[int, int] = (0, 0)  # (loss tokens, loss sequences), counted on the host before the copy
-    # The same lengths as host values, taken when the micro-batch was cut (the batch is on the host then): every
-    # size, maximum and index count of the step comes from these, so the step never reads a length back from the
-    # device (on a GPU each such read waits until all queued kernels have run).
-    host_prompt_lengths: list[int] = field(default_factory=list)      # = prompt_lengths
-    host_completion_lengths: list[int] = field(default_factory=list)  # = completion_lengths
-    host_loss_lengths: list[int] = field(default_factory=list)        # = loss_lengths
 
 
 @dataclass
@@ -135,8 +135,7 @@ def split_micro_batches(batch: TrainBatch, advantages: torch.Tensor, parts: int,
             advantages=take(advantages),
             behaviour_logprobs=take(batch.behaviour_logprobs, width_c),
             ref_logprobs=take(batch.ref_logprobs, width_c), layout=packing if prefix is None else "padded",
-            prefix=prefix, normalizers=loss_normalizers(loss_lengths[rows]),
-            host_prompt_lengths=batch.prompt_lengths[rows].tolist(), host_completion_lengths=completion.tolist(),
+            prefix=prefix, normalizers=loss_normalizers(loss_lengths[rows]), host_prompt_lengths=batch.prompt_lengths[rows].tolist(), host_completion_lengths=completion.tolist(),
             host_loss_lengths=loss_lengths[rows].tolist()))
     return pieces
 
@@ -149,7 +148,7 @@ def all_reduce(values: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
 
 
 def policy_logprobs(model, mb: MicroBatch, temperature: float, *, with_entropy: bool, chunk_tokens: int | None):
-    out = sequence_logprobs(model, mb.input_ids, *_lengths_of(mb),
+    out = sequence_logprobs(model, mb.input_ids, mb.host_prompt_lengths, mb.host_completion_lengths,
                             temperature=temperature, with_entropy=with_entropy, chunk_tokens=chunk_tokens,
                             layout=mb.layout, prefix=mb.prefix)
     width = mb.behaviour_logprobs.shape[1]
@@ -157,14 +156,6 @@ def policy_logprobs(model, mb: MicroBatch, temperature: float, *, with_entropy: 
     logprobs = torch.nn.functional.pad(out.logprobs, (0, pad))
     entropy = torch.nn.functional.pad(out.entropy, (0, pad)) if out.entropy is not None else None
     return logprobs, entropy
-
-
-def _lengths_of(mb: MicroBatch) -> tuple[list[int] | torch.Tensor, list[int] | torch.Tensor]:
-    """Prompt and completion lengths for the forward: the host copies (no device read), or the device tensors for a
-    MicroBatch built without them."""
-    if len(mb.host_prompt_lengths) == mb.input_ids.shape[0] == len(mb.host_completion_lengths):
-        return mb.host_prompt_lengths, mb.host_completion_lengths
-    return mb.prompt_lengths, mb.completion_lengths
 
 
 @torch.no_grad()
@@ -186,8 +177,7 @@ def micro_batch_loss(model, mb: MicroBatch, loss_cfg: LossConfig, *, temperature
         if mb.old_logprobs is None:
             raise ValueError("old_logprobs='recompute' needs recompute_old_logprobs() before the first update")
         old, behaviour = mb.old_logprobs, mb.behaviour_logprobs
-    loss_lengths = mb.host_loss_lengths if len(mb.host_loss_lengths) == mb.input_ids.shape[0] else mb.loss_lengths
-    result = compute_policy_loss(logprobs, mb.advantages, loss_lengths, loss_cfg, old_logprobs=old,
+    result = compute_policy_loss(logprobs, mb.advantages, mb.host_loss_lengths, loss_cfg, old_logprobs=old,
                                  behaviour_logprobs=behaviour, ref_logprobs=mb.ref_logprobs,
                                  num_tokens=num_tokens, num_seqs=num_seqs)
     result.metrics.update(behaviour_logprob_gap(logprobs, mb.behaviour_logprobs, mb.completion_lengths))

@@ -64,8 +64,7 @@ def pack_rows(input_ids: torch.Tensor, lengths: torch.Tensor | Sequence[int]) ->
     width = input_ids.shape[1]
     if any(n < 0 or n > width for n in host):
         raise ValueError(f"row lengths must be within 0..{width} (the rows' width), got {host}")
-    on_device = to_device(lengths if torch.is_tensor(lengths) else host, input_ids.device,
-                          None if torch.is_tensor(lengths) else torch.long)
+    on_device = to_device(lengths if torch.is_tensor(lengths) else host, input_ids.device)
     rows, positions = ragged_positions(host, on_device)
     offsets = torch.cumsum(on_device, 0) - on_device
     return PackedRows(input_ids=input_ids.reshape(-1)[rows * width + positions][None], position_ids=positions[None],

@@ -99,14 +99,13 @@ def row_lengths(input_ids: torch.Tensor, prompt_lengths: Sequence[int] | torch.T
         raise ValueError("completion_lengths must be >= 0")
     if batch and max(p + c for p, c in zip(prompt, completion)) > seq_len:
         raise ValueError("prompt_lengths + completion_lengths exceeds the sequence length")
-    as_given = torch.is_tensor(prompt_lengths)
-    prompt_on_device = to_device(prompt_lengths if as_given else prompt, device, None if as_given else torch.long)
+    # a tensor given on the device stays there (no copy back); host values are copied over without a wait
+    prompt_on_device = to_device(prompt_lengths if torch.is_tensor(prompt_lengths) else prompt, device)
     if completion_lengths is None:
         completion_on_device = seq_len - prompt_on_device
     else:
-        as_given = torch.is_tensor(completion_lengths)
-        completion_on_device = to_device(completion_lengths if as_given else completion, device,
-                                         None if as_given else torch.long)
+        completion_on_device = to_device(completion_lengths if torch.is_tensor(completion_lengths) else completion,
+                                         device)
     return RowLengths(prompt, completion, prompt_on_device, completion_on_device)
 
 
