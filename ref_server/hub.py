@@ -331,13 +331,17 @@ class RolloutHub:
         while len(self._seen) > self._seen_limit:
             self._seen.popitem(last=False)
 
+    def _same_temperature(self, group: RolloutGroup) -> bool:
+        """Whether ``group`` was sampled at the temperature this hub batches (any, when it was not told one)."""
+        return self.temperature is None or group.sampling.temperature == self.temperature
+
     def _check_batchable(self, group: RolloutGroup) -> None:
         """Refuse what could not join a batch with the others, naming why (checked under the lock)."""
-        temperature = group.sampling.temperature
-        if self.temperature is not None and temperature != self.temperature:
+        if not self._same_temperature(group):
             self.counters.rejected += 1
-            raise GroupRejected(f"group sampled at temperature {temperature}, but this hub batches groups sampled "
-                                f"at {self.temperature} (generator.sampling.temperature in the ref server's config)")
+            raise GroupRejected(f"group sampled at temperature {group.sampling.temperature}, but this hub batches "
+                                f"groups sampled at {self.temperature} (generator.sampling.temperature in the ref "
+                                "server's config)")
         newest = max(self.learner_version, self._published_version() or 0)
         if group.policy_version > newest:
             self.counters.rejected += 1
@@ -459,7 +463,7 @@ class RolloutHub:
     def _check_reloaded(self, group: RolloutGroup) -> None:
         """A spooled group this hub can still batch (its vocabulary and temperature may have changed since)."""
         group.validate(self.vocab_size)
-        if self.temperature is not None and group.sampling.temperature != self.temperature:
+        if not self._same_temperature(group):
             raise ProtocolError(f"sampled at temperature {group.sampling.temperature}, the hub now batches "
                                 f"{self.temperature}")
 
