@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import requests  # noqa: E402
 import yaml  # noqa: E402
 
-from shared.client import HubClient  # noqa: E402
-from shared.config import load_config  # noqa: E402
+from shared.config.loader import load_config  # noqa: E402
+from shared.protocol.client import HubClient  # noqa: E402
 
 
 def free_port() -> int:
@@ -51,7 +51,7 @@ def sampled_groups(model_dir: str, config, count: int):
 
     from generator.engines.hf import TransformersEngine
     from generator.main import load_examples
-    from shared.protocol import RolloutGroup, SamplingParams
+    from shared.protocol.records import RolloutGroup, SamplingParams
 
     engine = TransformersEngine(model_dir)
     gen = config.generator

@@ -1,9 +1,9 @@
 """Benchmark: learner tokens/s and peak memory per GRPO step at DeepSpeed ZeRO stages 0, 2 and 3.
 
 Drives the real learner code path on a synthetic batch: :func:`learner.engine.create_engine` (the DeepSpeed
-config generated from :class:`shared.schema.LearnerConfig`), :func:`learner.step.split_micro_batches` and
+config generated from :class:`shared.config.schema.LearnerConfig`), :func:`learner.step.split_micro_batches` and
 :func:`learner.step.grpo_step` (forward + backward over the micro-batches, one optimizer step), with the loss
-of :class:`shared.schema.LossConfig` (beta 0.04 and reference logprobs attached, so the KL path runs), and the
+of :class:`shared.config.schema.LossConfig` (beta 0.04 and reference logprobs attached, so the KL path runs), and the
 learner's defaults otherwise (``old_logprobs='behaviour'``, entropy logged, default logprob chunking).
 
 Model: a Qwen2-shaped causal LM built from a config with random weights (``AutoModelForCausalLM.from_config``,
@@ -16,7 +16,7 @@ fixed seed; nothing is downloaded). Presets:
   intermediate 4864, vocab 151936, tied embeddings, rope_theta 1e6), 494 M parameters; default batch 4 groups
   x 8 completions, 256 prompt + 1024 completion tokens, 1 micro-batch.
 
-Batch: ``--groups`` :class:`shared.protocol.RolloutGroup` of ``--group-size`` completions, random prompt and
+Batch: ``--groups`` :class:`shared.protocol.records.RolloutGroup` of ``--group-size`` completions, random prompt and
 completion ids (every completion full length, so no padding, unless ``--completion-len-min`` makes each
 completion's length uniform in [min, ``--completion-len``]: mixed lengths, as real rollouts have), uniform
 random rewards, behaviour logprobs
@@ -137,7 +137,7 @@ def synthetic_batch(args: argparse.Namespace, vocab: int):
     """A TrainBatch of ``args.groups`` random groups (fixed seed), with reference logprobs."""
     import torch
 
-    from shared.protocol import RolloutGroup, SamplingParams, TrainBatch
+    from shared.protocol.records import RolloutGroup, SamplingParams, TrainBatch
 
     gen = torch.Generator().manual_seed(args.seed + 1)
     g, p, c = args.group_size, args.prompt_len, args.completion_len
@@ -173,8 +173,8 @@ def _child(args: argparse.Namespace) -> None:
         uses_bf16,
     )
     from learner.step import batch_advantages, grpo_step, split_micro_batches
+    from shared.config.schema import AdvantageConfig, LearnerConfig, LossConfig
     from shared.devices import resolve_device
-    from shared.schema import AdvantageConfig, LearnerConfig, LossConfig
 
     ensure_single_process_env()
     device = resolve_device(args.device, local_rank=int(os.environ.get("LOCAL_RANK", "0")))

@@ -4,7 +4,7 @@ Compares, on one sequence of ``T`` completion tokens (batch 1) with a Qwen2.5-0.
 (vocab 151936, hidden 896):
 
 * ``naive``:   ``logits = lm_head(hidden).float(); logits.log_softmax(-1).gather(-1, targets[:, None])``
-* ``chunked``: :func:`shared.logprobs.logprobs_from_hidden` (LM head applied ``chunk_tokens`` rows at a time,
+* ``chunked``: :func:`shared.forward.logprobs.logprobs_from_hidden` (LM head applied ``chunk_tokens`` rows at a time,
   default the library's per-device ``chunk_tokens_for(vocab, device=...)``: 128 MiB of fp32 logits on CPU, 512
   MiB on a GPU with the free memory for it; a hand-written backward recomputes one chunk's logits at a time).
 
@@ -67,7 +67,7 @@ def _child(args: argparse.Namespace) -> None:
     import torch
     from torch import nn
 
-    from shared.logprobs import chunk_tokens_for, logprobs_from_hidden
+    from shared.forward.logprobs import chunk_tokens_for, logprobs_from_hidden
 
     device = torch.device(args.device)
     cuda = device.type == "cuda"
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from shared.logprobs import chunk_tokens_for
+    from shared.forward.logprobs import chunk_tokens_for
 
     chunk_list = args.chunk_tokens or [None]
     default_chunk = chunk_tokens_for(args.vocab, device=args.device)

@@ -1,12 +1,12 @@
 """Benchmark: one micro-batch's forward + backward of the learner's logprobs, padded against packed rows.
 
-Isolates what ``learner.packing`` changes: :func:`shared.logprobs.sequence_logprobs` (the learner's forward: the
+Isolates what ``learner.packing`` changes: :func:`shared.forward.logprobs.sequence_logprobs` (the learner's forward: the
 backbone, then the chunked LM head) and the backward of a token-sum, on one micro-batch of ``--rows`` rows whose
 lengths are ``--prompt-len`` + U[``--completion-len-min``, ``--completion-len``] (fixed seed), for the model of
 a :mod:`bench.learner_throughput` preset (random weights, fp32 on CPU, bf16 on CUDA). Layouts run interleaved,
 ``--repeats`` times each after one warm-up each; the minimum and the median are reported (the minimum is the
 least disturbed by other work on a shared machine), with ratios against ``padded`` from the same run, and what
-``learner.packing: auto`` would choose for this micro-batch (:func:`shared.packing.choose_layout`).
+``learner.packing: auto`` would choose for this micro-batch (:func:`shared.forward.packing.choose_layout`).
 
     .venv/bin/python bench/packing_layouts.py                          # cpu-small, 8 rows of 64 + 16..128
     .venv/bin/python bench/packing_layouts.py --device cuda --preset qwen2.5-0.5b --rows 8 --prompt-len 256 \\
@@ -44,8 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from shared.logprobs import sequence_logprobs
-    from shared.packing import choose_layout, layout_costs
+    from shared.forward.logprobs import sequence_logprobs
+    from shared.forward.packing import choose_layout, layout_costs
 
     device = torch.device(args.device)
     config = model_config(args.preset)

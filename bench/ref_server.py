@@ -5,8 +5,8 @@ Measures tokens/s (prompt + completion tokens of every row scored, per second of
 
 * ``inprocess``: :class:`ref_server.scorer.ReferenceScorer` (the server's own micro-batching scorer) called
   directly, on a model loaded from the same folder as the server's;
-* ``binary``: ``POST /v1/logprobs`` with safetensors bodies (:func:`shared.protocol.encode_logprob_request`,
-  results decoded to tensors with :func:`shared.protocol.decode_logprob_response`);
+* ``binary``: ``POST /v1/logprobs`` with safetensors bodies (:func:`shared.protocol.logprob_messages.encode_logprob_request`,
+  results decoded to tensors with :func:`shared.protocol.logprob_messages.decode_logprob_response`);
 * ``json``: ``POST /v1/logprobs`` with JSON bodies (``requests``' ``json=`` / ``.json()``, as any tool would);
 * ``completions``: ``POST /v1/completions`` with token-id prompts, ``echo``, ``logprobs: 1``, ``max_tokens: 0``
   (what lm-eval asks for, minus the one generated token): every token's logprob plus a top-1 dict per token.
@@ -86,7 +86,7 @@ def build_model_dir(preset: str, out: Path, max_positions: int) -> Path:
 def serve(args: argparse.Namespace) -> None:
     """Child process: the real server (``ref_server.server.serve``) on 127.0.0.1:port."""
     from ref_server.server import serve as run_server
-    from shared.config import GRPOConfig
+    from shared.config.schema import GRPOConfig
 
     run_server(GRPOConfig.model_validate({
         "algorithm": {"loss": {"beta": 0.04}},
@@ -107,7 +107,7 @@ class Client:
     """One HTTP client (its own keep-alive session) for one mode."""
 
     def __init__(self, url: str, mode: str) -> None:
-        from shared.protocol import decode_logprob_response, encode_logprob_request
+        from shared.protocol.logprob_messages import decode_logprob_response, encode_logprob_request
 
         self.url, self.mode, self.session = url, mode, requests.Session()
         self._encode, self._decode = encode_logprob_request, decode_logprob_response

@@ -62,8 +62,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import yaml  # noqa: E402
 
 from bench.vs_trl_trl import MAPPING, TRLRequest, TRLResult, trl_settings  # noqa: E402
-from shared.config import load_config  # noqa: E402
-from shared.schema import GRPOConfig  # noqa: E402
+from shared.config.loader import load_config  # noqa: E402
+from shared.config.schema import GRPOConfig  # noqa: E402
 
 TRL_CHILD = Path(__file__).resolve().with_name("vs_trl_trl.py")
 

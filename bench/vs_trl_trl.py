@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 if TYPE_CHECKING:
-    from shared.schema import GRPOConfig
+    from shared.config.schema import GRPOConfig
 
 # grpo config field -> TRL GRPOConfig field, and what it means. Values are read from the grpo config (after
 # --steps), so the two runs use the same numbers; the rows marked "no equivalent" are differences, stated.
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     import generator.datasets  # noqa: F401  the task and reward code a train.py would import
     import generator.main  # noqa: F401
     import generator.rewards  # noqa: F401
-    from shared.schema import GRPOConfig
+    from shared.config.schema import GRPOConfig
     imports_done_at = time.time()
 
     config = GRPOConfig.model_validate(request.config)

@@ -73,8 +73,8 @@ def run_generator(args: argparse.Namespace) -> None:
     """Sync as fast as a generator between engine calls would, print ``VERSION v wall_time`` per version."""
     from generator.engines.hf import TransformersEngine
     from generator.weight_receiver import WeightReceiver
-    from shared.client import HubClient, RetryPolicy
-    from shared.schema import WeightSyncConfig
+    from shared.config.schema import WeightSyncConfig
+    from shared.protocol.client import HubClient, RetryPolicy
 
     torch.set_num_threads(1)
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
@@ -161,8 +161,8 @@ def measure_transport(args, url: str, model, model_dir: Path, transport: str, de
                       learner_device: torch.device, first_version: int) -> dict:
     """Publish ``repeats`` versions; per version the time until every generator served it, and the stall."""
     from learner.weight_sender import WeightPublisher
-    from shared.client import HubClient, RetryPolicy
-    from shared.schema import WeightSyncConfig
+    from shared.config.schema import WeightSyncConfig
+    from shared.protocol.client import HubClient, RetryPolicy
 
     wire = {"gloo": "collective", "nccl": "collective", "ipc": "ipc", "http": "http"}[transport]
     cfg = WeightSyncConfig(transport=wire, bucket_mb=args.bucket_mb, timeout_s=60, join_timeout_s=600, poll_s=0.2)

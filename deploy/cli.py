@@ -44,7 +44,7 @@ def _version() -> str:
 
 def cmd_config_reference(args: argparse.Namespace) -> int:
     """Print every config field with its default and description (Markdown table)."""
-    from shared.config import config_reference
+    from shared.config.loader import config_reference
 
     print("| key | default | description |")
     print("|---|---|---|")
@@ -58,7 +58,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     """Validate a YAML config (with overrides) and print the resolved values."""
     import yaml
 
-    from shared.config import load_config
+    from shared.config.loader import load_config
 
     config = load_config(config_path(args.config), args.set)
     print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
@@ -67,7 +67,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
 def _load_with_flags(args: argparse.Namespace, flag_keys: dict[str, str]):
     """The config file (or defaults), then ``--set`` overrides, then the dedicated flags (which win)."""
-    from shared.config import load_config
+    from shared.config.loader import load_config
 
     overrides = list(args.set)
     for attr, key in flag_keys.items():
@@ -89,7 +89,7 @@ def cmd_generator(args: argparse.Namespace) -> int:
     """Sample groups of completions, score them, upload them to the hub."""
     import logging
 
-    from shared.startup import import_model_classes
+    from deploy.startup import import_model_classes
 
     import_model_classes()  # before generator.main: without the optional packages transformers would pull in
     from generator.main import run_generator
@@ -103,7 +103,7 @@ def cmd_learner(args: argparse.Namespace) -> int:
     """Train: pull batches from the hub, GRPO step with DeepSpeed, publish weights."""
     import logging
 
-    from shared.startup import import_model_classes
+    from deploy.startup import import_model_classes
 
     import_model_classes()  # before learner.main: without the optional packages transformers would pull in
     from learner.main import run_learner
@@ -142,7 +142,7 @@ def cmd_logprobs(args: argparse.Namespace) -> int:
     import json
     import os
 
-    from shared.client import HubClient, HubError, RetryPolicy
+    from shared.protocol.client import HubClient, HubError, RetryPolicy
 
     if args.file:
         try:

@@ -31,10 +31,10 @@ from typing import TextIO
 
 def preload() -> None:
     """Import what every forked service needs (torch; transformers' model classes without the packages services
-    never use, see shared.startup)."""
+    never use, see deploy.startup)."""
     import torch  # noqa: F401
 
-    from shared.startup import import_model_classes
+    from deploy.startup import import_model_classes
 
     import_model_classes()
 

@@ -38,7 +38,7 @@ import requests
 import yaml
 
 from deploy.forked import ForkedProcess, fork_service, preload
-from shared.schema import GRPOConfig
+from shared.config.schema import GRPOConfig
 
 
 class LaunchError(RuntimeError):

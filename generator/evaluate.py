@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from generator.datasets import render_prompt
 from generator.main import build_engine, load_examples, system_prompt_for
 from generator.rewards import RewardSet
+from shared.config.schema import GRPOConfig
 from shared.errors import UsageError
-from shared.protocol import SamplingParams
-from shared.schema import GRPOConfig
+from shared.protocol.records import SamplingParams
 
 
 @dataclass

@@ -3,7 +3,7 @@ new policy weights between batches.
 
 Stopping: :meth:`RolloutLoop.run` checks ``stop`` between steps, so Ctrl-C / SIGTERM (which set it) let the
 current upload finish. An unreachable hub is retried by the client with backoff while the finished groups wait;
-when the retry budget runs out, :class:`shared.client.HubUnavailable` propagates and the command exits with a
+when the retry budget runs out, :class:`shared.protocol.client.HubUnavailable` propagates and the command exits with a
 message — never silently.
 """
 
@@ -24,9 +24,9 @@ from generator.engines.base import Engine, SampledCompletion
 from generator.progress import Progress
 from generator.rewards import RewardSet
 from generator.weight_receiver import WeightReceiver
-from shared.client import HubClient, HubError, HubUnavailable
-from shared.protocol import RolloutGroup, SamplingParams
-from shared.schema.weight_sync import WeightSyncConfig
+from shared.config.schema.weight_sync import WeightSyncConfig
+from shared.protocol.client import HubClient, HubError, HubUnavailable
+from shared.protocol.records import RolloutGroup, SamplingParams
 
 log = logging.getLogger("grpo.generator")
 

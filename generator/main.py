@@ -23,11 +23,11 @@ from generator.rewards import RewardSet
 from generator.tasks.arithmetic import ArithmeticTask
 from generator.tasks.arithmetic_words import WordsArithmeticTask
 from generator.weight_receiver import WeightReceiver
-from shared.client import HubClient, service_client, stop_on_signals
+from shared.config.schema import DatasetConfig, GRPOConfig
 from shared.devices import default_dtype, resolve_device
 from shared.errors import UsageError
-from shared.protocol import SamplingParams
-from shared.schema import DatasetConfig, GRPOConfig
+from shared.protocol.client import HubClient, service_client, stop_on_signals
+from shared.protocol.records import SamplingParams
 
 log = logging.getLogger("grpo.generator")
 

@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from shared.client import HubClient, HubError, HubUnavailable
+from shared.config.schema.weight_sync import WeightSyncConfig
 from shared.errors import ServiceError
-from shared.schema.weight_sync import WeightSyncConfig
+from shared.protocol.client import HubClient, HubError, HubUnavailable
 
 log = logging.getLogger("grpo.generator.weights")
 

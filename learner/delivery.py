@@ -28,8 +28,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-from shared.client import HubClient
-from shared.protocol import TrainBatch
+from shared.protocol.client import HubClient
+from shared.protocol.records import TrainBatch
 
 log = logging.getLogger("grpo.learner")
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
+from shared.config.schema import LearnerConfig
 from shared.errors import UsageError
-from shared.schema import LearnerConfig
 
 log = logging.getLogger("grpo.learner")
 

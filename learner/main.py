@@ -42,11 +42,11 @@ from learner.step import (
     split_micro_batches,
 )
 from learner.weight_sender import WeightPublisher
-from shared.client import service_client, stop_on_signals
+from shared.config.schema import GRPOConfig
 from shared.devices import resolve_device
 from shared.errors import ServiceError, UsageError
-from shared.protocol import TrainBatch
-from shared.schema import GRPOConfig
+from shared.protocol.client import service_client, stop_on_signals
+from shared.protocol.records import TrainBatch
 
 log = logging.getLogger("grpo.learner")
 

@@ -22,8 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from learner.delivery import DeliveryLedger
-from shared.client import HubClient, HubUnavailable
-from shared.protocol import TrainBatch
+from shared.protocol.client import HubClient, HubUnavailable
+from shared.protocol.records import TrainBatch
 
 log = logging.getLogger("grpo.learner")
 

@@ -16,14 +16,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from shared.advantages import compute_advantages
-from shared.logprobs import sequence_logprobs
-from shared.losses import PolicyLossOutput, compute_policy_loss, loss_normalizers
-from shared.packing import PackingMode, split_by_token_budget
-from shared.prefix_sharing import PrefixRows, shared_prefixes
-from shared.protocol import TrainBatch
-from shared.row_lengths import to_device
-from shared.schema import AdvantageConfig, LossConfig
+from shared.config.schema import AdvantageConfig, LossConfig
+from shared.forward.logprobs import sequence_logprobs
+from shared.forward.packing import PackingMode, split_by_token_budget
+from shared.forward.prefix_sharing import PrefixRows, shared_prefixes
+from shared.forward.row_lengths import to_device
+from shared.grpo.advantages import compute_advantages
+from shared.grpo.losses import PolicyLossOutput, compute_policy_loss, loss_normalizers
+from shared.protocol.records import TrainBatch
 
 # How each metric combines over micro-batches and ranks: token-weighted mean, min or max.
 _MIN_KEYS = {"ratio_min", "is_weight_min"}
@@ -48,8 +48,8 @@ class MicroBatch:
     host_completion_lengths: list[int]    # = completion_lengths
     host_loss_lengths: list[int]          # = loss_lengths
     old_logprobs: torch.Tensor | None = None
-    layout: PackingMode = "padded"        # how the forward lays the rows out (shared.packing.choose_layout)
-    prefix: PrefixRows | None = None      # rows sharing a prompt: one pass of it (shared.prefix_sharing)
+    layout: PackingMode = "padded"        # how the forward lays the rows out (shared.forward.packing.choose_layout)
+    prefix: PrefixRows | None = None      # rows sharing a prompt: one pass of it (shared.forward.prefix_sharing)
     normalizers: tuple[int, int] = (0, 0)  # (loss tokens, loss sequences), counted on the host before the copy
 
 

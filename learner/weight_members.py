@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from shared.client import HubError, HubUnavailable
+from shared.protocol.client import HubError, HubUnavailable
 from shared.weight_sync import groups
 from shared.weight_sync.layout import bucket_ranges
 

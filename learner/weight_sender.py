@@ -33,8 +33,8 @@ import torch.distributed as dist
 
 from learner.publish import _full_shape, _gathered
 from learner.weight_members import GroupMembers
-from shared.client import HubClient, HubError, HubUnavailable
-from shared.schema.weight_sync import WeightSyncConfig
+from shared.config.schema.weight_sync import WeightSyncConfig
+from shared.protocol.client import HubClient, HubError, HubUnavailable
 from shared.weight_sync.ipc import device_uuid, export_handle
 from shared.weight_sync.layout import Layout
 

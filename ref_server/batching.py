@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.protocol import RolloutGroup, TrainBatch
+from shared.protocol.records import RolloutGroup, TrainBatch
 
 
 @dataclass

@@ -44,7 +44,7 @@ from ref_server.batching import GroupRows, assemble_batch
 from ref_server.pacing import groups_wanted
 from ref_server.scorer import ReferenceScorer, Row
 from ref_server.spool import RolloutSpool
-from shared.protocol import ProtocolError, RolloutGroup, TrainBatch
+from shared.protocol.records import ProtocolError, RolloutGroup, TrainBatch
 
 log = logging.getLogger("grpo.ref_server.hub")
 

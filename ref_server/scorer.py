@@ -2,7 +2,7 @@
 
 Requests (each a list of rows) are queued; the worker takes as many queued rows with the same temperature as fit
 a token budget, runs them as one forward pass (packed into one sequence without padding, or padded: ``packing``,
-see :mod:`shared.packing`), and hands each request its rows back. An out-of-memory error on
+see :mod:`shared.forward.packing`), and hands each request its rows back. An out-of-memory error on
 a micro-batch is retried by splitting it in halves (down to single rows) rather than failing the requests.
 
 Two threads: the worker runs forwards and starts each result's device-to-host copy (non-blocking, into pinned
@@ -23,11 +23,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from shared.logprobs import sequence_logprobs
-from shared.packing import PackingMode, micro_batch_cost
-from shared.prefix_sharing import shared_prefixes
-from shared.row_lengths import to_device
-from shared.top_logprobs import sequence_top_logprobs
+from ref_server.top_logprobs import sequence_top_logprobs
+from shared.forward.logprobs import sequence_logprobs
+from shared.forward.packing import PackingMode, micro_batch_cost
+from shared.forward.prefix_sharing import shared_prefixes
+from shared.forward.row_lengths import to_device
 
 log = logging.getLogger("grpo.ref_server.scorer")
 
@@ -55,7 +55,7 @@ class Row:
 @dataclass
 class TopRow:
     """A row scored with ``top_k``: its completion tokens' logprobs ``[C]`` and the top-k next tokens ``[C + 1, k]``
-    at each of them and after the last token (see :class:`shared.top_logprobs.TopLogprobs`)."""
+    at each of them and after the last token (see :class:`ref_server.top_logprobs.TopLogprobs`)."""
 
     logprobs: torch.Tensor
     top_logprobs: torch.Tensor
@@ -117,8 +117,8 @@ class ReferenceScorer:
     """Thread-safe front of a causal LM that returns per-token logprobs of completion tokens.
 
     ``forward`` is the function that scores one padded micro-batch; it defaults to the chunked
-    :func:`shared.logprobs.sequence_logprobs` (tests pass a wrapper that simulates running out of memory).
-    ``top_forward`` does the same with top-k next tokens (:func:`shared.top_logprobs.sequence_top_logprobs`).
+    :func:`shared.forward.logprobs.sequence_logprobs` (tests pass a wrapper that simulates running out of memory).
+    ``top_forward`` does the same with top-k next tokens (:func:`ref_server.top_logprobs.sequence_top_logprobs`).
     ``packing`` is the forward's layout (``ref_server.packing``); unless it is ``padded``, ``batch_tokens`` counts
     a micro-batch's tokens summed over its rows, otherwise rows x longest row. ``prefix_sharing``
     (``ref_server.prefix_sharing``): rows continuing one prompt share one pass of it (the default forward only).

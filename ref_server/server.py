@@ -16,7 +16,7 @@ from ref_server.routes.tokenizer import ServedTokenizer
 from ref_server.scorer import ReferenceScorer
 from ref_server.state import ServerState
 from ref_server.weights import WeightStore
-from shared.config import GRPOConfig, RefServerConfig
+from shared.config.schema import GRPOConfig, RefServerConfig
 from shared.devices import default_dtype, resolve_device
 from shared.errors import UsageError
 

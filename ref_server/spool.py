@@ -18,8 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.protocol import RolloutGroup
-from shared.wire import WireError
+from shared.protocol.records import RolloutGroup
+from shared.protocol.wire import WireError
 
 log = logging.getLogger("grpo.ref_server.spool")
 

@@ -15,7 +15,7 @@ import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from shared.wire import WireError, read_header
+from shared.protocol.wire import WireError, read_header
 
 log = logging.getLogger("grpo.ref_server.weights")
 _NAME = re.compile(r"^v(\d{10})\.safetensors$")

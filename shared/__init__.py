@@ -1,2 +1,11 @@
-"""Code that more than one grpo-stack service needs: the GRPO math, per-token logprobs, config schema,
-tasks and the tiny local model. Nothing in here imports ref_server, generator, learner or deploy."""
+"""Code that two or more grpo-stack services need, in named layers; nothing in here imports ref_server,
+generator, learner or deploy.
+
+- ``grpo/``: the GRPO math (advantages, KL estimators, policy losses, masks), pure functions chosen by name.
+- ``forward/``: the model forward the learner and the scorer share (chunked per-token logprobs, packing,
+  shared prompt prefixes, row lengths).
+- ``protocol/``: what crosses a process boundary (typed records, the safetensors wire format, the HTTP client).
+- ``config/``: the one YAML config schema and its loader.
+- ``weight_sync/``: learner -> generator weight transfer, both ends and the broker.
+- ``errors``, ``devices``, ``registry``: small pieces every layer uses.
+"""

@@ -9,7 +9,7 @@ import uvicorn
 
 from ref_server.app import create_app
 from ref_server.server import build_state
-from shared.config import GRPOConfig
+from shared.config.schema import GRPOConfig
 
 
 class LiveServer:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from deploy.launcher import run
 from generator.evaluate import evaluate
-from shared.config import load_config
+from shared.config.loader import load_config
 
 
 def build_model(config) -> dict:

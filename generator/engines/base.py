@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from shared.protocol import SamplingParams
+from shared.protocol.records import SamplingParams
 
 
 @dataclass

@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 
 from generator.engines.base import SampledCompletion
-from shared.protocol import SamplingParams
+from shared.protocol.records import SamplingParams
 
 log = logging.getLogger("grpo.generator.hf")
 

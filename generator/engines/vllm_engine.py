@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 
 from generator.engines.base import SampledCompletion
-from shared.protocol import SamplingParams
+from shared.protocol.records import SamplingParams
 
 log = logging.getLogger("grpo.generator.vllm")
 EXTENSION = "generator.engines.vllm_worker.WeightSyncExtension"

@@ -7,7 +7,7 @@ and checks greediness against ``max(top_logprobs[i].values())``. Every choice ca
 likely tokens plus the chosen one) and ``text_offset`` for the prompt (with ``echo``) and for up to ``max_tokens``
 greedily generated tokens. Logprobs are those of the model's own distribution (temperature 1), as vLLM reports
 them. The rows go through the same micro-batching scorer as ``/v1/logprobs``; the top-k comes from the chunked LM
-head (:func:`shared.top_logprobs.top_logprobs_from_hidden`), never a ``[B, T, V]`` tensor.
+head (:func:`ref_server.top_logprobs.top_logprobs_from_hidden`), never a ``[B, T, V]`` tensor.
 
 Generation is greedy only and re-scores the whole row per generated token (no KV cache): this endpoint is for
 scoring and short answers, so ``max_tokens`` is capped at :data:`MAX_COMPLETION_TOKENS`.

@@ -11,8 +11,8 @@ from starlette.concurrency import run_in_threadpool
 
 from ref_server.hub import HubFull
 from ref_server.routes.common import OCTET, State, binary_body, read_body
-from shared.protocol import MAX_VERSION
-from shared.wire import WireError, decode_messages
+from shared.protocol.records import MAX_VERSION
+from shared.protocol.wire import WireError, decode_messages
 
 MAX_GROUPS_PER_UPLOAD = 4096  # one request's groups (the request's size is bounded by ref_server.max_request_bytes)
 
@@ -57,7 +57,7 @@ async def upload_rollout(request: Request, state: State) -> JSONResponse:
 
 
 @router.post("/v1/rollouts/batch", openapi_extra=binary_body(
-    "several encoded RolloutGroups in one container (shared.wire.encode_messages: U8 tensors message/0..N-1)"))
+    "several encoded RolloutGroups in one container (shared.protocol.wire.encode_messages: U8 tensors message/0..N-1)"))
 async def upload_rollouts(request: Request, state: State) -> JSONResponse:
     """Queue several rollout groups (an engine call's worth) in one request: one answer per group, in order.
 

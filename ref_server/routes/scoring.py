@@ -15,8 +15,9 @@ from pydantic import BaseModel, Field, StrictInt, ValidationError
 from ref_server.routes.common import OCTET, State, read_body
 from ref_server.scorer import Row, ScorerBusy, ScoringError
 from ref_server.state import ServerState
-from shared.protocol import MIN_TEMPERATURE, decode_logprob_request_tensors, encode_logprob_response
-from shared.wire import WireError
+from shared.protocol.logprob_messages import decode_logprob_request_tensors, encode_logprob_response
+from shared.protocol.records import MIN_TEMPERATURE
+from shared.protocol.wire import WireError
 
 router = APIRouter(tags=["scoring"])
 

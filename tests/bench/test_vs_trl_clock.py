@@ -10,7 +10,7 @@ import pytest
 
 from bench.vs_trl import median, read_trl_result, repeat_rows, time_to, trl_clock, trl_run
 from bench.vs_trl_trl import TRLResult, trl_settings
-from shared.config import load_config
+from shared.config.loader import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCH = 1000.0  # the parent's time.time() at Popen

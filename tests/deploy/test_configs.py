@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from deploy.launcher import plan
-from shared.config import ConfigError, load_config
+from shared.config.loader import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "deploy" / "configs").glob("*.yaml"))

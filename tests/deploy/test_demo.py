@@ -8,7 +8,7 @@ import pytest
 
 from deploy.demo.run import build_model
 from deploy.demo.warmup import WarmupTargetMissed
-from shared.config import load_config
+from shared.config.loader import load_config
 
 CONFIG = "deploy/configs/tiny-cpu.yaml"
 

@@ -9,7 +9,7 @@ import pytest
 
 from deploy.forked import fork_service
 from deploy.launcher import Service, plan
-from shared.config import load_config
+from shared.config.loader import load_config
 from tests.deploy.test_configs import ROOT
 
 

@@ -22,7 +22,7 @@ import pytest
 import requests
 
 from learner.delivery import DeliveryLedger
-from shared.client import HubClient, HubError, RetryPolicy
+from shared.protocol.client import HubClient, HubError, RetryPolicy
 from tests.ref_server.helpers import make_group
 
 GRPO = str(Path(sys.executable).parent / "grpo")
@@ -170,7 +170,7 @@ def test_hub_killed_during_uploads_and_batches_loses_and_duplicates_nothing(hub)
 def test_a_consumer_killed_during_a_long_poll_loses_nothing(hub, tmp_path):
     """A learner that received a batch and died before acknowledging it: the lease expires, the groups return."""
     h = hub(lease_timeout_s=1.5)
-    script = ("import sys, time; from shared.client import HubClient; "
+    script = ("import sys, time; from shared.protocol.client import HubClient; "
               "b = HubClient(sys.argv[1]).get_batch(4, wait_s=20); print(b.batch_id, flush=True); time.sleep(60)")
     taker = subprocess.Popen([sys.executable, "-c", script, h.url], stdout=subprocess.PIPE, text=True, env=ENV,
                              cwd=Path(__file__).resolve().parents[2])

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.client import HubClient
+from shared.protocol.client import HubClient
 from tests.live_server import LiveServer, make_config
 
 GRPO = str(Path(sys.executable).parent / "grpo")

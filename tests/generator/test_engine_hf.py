@@ -9,8 +9,8 @@ from generator.engines.hf import (
     load_safetensors_into,
     sample_with_logprobs,
 )
-from shared.logprobs import sequence_logprobs
-from shared.protocol import SamplingParams
+from shared.forward.logprobs import sequence_logprobs
+from shared.protocol.records import SamplingParams
 
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
 

@@ -9,9 +9,9 @@ from generator.datasets import arithmetic_examples
 from generator.engines.hf import TransformersEngine
 from generator.evaluate import evaluate, pass_at_k
 from generator.tasks.arithmetic import ArithmeticTask
+from shared.config.schema import GRPOConfig
 from shared.errors import UsageError
-from shared.protocol import SamplingParams
-from shared.schema import GRPOConfig
+from shared.protocol.records import SamplingParams
 from tests.live_server import LiveServer, make_config
 
 GRPO = str(Path(sys.executable).parent / "grpo")

@@ -12,9 +12,9 @@ from generator.engines.hf import TransformersEngine
 from generator.loop import RolloutLoop
 from generator.rewards import RewardSet
 from generator.tasks.arithmetic import ArithmeticTask
-from shared.client import HubClient, RetryPolicy
-from shared.protocol import SamplingParams
-from shared.schema import RewardSpec
+from shared.config.schema import RewardSpec
+from shared.protocol.client import HubClient, RetryPolicy
+from shared.protocol.records import SamplingParams
 from tests.live_server import LiveServer, make_config
 
 

@@ -17,7 +17,7 @@ from generator.tasks.arithmetic_words import (
     stated_answer,
     words_prompt,
 )
-from shared.config import load_config
+from shared.config.loader import load_config
 
 CPU_CONFIG = SHIPPED_CONFIGS / "smollm2-arithmetic-cpu.yaml"
 

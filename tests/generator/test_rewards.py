@@ -6,7 +6,7 @@ import pytest
 
 from generator.rewards import REWARDS, RewardSet, gold_answer
 from generator.sandbox import SandboxLimits, extract_code, run_tests
-from shared.schema import RewardSpec
+from shared.config.schema import RewardSpec
 
 
 def score(name, completion, example=None, **args):

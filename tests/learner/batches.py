@@ -4,8 +4,8 @@ import torch
 
 from generator.engines.hf import TransformersEngine
 from learner.step import batch_advantages
-from shared.protocol import RolloutGroup, SamplingParams, TrainBatch
-from shared.schema import AdvantageConfig
+from shared.config.schema import AdvantageConfig
+from shared.protocol.records import RolloutGroup, SamplingParams, TrainBatch
 
 
 def sampled_groups(model_dir, rewards_per_group, *, seed=0, temperature=1.0, max_tokens=6, version=0):

@@ -19,8 +19,8 @@ from transformers import AutoModelForCausalLM
 
 from learner.engine import create_engine, ensure_single_process_env, init_distributed
 from learner.step import batch_advantages, grpo_step, split_micro_batches
-from shared.protocol import RolloutGroup, TrainBatch
-from shared.schema import AdvantageConfig, LearnerConfig, LossConfig
+from shared.config.schema import AdvantageConfig, LearnerConfig, LossConfig
+from shared.protocol.records import RolloutGroup, TrainBatch
 
 
 def main() -> None:

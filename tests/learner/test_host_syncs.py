@@ -33,9 +33,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import shared.packing
+import shared.forward.packing
 from learner.step import grpo_step, recompute_old_logprobs, split_micro_batches
-from shared.schema import LossConfig
+from shared.config.schema import LossConfig
 
 from .batches import advantages_of, batch_of, sampled_groups
 from .test_step import CPU, make_engine
@@ -161,8 +161,8 @@ def test_the_step_waits_for_the_device_once(distributed, tiny_model_dir, recorde
                                 prefix_sharing=prefix_sharing)
     assert all((mb.prefix is not None) == (prefix_sharing == "on") for mb in micro)
     packed_calls = []
-    pack_rows = shared.packing.pack_rows
-    monkeypatch.setattr("shared.logprobs.pack_rows", lambda *a, **k: packed_calls.append(1) or pack_rows(*a, **k))
+    pack_rows = shared.forward.packing.pack_rows
+    monkeypatch.setattr("shared.forward.logprobs.pack_rows", lambda *a, **k: packed_calls.append(1) or pack_rows(*a, **k))
     loss_cfg = LossConfig(beta=0.0, tis_cap=2.0)
 
     def step():
@@ -188,7 +188,7 @@ def test_the_step_waits_for_the_device_once(distributed, tiny_model_dir, recorde
 
 def test_the_recorder_sees_each_kind_of_device_wait(recorder):
     """The detector itself: without this, a torch upgrade that renamed an op would let the step test pass blind."""
-    from shared.masks import lengths_to_mask
+    from shared.grpo.masks import lengths_to_mask
 
     x, mask, counts = torch.arange(6.0), torch.arange(6) % 2 == 0, torch.tensor([1, 2])
     with recorder:

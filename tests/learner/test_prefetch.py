@@ -8,7 +8,7 @@ import pytest
 
 from learner.delivery import DeliveryLedger
 from learner.prefetch import BatchPrefetcher, HubCalls
-from shared.client import HubClient, HubError, HubUnavailable, RetryPolicy
+from shared.protocol.client import HubClient, HubError, HubUnavailable, RetryPolicy
 from tests.live_server import LiveServer, make_config
 from tests.ref_server.helpers import make_group
 

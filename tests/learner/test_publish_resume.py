@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM
 from generator.engines.hf import TransformersEngine
 from learner.checkpoint import complete_tags
 from learner.publish import header_for, write_safetensors
-from shared.client import HubClient
-from shared.protocol import SamplingParams
+from shared.protocol.client import HubClient
+from shared.protocol.records import SamplingParams
 from tests.live_server import LiveServer, make_config
 
 from .batches import sampled_groups
@@ -140,7 +140,7 @@ def test_resume_after_kill_continues_with_the_same_step_parameters_and_lr(tiny_m
     resumed = [m for m in metrics if m["step"] > step]
     assert [m["step"] for m in resumed][-(4 - step):] == list(range(step + 1, 5))
     from learner.engine import lr_multiplier
-    from shared.schema import LearnerConfig
+    from shared.config.schema import LearnerConfig
 
     cfg = LearnerConfig(lr=1e-3, lr_schedule="cosine", warmup_steps=1, max_steps=4)
     for m in resumed[-(4 - step):]:

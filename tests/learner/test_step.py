@@ -17,9 +17,9 @@ from learner.step import (
     split_micro_batches,
 )
 from ref_server.hub import RolloutHub
-from shared.logprobs import naive_sequence_logprobs
-from shared.losses import loss_normalizers
-from shared.schema import AdvantageConfig, LearnerConfig, LossConfig
+from shared.config.schema import AdvantageConfig, LearnerConfig, LossConfig
+from shared.forward.logprobs import naive_sequence_logprobs
+from shared.grpo.losses import loss_normalizers
 from tests.ref_server.helpers import make_group
 
 from .batches import advantages_of, batch_of, sampled_groups

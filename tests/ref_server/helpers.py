@@ -2,7 +2,7 @@
 
 import torch
 
-from shared.protocol import RolloutGroup, SamplingParams
+from shared.protocol.records import RolloutGroup, SamplingParams
 
 
 def make_group(version=0, group_size=4, prompt=(1, 2, 3), lengths=(3, 1, 4, 2), rewards=None, seed=0,

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from shared.client import HubClient, HubError
-from shared.wire import WireError, decode_messages, encode, encode_messages
+from shared.protocol.client import HubClient, HubError
+from shared.protocol.wire import WireError, decode_messages, encode, encode_messages
 
 from .helpers import make_group
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from shared.protocol import encode_logprob_request
-from shared.wire import encode
+from shared.protocol.logprob_messages import encode_logprob_request
+from shared.protocol.wire import encode
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from ref_server.hub import RolloutHub
-from shared.client import HubClient, HubError
-from shared.protocol import RolloutGroup, TrainBatch
+from shared.protocol.client import HubClient, HubError
+from shared.protocol.records import RolloutGroup, TrainBatch
 
 from .helpers import make_group
 

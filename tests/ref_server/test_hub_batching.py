@@ -8,8 +8,8 @@ import torch
 
 from ref_server.batching import GroupRows, assemble_batch
 from ref_server.hub import RolloutHub
-from shared.client import HubClient
-from shared.protocol import TrainBatch
+from shared.protocol.client import HubClient
+from shared.protocol.records import TrainBatch
 
 from .helpers import make_group
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from ref_server.hub import GroupRejected, RolloutHub
-from shared.client import HubClient
-from shared.protocol import ProtocolError, RolloutGroup
-from shared.wire import encode
+from shared.protocol.client import HubClient
+from shared.protocol.records import ProtocolError, RolloutGroup
+from shared.protocol.wire import encode
 
 from .helpers import make_group
 

@@ -5,9 +5,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from shared.client import HubClient
-from shared.logprobs import naive_sequence_logprobs
-from shared.protocol import encode_logprob_request
+from shared.forward.logprobs import naive_sequence_logprobs
+from shared.protocol.client import HubClient
+from shared.protocol.logprob_messages import encode_logprob_request
 
 OCTET = {"Content-Type": "application/octet-stream"}
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from shared.wire import FORMAT_KEY, JSON_KEY
+from shared.protocol.wire import FORMAT_KEY, JSON_KEY
 
 OCTET = {"Content-Type": "application/octet-stream"}
 

@@ -9,7 +9,7 @@ import pytest
 
 from ref_server.hub import RolloutHub
 from ref_server.pacing import groups_wanted
-from shared.client import HubClient
+from shared.protocol.client import HubClient
 from tests.live_server import LiveServer, make_config
 from tests.ref_server.helpers import make_group
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from ref_server.scorer import ReferenceScorer, Row
-from shared.logprobs import naive_sequence_logprobs
+from shared.forward.logprobs import naive_sequence_logprobs
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -3,7 +3,7 @@
 import pytest
 
 from ref_server.spool import RolloutSpool
-from shared.protocol import ProtocolError
+from shared.protocol.records import ProtocolError
 
 from .helpers import make_group
 

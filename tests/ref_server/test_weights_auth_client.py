@@ -8,8 +8,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ref_server.scorer import ReferenceScorer, Row
-from shared.client import HubClient, HubError, HubUnavailable, RetryPolicy
-from shared.logprobs import naive_sequence_logprobs
+from shared.forward.logprobs import naive_sequence_logprobs
+from shared.protocol.client import HubClient, HubError, HubUnavailable, RetryPolicy
 
 from .helpers import make_group
 

@@ -3,10 +3,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.advantages import ADVANTAGE_ESTIMATORS
-from shared.advantages import compute_advantages as _compute
-from shared.advantages import group_advantages as _group
-from shared.advantages import rloo_advantages as _rloo
+from shared.grpo.advantages import ADVANTAGE_ESTIMATORS
+from shared.grpo.advantages import compute_advantages as _compute
+from shared.grpo.advantages import group_advantages as _group
+from shared.grpo.advantages import rloo_advantages as _rloo
 
 
 def _flat(rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,14 +1,7 @@
 import pytest
 
-from shared.config import (
-    ConfigError,
-    GRPOConfig,
-    LossConfig,
-    StrictModel,
-    apply_overrides,
-    config_reference,
-    load_config,
-)
+from shared.config.loader import ConfigError, apply_overrides, config_reference, load_config
+from shared.config.schema import GRPOConfig, LossConfig, StrictModel
 
 
 def _all_models(model_cls):

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from shared.kl import KL_ESTIMATORS, kl_penalty
+from shared.grpo.kl import KL_ESTIMATORS, kl_penalty
 
 LOGP = torch.tensor([-1.0, -1.0, -1.0])
 REF = torch.tensor([0.0, -15.0, -30.0])

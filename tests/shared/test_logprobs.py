@@ -4,7 +4,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, Qwen2Config
 
-from shared.logprobs import (
+from ref_server.top_logprobs import sequence_top_logprobs, top_logprobs_from_hidden
+from shared.forward.logprobs import (
     DEFAULT_CHUNK_BYTES,
     GPU_CHUNK_BYTES,
     chunk_tokens_for,
@@ -13,7 +14,6 @@ from shared.logprobs import (
     naive_sequence_logprobs,
     sequence_logprobs,
 )
-from shared.top_logprobs import sequence_top_logprobs, top_logprobs_from_hidden
 
 VOCAB = 97
 

@@ -5,8 +5,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.config import LossConfig
-from shared.losses import (
+from shared.config.schema import LossConfig
+from shared.grpo.losses import (
     AGGREGATIONS,
     POLICY_LOSSES,
     clipped_surrogate,

@@ -6,8 +6,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from shared.logprobs import sequence_logprobs
-from shared.packing import (
+from ref_server.top_logprobs import sequence_top_logprobs
+from shared.forward.logprobs import sequence_logprobs
+from shared.forward.packing import (
     choose_layout,
     layout_costs,
     micro_batch_cost,
@@ -15,7 +16,6 @@ from shared.packing import (
     split_by_token_budget,
     supports_packing,
 )
-from shared.top_logprobs import sequence_top_logprobs
 
 VOCAB = 101
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

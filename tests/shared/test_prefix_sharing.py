@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, Qwen2Config
 
-from shared.logprobs import sequence_logprobs
-from shared.prefix_sharing import prefix_rows
+from shared.forward.logprobs import sequence_logprobs
+from shared.forward.prefix_sharing import prefix_rows
 from tests.shared.test_packing import VOCAB, _tiny  # the same tiny Llama / Qwen2 shapes
 
 
@@ -80,7 +80,7 @@ def test_shared_prefix_saves_the_repeated_prompt_passes():
 
 def test_the_learner_step_shares_prefixes_when_groups_repeat_prompts():
     from learner.step import split_micro_batches
-    from shared.protocol import TrainBatch
+    from shared.protocol.records import TrainBatch
 
     ids, prompts, completions, groups = _groups(num_groups=2, group_size=4)
     batch = TrainBatch(

@@ -1,17 +1,17 @@
-"""Lengths on the host (shared.row_lengths) and the functions that take them: same values as the device-read
+"""Lengths on the host (shared.forward.row_lengths) and the functions that take them: same values as the device-read
 versions, one copy to the host for tensors, and the same errors."""
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from shared.logprobs import sequence_logprobs
-from shared.losses import compute_policy_loss
-from shared.masks import lengths_to_mask, masked_min_max
-from shared.packing import pack_rows
-from shared.prefix_sharing import prefix_rows
-from shared.row_lengths import host_values, ragged_positions, row_lengths, to_device
-from shared.schema import LossConfig
+from shared.config.schema import LossConfig
+from shared.forward.logprobs import sequence_logprobs
+from shared.forward.packing import pack_rows
+from shared.forward.prefix_sharing import prefix_rows
+from shared.forward.row_lengths import host_values, ragged_positions, row_lengths, to_device
+from shared.grpo.losses import compute_policy_loss
+from shared.grpo.masks import lengths_to_mask, masked_min_max
 
 
 @pytest.mark.parametrize("lengths", [[3, 0, 5, 1], [0, 0], [], [7]])

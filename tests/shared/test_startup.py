@@ -7,11 +7,11 @@ import sys
 
 import pytest
 
-from shared.startup import hidden_modules
+from deploy.startup import hidden_modules
 
 CHECK = """
 import sys
-from shared.startup import import_model_classes
+from deploy.startup import import_model_classes
 import_model_classes()
 import transformers.models.llama.modeling_llama  # a model class as the services load it
 print(sorted(m for m in ("sklearn", "scipy", "pandas") if m in sys.modules))

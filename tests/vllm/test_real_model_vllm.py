@@ -10,8 +10,8 @@ vllm = pytest.importorskip("vllm")
 from generator.datasets import render_prompt  # noqa: E402
 from generator.engines.hf import TransformersEngine  # noqa: E402
 from generator.engines.vllm_engine import VLLMEngine  # noqa: E402
-from shared.logprobs import sequence_logprobs  # noqa: E402
-from shared.protocol import SamplingParams  # noqa: E402
+from shared.forward.logprobs import sequence_logprobs  # noqa: E402
+from shared.protocol.records import SamplingParams  # noqa: E402
 
 QUESTIONS = ["What is 23 plus 58? Reply with only the number.", "What is 7 plus 5? Reply with only the number.",
              "Name a colour."]

@@ -11,8 +11,8 @@ vllm = pytest.importorskip("vllm")
 from deploy.demo.tiny_model import TinyModelSpec, build_char_tokenizer, build_tiny_model, save_model_dir  # noqa: E402
 from generator.engines.hf import TransformersEngine  # noqa: E402
 from generator.engines.vllm_engine import VLLMEngine  # noqa: E402
-from shared.logprobs import sequence_logprobs  # noqa: E402
-from shared.protocol import SamplingParams  # noqa: E402
+from shared.forward.logprobs import sequence_logprobs  # noqa: E402
+from shared.protocol.records import SamplingParams  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from shared.client import HubClient, RetryPolicy
+from shared.protocol.client import HubClient, RetryPolicy
 from shared.weight_sync.receiver import GroupReceiver
 
 CFG = dict(transport="collective", bucket_mb=0.001, timeout_s=10.0, join_timeout_s=20.0, poll_s=0.05)
@@ -31,7 +31,7 @@ def model() -> torch.nn.Module:
 
 def learner(url: str) -> None:
     from learner.weight_sender import WeightPublisher
-    from shared.schema import WeightSyncConfig
+    from shared.config.schema import WeightSyncConfig
 
     publisher = WeightPublisher(model(), lambda: client(url), WeightSyncConfig(**CFG), rank=0, world=1,
                                 device=torch.device("cpu"), relay_version=None)

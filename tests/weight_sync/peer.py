@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from shared.client import HubClient, RetryPolicy
+from shared.protocol.client import HubClient, RetryPolicy
 from shared.weight_sync import groups
 from shared.weight_sync.receiver import GroupReceiver
 

@@ -15,8 +15,8 @@ from transformers import AutoModelForCausalLM
 from generator.engines.hf import TransformersEngine
 from generator.weight_receiver import WeightReceiver
 from learner.weight_sender import WeightPublisher
-from shared.client import HubClient, RetryPolicy
-from shared.schema import WeightSyncConfig
+from shared.config.schema import WeightSyncConfig
+from shared.protocol.client import HubClient, RetryPolicy
 from tests.live_server import LiveServer, make_config
 
 # ~50 KiB buckets: the tiny model's 192 x 192 projections (144 KiB) span several buckets

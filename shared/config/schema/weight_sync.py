@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from shared.schema.base import StrictModel
+from shared.config.schema.base import StrictModel
 
 
 class WeightSyncConfig(StrictModel):

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from shared.schema.base import StrictModel, check_registered
+from shared.config.schema.base import StrictModel, check_registered
 
 
 class SamplingConfig(StrictModel):

@@ -2,12 +2,12 @@
 beta * KL, and the aggregation over tokens.
 
 Per-token tensors are ``[B, L]`` over completion tokens, left-aligned; validity comes from
-``completion_lengths`` (see :mod:`shared.masks`). Everything a config can choose is a registry entry:
+``completion_lengths`` (see :mod:`shared.grpo.masks`). Everything a config can choose is a registry entry:
 
 * :data:`POLICY_LOSSES`: ``"grpo"`` (per-token ratio, DeepSeekMath) and ``"gspo"`` (per-sequence ratio);
 * :data:`AGGREGATIONS`: ``"token-mean"`` (DAPO), ``"seq-mean-token-mean"`` (original GRPO),
   ``"seq-mean-token-sum-norm"`` (Dr. GRPO);
-* the KL estimator, from :data:`shared.kl.KL_ESTIMATORS`.
+* the KL estimator, from :data:`shared.grpo.kl.KL_ESTIMATORS`.
 
 The full objective, per valid token t of completion i (minimised):
 
@@ -25,11 +25,11 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.config import LossConfig
-from shared.kl import kl_penalty
-from shared.masks import lengths_to_mask, masked_mean, masked_min_max, masked_sum
+from shared.config.schema import LossConfig
+from shared.forward.row_lengths import to_device
+from shared.grpo.kl import kl_penalty
+from shared.grpo.masks import lengths_to_mask, masked_mean, masked_min_max, masked_sum
 from shared.registry import Registry
-from shared.row_lengths import to_device
 
 POLICY_LOSSES: Registry = Registry("policy loss")
 AGGREGATIONS: Registry = Registry("loss aggregation")

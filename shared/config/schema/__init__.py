@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from shared.schema.algorithm import AdvantageConfig, AlgorithmConfig, LossConfig
-from shared.schema.base import StrictModel
-from shared.schema.demo import DemoConfig
-from shared.schema.evaluate import EvalConfig
-from shared.schema.generator import DatasetConfig, GeneratorConfig, RewardSpec, SamplingConfig
-from shared.schema.learner import LearnerConfig
-from shared.schema.ref_server import RefServerConfig
-from shared.schema.run import PlacementConfig, RunConfig
-from shared.schema.weight_sync import WeightSyncConfig
+from shared.config.schema.algorithm import AdvantageConfig, AlgorithmConfig, LossConfig
+from shared.config.schema.base import StrictModel
+from shared.config.schema.demo import DemoConfig
+from shared.config.schema.evaluate import EvalConfig
+from shared.config.schema.generator import DatasetConfig, GeneratorConfig, RewardSpec, SamplingConfig
+from shared.config.schema.learner import LearnerConfig
+from shared.config.schema.ref_server import RefServerConfig
+from shared.config.schema.run import PlacementConfig, RunConfig
+from shared.config.schema.weight_sync import WeightSyncConfig
 
 __all__ = ["AdvantageConfig", "AlgorithmConfig", "DatasetConfig", "DemoConfig", "EvalConfig", "GRPOConfig", "GeneratorConfig", "LearnerConfig", "LossConfig",
            "PlacementConfig", "RunConfig",

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from shared.schema.base import StrictModel
+from shared.config.schema.base import StrictModel
 
 
 class RefServerConfig(StrictModel):
@@ -31,7 +31,7 @@ class RefServerConfig(StrictModel):
         "cheaper (flash/flex attention: always; SDPA/eager: for rows of mixed lengths); 'padded': never.")
     prefix_sharing: Literal["auto", "on", "off"] = Field(
         "auto", description="Score rows that continue the same prompt (a group's completions) with one pass of the "
-        "prompt and the completions on its cached keys/values (exact; shared/prefix_sharing.py). 'auto': when a "
+        "prompt and the completions on its cached keys/values (exact; shared/forward/prefix_sharing.py). 'auto': when a "
         "micro-batch holds at least two rows per distinct prompt and packing is not 'packed'; 'on': whenever rows "
         "share a prompt; 'off': never.")
     max_request_bytes: int = Field(64 * 2**20, ge=1024, description="Largest request body accepted (413 above).")

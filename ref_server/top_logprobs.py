@@ -1,9 +1,9 @@
-"""Top-k next-token logprobs of a causal LM (inference only), the chunked way :mod:`shared.logprobs` computes
+"""Top-k next-token logprobs of a causal LM (inference only), the chunked way :mod:`shared.forward.logprobs` computes
 per-token logprobs: the backbone runs once, and the LM head's logits live one chunk of tokens at a time while they
 are reduced to ``logsumexp``, the target's logit and ``topk``, never as a ``[B, T, V]`` tensor.
 
 What the ref server's OpenAI-style ``/v1/completions`` (``logprobs``, ``echo``) answers with. Positions, layouts
-(padded / packed) and chunk sizes are those of :func:`shared.logprobs.sequence_logprobs`, and a target's logprob
+(padded / packed) and chunk sizes are those of :func:`shared.forward.logprobs.sequence_logprobs`, and a target's logprob
 comes from the same logits expression, so both endpoints agree.
 """
 
@@ -14,16 +14,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from shared.logprobs import chunk_tokens_for, final_logit_transform, fused_head_weight, run_backbone
-from shared.masks import lengths_to_mask
-from shared.packing import PackingMode
+from shared.forward.logprobs import chunk_tokens_for, final_logit_transform, fused_head_weight, run_backbone
+from shared.forward.packing import PackingMode
+from shared.grpo.masks import lengths_to_mask
 
 
 @dataclass
 class TopLogprobs:
     """Result of :func:`sequence_top_logprobs` (inference only, no autograd).
 
-    ``logprobs [B, L]`` is laid out as in :class:`shared.logprobs.TokenLogprobs`. ``top_logprobs``/``top_ids
+    ``logprobs [B, L]`` is laid out as in :class:`shared.forward.logprobs.TokenLogprobs`. ``top_logprobs``/``top_ids
     [B, L + 1, k]`` hold, at column j of row i, the k most likely next tokens (logprob, id; most likely first) of the
     distribution that predicts column j's completion token; column ``completion_lengths[i]`` is the distribution
     after the row's last token (the greedy continuation is ``top_ids[i, completion_lengths[i], 0]``). Padding
@@ -77,7 +77,7 @@ def top_logprobs_from_hidden(
         for start in range(0, n, chunk_tokens):
             end = min(start + chunk_tokens, n)
             h = hidden[start:end]
-            # the same logits expression as the fused path of shared.logprobs.logprobs_from_hidden, so that
+            # the same logits expression as the fused path of shared.forward.logprobs.logprobs_from_hidden, so that
             # /v1/logprobs agrees
             logits = (h @ weight.T).float() if weight is not None else transform(lm_head(h).float())
             if temperature != 1.0:
@@ -104,7 +104,7 @@ def sequence_top_logprobs(
 ) -> TopLogprobs:
     """Completion tokens' logprobs plus the top ``k`` next tokens at each of them and after the row's last token.
 
-    Same layout and positions as :func:`shared.logprobs.sequence_logprobs` (see :class:`TopLogprobs` for the extra
+    Same layout and positions as :func:`shared.forward.logprobs.sequence_logprobs` (see :class:`TopLogprobs` for the extra
     column). With ``prompt_lengths`` 1 every token but the first is scored: what an OpenAI-style ``echo`` with
     ``logprobs`` needs.
     """

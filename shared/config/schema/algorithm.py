@@ -1,4 +1,4 @@
-"""The GRPO algorithm section: advantages and the policy loss (shared/advantages.py, shared/losses.py)."""
+"""The GRPO algorithm section: advantages and the policy loss (shared/grpo/advantages.py, shared/grpo/losses.py)."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from shared.schema.base import StrictModel, check_registered
+from shared.config.schema.base import StrictModel, check_registered
 
 
 class AdvantageConfig(StrictModel):
-    """How rewards become advantages (shared/advantages.py)."""
+    """How rewards become advantages (shared/grpo/advantages.py)."""
 
     estimator: str = Field(
         "grpo",
@@ -26,11 +26,11 @@ class AdvantageConfig(StrictModel):
     @field_validator("estimator")
     @classmethod
     def _known_estimator(cls, value: str) -> str:
-        return check_registered("shared.advantages", "ADVANTAGE_ESTIMATORS", value)
+        return check_registered("shared.grpo.advantages", "ADVANTAGE_ESTIMATORS", value)
 
 
 class LossConfig(StrictModel):
-    """The policy loss (shared/losses.py): surrogate, clipping, importance weights, KL and aggregation."""
+    """The policy loss (shared/grpo/losses.py): surrogate, clipping, importance weights, KL and aggregation."""
 
     policy_loss: str = Field(
         "grpo",
@@ -72,17 +72,17 @@ class LossConfig(StrictModel):
     @field_validator("policy_loss")
     @classmethod
     def _known_policy_loss(cls, value: str) -> str:
-        return check_registered("shared.losses", "POLICY_LOSSES", value)
+        return check_registered("shared.grpo.losses", "POLICY_LOSSES", value)
 
     @field_validator("aggregation")
     @classmethod
     def _known_aggregation(cls, value: str) -> str:
-        return check_registered("shared.losses", "AGGREGATIONS", value)
+        return check_registered("shared.grpo.losses", "AGGREGATIONS", value)
 
     @field_validator("kl_estimator")
     @classmethod
     def _known_kl(cls, value: str) -> str:
-        return check_registered("shared.kl", "KL_ESTIMATORS", value)
+        return check_registered("shared.grpo.kl", "KL_ESTIMATORS", value)
 
     @model_validator(mode="after")
     def _norm_len_when_needed(self) -> LossConfig:

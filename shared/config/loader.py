@@ -1,4 +1,4 @@
-"""The one YAML config schema (pydantic, in shared/schema/), its loader and the command-line overrides.
+"""The one YAML config schema (pydantic, in shared/config/loader/schema/), its loader and the command-line overrides.
 
 Every field carries a description (a test enforces it) and ``grpo config-reference`` prints them all. An unknown
 key is an error that names the key and the file; names of algorithm variants are checked against their
@@ -15,15 +15,8 @@ import yaml
 from pydantic import BaseModel, ValidationError
 from pydantic_core import to_jsonable_python
 
+from shared.config.schema import GRPOConfig, StrictModel
 from shared.errors import UsageError
-from shared.schema import (  # noqa: F401 - re-exported: the schema's public names live here too
-    AdvantageConfig,
-    AlgorithmConfig,
-    GRPOConfig,
-    LossConfig,
-    RefServerConfig,
-    StrictModel,
-)
 
 
 class ConfigError(UsageError, ValueError):

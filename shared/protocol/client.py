@@ -25,13 +25,9 @@ from pathlib import Path
 import requests
 
 from shared.errors import GrpoError, ServiceError
-from shared.protocol import (
-    RolloutGroup,
-    TrainBatch,
-    decode_logprob_response,
-    encode_logprob_request,
-)
-from shared.wire import encode_messages
+from shared.protocol.logprob_messages import decode_logprob_response, encode_logprob_request
+from shared.protocol.records import RolloutGroup, TrainBatch
+from shared.protocol.wire import encode_messages
 
 log = logging.getLogger("grpo.client")
 OCTET = "application/octet-stream"

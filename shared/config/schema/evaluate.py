@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from shared.schema.base import StrictModel
+from shared.config.schema.base import StrictModel
 
 
 class EvalConfig(StrictModel):

@@ -13,12 +13,12 @@ everything before it)`` computed from ``logits / temperature``.
 
 Layout of the backbone's forward (``layout``): ``padded`` runs the ``[B, T]`` rows with an attention mask;
 ``packed`` concatenates the rows without their padding into one sequence with per-row position ids
-(:mod:`shared.packing`); ``auto`` picks per call (:func:`shared.packing.choose_layout`). The results are the same.
+(:mod:`shared.forward.packing`); ``auto`` picks per call (:func:`shared.forward.packing.choose_layout`). The results are the same.
 
 Chunk size: :func:`default_chunk_bytes` per device, 128 MiB of fp32 logits on CPU and more on a GPU (where the
 LM-head matmul needs bigger chunks to run at matmul speed, and memory allows them).
 
-Top-k next-token logprobs (inference only) are in :mod:`shared.top_logprobs`, built on the same backbone pass
+Top-k next-token logprobs (inference only) are in :mod:`ref_server.top_logprobs`, built on the same backbone pass
 (:func:`run_backbone`) and chunked head.
 """
 
@@ -31,10 +31,11 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from shared.masks import lengths_to_mask
-from shared.packing import PackingMode, choose_layout, pack_rows
-from shared.prefix_sharing import PrefixRows, shared_prefix_hidden
-from shared.row_lengths import RowLengths, ragged_positions, row_lengths
+from shared.forward.model_parts import split_model
+from shared.forward.packing import PackingMode, choose_layout, pack_rows
+from shared.forward.prefix_sharing import PrefixRows, shared_prefix_hidden
+from shared.forward.row_lengths import RowLengths, ragged_positions, row_lengths
+from shared.grpo.masks import lengths_to_mask
 
 # Default working-set size of one chunk's fp32 logits on CPU. 128 MiB is 220 tokens at vocab 151936: big enough
 # that the LM-head matmul stays efficient, small enough that a chunk's temporaries are a few hundred MB at most.
@@ -259,17 +260,6 @@ def logprobs_from_hidden(
     return logprobs, entropy
 
 
-def _split_model(model: nn.Module) -> tuple[nn.Module, nn.Module]:
-    """The transformer body (returns hidden states) and the LM head of a Hugging Face causal LM."""
-    head = model.get_output_embeddings()
-    body = model.get_decoder() if hasattr(model, "get_decoder") else None
-    if body is None or body is model:
-        body = getattr(model, getattr(model, "base_model_prefix", "model"), None)
-    if head is None or body is None:
-        raise TypeError(f"{type(model).__name__} does not expose a decoder body and an LM head")
-    return body, head
-
-
 @dataclass
 class _Backbone:
     """The backbone's output for a batch of rows: ``hidden_at(rows, positions)`` gives ``[N, H]`` hidden states
@@ -296,7 +286,7 @@ class _Backbone:
 
 def run_backbone(model: nn.Module, input_ids: torch.Tensor, prompt_lengths, completion_lengths,
                  layout: PackingMode = "padded") -> _Backbone:
-    """Lengths checked (:func:`shared.row_lengths.row_lengths`; completions default to the rest of each row), the
+    """Lengths checked (:func:`shared.forward.row_lengths.row_lengths`; completions default to the rest of each row), the
     backbone's last hidden states (padding masked out of attention, or removed by packing) and the LM head.
 
     Lengths given as lists are not read from the device at all; device tensors come to the host in one copy."""
@@ -304,7 +294,7 @@ def run_backbone(model: nn.Module, input_ids: torch.Tensor, prompt_lengths, comp
 
 
 def _run_backbone(model: nn.Module, input_ids: torch.Tensor, lengths: RowLengths, layout: PackingMode) -> _Backbone:
-    body, head = _split_model(model)
+    body, head = split_model(model)
     totals = lengths.totals
     if layout != "padded" and choose_layout(model, totals, layout, body) == "packed":
         packed = pack_rows(input_ids, totals)
@@ -335,13 +325,13 @@ def sequence_logprobs(
 
     ``completion_lengths`` defaults to ``T - prompt_lengths`` (no padding). Returns ``[B, max(completion)]``.
     Lengths given as lists (the learner's host copies) are never read from the device, so nothing here waits for a
-    GPU; tensors on the device come to the host in one copy (:func:`shared.row_lengths.row_lengths`).
-    ``prefix`` (shared.prefix_sharing.prefix_rows): rows that continue one prompt share one pass of it (exact; the
+    GPU; tensors on the device come to the host in one copy (:func:`shared.forward.row_lengths.row_lengths`).
+    ``prefix`` (shared.forward.prefix_sharing.prefix_rows): rows that continue one prompt share one pass of it (exact; the
     layout is then padded). Gradients flow when autograd is on; wrap in ``torch.no_grad()`` for scoring.
     """
     lengths = row_lengths(input_ids, prompt_lengths, completion_lengths)
     if prefix is not None:
-        body, head = _split_model(model)
+        body, head = split_model(model)
         out = shared_prefix_hidden(body, head, input_ids, lengths, prefix)
     else:
         out = _run_backbone(model, input_ids, lengths, layout)

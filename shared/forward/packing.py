@@ -25,7 +25,8 @@ from typing import Literal
 import torch
 from torch import nn
 
-from shared.row_lengths import host_values, ragged_positions, to_device
+from shared.forward.model_parts import split_model
+from shared.forward.row_lengths import host_values, ragged_positions, to_device
 
 log = logging.getLogger("grpo.packing")
 
@@ -58,7 +59,7 @@ def pack_rows(input_ids: torch.Tensor, lengths: torch.Tensor | Sequence[int]) ->
     """Concatenate the first ``lengths[i]`` tokens of each row of ``input_ids [B, T]``; positions restart per row.
 
     With ``lengths`` a list (host values) nothing is read back from the device: the packed size is their sum and
-    the token indices are built there with that size (:func:`shared.row_lengths.ragged_positions`); a tensor comes
+    the token indices are built there with that size (:func:`shared.forward.row_lengths.ragged_positions`); a tensor comes
     to the host once."""
     (host,) = host_values(lengths)
     width = input_ids.shape[1]
@@ -88,8 +89,7 @@ def supports_packing(model: nn.Module, body: nn.Module | None = None) -> bool:
     if model in _support:
         return _support[model]
     if body is None:
-        from shared.logprobs import _split_model  # noqa: PLC0415 - logprobs imports this module
-        body = _split_model(model)[0]
+        body = split_model(model)[0]
     param = next(model.parameters())
     vocab = int(getattr(getattr(model, "config", None), "vocab_size", 0) or 0)
     row = (torch.arange(4, device=param.device) * 7 + 3) % max(vocab, 2)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from shared.row_lengths import RowLengths, to_device
+from shared.forward.row_lengths import RowLengths, to_device
 
 
 @dataclass
@@ -90,7 +90,7 @@ def shared_prefixes(mode: str, input_ids: torch.Tensor, prompt_lengths: torch.Te
 
 @dataclass
 class SharedPrefixHidden:
-    """The hidden states a logprob needs, by (row, position) like ``shared.logprobs._Backbone``."""
+    """The hidden states a logprob needs, by (row, position) like ``shared.forward.logprobs._Backbone``."""
 
     prompt_lengths: torch.Tensor
     completion_lengths: torch.Tensor
@@ -117,7 +117,7 @@ def shared_prefix_hidden(body: nn.Module, head: nn.Module, input_ids: torch.Tens
     """Run each distinct prompt once and every completion on its cached keys/values (see the module docstring).
 
     ``input_ids`` are the usual right-padded ``[prompt + completion]`` rows, ``lengths`` their checked lengths
-    (:func:`shared.row_lengths.row_lengths`): widths come from its host lists and indices from its device tensors,
+    (:func:`shared.forward.row_lengths.row_lengths`): widths come from its host lists and indices from its device tensors,
     so nothing here reads a value back from the device."""
     from transformers import DynamicCache
 

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from shared.schema.base import StrictModel
+from shared.config.schema.base import StrictModel
 
 
 class LearnerConfig(StrictModel):
@@ -35,7 +35,7 @@ class LearnerConfig(StrictModel):
     prefix_sharing: Literal["auto", "on", "off"] = Field(
         "auto", description="One forward of each group's prompt for all of its completions: the completions run on "
         "the prompt's cached keys/values and the gradients add up in the one prompt pass (exact, "
-        "shared/prefix_sharing.py); with G completions per prompt it saves (G - 1) prompt passes. 'auto': on when a "
+        "shared/forward/prefix_sharing.py); with G completions per prompt it saves (G - 1) prompt passes. 'auto': on when a "
         "micro-batch holds at least two rows per distinct prompt, packing is not 'packed' and gradient "
         "checkpointing is off; 'on': whenever rows share a prompt (not with gradient_checkpointing); 'off': never.")
     updates_per_batch: int = Field(1, ge=1, description="mu: optimizer steps on each pulled batch, with the old "
