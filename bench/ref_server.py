@@ -3,7 +3,7 @@
 Measures tokens/s (prompt + completion tokens of every row scored, per second of wall time) of the same workload,
 ``--rows`` rows of ``--prompt-tokens`` + ``--completion-tokens`` random token ids, four ways, in one run:
 
-* ``inprocess``: :class:`ref_server.scorer.ReferenceScorer` (the server's own micro-batching scorer) called
+* ``inprocess``: :class:`ref_server.scoring.scorer.ReferenceScorer` (the server's own micro-batching scorer) called
   directly, on a model loaded from the same folder as the server's;
 * ``binary``: ``POST /v1/logprobs`` with safetensors bodies (:func:`shared.protocol.logprob_messages.encode_logprob_request`,
   results decoded to tensors with :func:`shared.protocol.logprob_messages.decode_logprob_response`);
@@ -174,7 +174,7 @@ def main() -> int:
         serve(args)
         return 0
 
-    from ref_server.scorer import ReferenceScorer, Row
+    from ref_server.scoring.scorer import ReferenceScorer, Row
     from ref_server.server import load_reference_model
     from shared.devices import default_dtype
 

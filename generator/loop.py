@@ -99,7 +99,7 @@ class RolloutLoop:
     # -- pacing -------------------------------------------------------------------------------------------------
     def prompts_wanted(self) -> int:
         """Prompts for the next engine call: ``prompts_per_batch``, or fewer when the learner can use only that
-        many more groups within the staleness bound (ref_server/pacing.py), divided by the share of prompts whose
+        many more groups within the staleness bound (ref_server/hub/pacing.py), divided by the share of prompts whose
         group is kept (so dynamic sampling does not leave a tail of small engine calls); waits up to
         ``budget_poll_s`` on the hub while it can use none, and then returns 0 (sync weights and ask again)."""
         if not self.wait_for_budget:

@@ -157,7 +157,7 @@ class Learner:
                 "train against them. Start the ref server with empty ref_server.weights_dir and spool_dir, or pass "
                 "--resume")
         if self.rank == 0:
-            # the global batch in groups: the hub paces the generators by it (ref_server/pacing.py)
+            # the global batch in groups: the hub paces the generators by it (ref_server/hub/pacing.py)
             self.client.report_version(max(self.version, hub_version), self.cfg.groups_per_step * self.world)
             log.info("learner: %d rank(s) on %s, ZeRO-%d, %s, step %d, version %d", self.world, self.device.type,
                      self.cfg.zero_stage, dtype, self.step, self.version)

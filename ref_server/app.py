@@ -1,7 +1,8 @@
 """The FastAPI application: reference logprobs, rollout hub, weight relay, health and metrics.
 
-Each concern is a router in ``ref_server/routes/``; this module adds what they share: bearer-token auth, request
-metrics (5xx included), and the lifespan hook. Every bad input is answered with a 4xx and ``{"detail": ...}``
+Each job has its routers: the hub (``ref_server/hub/routes.py``), scoring (``ref_server/scoring/*_routes.py``),
+the weight relay (``ref_server/routes/weights.py``), health and metrics (``ref_server/operations.py``); this module
+adds what they share: bearer-token auth, request metrics (5xx included), and the lifespan hook. Every bad input is answered with a 4xx and ``{"detail": ...}``
 naming the problem (FastAPI's ``HTTPException``); the server keeps serving.
 """
 
@@ -15,8 +16,11 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from ref_server import operations
+from ref_server.hub import routes as hub_routes
 from ref_server.metrics import ServerMetrics
-from ref_server.routes import completions, hub, operations, scoring, tokenizer, weights
+from ref_server.routes import weights
+from ref_server.scoring import completions_routes, logprobs_routes, tokenizer_routes
 from ref_server.state import ServerState
 
 __all__ = ["ServerState", "create_app"]
@@ -34,7 +38,7 @@ def create_app(state: ServerState, on_ready: Callable[[], None] | None = None) -
     metrics = ServerMetrics(state)
     app.state.server = state
     app.state.metrics = metrics
-    for module in (scoring, completions, tokenizer, hub, weights, operations):
+    for module in (logprobs_routes, completions_routes, tokenizer_routes, hub_routes, weights, operations):
         app.include_router(module.router)
 
     @app.middleware("http")

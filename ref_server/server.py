@@ -11,9 +11,9 @@ from pathlib import Path
 import torch
 
 from ref_server.app import create_app
-from ref_server.hub import RolloutHub
-from ref_server.routes.tokenizer import ServedTokenizer
-from ref_server.scorer import ReferenceScorer
+from ref_server.hub.rollout_hub import RolloutHub
+from ref_server.scoring.scorer import ReferenceScorer
+from ref_server.scoring.tokenizer import ServedTokenizer
 from ref_server.state import ServerState
 from ref_server.weights import WeightStore
 from shared.config.schema import GRPOConfig, RefServerConfig

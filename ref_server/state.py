@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from ref_server.hub import RolloutHub
-from ref_server.scorer import ReferenceScorer
+from ref_server.hub.rollout_hub import RolloutHub
+from ref_server.scoring.scorer import ReferenceScorer
+from ref_server.scoring.tokenizer import ServedTokenizer
 from ref_server.weight_sync import SyncRendezvous
 from ref_server.weights import WeightStore
-
-if TYPE_CHECKING:
-    from ref_server.routes.tokenizer import ServedTokenizer
 
 
 @dataclass

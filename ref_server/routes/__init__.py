@@ -1,1 +1,2 @@
-"""The HTTP endpoints, one router per concern: scoring, hub, weights, operations (health and metrics)."""
+"""The weight relay's router until it moves to ``ref_server/relay/`` (the other jobs' routers live in
+``ref_server/hub/`` and ``ref_server/scoring/``; health and metrics in ``ref_server/operations.py``)."""

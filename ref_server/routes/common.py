@@ -1,39 +1,6 @@
-"""What every router needs: the server's state, reading a bounded body, the binary media type."""
+"""Temporary: ``ref_server/routes/weights.py`` (moving to ``ref_server/relay/`` on the weight-sync branch) still
+imports the route helpers from here; they live in :mod:`ref_server.http`. Delete this file with that move."""
 
-from __future__ import annotations
+from ref_server.http import OCTET, State, binary_body
 
-from typing import Annotated
-
-from fastapi import Depends, HTTPException, Request
-
-from ref_server.state import ServerState
-
-OCTET = "application/octet-stream"
-
-
-def server_state(request: Request) -> ServerState:
-    """FastAPI dependency: the state the app was created with."""
-    return request.app.state.server
-
-
-State = Annotated[ServerState, Depends(server_state)]
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refused with 413 as soon as it passes ``limit`` bytes (never read whole first)."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise HTTPException(413, f"request body of {declared} bytes exceeds the {limit}-byte limit")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise HTTPException(413, f"request body exceeds the {limit}-byte limit")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def binary_body(schema_description: str) -> dict:
-    """OpenAPI ``requestBody`` of an endpoint that takes safetensors bytes."""
-    return {"requestBody": {"required": True, "content": {
-        OCTET: {"schema": {"type": "string", "format": "binary", "description": schema_description}}}}}
+__all__ = ["OCTET", "State", "binary_body"]

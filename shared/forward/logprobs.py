@@ -18,7 +18,7 @@ Layout of the backbone's forward (``layout``): ``padded`` runs the ``[B, T]`` ro
 Chunk size: :func:`default_chunk_bytes` per device, 128 MiB of fp32 logits on CPU and more on a GPU (where the
 LM-head matmul needs bigger chunks to run at matmul speed, and memory allows them).
 
-Top-k next-token logprobs (inference only) are in :mod:`ref_server.top_logprobs`, built on the same backbone pass
+Top-k next-token logprobs (inference only) are in :mod:`ref_server.scoring.top_logprobs`, built on the same backbone pass
 (:func:`run_backbone`) and chunked head.
 """
 

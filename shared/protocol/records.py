@@ -219,7 +219,7 @@ class TrainBatch:
         ``behaviour_logprobs``, ``ref_logprobs``) and ``batch_id``: per-row lengths, rewards, group index, versions,
         truncation and reward components (NaN in the rows of a group without that component), the per-group ids and
         the temperature they share (checked). One definition for :meth:`from_groups` and the hub's batch assembly
-        (ref_server/batching.py), so that the two cannot drift."""
+        (ref_server/hub/batching.py), so that the two cannot drift."""
         _require(len(groups) > 0, "a batch needs at least one group")
         temperatures = {g.sampling.temperature for g in groups}
         _require(len(temperatures) == 1, f"groups of one batch were sampled at different temperatures {temperatures}")

@@ -49,9 +49,9 @@ def test_one_batch_is_leased_ahead_and_every_group_is_trained_exactly_once(live)
         assert hub.leased_depth() == 4 and hub.depth() == 4
         ledger.trained(first)
         trained = list(first.group_ids)
-        with hub._cond:  # the trained, not yet acknowledged lease is lost (a learner slower than the lease)
-            hub._leases[first.batch_id].deadline = 0.0
-            hub._expire_leases()  # its groups are the next batch the prefetcher leases
+        with hub.queue.cond:  # the trained, not yet acknowledged lease is lost (a learner slower than the lease)
+            hub.leases.held[first.batch_id].deadline = 0.0
+            hub.leases.expire_locked()  # its groups are the next batch the prefetcher leases
         while len(trained) < 8:
             batch, _ = fetch.next()
             trained += batch.group_ids

@@ -16,7 +16,7 @@ from learner.step import (
     recompute_old_logprobs,
     split_micro_batches,
 )
-from ref_server.hub import RolloutHub
+from ref_server.hub.rollout_hub import RolloutHub
 from shared.config.schema import AdvantageConfig, LearnerConfig, LossConfig
 from shared.forward.logprobs import naive_sequence_logprobs
 from shared.grpo.losses import loss_normalizers

@@ -211,7 +211,7 @@ def test_binary_logprobs_checks_stay_row_by_row(shared_server):
 def test_scorer_keeps_plain_and_top_k_requests_apart(tiny_model):
     """Plain (/v1/logprobs) and top-k (/v1/completions) requests share the scorer but never a micro-batch; each
     gets its own kind of result, in order, through the results thread."""
-    from ref_server.scorer import ReferenceScorer, Row, TopRow
+    from ref_server.scoring.scorer import ReferenceScorer, Row, TopRow
 
     scorer = ReferenceScorer(tiny_model, vocab_size=86, max_context=256, batch_tokens=64)
     try:

@@ -4,7 +4,7 @@ import time
 import pytest
 import torch
 
-from ref_server.hub import RolloutHub
+from ref_server.hub.rollout_hub import RolloutHub
 from shared.protocol.client import HubClient, HubError
 from shared.protocol.records import RolloutGroup, TrainBatch
 

@@ -6,8 +6,8 @@ import threading
 
 import torch
 
-from ref_server.batching import GroupRows, assemble_batch
-from ref_server.hub import RolloutHub
+from ref_server.hub.batching import GroupRows, assemble_batch
+from ref_server.hub.rollout_hub import RolloutHub
 from shared.protocol.client import HubClient
 from shared.protocol.records import TrainBatch
 
@@ -81,7 +81,7 @@ def test_staleness_drops_touch_only_the_stale_groups(tmp_path, monkeypatch):
     assert h.report_version(4) == 24  # the version-0 groups, but the one leased
     # one pop per version-0 heap entry (the leased one's too: skipped), none of the fresh ones
     assert h.counters.dropped_stale == 24 and len(pops) == 25 and {v for v, _ in pops} == {0}
-    assert h.depth() == 72 and {e.group.policy_version for e in h._entries.values()} == {1, 2, 3}
+    assert h.depth() == 72 and {e.group.policy_version for e in h.queue.groups.values()} == {1, 2, 3}
     assert len(list(tmp_path.glob("*.group"))) == h.depth() + 4  # dropped ones unspooled, leased ones kept
 
 
@@ -90,14 +90,14 @@ def test_an_upload_writing_its_spool_file_does_not_block_a_take(tmp_path):
     for i in range(2):
         h.put(make_group(seed=i).to_bytes())
     writing, finish = threading.Event(), threading.Event()
-    original = h._spool_write
+    original = h.intake._spool_write
 
     def slow_write(group_id, data):
         writing.set()
         finish.wait(10)
         return original(group_id, data)
 
-    h._spool_write = slow_write
+    h.intake._spool_write = slow_write
     slow = make_group(seed=9)
     answers = []
     uploader = threading.Thread(target=lambda: answers.append(h.put(slow.to_bytes())))

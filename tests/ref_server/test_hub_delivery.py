@@ -5,7 +5,8 @@ import time
 import pytest
 import torch
 
-from ref_server.hub import GroupRejected, RolloutHub
+from ref_server.hub.intake import GroupRejected
+from ref_server.hub.rollout_hub import RolloutHub
 from shared.protocol.client import HubClient
 from shared.protocol.records import ProtocolError, RolloutGroup
 from shared.protocol.wire import encode

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from ref_server.hub import RolloutHub
-from ref_server.pacing import groups_wanted
+from ref_server.hub.pacing import groups_wanted
+from ref_server.hub.rollout_hub import RolloutHub
 from shared.protocol.client import HubClient
 from tests.live_server import LiveServer, make_config
 from tests.ref_server.helpers import make_group

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from ref_server.scorer import ReferenceScorer, Row
+from ref_server.scoring.scorer import ReferenceScorer, Row
 from shared.forward.logprobs import naive_sequence_logprobs
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -2,7 +2,7 @@
 
 import pytest
 
-from ref_server.spool import RolloutSpool
+from ref_server.hub.spool import RolloutSpool
 from shared.protocol.records import ProtocolError
 
 from .helpers import make_group

@@ -7,7 +7,7 @@ import requests
 import torch
 from safetensors.torch import load_file, save_file
 
-from ref_server.scorer import ReferenceScorer, Row
+from ref_server.scoring.scorer import ReferenceScorer, Row
 from shared.forward.logprobs import naive_sequence_logprobs
 from shared.protocol.client import HubClient, HubError, HubUnavailable, RetryPolicy
 

@@ -1,12 +1,12 @@
 """TrainBatch.fields_of_groups: the per-row and per-group fields that TrainBatch.from_groups and the hub's batch
-assembly (ref_server/batching.py) share, checked value by value."""
+assembly (ref_server/hub/batching.py) share, checked value by value."""
 
 import math
 
 import pytest
 import torch
 
-from ref_server.batching import GroupRows, assemble_batch
+from ref_server.hub.batching import GroupRows, assemble_batch
 from shared.protocol.records import ProtocolError, RolloutGroup, SamplingParams, TrainBatch
 
 

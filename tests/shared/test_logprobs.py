@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, Qwen2Config
 
-from ref_server.top_logprobs import sequence_top_logprobs, top_logprobs_from_hidden
+from ref_server.scoring.top_logprobs import sequence_top_logprobs, top_logprobs_from_hidden
 from shared.forward.logprobs import (
     DEFAULT_CHUNK_BYTES,
     GPU_CHUNK_BYTES,

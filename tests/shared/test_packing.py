@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from ref_server.top_logprobs import sequence_top_logprobs
+from ref_server.scoring.top_logprobs import sequence_top_logprobs
 from shared.forward.logprobs import sequence_logprobs
 from shared.forward.packing import (
     choose_layout,

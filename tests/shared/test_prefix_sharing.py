@@ -103,7 +103,7 @@ def test_the_learner_step_shares_prefixes_when_groups_repeat_prompts():
 
 
 def test_the_reference_scorer_shares_prefixes_with_the_same_results():
-    from ref_server.scorer import ReferenceScorer, Row
+    from ref_server.scoring.scorer import ReferenceScorer, Row
 
     model = _tiny(Qwen2Config).eval()
     ids, prompts, completions, _ = _groups(num_groups=2, group_size=6, seed=3)

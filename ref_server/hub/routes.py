@@ -9,8 +9,8 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field, StrictInt
 from starlette.concurrency import run_in_threadpool
 
-from ref_server.hub import HubFull
-from ref_server.routes.common import OCTET, State, binary_body, read_body
+from ref_server.http import OCTET, State, binary_body, read_body
+from ref_server.hub.intake import HubFull
 from shared.protocol.records import MAX_VERSION
 from shared.protocol.wire import WireError, decode_messages
 

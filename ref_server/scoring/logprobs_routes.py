@@ -12,8 +12,8 @@ from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, Field, StrictInt, ValidationError
 
-from ref_server.routes.common import OCTET, State, read_body
-from ref_server.scorer import Row, ScorerBusy, ScoringError
+from ref_server.http import OCTET, State, read_body
+from ref_server.scoring.scorer import Row, ScorerBusy, ScoringError
 from ref_server.state import ServerState
 from shared.protocol.logprob_messages import decode_logprob_request_tensors, encode_logprob_response
 from shared.protocol.records import MIN_TEMPERATURE

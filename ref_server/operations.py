@@ -1,11 +1,11 @@
-"""Health and Prometheus metrics."""
+"""Health and Prometheus metrics: ``GET /healthz``, ``GET /metrics``."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from ref_server.routes.common import State
+from ref_server.http import State
 
 router = APIRouter(tags=["operations"])
 

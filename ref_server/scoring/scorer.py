@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ref_server.top_logprobs import sequence_top_logprobs
+from ref_server.scoring.top_logprobs import sequence_top_logprobs
 from shared.forward.logprobs import sequence_logprobs
 from shared.forward.packing import PackingMode, micro_batch_cost
 from shared.forward.prefix_sharing import shared_prefixes
@@ -118,7 +118,7 @@ class ReferenceScorer:
 
     ``forward`` is the function that scores one padded micro-batch; it defaults to the chunked
     :func:`shared.forward.logprobs.sequence_logprobs` (tests pass a wrapper that simulates running out of memory).
-    ``top_forward`` does the same with top-k next tokens (:func:`ref_server.top_logprobs.sequence_top_logprobs`).
+    ``top_forward`` does the same with top-k next tokens (:func:`ref_server.scoring.top_logprobs.sequence_top_logprobs`).
     ``packing`` is the forward's layout (``ref_server.packing``); unless it is ``padded``, ``batch_tokens`` counts
     a micro-batch's tokens summed over its rows, otherwise rows x longest row. ``prefix_sharing``
     (``ref_server.prefix_sharing``): rows continuing one prompt share one pass of it (the default forward only).

@@ -7,7 +7,7 @@ and checks greediness against ``max(top_logprobs[i].values())``. Every choice ca
 likely tokens plus the chosen one) and ``text_offset`` for the prompt (with ``echo``) and for up to ``max_tokens``
 greedily generated tokens. Logprobs are those of the model's own distribution (temperature 1), as vLLM reports
 them. The rows go through the same micro-batching scorer as ``/v1/logprobs``; the top-k comes from the chunked LM
-head (:func:`ref_server.top_logprobs.top_logprobs_from_hidden`), never a ``[B, T, V]`` tensor.
+head (:func:`ref_server.scoring.top_logprobs.top_logprobs_from_hidden`), never a ``[B, T, V]`` tensor.
 
 Generation is greedy only and re-scores the whole row per generated token (no KV cache): this endpoint is for
 scoring and short answers, so ``max_tokens`` is capped at :data:`MAX_COMPLETION_TOKENS`.
@@ -27,16 +27,16 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
-from ref_server.routes.common import State
-from ref_server.routes.tokenizer import (
+from ref_server.http import State
+from ref_server.scoring.openai_shape import (
     OpenAIError,
-    ServedTokenizer,
     json_response,
     openapi_body,
     parse_json_body,
     served_tokenizer,
 )
-from ref_server.scorer import Row, ScorerBusy, ScoringError, TopRow
+from ref_server.scoring.scorer import Row, ScorerBusy, ScoringError, TopRow
+from ref_server.scoring.tokenizer import ServedTokenizer
 from ref_server.state import ServerState
 
 router = APIRouter(tags=["openai"])

@@ -1,0 +1,201 @@
+"""The hub's intake: generators' uploads into the shared :class:`ref_server.hub.queue.RolloutQueue`.
+
+* Validation: a group that could not join a batch is refused at upload (a temperature other than the hub's, a
+  policy version the learner has not published, unsafe ids, non-finite values), so it can never take other groups
+  down with it. A group already stale when uploaded is answered ``dropped: stale`` and never queued.
+* Bounded: when ``capacity`` groups are held, :meth:`Intake.put` raises :class:`HubFull` (HTTP 429).
+* Duplicates: a group id seen recently is acknowledged again without being queued twice, so a generator may
+  safely retry an upload whose answer it did not receive.
+* Spool: every accepted group is written to the spool before it is acknowledged to the generator; the file is
+  written and fsynced before the upload takes the lock, and only renamed under it. At start-up
+  :meth:`Intake.reload_spool` queues the spooled groups again, in their order.
+* Reference logprobs are computed in the background as groups arrive (when a scorer is given), and each group is
+  laid out as batch rows then (:mod:`ref_server.hub.batching`), so a lease finds them ready.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from ref_server.hub.batching import GroupRows
+from ref_server.hub.queue import QueuedGroup, RolloutQueue
+from ref_server.scoring.scorer import ReferenceScorer, Row
+from shared.protocol.records import ProtocolError, RolloutGroup
+
+log = logging.getLogger("grpo.ref_server.hub")
+
+
+class HubFull(RuntimeError):
+    """The queue holds ``capacity`` groups; retry after the learner has consumed some."""
+
+
+class GroupRejected(ValueError):
+    """A well-formed group that this hub cannot batch (HTTP 422); the message says why."""
+
+
+class Intake:
+    def __init__(self, queue: RolloutQueue, *, scorer: ReferenceScorer | None, vocab_size: int | None = None,
+                 published_version: Callable[[], int | None] = lambda: None) -> None:
+        self.queue = queue
+        self.scorer = scorer
+        self.vocab_size = vocab_size
+        self._published_version = published_version
+        self._seen: OrderedDict[str, None] = OrderedDict()
+        self._seen_limit = max(10_000, 4 * queue.capacity)
+        self._next_seq = 0
+
+    # -- uploads ------------------------------------------------------------------------------------------
+    def put(self, data: bytes) -> dict:
+        """Validate and enqueue one encoded group. Returns the answer for the generator (depth included)."""
+        return self._enqueue(RolloutGroup.from_bytes(data).validate(self.vocab_size), data)
+
+    def put_many(self, messages: list[bytes]) -> list[dict]:
+        """Enqueue several encoded groups, in order, with one answer each. Every group is decoded and validated
+        before any is queued: a bad one (a ValueError naming its index) queues none. A full queue raises HubFull
+        after the groups before it were queued; a retry of the same request answers those as duplicates."""
+        groups = []
+        for i, data in enumerate(messages):
+            try:
+                group = RolloutGroup.from_bytes(data).validate(self.vocab_size)
+                with self.queue.cond:
+                    self._check_batchable(group)
+            except ValueError as exc:
+                raise type(exc)(f"group {i} of {len(messages)} (none queued): {exc}") from None
+            groups.append(group)
+        return [self._enqueue(group, data) for group, data in zip(groups, messages)]
+
+    def _enqueue(self, group: RolloutGroup, data: bytes) -> dict:
+        queue = self.queue
+        with queue.cond:
+            refused = self._admit(group)
+            if refused is not None:
+                return refused
+        try:
+            written = self._spool_write(group.group_id, data)  # the slow part (fsync), outside the lock
+        except BaseException:
+            with queue.cond:
+                queue.reserved -= 1
+                self._seen.pop(group.group_id, None)
+            raise
+        with queue.cond:
+            queue.reserved -= 1
+            seq = self._next_seq
+            self._next_seq += 1
+            spool_path = queue.spool.commit(written, seq, group.group_id) if written is not None else None
+            entry = QueuedGroup(seq, group, spool_path)
+            queue.add_locked(entry)
+            queue.counters.accepted += 1
+        self._start_scoring(entry)
+        return self._answer(accepted=True)
+
+    def _admit(self, group: RolloutGroup) -> dict | None:
+        """Under the lock: the answer for a group not to be queued (a duplicate, stale already), or None when it
+        may be, with a place reserved for it. Raises :class:`GroupRejected` or :class:`HubFull`."""
+        queue = self.queue
+        if group.group_id in self._seen:
+            queue.counters.duplicates += 1
+            return self._answer(accepted=True, duplicate=True)
+        self._check_batchable(group)
+        if queue.is_stale(group.policy_version):
+            queue.counters.refused_stale += 1
+            self._remember(group.group_id)
+            return self._answer(accepted=False, dropped="stale")
+        if len(queue.groups) + queue.reserved >= queue.capacity:
+            queue.counters.rejected_full += 1
+            raise HubFull(f"rollout queue is full ({queue.capacity} groups)")
+        queue.reserved += 1
+        self._remember(group.group_id)  # a retry arriving while this one writes is answered as a duplicate
+        return None
+
+    def _answer(self, **fields) -> dict:
+        queue = self.queue
+        return {**fields, "queue_depth": len(queue.groups), "capacity": queue.capacity,
+                "learner_version": queue.learner_version}
+
+    def _remember(self, group_id: str) -> None:
+        self._seen[group_id] = None
+        while len(self._seen) > self._seen_limit:
+            self._seen.popitem(last=False)
+
+    def _check_batchable(self, group: RolloutGroup) -> None:
+        """Refuse what could not join a batch with the others, naming why (checked under the lock)."""
+        queue = self.queue
+        if not queue.same_temperature(group):
+            queue.counters.rejected += 1
+            raise GroupRejected(f"group sampled at temperature {group.sampling.temperature}, but this hub batches "
+                                f"groups sampled at {queue.temperature} (generator.sampling.temperature in the ref "
+                                "server's config)")
+        newest = max(queue.learner_version, self._published_version() or 0)
+        if group.policy_version > newest:
+            queue.counters.rejected += 1
+            raise GroupRejected(f"policy_version {group.policy_version} is newer than any version the learner has "
+                                f"published ({newest})")
+
+    def _spool_write(self, group_id: str, data: bytes) -> Path | None:
+        """The group's bytes, durable on disk under a temporary name (None without a spool); the slow part of an
+        upload, called outside the lock."""
+        spool = self.queue.spool
+        return spool.write(group_id, data) if spool is not None else None
+
+    # -- reference logprobs and batch rows, in the background ---------------------------------------------
+    def _start_scoring(self, entry: QueuedGroup) -> None:
+        if self.scorer is None:
+            self._mark_ready(entry, None)
+            return
+        group = entry.group
+        prompt = group.prompt_ids.tolist()
+        rows = [Row(prompt + group.completion_ids[i, :int(n)].tolist(), len(prompt))
+                for i, n in enumerate(group.completion_lengths)]
+        future = self.scorer.submit(rows, group.sampling.temperature)
+        future.add_done_callback(lambda f: self._scored(entry, f))
+
+    def _scored(self, entry: QueuedGroup, future) -> None:
+        error = future.exception()
+        if error is None:
+            result = future.result()
+            if all(bool(torch.isfinite(r).all()) for r in result):
+                self._mark_ready(entry, result)
+                return
+            error = ValueError("reference logprobs are not finite")
+        log.error("reference scoring failed for group %s: %s; dropping it", entry.group.group_id, error)
+        queue = self.queue
+        with queue.cond:
+            if queue.groups.pop(entry.seq, None) is not None:
+                queue.counters.dropped_ref_failure += 1
+                queue.unspool(entry)
+
+    def _mark_ready(self, entry: QueuedGroup, ref_logprobs: list[torch.Tensor] | None) -> None:
+        rows = GroupRows.of(entry.group, ref_logprobs)  # in the uploading or scoring thread, not in a lease
+        self.queue.mark_ready(entry, rows)
+
+    # -- restart ------------------------------------------------------------------------------------------
+    def reload_spool(self) -> None:
+        """Queue the spooled groups again in their order, each under the sequence number it was spooled with."""
+        queue = self.queue
+        assert queue.spool is not None
+        found = queue.spool.reload(self._check_reloaded)
+        queue.counters.spool_corrupt += found.corrupt
+        pending: list[QueuedGroup] = []
+        for spooled in found.groups:
+            self._next_seq = max(self._next_seq, spooled.seq + 1)
+            entry = QueuedGroup(spooled.seq, spooled.group, spooled.path)
+            queue.add_locked(entry)
+            self._remember(spooled.group.group_id)
+            pending.append(entry)
+        queue.counters.spool_reloaded = len(pending)
+        if pending:
+            log.info("reloaded %d spooled groups from %s", len(pending), queue.spool.directory)
+        for entry in pending:
+            self._start_scoring(entry)
+
+    def _check_reloaded(self, group: RolloutGroup) -> None:
+        """A spooled group this hub can still batch (its vocabulary and temperature may have changed since)."""
+        group.validate(self.vocab_size)
+        if not self.queue.same_temperature(group):
+            raise ProtocolError(f"sampled at temperature {group.sampling.temperature}, the hub now batches "
+                                f"{self.queue.temperature}")

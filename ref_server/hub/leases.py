@@ -1,0 +1,166 @@
+"""The hub's leases: the learner's side of the shared :class:`ref_server.hub.queue.RolloutQueue`.
+
+Delivery at least once: :meth:`Leases.take` *leases* the oldest ready groups to a batch id (they leave the queue,
+spool files kept). The learner acknowledges the batch once its step is applied (:meth:`Leases.ack`); only then are
+the groups and their spool files gone. A lease not acknowledged (or renewed, :meth:`Leases.renew`) within
+``lease_timeout_s``, or handed back (:meth:`Leases.release`), returns its groups to the front of the queue. The
+learner drops group ids it already trained on, which makes delivery exactly once.
+
+A take looks only at the groups it takes (and at any not-yet-scored ones ahead of them): their batch rows were laid
+out when they became ready (:mod:`ref_server.hub.batching`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from ref_server.hub.batching import assemble_batch
+from ref_server.hub.queue import QueuedGroup, RolloutQueue
+from shared.protocol.records import TrainBatch
+
+log = logging.getLogger("grpo.ref_server.hub")
+
+
+@dataclass
+class Lease:
+    groups: list[QueuedGroup]
+    deadline: float
+    trained: bool = False   # the learner trained it and holds it for its next checkpoint (pacing leaves it out)
+
+
+class Leases:
+    def __init__(self, queue: RolloutQueue, *, lease_timeout_s: float = 300.0) -> None:
+        self.queue = queue
+        self.lease_timeout_s = lease_timeout_s
+        self.held: dict[str, Lease] = {}   # batch id -> lease, not yet acknowledged
+        # batch ids acknowledged (-> None) or expired and requeued (-> their groups' sequence numbers), so that a
+        # repeated or late acknowledgement is answered correctly
+        self._finished: OrderedDict[str, list[int] | None] = OrderedDict()
+
+    def take(self, num_groups: int, timeout: float = 0.0, min_version: int | None = None) -> TrainBatch | None:
+        """Lease the ``num_groups`` oldest ready groups as one batch, waiting up to ``timeout`` s; None if not enough.
+
+        ``min_version``: the learner will train this batch at a version that makes groups older than this stale;
+        they are dropped (and counted) first, as a version report would drop them.
+
+        The groups stay spooled until :meth:`ack` names the batch id; an unacknowledged lease expires after
+        ``lease_timeout_s`` and its groups go back to the front of the queue."""
+        queue = self.queue
+        deadline = time.monotonic() + timeout
+        with queue.cond:
+            while True:
+                self.expire_locked()
+                if min_version is not None:
+                    queue.drop_stale_locked(min_version)
+                chosen = queue.oldest_ready_locked(num_groups)
+                if chosen is not None:
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                queue.cond.wait(timeout=min(remaining, 1.0))
+            for entry in chosen:
+                del queue.groups[entry.seq]
+            batch_id = uuid.uuid4().hex
+            self.held[batch_id] = Lease(chosen, time.monotonic() + self.lease_timeout_s)
+            queue.counters.leased += len(chosen)
+            queue.cond.notify_all()  # fewer queued groups: generators waiting for a budget may go on
+        return assemble_batch([e.group for e in chosen], [e.rows for e in chosen], batch_id=batch_id)
+
+    def ack(self, batch_ids: list[str]) -> dict[str, str]:
+        """The learner applied these batches: their groups are consumed (spool files deleted).
+
+        Per id: ``"acked"``; ``"already"`` (acknowledged before); ``"late"`` (the lease had expired: the groups
+        still waiting in the queue are removed, those leased again stay with their new batch, which the learner
+        acknowledges after dropping them as already trained); ``"unknown"``."""
+        queue = self.queue
+        answer = {}
+        with queue.cond:
+            for batch_id in batch_ids:
+                lease = self.held.pop(batch_id, None)
+                if lease is not None:
+                    done = lease.groups
+                    answer[batch_id] = "acked"
+                elif batch_id in self._finished:
+                    requeued = self._finished[batch_id] or []
+                    done = [queue.groups.pop(seq) for seq in requeued if seq in queue.groups]
+                    answer[batch_id] = "late" if requeued else "already"
+                else:
+                    answer[batch_id] = "unknown"
+                    continue
+                for entry in done:
+                    queue.unspool(entry)
+                queue.counters.consumed += len(done)
+                self._finish(batch_id, None)
+            queue.cond.notify_all()
+        return answer
+
+    def release(self, batch_ids: list[str]) -> dict[str, str]:
+        """The learner hands back leases it will not train (it is stopping): their groups go back to the front of
+        the queue now rather than after the lease timeout. Per id: ``"released"`` or ``"unknown"``."""
+        with self.queue.cond:
+            answer = {}
+            for batch_id in batch_ids:
+                lease = self.held.get(batch_id)
+                if lease is None:
+                    answer[batch_id] = "unknown"
+                    continue
+                lease.deadline = float("-inf")
+                answer[batch_id] = "released"
+            self.expire_locked(reason="handed back")
+        return answer
+
+    def renew(self, batch_ids: list[str], trained: bool = False) -> dict[str, str]:
+        """Extend these leases by ``lease_timeout_s`` from now (the learner holds them until its checkpoint).
+        ``trained``: the learner has trained them (they are held only for the checkpoint), so they no longer count
+        among the groups it will train before newly sampled ones (the generators' budget)."""
+        answer = {}
+        with self.queue.cond:
+            self.expire_locked()
+            for batch_id in batch_ids:
+                lease = self.held.get(batch_id)
+                if lease is not None:
+                    lease.deadline = time.monotonic() + self.lease_timeout_s
+                    lease.trained = lease.trained or trained
+                answer[batch_id] = "renewed" if lease is not None else "unknown"
+            if trained:
+                self.queue.cond.notify_all()
+        return answer
+
+    def leased_depth(self) -> int:
+        """Groups handed to the learner and not yet acknowledged."""
+        with self.queue.cond:
+            return sum(len(lease.groups) for lease in self.held.values())
+
+    def untrained_locked(self) -> int:
+        """Leased groups the learner has not trained yet: the batch in training and the one it prefetched."""
+        return sum(len(lease.groups) for lease in self.held.values() if not lease.trained)
+
+    def expire_locked(self, reason: str = "") -> None:
+        """Requeue the groups of every lease past its deadline (the caller holds the queue's lock)."""
+        now = time.monotonic()
+        expired = [batch_id for batch_id, lease in self.held.items() if lease.deadline <= now]
+        if not expired:
+            return
+        requeued: list[QueuedGroup] = []
+        for batch_id in expired:
+            lease = self.held.pop(batch_id)
+            requeued += lease.groups
+            self.queue.counters.lease_expired += len(lease.groups)
+            self._finish(batch_id, [e.seq for e in lease.groups])
+            if reason:
+                log.info("batch %s was %s: its %d groups are queued again", batch_id, reason, len(lease.groups))
+            else:
+                log.warning("batch %s was not acknowledged within %.1fs: its %d groups are queued again", batch_id,
+                            self.lease_timeout_s, len(lease.groups))
+        self.queue.requeue_locked(requeued)  # requeued groups may have gone stale while leased: dropped there
+        self.queue.cond.notify_all()
+
+    def _finish(self, batch_id: str, requeued: list[int] | None) -> None:
+        self._finished[batch_id] = requeued
+        while len(self._finished) > 10_000:
+            self._finished.popitem(last=False)

@@ -1,0 +1,129 @@
+"""The rollout hub as its routes, the server's state and the tests call it: one queue, its intake and its leases.
+
+:class:`RolloutHub` builds a :class:`RolloutQueue` and the two halves over it (:class:`Intake`: uploads;
+:class:`Leases`: batches for the learner), reloads the spool, and answers the generators' pacing question
+(:meth:`RolloutHub.budget`), which needs both halves: the groups queued and those leased and not yet trained.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from ref_server.hub.intake import Intake
+from ref_server.hub.leases import Leases
+from ref_server.hub.pacing import groups_wanted
+from ref_server.hub.queue import HubCounters, RolloutQueue
+from ref_server.scoring.scorer import ReferenceScorer
+from shared.protocol.records import TrainBatch
+
+
+class RolloutHub:
+    def __init__(
+        self,
+        *,
+        capacity: int,
+        max_staleness: int,
+        scorer: ReferenceScorer | None,
+        vocab_size: int | None = None,
+        spool_dir: str | Path | None = None,
+        temperature: float | None = None,
+        lease_timeout_s: float = 300.0,
+        published_version: Callable[[], int | None] = lambda: None,
+    ) -> None:
+        self.queue = RolloutQueue(capacity=capacity, max_staleness=max_staleness, temperature=temperature,
+                                  spool_dir=spool_dir)
+        self.intake = Intake(self.queue, scorer=scorer, vocab_size=vocab_size, published_version=published_version)
+        self.leases = Leases(self.queue, lease_timeout_s=lease_timeout_s)
+        if self.queue.spool is not None:
+            self.intake.reload_spool()
+
+    # -- generators ---------------------------------------------------------------------------------------
+    def put(self, data: bytes) -> dict:
+        return self.intake.put(data)
+
+    def put_many(self, messages: list[bytes]) -> list[dict]:
+        return self.intake.put_many(messages)
+
+    def budget(self, policy_version: int, wait_s: float = 0.0) -> dict:
+        """How many groups sampled at ``policy_version`` the learner can still train within ``max_staleness``
+        (:func:`ref_server.hub.pacing.groups_wanted`); waits up to ``wait_s`` while that is 0 and the learner's
+        version stays the same (a new version means new weights for the generator, which changes its answer).
+
+        ``wanted`` is None while the learner has not said how many groups a step takes (any number, up to the
+        queue's capacity, is welcome then)."""
+        queue = self.queue
+        deadline = time.monotonic() + wait_s
+        with queue.cond:
+            seen_version = queue.learner_version
+            while True:
+                wanted = self._wanted_locked(policy_version)
+                remaining = deadline - time.monotonic()
+                if wanted != 0 or queue.learner_version != seen_version or remaining <= 0:
+                    return {"wanted": wanted, "learner_version": queue.learner_version,
+                            "groups_per_step": queue.groups_per_step, "queue_depth": len(queue.groups)}
+                queue.cond.wait(timeout=min(remaining, 1.0))
+
+    def _wanted_locked(self, policy_version: int) -> int | None:
+        queue = self.queue
+        if queue.groups_per_step is None:
+            return None
+        return groups_wanted(generator_version=policy_version, learner_version=queue.learner_version,
+                             leased_groups=self.leases.untrained_locked(),
+                             queued_groups=len(queue.groups) + queue.reserved,
+                             groups_per_step=queue.groups_per_step, max_staleness=queue.max_staleness)
+
+    # -- learner ------------------------------------------------------------------------------------------
+    def report_version(self, version: int, groups_per_step: int | None = None) -> int:
+        return self.queue.report_version(version, groups_per_step)
+
+    def take(self, num_groups: int, timeout: float = 0.0, min_version: int | None = None) -> TrainBatch | None:
+        return self.leases.take(num_groups, timeout, min_version)
+
+    def ack(self, batch_ids: list[str]) -> dict[str, str]:
+        return self.leases.ack(batch_ids)
+
+    def release(self, batch_ids: list[str]) -> dict[str, str]:
+        return self.leases.release(batch_ids)
+
+    def renew(self, batch_ids: list[str], trained: bool = False) -> dict[str, str]:
+        return self.leases.renew(batch_ids, trained)
+
+    # -- state --------------------------------------------------------------------------------------------
+    def depth(self) -> int:
+        return self.queue.depth()
+
+    def ready_depth(self) -> int:
+        return self.queue.ready_depth()
+
+    def leased_depth(self) -> int:
+        return self.leases.leased_depth()
+
+    @property
+    def counters(self) -> HubCounters:
+        return self.queue.counters
+
+    @property
+    def learner_version(self) -> int:
+        return self.queue.learner_version
+
+    @property
+    def groups_per_step(self) -> int | None:
+        return self.queue.groups_per_step
+
+    @property
+    def capacity(self) -> int:
+        return self.queue.capacity
+
+    @property
+    def max_staleness(self) -> int:
+        return self.queue.max_staleness
+
+    @property
+    def temperature(self) -> float | None:
+        return self.queue.temperature
+
+    @property
+    def lease_timeout_s(self) -> float:
+        return self.leases.lease_timeout_s
