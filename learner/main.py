@@ -32,7 +32,6 @@ from learner.engine import (
 )
 from learner.metrics import LappedEngine, MetricsLogger, StepClock
 from learner.prefetch import BatchPrefetcher, HubCalls
-from learner.publish import export_hf_folder
 from learner.step import (
     all_reduce,
     batch_advantages,
@@ -41,12 +40,13 @@ from learner.step import (
     recompute_old_logprobs,
     split_micro_batches,
 )
-from learner.weight_sender import WeightPublisher
 from shared.config.schema import GRPOConfig
 from shared.devices import resolve_device
 from shared.errors import ServiceError, UsageError
 from shared.protocol.client import service_client, stop_on_signals
 from shared.protocol.records import TrainBatch
+from shared.weight_sync.export import export_hf_folder
+from shared.weight_sync.publisher import WeightPublisher
 
 log = logging.getLogger("grpo.learner")
 

@@ -16,7 +16,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from ref_server.metrics import ServerMetrics
-from ref_server.routes import completions, hub, operations, scoring, tokenizer, weights
+from ref_server.relay import routes as weights
+from ref_server.routes import completions, hub, operations, scoring, tokenizer
 from ref_server.state import ServerState
 
 __all__ = ["ServerState", "create_app"]

@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING
 
 from ref_server.hub import RolloutHub
 from ref_server.scorer import ReferenceScorer
-from ref_server.weight_sync import SyncRendezvous
-from ref_server.weights import WeightStore
+from shared.weight_sync.relay_store import WeightStore
+from shared.weight_sync.rendezvous import SyncRendezvous
 
 if TYPE_CHECKING:
     from ref_server.routes.tokenizer import ServedTokenizer
