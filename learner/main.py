@@ -276,7 +276,7 @@ class Learner:
         # version = step; after resuming behind a hub that already published newer weights (a crash between
         # publishing and checkpointing), versions continue after the hub's so they stay monotonic for generators
         self.version = max(self.step, self.hub_version + 1)
-        # the copy into the send buffer; the transfer runs in the background (learner/weight_sender.py)
+        # the copy into the send buffer; the transfer runs in the background (shared/weight_sync/sender.py)
         self.publisher.publish(self.version)
         self.hub_version = self.version
         self.clock.lap("publish")
