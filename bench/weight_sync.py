@@ -12,9 +12,9 @@ For each model (the tiny demo model; a Qwen2.5-0.5B-shaped model with random wei
   on CPU, NCCL on GPU), measured in the same run: the floor any transport is compared with.
 
 Generators are separate processes (``--role generator``), each a real transformers engine and
-:class:`generator.weight_receiver.WeightReceiver` polling as often as it would between engine calls; they report
+:class:`shared.weight_sync.receiver.WeightReceiver` polling as often as it would between engine calls; they report
 when they serve each version (wall clock, same host). The learner's side is the real
-:class:`learner.weight_sender.WeightPublisher`; its stall per publish (the copy into the send buffer) is compared
+:class:`shared.weight_sync.publisher.WeightPublisher`; its stall per publish (the copy into the send buffer) is compared
 with the forward + backward time of one micro-batch of the same model (a lower bound of a learner step).
 For the group transports it also reports the **generator blocked per version**: the generator's time from the
 hub poll that answered "receive" to the weights loaded into its model (what ``grpo run`` logs as "version N
@@ -72,9 +72,9 @@ def build_model_dir(name: str, out: Path, dtype: torch.dtype) -> Path:
 def run_generator(args: argparse.Namespace) -> None:
     """Sync as fast as a generator between engine calls would, print ``VERSION v wall_time`` per version."""
     from generator.engines.hf import TransformersEngine
-    from generator.weight_receiver import WeightReceiver
     from shared.config.schema import WeightSyncConfig
     from shared.protocol.client import HubClient, RetryPolicy
+    from shared.weight_sync.receiver import WeightReceiver
 
     torch.set_num_threads(1)
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
@@ -160,9 +160,9 @@ class HubProcess:
 def measure_transport(args, url: str, model, model_dir: Path, transport: str, devices: list[str],
                       learner_device: torch.device, first_version: int) -> dict:
     """Publish ``repeats`` versions; per version the time until every generator served it, and the stall."""
-    from learner.weight_sender import WeightPublisher
     from shared.config.schema import WeightSyncConfig
     from shared.protocol.client import HubClient, RetryPolicy
+    from shared.weight_sync.publisher import WeightPublisher
 
     wire = {"gloo": "collective", "nccl": "collective", "ipc": "ipc", "http": "http"}[transport]
     cfg = WeightSyncConfig(transport=wire, bucket_mb=args.bucket_mb, timeout_s=60, join_timeout_s=600, poll_s=0.2)

@@ -23,10 +23,10 @@ from generator.datasets import Example, PromptStream, render_prompt
 from generator.engines.base import Engine, SampledCompletion
 from generator.progress import Progress
 from generator.rewards import RewardSet
-from generator.weight_receiver import WeightReceiver
 from shared.config.schema.weight_sync import WeightSyncConfig
 from shared.protocol.client import HubClient, HubError, HubUnavailable
 from shared.protocol.records import RolloutGroup, SamplingParams
+from shared.weight_sync.receiver import WeightReceiver
 
 log = logging.getLogger("grpo.generator")
 

@@ -22,12 +22,12 @@ from generator.progress import Progress
 from generator.rewards import RewardSet
 from generator.tasks.arithmetic import ArithmeticTask
 from generator.tasks.arithmetic_words import WordsArithmeticTask
-from generator.weight_receiver import WeightReceiver
 from shared.config.schema import DatasetConfig, GRPOConfig
 from shared.devices import default_dtype, resolve_device
 from shared.errors import UsageError
 from shared.protocol.client import HubClient, service_client, stop_on_signals
 from shared.protocol.records import SamplingParams
+from shared.weight_sync.receiver import WeightReceiver
 
 log = logging.getLogger("grpo.generator")
 

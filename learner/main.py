@@ -32,7 +32,6 @@ from learner.engine import (
 )
 from learner.metrics import LappedEngine, MetricsLogger, StepClock
 from learner.prefetch import BatchPrefetcher, HubCalls
-from learner.publish import export_hf_folder
 from learner.step import (
     all_reduce,
     batch_advantages,
@@ -41,12 +40,13 @@ from learner.step import (
     recompute_old_logprobs,
     split_micro_batches,
 )
-from learner.weight_sender import WeightPublisher
 from shared.config.schema import GRPOConfig
 from shared.devices import resolve_device
 from shared.errors import ServiceError, UsageError
 from shared.protocol.client import service_client, stop_on_signals
 from shared.protocol.records import TrainBatch
+from shared.weight_sync.export import export_hf_folder
+from shared.weight_sync.publisher import WeightPublisher
 
 log = logging.getLogger("grpo.learner")
 
@@ -276,7 +276,7 @@ class Learner:
         # version = step; after resuming behind a hub that already published newer weights (a crash between
         # publishing and checkpointing), versions continue after the hub's so they stay monotonic for generators
         self.version = max(self.step, self.hub_version + 1)
-        # the copy into the send buffer; the transfer runs in the background (learner/weight_sender.py)
+        # the copy into the send buffer; the transfer runs in the background (shared/weight_sync/sender.py)
         self.publisher.publish(self.version)
         self.hub_version = self.version
         self.clock.lap("publish")

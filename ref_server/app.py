@@ -1,7 +1,7 @@
 """The FastAPI application: reference logprobs, rollout hub, weight relay, health and metrics.
 
 Each job has its routers: the hub (``ref_server/hub/routes.py``), scoring (``ref_server/scoring/*_routes.py``),
-the weight relay (``ref_server/routes/weights.py``), health and metrics (``ref_server/operations.py``); this module
+the weight relay (``ref_server/relay/routes.py``), health and metrics (``ref_server/operations.py``); this module
 adds what they share: bearer-token auth, request metrics (5xx included), and the lifespan hook. Every bad input is answered with a 4xx and ``{"detail": ...}``
 naming the problem (FastAPI's ``HTTPException``); the server keeps serving.
 """
@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 from ref_server import operations
 from ref_server.hub import routes as hub_routes
 from ref_server.metrics import ServerMetrics
-from ref_server.routes import weights
+from ref_server.relay import routes as weights
 from ref_server.scoring import completions_routes, logprobs_routes, tokenizer_routes
 from ref_server.state import ServerState
 

@@ -15,10 +15,10 @@ from ref_server.hub.rollout_hub import RolloutHub
 from ref_server.scoring.scorer import ReferenceScorer
 from ref_server.scoring.tokenizer import ServedTokenizer
 from ref_server.state import ServerState
-from ref_server.weights import WeightStore
 from shared.config.schema import GRPOConfig, RefServerConfig
 from shared.devices import default_dtype, resolve_device
 from shared.errors import UsageError
+from shared.weight_sync.relay_store import WeightStore
 
 log = logging.getLogger("grpo.ref_server")
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from ref_server.hub.rollout_hub import RolloutHub
 from ref_server.scoring.scorer import ReferenceScorer
 from ref_server.scoring.tokenizer import ServedTokenizer
-from ref_server.weight_sync import SyncRendezvous
-from ref_server.weights import WeightStore
+from shared.weight_sync.relay_store import WeightStore
+from shared.weight_sync.rendezvous import SyncRendezvous
 
 
 @dataclass

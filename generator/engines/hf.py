@@ -62,7 +62,7 @@ class TransformersEngine:
         count = load_safetensors_into(self.model, path)
         log.info("loaded %d tensors from %s", count, path)
 
-    # -- weight sync through a group with the learner (generator/weight_receiver.py) -------------------------
+    # -- weight sync through a group with the learner (shared/weight_sync/receiver.py) ---------------------
     weight_sync_workers = 1
     _weight_group = None
 
@@ -73,8 +73,8 @@ class TransformersEngine:
 
     def connect_weight_group(self, offer: dict) -> None:
         """Join the learner's group as rank ``first_rank`` (after checking the offered layout fits the model)."""
+        from shared.weight_sync.group_receiver import GroupReceiver, check_layout_fits
         from shared.weight_sync.layout import Layout
-        from shared.weight_sync.receiver import GroupReceiver, check_layout_fits
 
         problem = check_layout_fits(self.model, Layout.from_json(offer["layout"]))
         if problem is not None:
@@ -84,7 +84,7 @@ class TransformersEngine:
 
     def receive_weight_version(self) -> int:
         """Take one version from the group straight into the model's parameters (one bucket at a time)."""
-        from shared.weight_sync.receiver import copy_into_module
+        from shared.weight_sync.group_receiver import copy_into_module
 
         if self._weight_group is None:
             raise RuntimeError("not connected to a weight-sync group")

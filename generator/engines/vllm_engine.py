@@ -77,7 +77,7 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()
         log.info("loaded %s tensors per worker from %s", counts, path)
 
-    # -- weight sync through a group with the learner (generator/weight_receiver.py, vllm_worker.py) -------------
+    # -- weight sync through a group with the learner (shared/weight_sync/receiver.py, vllm_worker.py) ---------
     def device_uuid(self) -> str | None:
         return self.llm.collective_rpc("weight_sync_device_uuid")[0]
 

@@ -73,7 +73,7 @@ class WeightSyncExtension:
         """Join the learner's group; returns this worker's rank in it."""
         from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
-        from shared.weight_sync.receiver import GroupReceiver
+        from shared.weight_sync.group_receiver import GroupReceiver
 
         offer = json.loads(offer_json)
         self.weight_sync_disconnect()

@@ -55,7 +55,7 @@ class Row:
 @dataclass
 class TopRow:
     """A row scored with ``top_k``: its completion tokens' logprobs ``[C]`` and the top-k next tokens ``[C + 1, k]``
-    at each of them and after the last token (see :class:`ref_server.top_logprobs.TopLogprobs`)."""
+    at each of them and after the last token (see :class:`ref_server.scoring.top_logprobs.TopLogprobs`)."""
 
     logprobs: torch.Tensor
     top_logprobs: torch.Tensor

@@ -27,6 +27,17 @@ import requests
 from shared.errors import GrpoError, ServiceError
 from shared.protocol.logprob_messages import decode_logprob_response, encode_logprob_request
 from shared.protocol.records import RolloutGroup, TrainBatch
+from shared.protocol.weight_sync_messages import (
+    Announcement,
+    JoinRequest,
+    MemberAnswer,
+    MemberPoll,
+    MemberReport,
+    OfferPost,
+    SenderInfo,
+    SenderWork,
+    SyncStatus,
+)
 from shared.protocol.wire import encode_messages
 
 log = logging.getLogger("grpo.client")
@@ -213,40 +224,42 @@ class HubClient:
             partial.unlink(missing_ok=True)
         return dest
 
-    # -- weight-sync rendezvous (shared/weight_sync/messages.py) ------------------------------------------
-    def sync_status(self) -> dict:
+    # -- weight-sync rendezvous (shared/protocol/weight_sync_messages.py) -----------------------------------
+    def sync_status(self) -> SyncStatus:
         """The registered sender (or None), the announced version, members per state, the relay's version."""
-        return self._request("GET", "/v1/weights/sync").json()
+        return SyncStatus.model_validate(self._request("GET", "/v1/weights/sync").json())
 
-    def sync_register_sender(self, info: dict) -> None:
-        self._request("PUT", "/v1/weights/sync/sender", json=info)
+    def sync_register_sender(self, info: SenderInfo) -> None:
+        self._request("PUT", "/v1/weights/sync/sender", json=info.model_dump(mode="json"))
 
     def sync_unregister_sender(self, sender_id: str) -> None:
         self._request("DELETE", f"/v1/weights/sync/sender/{sender_id}")
 
-    def sync_announce(self, sender_id: str, version: int) -> None:
-        self._request("POST", "/v1/weights/sync/announce", json={"sender_id": sender_id, "version": version})
+    def sync_announce(self, announcement: Announcement) -> None:
+        self._request("POST", "/v1/weights/sync/announce", json=announcement.model_dump(mode="json"))
 
-    def sync_work(self, sender_id: str, wait_s: float) -> dict:
-        """The sender's long poll: ``{"joins": [...], "ready": [...]}``."""
-        return self._request("GET", "/v1/weights/sync/work", params={"sender_id": sender_id, "wait_s": wait_s},
-                             timeout_s=self.timeout_s + wait_s).json()
+    def sync_work(self, sender_id: str, wait_s: float) -> SenderWork:
+        """The sender's long poll: join requests to answer, silent members, how many members use HTTP only."""
+        response = self._request("GET", "/v1/weights/sync/work", params={"sender_id": sender_id, "wait_s": wait_s},
+                                 timeout_s=self.timeout_s + wait_s)
+        return SenderWork.model_validate(response.json())
 
-    def sync_offer(self, sender_id: str, offer: dict) -> None:
-        self._request("POST", "/v1/weights/sync/offers", json={"sender_id": sender_id, "offer": offer})
+    def sync_offer(self, post: OfferPost) -> None:
+        self._request("POST", "/v1/weights/sync/offers", json=post.model_dump(mode="json"))
 
-    def sync_member_state(self, sender_id: str, member_id: str, state: str, *, reason: str | None = None,
-                          version: int | None = None) -> None:
-        self._request("POST", f"/v1/weights/sync/members/{member_id}/state",
-                      json={"sender_id": sender_id, "state": state, "reason": reason, "version": version})
+    def sync_member_state(self, member_id: str, report: MemberReport) -> None:
+        self._request("POST", f"/v1/weights/sync/members/{member_id}/state", json=report.model_dump(mode="json"))
 
-    def sync_join(self, request: dict) -> str:
-        return self._request("POST", "/v1/weights/sync/members", json=request).json()["member_id"]
+    def sync_join(self, request: JoinRequest) -> str:
+        """Ask to join; returns the member id the hub gave us (the offer comes through :meth:`sync_poll`)."""
+        return self._request("POST", "/v1/weights/sync/members", json=request.model_dump(mode="json")).json()[
+            "member_id"]
 
-    def sync_poll(self, member_id: str, version: int, wait_s: float = 0.0) -> dict:
-        """What a member does now: ``{"action": wait|connect|receive|idle|rejoin, "announced", "offer"}``."""
-        return self._request("POST", f"/v1/weights/sync/members/{member_id}/poll",
-                             json={"version": version, "wait_s": wait_s}, timeout_s=self.timeout_s + wait_s).json()
+    def sync_poll(self, member_id: str, poll: MemberPoll) -> MemberAnswer:
+        """What a member does now: wait, connect (with the offer), receive, idle or rejoin."""
+        response = self._request("POST", f"/v1/weights/sync/members/{member_id}/poll",
+                                 json=poll.model_dump(mode="json"), timeout_s=self.timeout_s + poll.wait_s)
+        return MemberAnswer.model_validate(response.json())
 
     def sync_leave(self, member_id: str) -> None:
         self._request("DELETE", f"/v1/weights/sync/members/{member_id}")

@@ -8,7 +8,6 @@ problem into a :class:`WireError` with a message fit for a 4xx answer.
 from __future__ import annotations
 
 import json
-import struct
 from typing import Any
 
 import torch
@@ -16,11 +15,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from shared.protocol import safetensors_header
+from shared.protocol.safetensors_header import HeaderError
+
 FORMAT_KEY = "grpo_format"
 JSON_KEY = "grpo_json"
-ALLOWED_DTYPES = {"BOOL", "U8", "I8", "I16", "I32", "I64", "F16", "BF16", "F32", "F64"}
-# A safetensors header is JSON describing the tensors; anything larger than this is not a rollout or batch.
-MAX_HEADER_BYTES = 16 * 2**20
+# the rollout wire's allow-list: bool, integers and floats (names of the one table in safetensors_header.py)
+ALLOWED_DTYPES = frozenset({"BOOL", "U8", "I8", "I16", "I32", "I64", "F16", "BF16", "F32", "F64"})
 
 
 class WireError(ValueError):
@@ -35,23 +36,10 @@ def encode(kind: str, tensors: dict[str, torch.Tensor], fields: dict[str, Any]) 
 
 def read_header(data: bytes | memoryview) -> dict[str, Any]:
     """Parse and sanity-check the safetensors header (8-byte little-endian size, then JSON) without the payload."""
-    if len(data) < 8:
-        raise WireError("body is not safetensors: shorter than its 8-byte header size")
-    (header_size,) = struct.unpack("<Q", bytes(data[:8]))
-    if header_size > MAX_HEADER_BYTES or header_size > len(data) - 8:
-        raise WireError(f"body is not safetensors: header size {header_size} does not fit a {len(data)}-byte body")
     try:
-        header = json.loads(bytes(data[8:8 + header_size]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise WireError(f"body is not safetensors: header is not JSON ({exc})") from None
-    if not isinstance(header, dict):
-        raise WireError("body is not safetensors: header is not a JSON object")
-    for name, spec in header.items():
-        if name == "__metadata__":
-            continue
-        if not isinstance(spec, dict) or spec.get("dtype") not in ALLOWED_DTYPES:
-            raise WireError(f"tensor {name!r}: unsupported or missing dtype")
-    return header
+        return safetensors_header.read_header(data, ALLOWED_DTYPES)
+    except HeaderError as exc:
+        raise WireError(str(exc)) from None
 
 
 def decode(data: bytes, kind: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

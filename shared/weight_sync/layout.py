@@ -10,15 +10,16 @@ the buffer itself. A tensor larger than a bucket spans several buckets; the rece
 from __future__ import annotations
 
 import json
-import struct
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
-DTYPE_CODES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64"}
-CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
+from shared.protocol.safetensors_header import DTYPES, NAMES, encode_header
+
+# the weights' allow-list: floats only (names of the one table in shared/protocol/safetensors_header.py)
+WEIGHT_DTYPES = frozenset({"F32", "F16", "BF16", "F64"})
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,7 @@ class TensorSpec:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return CODE_DTYPES[self.dtype]
+        return DTYPES[self.dtype]
 
 
 @dataclass(frozen=True)
@@ -46,12 +47,13 @@ class Layout:
 
     @classmethod
     def build(cls, shapes: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype) -> Layout:
-        if dtype not in DTYPE_CODES:
+        code = NAMES.get(dtype)
+        if code not in WEIGHT_DTYPES:
             raise ValueError(f"weights are published as float32, bfloat16, float16 or float64, not {dtype}")
         specs, offset = [], 0
         for name, shape in shapes:
             size = torch.Size(shape).numel() * dtype.itemsize
-            specs.append(TensorSpec(name, DTYPE_CODES[dtype], tuple(int(d) for d in shape), offset, offset + size))
+            specs.append(TensorSpec(name, code, tuple(int(d) for d in shape), offset, offset + size))
             offset += size
         return cls(tuple(specs))
 
@@ -63,9 +65,9 @@ class Layout:
         """The layout from ``[[name, dtype code, shape], ...]`` (offsets follow from the order)."""
         specs, offset = [], 0
         for name, code, shape in rows:
-            if code not in CODE_DTYPES:
+            if code not in WEIGHT_DTYPES:
                 raise ValueError(f"tensor {name!r}: unknown dtype {code!r}")
-            size = torch.Size(shape).numel() * CODE_DTYPES[code].itemsize
+            size = torch.Size(shape).numel() * DTYPES[code].itemsize
             specs.append(TensorSpec(str(name), code, tuple(int(d) for d in shape), offset, offset + size))
             offset += size
         return cls(tuple(specs))
@@ -76,12 +78,7 @@ class Layout:
 
     def safetensors_header(self, metadata: dict[str, str] | None = None) -> bytes:
         """The 8-byte length + JSON header that, followed by the flat buffer, is a safetensors file."""
-        header: dict[str, object] = {"__metadata__": {"format": "pt", **(metadata or {})}}
-        for t in self.tensors:
-            header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [t.begin, t.end]}
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)  # tensor data 8-byte aligned
-        return struct.pack("<Q", len(raw)) + raw
+        return encode_header(((t.name, t.dtype, t.shape, t.begin, t.end) for t in self.tensors), metadata)
 
 
 def bucket_ranges(total_bytes: int, bucket_bytes: int) -> list[tuple[int, int]]:

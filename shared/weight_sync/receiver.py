@@ -1,190 +1,205 @@
-"""The receiving end of one group, for any engine: the transformers engine runs it in the generator process, the
-vLLM worker extension in each worker. What to do with the tensors is the caller's ``apply``.
+"""The generator's side of the weight sync, for any engine: between engine calls, take the newest policy by the
+best transport.
 
-Each :meth:`GroupReceiver.receive` first asks the learner for the version (its first worker sets the next
-:func:`groups.request_key` in the learner's store), then takes it: the learner serves only receivers that asked, at
-once, so a receiver's time in the receive is the transfer itself.
+:meth:`WeightReceiver.sync` is called by the rollout loop between engine calls and returns the version now served
+(or None when nothing changed). Transports (``weight_sync.transport``, see docs/weight-sync.md):
 
-A transfer is all or nothing for the protocol: whatever ``apply`` does (a shape that does not fit, a layout that
-differs from the sender's), the receiver still takes every bucket and then answers the completion step with
-"refused", so the learner's sender never waits on a receiver that gave up half-way. Its weights may then be
-mixed: :class:`TransferRefused` says so, and the generator reloads a whole version over HTTP.
+* ``http``: poll the relay's newest version, download it, check it holds only finite values, load it;
+* ``collective`` / ``ipc``: join through the hub (the learner's sender must be registered), load the version the
+  offer names over HTTP first (a late joiner starts from the current weights), connect the engine to the group,
+  then, whenever the hub answers "receive", ask the learner for the version (through the group's store) and take
+  it straight from the learner. ``auto`` asks for IPC when the engine is on the learner's GPU, for a group when
+  both are on the same kind of device, else HTTP.
+
+A receive that fails half-way leaves the weights partly updated: the receiver then reloads the relay's version
+over HTTP before the next engine call and rejoins. Weights holding NaN/inf are never loaded from the relay: the
+generator keeps serving its version and logs the refusal.
+
+What an engine provides (``generator/engines/``): ``load_weights(path)``, ``name``, and to join a group
+``connect_weight_group(offer)`` (the :class:`Offer` as its JSON dict: it crosses into vLLM's worker processes),
+``receive_weight_version()``, ``disconnect_weight_group()``, optionally ``device_uuid()`` and
+``weight_sync_workers``; the receiving end of a group is :mod:`shared.weight_sync.group_receiver`.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+import time
+from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
-from shared.weight_sync import groups
-from shared.weight_sync.layout import BucketUnpacker, Layout, bucket_ranges
+from shared.config.schema.weight_sync import WeightSyncConfig
+from shared.errors import ServiceError
+from shared.protocol.client import HubClient, HubError, HubUnavailable
+from shared.protocol.weight_sync_messages import JoinRequest, MemberPoll, Offer, SenderSummary
 
-log = logging.getLogger("grpo.weight_sync.receiver")
-Apply = Callable[[Iterator[tuple[str, torch.Tensor]]], None]
-
-
-class TransferRefused(RuntimeError):
-    """This receiver could not apply the version (its weights may be partly updated)."""
+log = logging.getLogger("grpo.generator.weights")
 
 
-class GroupReceiver:
-    """Rank ``rank`` of a group the learner formed; ``device`` is where received tensors land."""
+class WeightSyncError(ServiceError):
+    """The generator cannot get back to whole, consistent weights (nothing on the relay after a failed receive)."""
 
-    def __init__(self, offer: dict, rank: int, device: torch.device, group=None) -> None:
-        self.offer, self.rank, self.device = offer, rank, device
-        self.layout = Layout.from_json(offer["layout"])
-        self.timeout_s = float(offer["timeout_s"])
-        self.via_ipc = offer["transport"] == "ipc"
-        self.group = group
-        self.store = None  # ours to release after the group when we built the group
-        if self.group is None:
-            self.store = groups.join_store(offer["host"], offer["port"], offer["world_size"], self.timeout_s)
-            self.group = groups.build_group(self.store, offer["group_id"], rank, offer["world_size"],
-                                            offer["backend"], self.timeout_s)
-        self.asks = rank == offer.get("first_rank", 1)  # one worker per engine asks for each version
-        self.request_store = self.store   # a group built elsewhere (vLLM's helper): a client of our own, lazily
-        self.requests = 0                 # versions asked for over this group
-        self.fingerprint = self.layout.fingerprint()
-        # an engine with one worker knows the group's verdict without waiting for it (the learner's part is
-        # always "applied"): its completion step finishes in the background, settled before the next use
-        self.sole_worker = offer["world_size"] == 2
-        self.unsettled = None             # (flag, work) of a completion step still running
-        self.wire_device = device if offer["backend"] == "nccl" else torch.device("cpu")
-        self.shared: torch.Tensor | None = None
-        if self.via_ipc:
-            from shared.weight_sync.ipc import open_handle
 
-            self.shared = open_handle(offer["ipc_handle"])
-        self.buffers: list[torch.Tensor] | None = None  # two buckets' worth, allocated at the first transfer
+def nonfinite_tensor(path: str | Path) -> str | None:
+    """The first tensor of a safetensors file holding NaN/inf (one tensor in memory at a time), or None."""
+    with safe_open(str(path), framework="pt") as fh:
+        for name in fh.keys():
+            tensor = fh.get_tensor(name)
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                return name
+    return None
 
-    def receive(self, apply: Apply) -> int:
-        """One version: ask for it, then header, buckets (or the IPC buffer), completion. Returns the version."""
-        self._settle()
-        self._ask()
-        header_tensor = torch.zeros(groups.HEADER_LEN, dtype=torch.int64, device=self.wire_device)
-        groups.broadcast(self.group, header_tensor, self.timeout_s)
-        header = groups.VersionHeader.from_tensor(header_tensor)
-        problem = None
-        if header.fingerprint != self.fingerprint or header.total_bytes != self.layout.total_bytes:
-            problem = "the sender's layout differs from the one it offered"
-        chunks = self._chunks(header)
-        if problem is None:
-            try:
-                apply(self._tensors(chunks))
-            except (RuntimeError, ValueError, KeyError) as exc:
-                problem = f"{type(exc).__name__}: {exc}"
-        for _ in chunks:  # drain what apply did not take: the sender's broadcasts must all complete
-            pass
-        if self.via_ipc and self.device.type == "cuda":
-            # the copies out of the learner's mapped buffer are queued on our stream: "applied" must mean read,
-            # or the learner's next publish could overwrite the buffer under them
-            torch.cuda.synchronize(self.device)
-        flag, work = groups.start_agreement(self.group, problem is None, self.wire_device)
-        if self.sole_worker and problem is None:
-            self.unsettled = (flag, work)  # the learner's answer is "applied": the engine may go on at once
-            return header.version
-        groups.finish(work, self.timeout_s)
-        applied = bool(flag.item() == 1)
-        if problem is not None:
-            raise TransferRefused(f"version {header.version} refused: {problem}")
-        if not applied:
-            raise TransferRefused(f"version {header.version}: another worker of this engine refused it")
-        return header.version
 
-    def _settle(self) -> None:
-        """Finish the previous version's completion step (long done in practice; a learner that died meanwhile
-        fails this receive, like any other transfer error)."""
-        if self.unsettled is not None:
-            _, work = self.unsettled
-            self.unsettled = None
-            groups.finish(work, self.timeout_s)
+class WeightReceiver:
+    def __init__(self, engine, client: HubClient, cfg: WeightSyncConfig, generator_id: str,
+                 weights_dir: str | Path) -> None:
+        self.engine, self.client, self.cfg = engine, client, cfg
+        self.generator_id = generator_id
+        self.weights_dir = Path(weights_dir)
+        self.mode = "http" if cfg.transport == "http" else "join"   # join: try the hub's sender when it is there
+        self.member_id: str | None = None
+        self.transport: str | None = None
+        self.inconsistent = False           # a receive failed half-way: reload a whole version before generating
+        self.refused: set[int] = set()      # relay versions holding NaN/inf (never loaded)
+        self.refused_nonfinite = 0
+        self.failed_receives = 0
+        self.last_load_s = 0.0
+        self.connected = False              # the engine holds a group with the learner
 
-    def _ask(self) -> None:
-        """Tell the learner's thread for this group that we wait in the receive (it starts the transfer now)."""
-        if not self.asks:
-            return
-        if self.request_store is None:
-            self.request_store = groups.join_store(self.offer["host"], self.offer["port"], self.offer["world_size"],
-                                                   self.timeout_s)
-        self.requests += 1
-        self.request_store.set(groups.request_key(self.requests), b"1")
-
-    def _chunks(self, header: groups.VersionHeader) -> Iterator[tuple[int, torch.Tensor]]:
-        """Buckets in order. Two receive buffers: the next bucket's receive is posted before the current one is
-        handed out, so the learner sends it while this side copies the current one into the model."""
-        ranges = bucket_ranges(header.total_bytes, header.bucket_bytes)
-        if self.via_ipc:
-            for begin, end in ranges:
-                yield begin, self.shared[begin:end]
-            return
-        size = min(header.bucket_bytes, header.total_bytes)
-        if self.buffers is None or self.buffers[0].numel() < size:
-            self.buffers = [torch.empty(size, dtype=torch.uint8, device=self.wire_device) for _ in range(2)]
-
-        def start(index: int):
-            begin, end = ranges[index]
-            chunk = self.buffers[index % 2][:end - begin]
-            return chunk, groups.start_broadcast(self.group, chunk)
-
-        pending = start(0) if ranges else None
-        for index, (begin, _) in enumerate(ranges):
-            chunk, work = pending
-            groups.finish(work, self.timeout_s)
-            pending = start(index + 1) if index + 1 < len(ranges) else None
-            yield begin, chunk
-
-    def _tensors(self, chunks: Iterator[tuple[int, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        unpacker = BucketUnpacker(self.layout)
-        for begin, chunk in chunks:
-            for name, tensor in unpacker.feed(begin, chunk):
-                yield name, tensor.to(self.device) if tensor.device != self.device else tensor
-            if unpacker.done:
-                return
+    # -- the loop's entry point ----------------------------------------------------------------------------
+    def sync(self, have: int) -> int | None:
+        """Take a newer version if there is one; returns the version now served, or None if unchanged."""
+        if self.mode == "http" or (self.member_id is None and not self._join()):
+            return self._from_relay(have)
+        answer = self.client.sync_poll(self.member_id, MemberPoll(version=have))
+        action = answer.action
+        if action == "connect":
+            return self._connect(answer.offer, have)
+        if action == "receive":
+            return self._receive(have)
+        if action == "rejoin":
+            log.warning("weight sync: the hub sent us to rejoin (%s)", answer.reason)
+            self._disconnect()
+            return self._from_relay(have)
+        if action == "wait":  # the sender has not answered the join yet: the relay may be ahead meanwhile
+            return self._from_relay(have)
+        return None
 
     def close(self) -> None:
-        """Shut the group down and drop it, then the store, now (idempotent; bounded even with the learner gone,
-        see :func:`groups.close_group`)."""
+        if self.member_id is not None:
+            try:
+                self.client.sync_leave(self.member_id)
+            except (HubError, HubUnavailable) as exc:  # the hub forgot us or is gone: nothing left to leave
+                log.info("weight sync: leave: %s", exc)
+        self._disconnect()
+
+    # -- joining ----------------------------------------------------------------------------------------------
+    def choose_transport(self, sender: SenderSummary) -> tuple[str, str]:
+        """(transport, why) for this engine and the registered sender."""
+        requested = self.cfg.transport
+        ours = getattr(self.engine, "device_uuid", lambda: None)()
+        engine_backend = "nccl" if ours is not None else "gloo"
+        if requested in ("auto", "ipc") and ours is not None and ours == sender.device_uuid:
+            return "ipc", "the engine is on the learner's GPU"
+        if requested == "ipc":
+            return "http", "CUDA IPC needs the engine on the learner's GPU"
+        if sender.backend != engine_backend:
+            return "http", (f"the learner's groups use {sender.backend}, this engine needs {engine_backend} "
+                            "(GPU and CPU do not mix)")
+        return "collective", f"{engine_backend} group with the learner"
+
+    def _join(self) -> bool:
+        sender = self.client.sync_status().sender
+        if sender is None:
+            return False  # no sender yet (the learner starts after us, or publishes over HTTP only)
+        transport, why = self.choose_transport(sender)
+        if not hasattr(self.engine, "connect_weight_group"):
+            transport, why = "http", f"the {self.engine.name} engine cannot join a group"
         try:
-            self._settle()
-        except RuntimeError as exc:  # the learner is gone: nothing left to agree with
-            log.info("weight sync: the last completion step did not finish: %s", exc)
-        group, self.group = self.group, None
-        groups.close_group(group)
-        del group
-        self.store = self.request_store = None
-        self.buffers = None
+            self.member_id = self.client.sync_join(JoinRequest(
+                generator_id=self.generator_id, transport=transport,
+                workers=getattr(self.engine, "weight_sync_workers", 1),
+                device_uuid=getattr(self.engine, "device_uuid", lambda: None)()))
+        except HubError as exc:
+            log.warning("weight sync: cannot join (%s); using the HTTP relay for now", exc.detail)
+            return False
+        self.transport = transport
+        log.info("weight sync: joined as %s over %s (%s)", self.member_id, transport, why)
+        if transport == "http":
+            self.mode = "http"
+        return transport != "http"
 
+    def _connect(self, offer: Offer, have: int) -> int | None:
+        """The late joiner's order: the offered relay version over HTTP, then the group."""
+        loaded = None
+        relay = offer.relay_version
+        if relay is not None and (relay > have or self.inconsistent):
+            loaded = self._load_relay_version(relay)
+        if self.inconsistent:
+            raise WeightSyncError("weights were partly updated by a failed transfer and the relay holds no "
+                                  "version to reload")
+        try:
+            self.engine.connect_weight_group(offer.model_dump(mode="json"))
+        except (RuntimeError, ValueError, ConnectionError, TimeoutError) as exc:
+            log.warning("weight sync: cannot connect to the learner's group at %s (%s): using the HTTP relay",
+                        offer.group_id, exc)
+            self.close()
+            self.mode = "http"
+            return loaded
+        self.connected = True
+        log.info("weight sync: connected to %s (%s)", offer.group_id, offer.backend)
+        return loaded
 
-def copy_into_module(model: torch.nn.Module, tensors: Iterator[tuple[str, torch.Tensor]]) -> int:
-    """Copy each named tensor into the parameter/buffer of that name (tied copies share storage)."""
-    state = dict(model.named_parameters(remove_duplicate=False))
-    state.update(dict(model.named_buffers()))
-    count = 0
-    with torch.no_grad():
-        for name, tensor in tensors:
-            target = state.get(name)
-            if target is None:
-                raise KeyError(f"tensor {name!r} is not in the model")
-            if tuple(target.shape) != tuple(tensor.shape):
-                raise ValueError(f"{name} has shape {tuple(tensor.shape)}, the model has {tuple(target.shape)}")
-            target.copy_(tensor)
-            count += 1
-    return count
+    def _disconnect(self) -> None:
+        self.member_id = None
+        self.connected = False
+        if hasattr(self.engine, "disconnect_weight_group"):
+            self.engine.disconnect_weight_group()
 
+    # -- receiving ---------------------------------------------------------------------------------------------
+    def _receive(self, have: int) -> int | None:
+        started = time.perf_counter()
+        try:
+            version = self.engine.receive_weight_version()
+        except (RuntimeError, ConnectionError, TimeoutError, ValueError) as exc:
+            self.failed_receives += 1
+            self.inconsistent = True
+            log.warning("weight sync: receiving a new version failed (%s); reloading the relay's version, then "
+                        "rejoining", exc)
+            self._disconnect()
+            loaded = self._from_relay(have, force=True)
+            if self.inconsistent:
+                raise WeightSyncError("weights were partly updated by a failed transfer and the relay holds no "
+                                      "version to reload") from exc
+            return loaded
+        self.last_load_s = time.perf_counter() - started
+        log.info("weight sync: version %d received in %.3fs", version, self.last_load_s)
+        return version if version != have else None
 
-def check_layout_fits(model: torch.nn.Module, layout: Layout) -> str | None:
-    """Why ``layout`` cannot be loaded into ``model`` (unknown names, shapes, uncovered parameters), or None."""
-    state = dict(model.named_parameters(remove_duplicate=False))
-    state.update(dict(model.named_buffers()))
-    covered = set()
-    for spec in layout.tensors:
-        target = state.get(spec.name)
-        if target is None:
-            return f"tensor {spec.name!r} is not in the model"
-        if tuple(target.shape) != spec.shape:
-            return f"{spec.name} has shape {spec.shape}, the model has {tuple(target.shape)}"
-        covered.add(id(target))
-    missing = [n for n, p in model.named_parameters() if id(p) not in covered]
-    return f"no values for {missing[:5]}" if missing else None
+    def _from_relay(self, have: int, force: bool = False) -> int | None:
+        latest = self.client.weights_version()
+        if latest is None or (latest <= have and not force) or latest in self.refused:
+            return None
+        return self._load_relay_version(latest)
+
+    def _load_relay_version(self, version: int) -> int | None:
+        self.weights_dir.mkdir(parents=True, exist_ok=True)
+        path = self.client.download_weights(version, self.weights_dir / f"v{version:010d}.safetensors")
+        try:
+            bad = nonfinite_tensor(path)
+            if bad is not None:
+                self.refused.add(version)
+                self.refused_nonfinite += 1
+                log.warning("weights version %d holds NaN/inf (tensor %s): not loaded, still serving the previous "
+                            "weights", version, bad)
+                return None
+            started = time.perf_counter()
+            self.engine.load_weights(path)
+            self.last_load_s = time.perf_counter() - started
+            self.inconsistent = False
+        finally:
+            for old in self.weights_dir.glob("v*.safetensors"):
+                old.unlink(missing_ok=True)
+        return version

@@ -13,9 +13,9 @@ from transformers import AutoModelForCausalLM
 
 from generator.engines.hf import TransformersEngine
 from learner.checkpoint import complete_tags
-from learner.publish import header_for, write_safetensors
 from shared.protocol.client import HubClient
 from shared.protocol.records import SamplingParams
+from shared.weight_sync.export import header_for, write_safetensors
 from tests.live_server import LiveServer, make_config
 
 from .batches import sampled_groups

@@ -196,7 +196,7 @@ def test_optimizer_needs_no_op_build(distributed, tiny_model_dir, monkeypatch):
 def test_zero_stages_step_and_publish_full_parameters(distributed, tiny_model_dir, tmp_path, stage):
     from safetensors.torch import load_file
 
-    from learner.publish import write_safetensors
+    from shared.weight_sync.export import write_safetensors
 
     engine = make_engine(tiny_model_dir, zero_stage=stage, lr=1e-3, groups_per_step=1)
     if stage == 3:
@@ -244,7 +244,7 @@ def test_optimizer_offload_steps(distributed, tiny_model_dir):
 @pytest.mark.slow
 def test_zero3_accumulates_micro_batches_like_zero0(distributed, tiny_model_dir):
     """ZeRO-3's backward overwrites its gradient buffer unless told a new micro-batch began (DeepSpeed 0.19.8)."""
-    from learner.publish import iter_parameters
+    from shared.weight_sync.params import iter_parameters
 
     batch = batch_of(sampled_groups(tiny_model_dir, [[1.0, 0.0, 0.0, 1.0], [0.0, 1.0, 1.0, 0.5]], seed=6))
     params, norms = {}, {}
@@ -426,7 +426,7 @@ def test_batch_metrics_count_constant_groups_and_staleness():
 def test_prefix_sharing_applies_the_padded_update_under_zero0_and_zero3(distributed, tiny_model_dir):
     """One prompt pass per group calls the body twice per micro-batch; ZeRO-3 gathers the parameters for both and
     the update equals the padded step's (two micro-batches, groups of 4 sharing a prompt)."""
-    from learner.publish import iter_parameters
+    from shared.weight_sync.params import iter_parameters
 
     batch = batch_of(sampled_groups(tiny_model_dir, [[1.0, 0.0, 0.0, 1.0], [0.0, 1.0, 1.0, 0.5]], seed=6))
     params = {}

@@ -14,11 +14,11 @@ vllm = pytest.importorskip("vllm")
 from deploy.demo.tiny_model import TinyModelSpec, build_char_tokenizer, build_tiny_model, save_model_dir  # noqa: E402
 from generator.engines.hf import TransformersEngine  # noqa: E402
 from generator.engines.vllm_engine import VLLMEngine  # noqa: E402
-from generator.weight_receiver import WeightReceiver  # noqa: E402
-from learner.weight_sender import WeightPublisher  # noqa: E402
 from shared.config.schema import WeightSyncConfig  # noqa: E402
 from shared.protocol.client import HubClient, RetryPolicy  # noqa: E402
 from shared.protocol.records import SamplingParams  # noqa: E402
+from shared.weight_sync.publisher import WeightPublisher  # noqa: E402
+from shared.weight_sync.receiver import WeightReceiver  # noqa: E402
 from tests.live_server import LiveServer, make_config  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)

@@ -15,7 +15,8 @@ import time
 import torch
 
 from shared.protocol.client import HubClient, RetryPolicy
-from shared.weight_sync.receiver import GroupReceiver
+from shared.protocol.weight_sync_messages import JoinRequest, MemberPoll
+from shared.weight_sync.group_receiver import GroupReceiver
 
 CFG = dict(transport="collective", bucket_mb=0.001, timeout_s=10.0, join_timeout_s=20.0, poll_s=0.05)
 
@@ -30,8 +31,8 @@ def model() -> torch.nn.Module:
 
 
 def learner(url: str) -> None:
-    from learner.weight_sender import WeightPublisher
     from shared.config.schema import WeightSyncConfig
+    from shared.weight_sync.publisher import WeightPublisher
 
     publisher = WeightPublisher(model(), lambda: client(url), WeightSyncConfig(**CFG), rank=0, world=1,
                                 device=torch.device("cpu"), relay_version=None)
@@ -54,7 +55,7 @@ def learner(url: str) -> None:
 
 def receiver(url: str) -> None:
     hub = client(url)
-    member = hub.sync_join({"generator_id": "holder", "transport": "collective", "workers": 1})
+    member = hub.sync_join(JoinRequest(generator_id="holder", transport="collective", workers=1))
     group_receiver, version, received = None, None, {}
     expected = dict(model().named_parameters())
     deadline = time.monotonic() + 30
@@ -62,10 +63,10 @@ def receiver(url: str) -> None:
         while version is None:
             if time.monotonic() > deadline:
                 sys.exit("receiver: nothing received within 30 s")
-            answer = hub.sync_poll(member, 0, wait_s=0.5)
-            if answer["action"] == "connect" and group_receiver is None:
-                group_receiver = GroupReceiver(answer["offer"], 1, torch.device("cpu"))
-            elif answer["action"] == "receive" and group_receiver is not None:
+            answer = hub.sync_poll(member, MemberPoll(version=0, wait_s=0.5))
+            if answer.action == "connect" and group_receiver is None:
+                group_receiver = GroupReceiver(answer.offer.model_dump(mode="json"), 1, torch.device("cpu"))
+            elif answer.action == "receive" and group_receiver is not None:
                 version = group_receiver.receive(lambda tensors: received.update((n, t.clone()) for n, t in tensors))
                 for name, param in expected.items():
                     if not torch.equal(received[name], param.detach()):

@@ -11,21 +11,22 @@ import time
 import torch
 
 from shared.protocol.client import HubClient, RetryPolicy
+from shared.protocol.weight_sync_messages import JoinRequest, MemberPoll
 from shared.weight_sync import groups
-from shared.weight_sync.receiver import GroupReceiver
+from shared.weight_sync.group_receiver import GroupReceiver
 
 
 def main(url: str) -> None:
     client = HubClient(url, retry=RetryPolicy(max_retry_s=10))
-    member = client.sync_join({"generator_id": "peer", "transport": "collective", "workers": 1})
+    member = client.sync_join(JoinRequest(generator_id="peer", transport="collective", workers=1))
     receiver = None
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        answer = client.sync_poll(member, 0, wait_s=1.0)
-        if answer["action"] == "connect" and receiver is None:
-            receiver = GroupReceiver(answer["offer"], 1, torch.device("cpu"))
+        answer = client.sync_poll(member, MemberPoll(version=0, wait_s=1.0))
+        if answer.action == "connect" and receiver is None:
+            receiver = GroupReceiver(answer.offer.model_dump(mode="json"), 1, torch.device("cpu"))
             print("CONNECTED", flush=True)
-        elif answer["action"] == "receive" and receiver is not None:
+        elif answer.action == "receive" and receiver is not None:
             receiver._ask()  # as GroupReceiver.receive does: the learner's link serves receivers that asked
             header = torch.zeros(groups.HEADER_LEN, dtype=torch.int64)
             groups.broadcast(receiver.group, header, receiver.timeout_s)

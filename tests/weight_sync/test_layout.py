@@ -5,8 +5,8 @@ import requests
 import torch
 from safetensors import safe_open
 
-from learner.weight_sender import _BufferReader
 from shared.weight_sync.layout import BucketUnpacker, Layout, bucket_ranges
+from shared.weight_sync.sender import SafetensorsStream
 from tests.live_server import LiveServer, make_config
 
 TENSORS = {"a": torch.arange(6.0).reshape(2, 3), "empty": torch.zeros(0, 4), "b": torch.arange(10.0) * -1,
@@ -46,7 +46,7 @@ def test_header_and_buffer_are_a_safetensors_file_and_the_layout_survives_json(t
     spec = layout()
     assert Layout.from_json(spec.to_json()) == spec and Layout.from_json(spec.to_json()).fingerprint() == \
         spec.fingerprint()
-    reader = _BufferReader(spec.safetensors_header({"grpo_version": "7"}), flat(TENSORS), chunk_bytes=16)
+    reader = SafetensorsStream(spec.safetensors_header({"grpo_version": "7"}), flat(TENSORS), chunk_bytes=16)
     path = tmp_path / "v.safetensors"
     path.write_bytes(b"".join(iter(lambda: reader.read(13), b"")))  # odd read sizes across header and chunks
     assert len(reader) == path.stat().st_size

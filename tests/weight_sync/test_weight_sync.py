@@ -13,10 +13,11 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from generator.engines.hf import TransformersEngine
-from generator.weight_receiver import WeightReceiver
-from learner.weight_sender import WeightPublisher
 from shared.config.schema import WeightSyncConfig
 from shared.protocol.client import HubClient, RetryPolicy
+from shared.protocol.weight_sync_messages import SenderWork
+from shared.weight_sync.publisher import WeightPublisher
+from shared.weight_sync.receiver import WeightReceiver
 from tests.live_server import LiveServer, make_config
 
 # ~50 KiB buckets: the tiny model's 192 x 192 projections (144 KiB) span several buckets
@@ -307,7 +308,7 @@ def test_a_generator_that_asks_is_served_without_the_sender_hearing_from_the_hub
             def stalled_work(sender_id, wait_s):
                 stuck.set()
                 sender.stopping.wait(60)  # the hub never answers the long poll again (until close)
-                return {"joins": [], "silent": [], "http_members": 0}
+                return SenderWork(joins=[], silent=[], http_members=0)
 
             for client_ in list(sender._clients):
                 client_.sync_work = stalled_work

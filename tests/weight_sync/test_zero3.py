@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from learner.engine import create_engine, ensure_single_process_env, init_distributed
-from learner.publish import iter_parameters
 from shared.config.schema import LearnerConfig
+from shared.weight_sync.params import iter_parameters
 from tests.live_server import LiveServer, make_config
 from tests.weight_sync.test_weight_sync import Generator, make_publisher
 

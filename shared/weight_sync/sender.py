@@ -1,14 +1,14 @@
-"""The learner's side of the weight sync: copy into a send buffer, return, transfer in the background.
+"""Rank 0's background transfers of the learner's send buffer.
 
-:class:`WeightPublisher` (every rank) copies the policy into one flat send buffer on rank 0 (gathering ZeRO-3
-partitions, every rank taking part, one parameter at a time) and returns: the learner's stall per publish is that
-copy. :class:`WeightSender` (rank 0) then moves the buffer in background threads:
+:class:`shared.weight_sync.publisher.WeightPublisher` (every rank) copies the policy into one flat send buffer on
+rank 0 and returns: the learner's stall per publish is that copy. :class:`WeightSender` (rank 0) then moves the
+buffer in background threads:
 
 * to the HTTP relay (a safetensors stream: header + buffer), when no generator holds a group, when some
   generator only uses HTTP, when a late joiner needs the current version first, and at the end of the run;
-* through a process group per generator (:mod:`learner.weight_members`, built with :mod:`shared.weight_sync.groups`:
-  gloo on CPU, NCCL on GPU), to each member that asks for it (through its group's store, as it enters the
-  receive), in buckets of ``weight_sync.bucket_mb``;
+* through a process group per generator (:mod:`shared.weight_sync.members`, built with
+  :mod:`shared.weight_sync.groups`: gloo on CPU, NCCL on GPU), to each member that asks for it (through its group's
+  store, as it enters the receive), in buckets of ``weight_sync.bucket_mb``;
 * through CUDA IPC (the buffer's handle, opened once by the generator) when they share a GPU: the group then only
   carries the header and the completion step.
 
@@ -26,38 +26,21 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 
 import torch
-import torch.distributed as dist
 
-from learner.publish import _full_shape, _gathered
-from learner.weight_members import GroupMembers
 from shared.config.schema.weight_sync import WeightSyncConfig
 from shared.protocol.client import HubClient, HubError, HubUnavailable
+from shared.protocol.weight_sync_messages import Announcement, MemberReport, SenderInfo
 from shared.weight_sync.ipc import device_uuid, export_handle
 from shared.weight_sync.layout import Layout
+from shared.weight_sync.members import GroupMembers
+from shared.weight_sync.sender_state import SyncCounters
 
 log = logging.getLogger("grpo.learner.weight_sync")
 
 
-@dataclass
-class SyncCounters:
-    """What the metrics report about the weight sync (rank 0)."""
-
-    published: int = 0              # versions copied into the send buffer
-    skipped_busy: int = 0           # publishes skipped: the previous version was still being transferred
-    superseded: int = 0             # versions overwritten before any transfer of them started
-    refused_nonfinite: int = 0      # publishes refused: NaN/inf in the weights
-    relay_uploads: int = 0
-    served: int = 0                 # (member, version) transfers completed
-    dropped: int = 0                # members dropped after a failed / timed-out transfer
-    members: int = 0                # members holding a group now
-    last_stall_s: float = 0.0       # the learner's time in the last publish (the copy)
-    last_transfer_s: float = 0.0    # from "buffer holds version V" to its last transfer (relay or member) done
-
-
-class _BufferReader:
+class SafetensorsStream:
     """A safetensors file (header + buffer) as a seekable stream for ``requests`` (no file on disk; a GPU buffer
     is copied to the host one chunk at a time)."""
 
@@ -96,7 +79,8 @@ class _BufferReader:
 
 
 class WeightSender:
-    """Rank 0's background transfers of the send buffer (see the module docstring)."""
+    """Rank 0's background transfers of the send buffer (see the module docstring); its members see it as a
+    :class:`shared.weight_sync.sender_state.SenderState`."""
 
     def __init__(self, client_factory: Callable[[], HubClient], cfg: WeightSyncConfig, layout: Layout,
                  buffer: torch.Tensor, relay_version: int | None) -> None:
@@ -142,10 +126,10 @@ class WeightSender:
 
     def _register(self) -> None:
         cfg = self.cfg
-        self.client.sync_register_sender({
-            "sender_id": self.sender_id, "host": cfg.host, "backend": self.backend,
-            "device_uuid": device_uuid(self.buffer.device), "layout": self.layout.to_json(),
-            "bucket_bytes": cfg.bucket_bytes, "timeout_s": cfg.timeout_s, "member_idle_s": cfg.member_idle_s})
+        self.client.sync_register_sender(SenderInfo(
+            sender_id=self.sender_id, host=cfg.host, backend=self.backend,
+            device_uuid=device_uuid(self.buffer.device), layout=self.layout.to_json(),
+            bucket_bytes=cfg.bucket_bytes, timeout_s=cfg.timeout_s, member_idle_s=cfg.member_idle_s))
 
     # -- called by the learner (rank 0) ---------------------------------------------------------------------
     def begin_copy(self) -> bool:
@@ -271,7 +255,8 @@ class WeightSender:
     def member_state(self, member_id: str, state: str, *, reason: str | None = None,
                      version: int | None = None) -> None:
         try:
-            self.client.sync_member_state(self.sender_id, member_id, state, reason=reason, version=version)
+            self.client.sync_member_state(member_id, MemberReport(sender_id=self.sender_id, state=state,
+                                                                  reason=reason, version=version))
         except (HubError, HubUnavailable) as exc:
             log.warning("weight sync: could not tell the hub %s is %s: %s", member_id, state, exc)
 
@@ -306,13 +291,14 @@ class WeightSender:
                 if upload:
                     self.upload_relay(version)
                 if self.groups_enabled and (self.announced is None or version > self.announced):
+                    announcement = Announcement(sender_id=self.sender_id, version=version)
                     try:
-                        self.client.sync_announce(self.sender_id, version)
+                        self.client.sync_announce(announcement)
                     except HubError as exc:
                         if exc.status != 409:
                             raise
                         self._register()  # the hub forgot us (restarted): register again, then announce
-                        self.client.sync_announce(self.sender_id, version)
+                        self.client.sync_announce(announcement)
                     with self.lock:
                         self.announced = version
                         self.lock.notify_all()
@@ -328,7 +314,7 @@ class WeightSender:
             with self.lock:
                 self.version_sent = self.version_sent or version == self.version
             header = self.layout.safetensors_header({"grpo_version": str(version)})
-            self.client.upload_weights_stream(version, _BufferReader(header, self.buffer))
+            self.client.upload_weights_stream(version, SafetensorsStream(header, self.buffer))
             with self.lock:
                 self.relay_version = version
                 self.counters.relay_uploads += 1
@@ -342,84 +328,3 @@ class WeightSender:
                 self.relay_version = max(self.relay_version or 0, version)
         finally:
             self.transfer_done("relay")
-
-class WeightPublisher:
-    """Every rank builds one; rank 0 holds the buffer and the sender. :meth:`publish` is collective."""
-
-    def __init__(self, module: torch.nn.Module, client_factory: Callable[[], HubClient], cfg: WeightSyncConfig, *,
-                 rank: int,
-                 world: int, device: torch.device, relay_version: int | None) -> None:
-        self.module, self.cfg, self.rank, self.world, self.device = module, cfg, rank, world, device
-        dtype = next(module.parameters()).dtype
-        self.layout = Layout.build([(n, _full_shape(p)) for n, p in module.named_parameters()], dtype)
-        self.sender: WeightSender | None = None
-        self.last_copied: int | None = None
-        if rank == 0:
-            on_gpu = device.type == "cuda" and cfg.transport != "http"
-            buffer = torch.empty(self.layout.total_bytes, dtype=torch.uint8, device=device if on_gpu else "cpu")
-            buffer.zero_()  # touch every page now, not during the first publish (a stall of its own)
-            self.sender = WeightSender(client_factory, cfg, self.layout, buffer, relay_version)
-
-    def _agree(self, flag: bool) -> bool:
-        """Rank 0's decision, on every rank (the ZeRO-3 gather below is a collective)."""
-        if self.world == 1:
-            return flag
-        tensor = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.device)
-        dist.broadcast(tensor, src=0)
-        return bool(tensor.item())
-
-    def publish(self, version: int) -> float:
-        """Copy the weights into the send buffer as ``version`` (unless a transfer still reads it); the stall."""
-        started = time.perf_counter()
-        go = self._agree(self.sender.begin_copy() if self.sender is not None else False)
-        if not go:
-            return time.perf_counter() - started
-        self._copy()
-        stall = time.perf_counter() - started
-        if self.sender is not None:
-            self.sender.end_copy(version, stall)
-            self.last_copied = version
-        return stall
-
-    @torch.no_grad()
-    def _copy(self) -> None:
-        """Copy every parameter into the buffer (gathering ZeRO-3 partitions; every rank takes part). The finite
-        check runs in the sender's thread afterwards: it is not part of the learner's stall."""
-        buffer = self.sender.buffer if self.sender is not None else None
-        for spec, (_, param) in zip(self.layout.tensors, self.module.named_parameters()):
-            with _gathered(param):
-                if buffer is not None and param.numel():
-                    buffer[spec.begin:spec.end].view(spec.torch_dtype).copy_(param.detach().reshape(-1),
-                                                                             non_blocking=True)
-
-    def finish(self, version: int, stopping: bool = False) -> None:
-        """End of the run (collective): wait for transfers, publish ``version`` if it never made it into the
-        buffer (a publish skipped while the sender was busy), and leave it on the relay. ``stopping`` (a stop
-        was requested): hub requests are tried once, so a hub that is gone costs no retry budget."""
-        if self.sender is not None and stopping:
-            self.sender.abort_requests()
-        wait_s = self.cfg.timeout_s * 4
-        idle = self.sender.wait_idle(wait_s) if self.sender is not None else True
-        if not idle:
-            log.warning("weight sync: transfers still running after %.0fs at the end of the run", wait_s)
-        owed = (self.sender is not None and idle and version > 0
-                and (self.last_copied is None or self.last_copied < version))
-        if self._agree(owed):
-            self.publish(version)
-            if self.sender is not None:
-                self.sender.wait_idle(wait_s)
-        if self.sender is not None:
-            try:
-                self.sender.upload_final()
-            except (HubError, HubUnavailable) as exc:
-                log.warning("weight sync: the last version is not on the relay: %s", exc)
-
-    def metrics(self) -> dict[str, float]:
-        if self.sender is None:
-            return {}
-        with self.sender.lock:
-            return {f"weight_sync_{k}": float(v) for k, v in asdict(self.sender.counters).items()}
-
-    def close(self) -> None:
-        if self.sender is not None:
-            self.sender.close()

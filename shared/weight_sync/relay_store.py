@@ -2,7 +2,9 @@
 
 Neither direction holds a state dict in memory: an upload is copied chunk by chunk into a temporary file that is
 renamed into place only once complete and valid (so a half-written version is never served), and a download is a
-file response. The newest ``keep`` versions are kept; older ones are deleted.
+file response (``ref_server/relay/routes.py``). The newest ``keep`` versions are kept; older ones are deleted.
+A file is published only when its safetensors header (:mod:`shared.protocol.safetensors_header`) is valid and its
+tensors tile the rest of the file exactly.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from shared.protocol.wire import WireError, read_header
+from shared.protocol.safetensors_header import HeaderError, check_data_offsets, read_header
 
 log = logging.getLogger("grpo.ref_server.weights")
 _NAME = re.compile(r"^v(\d{10})\.safetensors$")
@@ -38,36 +40,8 @@ def _flush_to_disk(fh) -> None:
     os.fsync(fh.fileno())
 
 
-_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "I16": 2, "F16": 2, "BF16": 2, "I32": 4, "F32": 4, "I64": 8, "F64": 8}
-
-
-def _check_layout(header: dict) -> int:
-    """Tensors' byte ranges must tile the data section exactly: each ``data_offsets`` a pair of integers, matching
-    its dtype and shape, contiguous and non-overlapping from 0. Returns the data section's size."""
-    ranges = []
-    for name, spec in header.items():
-        if name == "__metadata__":
-            continue
-        offsets, shape = spec.get("data_offsets"), spec.get("shape")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
-            raise WeightsRejected(f"weights upload: tensor {name!r} has no valid data_offsets [begin, end]")
-        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
-            raise WeightsRejected(f"weights upload: tensor {name!r} has no valid shape")
-        begin, end = offsets
-        numel = 1
-        for d in shape:
-            numel *= d
-        if not 0 <= begin <= end or end - begin != numel * _ITEMSIZE[spec["dtype"]]:
-            raise WeightsRejected(f"weights upload: tensor {name!r} has data_offsets {offsets} that do not match its "
-                                  f"dtype {spec['dtype']} and shape {shape}")
-        ranges.append((begin, end, name))
-    position = 0
-    for begin, end, name in sorted(ranges):
-        if begin != position:
-            raise WeightsRejected(f"weights upload: tensor {name!r} starts at byte {begin}, expected {position} "
-                                  "(tensors must be contiguous and must not overlap)")
-        position = end
-    return position
+# the relay's allow-list: what the rollout wire takes (names of the one table in safetensors_header.py)
+RELAY_DTYPES = frozenset({"BOOL", "U8", "I8", "I16", "I32", "I64", "F16", "BF16", "F32", "F64"})
 
 
 class WeightStore:
@@ -135,10 +109,10 @@ class WeightStore:
             if header_size > size - 8:
                 raise WeightsRejected("weights upload is not safetensors: truncated header")
             try:
-                header = read_header(head + fh.read(min(header_size, 2**27)))
-            except WireError as exc:
+                header = read_header(head + fh.read(min(header_size, 2**27)), RELAY_DTYPES)
+                end = check_data_offsets(header)
+            except HeaderError as exc:
                 raise WeightsRejected(f"weights upload: {exc}") from None
-        end = _check_layout(header)
         if 8 + header_size + end != size:
             raise WeightsRejected(f"weights upload is truncated: {size} bytes, header describes {8 + header_size + end}")
 

@@ -1,6 +1,6 @@
 """Writing the policy as a safetensors file one parameter at a time (the final Hugging Face folder).
 
-Publishing to the generators is learner/weight_sender.py: a send buffer and background transfers.
+Publishing to the generators is :mod:`shared.weight_sync.publisher`: a send buffer and background transfers.
 
 The safetensors header (names, dtypes, shapes, offsets) is known from parameter metadata alone, so the file is
 written header first and then each tensor as soon as it is gathered: memory never holds more than one full
@@ -11,59 +11,37 @@ head appears once, under the embedding's name, as in ``named_parameters``).
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import os
 import shutil
-import struct
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from shared.protocol.safetensors_header import dtype_name, encode_header
+from shared.weight_sync.params import full_shape, iter_parameters
+
 log = logging.getLogger("grpo.learner")
 
-_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
-           torch.int64: "I64", torch.int32: "I32", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
-
-
-def _full_shape(param: torch.nn.Parameter) -> tuple[int, ...]:
-    return tuple(getattr(param, "ds_shape", param.shape))  # ZeRO-3 keeps the unpartitioned shape in ds_shape
-
-
-def _gathered(param: torch.nn.Parameter):
-    if hasattr(param, "ds_id"):  # partitioned by ZeRO-3: gather the full tensor on every rank
-        import deepspeed
-
-        return deepspeed.zero.GatheredParameters([param], modifier_rank=None)
-    return contextlib.nullcontext()
-
-
-def iter_parameters(model: torch.nn.Module, dtype: torch.dtype | None = None
-                    ) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, full tensor on CPU)`` per parameter, gathering ZeRO-3 partitions one at a time (collective)."""
-    for name, param in model.named_parameters():
-        with _gathered(param):
-            tensor = param.detach()
-            yield name, tensor.to(dtype=dtype or tensor.dtype, device="cpu").contiguous()
+# the exported file's allow-list (names of the one table in shared/protocol/safetensors_header.py)
+FILE_DTYPES = frozenset({"F32", "F16", "BF16", "F64", "I64", "I32", "I8", "U8", "BOOL"})
 
 
 def header_for(model: torch.nn.Module, dtype: torch.dtype | None = None,
                metadata: dict[str, str] | None = None) -> tuple[bytes, int]:
     """The safetensors header for ``model``'s parameters (in ``named_parameters`` order) and the data size."""
-    header: dict[str, object] = {"__metadata__": {"format": "pt", **(metadata or {})}}
-    offset = 0
+    tensors, offset = [], 0
     for name, param in model.named_parameters():
         torch_dtype = dtype or param.dtype
-        size = torch.Size(_full_shape(param)).numel() * torch_dtype.itemsize
-        header[name] = {"dtype": _DTYPES[torch_dtype], "shape": list(_full_shape(param)),
-                        "data_offsets": [offset, offset + size]}
+        code = dtype_name(torch_dtype)
+        if code not in FILE_DTYPES:
+            raise ValueError(f"parameter {name!r}: {torch_dtype} is not written to weight files")
+        shape = full_shape(param)
+        size = torch.Size(shape).numel() * torch_dtype.itemsize
+        tensors.append((name, code, shape, offset, offset + size))
         offset += size
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # pad so tensor data starts 8-byte aligned
-    return struct.pack("<Q", len(raw)) + raw, offset
+    return encode_header(tensors, metadata), offset
 
 
 def write_safetensors(model: torch.nn.Module, path: str | Path, *, is_writer: bool, dtype: torch.dtype | None = None,

@@ -1,18 +1,30 @@
 """The weight relay's endpoints (the learner publishes versions, generators download them) and the weight-sync
-rendezvous (/v1/weights/sync/...) through which the learner and the generators form their process groups."""
+rendezvous (/v1/weights/sync/...) through which the learner and the generators form their process groups.
+
+Only the HTTP side lives here: the relay's files are :class:`shared.weight_sync.relay_store.WeightStore`, the
+rendezvous is :class:`shared.weight_sync.rendezvous.SyncRendezvous`, the bodies are
+:mod:`shared.protocol.weight_sync_messages`."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Path, Query, Request
 from fastapi.responses import FileResponse
-from pydantic import BaseModel, Field
 
-from ref_server.routes.common import OCTET, State, binary_body
-from ref_server.weight_sync import RendezvousError
-from ref_server.weights import WeightsConflict, WeightsRejected, WeightsTooLarge
-from shared.weight_sync.messages import JoinRequest, MemberAnswer, MemberPoll, Offer, SenderInfo
+from ref_server.http import OCTET, State, binary_body
+from shared.protocol.weight_sync_messages import (
+    Announcement,
+    JoinRequest,
+    MemberAnswer,
+    MemberPoll,
+    MemberReport,
+    OfferPost,
+    SenderInfo,
+    SenderWork,
+)
+from shared.weight_sync.relay_store import WeightsConflict, WeightsRejected, WeightsTooLarge
+from shared.weight_sync.rendezvous import RendezvousError
 
 router = APIRouter(tags=["weights"])
 VersionPath = Annotated[int, Path(ge=0, lt=10**10, description="Weights version (the learner's policy version).")]
@@ -24,25 +36,7 @@ async def weights_version(state: State) -> dict:
     return {"version": state.weights.current}
 
 
-# -- weight-sync rendezvous (shared/weight_sync/messages.py tells the sequence) ---------------------------------
-class _SenderRef(BaseModel):
-    sender_id: str = Field(min_length=1, max_length=200)
-
-
-class _Announce(_SenderRef):
-    version: int = Field(ge=0, lt=10**10)
-
-
-class _OfferBody(_SenderRef):
-    offer: Offer
-
-
-class _MemberState(_SenderRef):
-    state: Literal["active", "served", "dropped"]
-    reason: str | None = Field(None, max_length=2000)
-    version: int | None = Field(None, ge=0, lt=10**10)
-
-
+# -- weight-sync rendezvous (shared/protocol/weight_sync_messages.py tells the sequence) ------------------------
 def _rendezvous_error(exc: RendezvousError) -> HTTPException:
     return HTTPException(exc.status, str(exc))
 
@@ -67,7 +61,7 @@ async def unregister_sender(sender_id: str, state: State) -> dict:
 
 
 @router.post("/v1/weights/sync/announce")
-async def announce(body: _Announce, state: State) -> dict:
+async def announce(body: Announcement, state: State) -> dict:
     """The sender holds ``version`` in its buffer: members that poll are told to receive it (and ask the sender
     for it through their group)."""
     try:
@@ -78,7 +72,8 @@ async def announce(body: _Announce, state: State) -> dict:
 
 
 @router.get("/v1/weights/sync/work")
-async def sender_work(state: State, sender_id: str, wait_s: Annotated[float, Query(ge=0, le=60)] = 0.0) -> dict:
+async def sender_work(state: State, sender_id: str,
+                      wait_s: Annotated[float, Query(ge=0, le=60)] = 0.0) -> SenderWork:
     """Long-poll of the sender: join requests to answer and members that stopped polling."""
     try:
         return await state.sync.work(sender_id, min(wait_s, state.max_long_poll_s))
@@ -87,7 +82,7 @@ async def sender_work(state: State, sender_id: str, wait_s: Annotated[float, Que
 
 
 @router.post("/v1/weights/sync/offers")
-async def post_offer(body: _OfferBody, state: State) -> dict:
+async def post_offer(body: OfferPost, state: State) -> dict:
     try:
         state.sync.offer(body.sender_id, body.offer)
     except RendezvousError as exc:
@@ -96,7 +91,7 @@ async def post_offer(body: _OfferBody, state: State) -> dict:
 
 
 @router.post("/v1/weights/sync/members/{member_id}/state")
-async def member_state(member_id: str, body: _MemberState, state: State) -> dict:
+async def member_state(member_id: str, body: MemberReport, state: State) -> dict:
     try:
         state.sync.set_state(body.sender_id, member_id, body.state, body.reason, body.version)
     except RendezvousError as exc:

@@ -7,6 +7,11 @@ generator loads that version over HTTP, then connects. From then on the generato
 when the sender has announced a newer version the hub answers "receive", and the generator enters the receive,
 asking the sender's link for the version through the group's store (not through the hub: the transfer starts
 within a millisecond). Nothing else passes between them outside the group and its store.
+
+These are the JSON bodies of ``/v1/weights/sync/...``: the hub's routes validate them and
+:class:`shared.protocol.client.HubClient` sends and returns them. Records the hub answers with or takes from the
+learner's sender only (``SenderRef`` and its kin) accept unknown keys, as the routes always did; the others
+forbid them.
 """
 
 from __future__ import annotations
@@ -71,3 +76,60 @@ class MemberAnswer(_Record):
     announced: int | None = None
     offer: Offer | None = None
     reason: str | None = None
+
+
+class PendingJoin(_Record):
+    """A join request the sender has to answer (a :class:`JoinRequest` and the member id the hub gave it)."""
+
+    member_id: str
+    generator_id: str
+    transport: Transport
+    workers: int = 1
+    device_uuid: str | None = None
+
+
+class SenderWork(_Record):
+    """The answer to the sender's long poll: what it has to do now."""
+
+    joins: list[PendingJoin] = Field(description="Join requests to answer with an offer.")
+    silent: list[str] = Field(description="Members that stopped polling: the sender drops them.")
+    http_members: int = Field(description="Active members that take every version from the relay.")
+
+
+class SenderSummary(_Record):
+    sender_id: str
+    backend: Backend
+    host: str
+    device_uuid: str | None
+
+
+class SyncStatus(_Record):
+    """The rendezvous at a glance (``GET /v1/weights/sync``)."""
+
+    sender: SenderSummary | None = Field(description="The registered sender, None before one registers.")
+    announced: int | None = Field(description="The newest version the sender announced.")
+    members: dict[str, int] = Field(description="Members per state.")
+    dropped_total: int
+    relay_version: int | None = Field(description="The relay's newest version.")
+
+
+class SenderRef(BaseModel):
+    sender_id: str = Field(min_length=1, max_length=200)
+
+
+class Announcement(SenderRef):
+    """The sender holds ``version`` in its buffer (members that poll are told to receive it)."""
+
+    version: int = Field(ge=0, lt=10**10)
+
+
+class OfferPost(SenderRef):
+    offer: Offer
+
+
+class MemberReport(SenderRef):
+    """What the sender saw of a member: its group formed, it received ``version``, or it was dropped."""
+
+    state: Literal["active", "served", "dropped"]
+    reason: str | None = Field(None, max_length=2000)
+    version: int | None = Field(None, ge=0, lt=10**10)

@@ -1,9 +1,10 @@
-"""The weight-sync rendezvous the hub brokers (see :mod:`shared.weight_sync.messages` for the sequence).
+"""The weight-sync rendezvous the hub brokers (see :mod:`shared.protocol.weight_sync_messages` for the sequence).
 
-State lives on the server's event loop (every endpoint is ``async`` and no method awaits between reading and
-writing it), so it needs no lock. Long polls wait on an ``asyncio.Event`` that every change replaces. Bounded:
-at most ``max_members`` members; a learner registering again (restart) sends every member back to rejoin, since
-their groups ended with the old learner process.
+Plain Python and asyncio: the hub's routes (``ref_server/relay/routes.py``) call it. State lives on the server's
+event loop (every endpoint is ``async`` and no method awaits between reading and writing it), so it needs no lock.
+Long polls wait on an ``asyncio.Event`` that every change replaces. Bounded: at most ``max_members`` members; a
+learner registering again (restart) sends every member back to rejoin, since their groups ended with the old
+learner process.
 """
 
 from __future__ import annotations
@@ -14,7 +15,14 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from shared.weight_sync.messages import JoinRequest, MemberAnswer, Offer, SenderInfo
+from shared.protocol.weight_sync_messages import (
+    JoinRequest,
+    MemberAnswer,
+    Offer,
+    PendingJoin,
+    SenderInfo,
+    SenderWork,
+)
 
 log = logging.getLogger("grpo.ref_server.weight_sync")
 
@@ -96,19 +104,19 @@ class SyncRendezvous:
         self.announced = version
         self._notify()
 
-    async def work(self, sender_id: str, wait_s: float) -> dict:
+    async def work(self, sender_id: str, wait_s: float) -> SenderWork:
         """What the sender has to do: join requests to answer and members that stopped polling. (Members waiting
         in the receive ask the sender's link directly, through their group's store: no hub round trip.)"""
         self._require_sender(sender_id)
         while True:
-            joins = [{"member_id": m.member_id, **m.request.model_dump()} for m in self.members.values()
+            joins = [PendingJoin(member_id=m.member_id, **m.request.model_dump()) for m in self.members.values()
                      if m.state == "pending" and m.sender_id == sender_id]
             now, idle_limit = time.monotonic(), self.sender.member_idle_s if self.sender is not None else None
             silent = [m.member_id for m in self.members.values() if m.state in ("offered", "active")
                       and idle_limit is not None and now - m.last_seen > idle_limit]
             if joins or silent or wait_s <= 0:
                 http = sum(1 for m in self.members.values() if m.state == "active" and m.request.transport == "http")
-                return {"joins": joins, "silent": silent, "http_members": http}
+                return SenderWork(joins=joins, silent=silent, http_members=http)
             started = time.monotonic()
             await self._wait(wait_s)
             wait_s -= time.monotonic() - started

@@ -3,9 +3,10 @@
 :class:`GroupMembers` runs the rendezvous with the hub in its own thread: it answers join requests (making sure
 the relay holds the current version, then offering a group), drops members that stopped polling, and hands each
 member that the hub reports waiting in the receive to that member's :class:`MemberLink`. A link forms its group in
-its own thread and then serves one version at a time from the sender's buffer (:mod:`learner.weight_sender` owns
-the buffer, its version and the bookkeeping of who reads it). Any failure drops the member, after at most
-``weight_sync.timeout_s``.
+its own thread and then serves one version at a time from the sender's buffer (:mod:`shared.weight_sync.sender`
+owns the buffer, its version and the bookkeeping of who reads it; this module sees it only as the
+:class:`shared.weight_sync.sender_state.SenderState` it is given, and never imports the sender). Any failure drops
+the member, after at most ``weight_sync.timeout_s``.
 
 A link serves a version only when its generator asks for it through the group's store (the generator sets the
 next :func:`groups.request_key` as it enters the receive, after the hub told it a newer version is announced):
@@ -19,16 +20,14 @@ import logging
 import threading
 import time
 from datetime import timedelta
-from typing import TYPE_CHECKING
 
 import torch
 
 from shared.protocol.client import HubError, HubUnavailable
+from shared.protocol.weight_sync_messages import Offer, OfferPost, PendingJoin
 from shared.weight_sync import groups
 from shared.weight_sync.layout import bucket_ranges
-
-if TYPE_CHECKING:
-    from learner.weight_sender import WeightSender
+from shared.weight_sync.sender_state import SenderState
 
 log = logging.getLogger("grpo.learner.weight_sync")
 REQUEST_WAIT_S = 3600.0  # one store wait; a stopping link is woken at once by wake()
@@ -38,7 +37,7 @@ class MemberLink:
     """One generator's group: formed in its own thread (waiting for the generator to connect), then serving one
     version at a time from the shared buffer. Any failure drops the member; the thread then ends."""
 
-    def __init__(self, sender: WeightSender, member_id: str, request: dict) -> None:
+    def __init__(self, sender: SenderState, member_id: str, request: PendingJoin) -> None:
         self.sender, self.member_id, self.request = sender, member_id, request
         self.stop = threading.Event()
         self.waiting_on: int | None = None  # the request number the thread waits for in the store (under mutex)
@@ -49,23 +48,23 @@ class MemberLink:
         self.dropped = False
         self.counted = False     # counted in the members metric (its group formed)
         cfg = sender.cfg
-        self.via_ipc = request["transport"] == "ipc"
+        self.via_ipc = request.transport == "ipc"
         self.backend = "gloo" if self.via_ipc else sender.backend
-        world = 1 + int(request.get("workers", 1))
+        world = 1 + request.workers
         self.store = groups.host_store(cfg.host, world, cfg.join_timeout_s)
         self.address = groups.store_address(cfg.host, self.store.port)
         self.world = world
         self.fingerprint = sender.layout.fingerprint()
         self.thread = threading.Thread(target=self._run, name=f"weight-sync-{member_id}", daemon=True)
 
-    def offer(self, relay_version: int | None) -> dict:
+    def offer(self, relay_version: int | None) -> Offer:
         cfg = self.sender.cfg
-        return {"member_id": self.member_id, "group_id": self.address, "host": cfg.host, "port": self.store.port,
-                "world_size": self.world, "first_rank": 1, "backend": self.backend,
-                "transport": self.request["transport"], "relay_version": relay_version,
-                "bucket_bytes": cfg.bucket_bytes, "timeout_s": cfg.timeout_s,
-                "ipc_handle": self.sender.ipc_handle() if self.via_ipc else None,
-                "layout": self.sender.layout.to_json()}
+        return Offer(member_id=self.member_id, group_id=self.address, host=cfg.host, port=self.store.port,
+                     world_size=self.world, first_rank=1, backend=self.backend,
+                     transport=self.request.transport, relay_version=relay_version,
+                     bucket_bytes=cfg.bucket_bytes, timeout_s=cfg.timeout_s,
+                     ipc_handle=self.sender.ipc_handle() if self.via_ipc else None,
+                     layout=self.sender.layout.to_json())
 
     def _run(self) -> None:
         cfg, sender = self.sender.cfg, self.sender
@@ -80,7 +79,7 @@ class MemberLink:
                 self.counted = True
                 sender.counters.members += 1
             sender.member_state(self.member_id, "active")
-            log.info("weight sync: %s joined (%s, %s, %d worker(s))", self.member_id, self.request["transport"],
+            log.info("weight sync: %s joined (%s, %s, %d worker(s))", self.member_id, self.request.transport,
                      self.backend, self.world - 1)
             request = 1
             while self._wait_request(request):
@@ -197,7 +196,7 @@ class MemberLink:
 class GroupMembers:
     """The sender's members (one :class:`MemberLink` each) and the rendezvous thread that manages them."""
 
-    def __init__(self, sender: WeightSender) -> None:
+    def __init__(self, sender: SenderState) -> None:
         self.sender = sender
         self.links: dict[str, MemberLink] = {}
         self.retired: list[MemberLink] = []  # dropped links whose threads may still tear their groups down
@@ -228,10 +227,10 @@ class GroupMembers:
         while not sender.stopping.is_set():
             try:
                 work = sender.client.sync_work(sender.sender_id, wait_s=sender.cfg.poll_s)
-                self.http_members = int(work.get("http_members", 0))
-                for member_id in work.get("silent", []):
+                self.http_members = work.http_members
+                for member_id in work.silent:
                     self._drop_silent(member_id)
-                for request in work["joins"]:
+                for request in work.joins:
                     self._answer_join(request)
             except (HubError, HubUnavailable) as exc:
                 if sender.stopping.is_set():
@@ -239,13 +238,13 @@ class GroupMembers:
                 log.warning("weight sync: rendezvous with the hub failed: %s", exc)
                 sender.stopping.wait(1.0)
 
-    def _answer_join(self, request: dict) -> None:
-        sender, member_id = self.sender, request["member_id"]
-        if request["transport"] == "ipc" and sender.buffer.device.type != "cuda":
+    def _answer_join(self, request: PendingJoin) -> None:
+        sender, member_id = self.sender, request.member_id
+        if request.transport == "ipc" and sender.buffer.device.type != "cuda":
             sender.member_state(member_id, "dropped", reason="CUDA IPC needs the learner on a GPU")
             return
-        wanted = "nccl" if request["transport"] == "collective" and sender.backend == "nccl" else "gloo"
-        if request["transport"] == "collective" and wanted != sender.backend:
+        wanted = "nccl" if request.transport == "collective" and sender.backend == "nccl" else "gloo"
+        if request.transport == "collective" and wanted != sender.backend:
             sender.member_state(member_id, "dropped", reason=f"the learner's groups use {sender.backend}")
             return
         # the late joiner loads the current version over HTTP first: make sure the relay holds it
@@ -261,7 +260,7 @@ class GroupMembers:
         link = MemberLink(sender, member_id, request)
         self.links[member_id] = link
         link.thread.start()
-        sender.client.sync_offer(sender.sender_id, link.offer(sender.relay_version))
+        sender.client.sync_offer(OfferPost(sender_id=sender.sender_id, offer=link.offer(sender.relay_version)))
 
     def _drop_silent(self, member_id: str) -> None:
         """A member that stopped polling (died between transfers): close its group, count it, tell the hub."""

@@ -1,0 +1,106 @@
+"""The learner's side of a publish, on every rank: copy the policy into rank 0's send buffer and return.
+
+:class:`WeightPublisher` copies every parameter into one flat send buffer on rank 0 (gathering ZeRO-3 partitions,
+every rank taking part, one parameter at a time) and returns: the learner's stall per publish is that copy. Rank
+0's :class:`shared.weight_sync.sender.WeightSender` then moves the buffer to the generators in the background.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+
+from shared.config.schema.weight_sync import WeightSyncConfig
+from shared.protocol.client import HubClient, HubError, HubUnavailable
+from shared.weight_sync.layout import Layout
+from shared.weight_sync.params import full_shape, gathered
+from shared.weight_sync.sender import WeightSender
+
+log = logging.getLogger("grpo.learner.weight_sync")
+
+
+class WeightPublisher:
+    """Every rank builds one; rank 0 holds the buffer and the sender. :meth:`publish` is collective."""
+
+    def __init__(self, module: torch.nn.Module, client_factory: Callable[[], HubClient], cfg: WeightSyncConfig, *,
+                 rank: int,
+                 world: int, device: torch.device, relay_version: int | None) -> None:
+        self.module, self.cfg, self.rank, self.world, self.device = module, cfg, rank, world, device
+        dtype = next(module.parameters()).dtype
+        self.layout = Layout.build([(n, full_shape(p)) for n, p in module.named_parameters()], dtype)
+        self.sender: WeightSender | None = None
+        self.last_copied: int | None = None
+        if rank == 0:
+            on_gpu = device.type == "cuda" and cfg.transport != "http"
+            buffer = torch.empty(self.layout.total_bytes, dtype=torch.uint8, device=device if on_gpu else "cpu")
+            buffer.zero_()  # touch every page now, not during the first publish (a stall of its own)
+            self.sender = WeightSender(client_factory, cfg, self.layout, buffer, relay_version)
+
+    def _agree(self, flag: bool) -> bool:
+        """Rank 0's decision, on every rank (the ZeRO-3 gather below is a collective)."""
+        if self.world == 1:
+            return flag
+        tensor = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.device)
+        dist.broadcast(tensor, src=0)
+        return bool(tensor.item())
+
+    def publish(self, version: int) -> float:
+        """Copy the weights into the send buffer as ``version`` (unless a transfer still reads it); the stall."""
+        started = time.perf_counter()
+        go = self._agree(self.sender.begin_copy() if self.sender is not None else False)
+        if not go:
+            return time.perf_counter() - started
+        self._copy()
+        stall = time.perf_counter() - started
+        if self.sender is not None:
+            self.sender.end_copy(version, stall)
+            self.last_copied = version
+        return stall
+
+    @torch.no_grad()
+    def _copy(self) -> None:
+        """Copy every parameter into the buffer (gathering ZeRO-3 partitions; every rank takes part). The finite
+        check runs in the sender's thread afterwards: it is not part of the learner's stall."""
+        buffer = self.sender.buffer if self.sender is not None else None
+        for spec, (_, param) in zip(self.layout.tensors, self.module.named_parameters()):
+            with gathered(param):
+                if buffer is not None and param.numel():
+                    buffer[spec.begin:spec.end].view(spec.torch_dtype).copy_(param.detach().reshape(-1),
+                                                                             non_blocking=True)
+
+    def finish(self, version: int, stopping: bool = False) -> None:
+        """End of the run (collective): wait for transfers, publish ``version`` if it never made it into the
+        buffer (a publish skipped while the sender was busy), and leave it on the relay. ``stopping`` (a stop
+        was requested): hub requests are tried once, so a hub that is gone costs no retry budget."""
+        if self.sender is not None and stopping:
+            self.sender.abort_requests()
+        wait_s = self.cfg.timeout_s * 4
+        idle = self.sender.wait_idle(wait_s) if self.sender is not None else True
+        if not idle:
+            log.warning("weight sync: transfers still running after %.0fs at the end of the run", wait_s)
+        owed = (self.sender is not None and idle and version > 0
+                and (self.last_copied is None or self.last_copied < version))
+        if self._agree(owed):
+            self.publish(version)
+            if self.sender is not None:
+                self.sender.wait_idle(wait_s)
+        if self.sender is not None:
+            try:
+                self.sender.upload_final()
+            except (HubError, HubUnavailable) as exc:
+                log.warning("weight sync: the last version is not on the relay: %s", exc)
+
+    def metrics(self) -> dict[str, float]:
+        if self.sender is None:
+            return {}
+        with self.sender.lock:
+            return {f"weight_sync_{k}": float(v) for k, v in asdict(self.sender.counters).items()}
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
