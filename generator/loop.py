@@ -14,7 +14,6 @@ import logging
 import math
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -23,6 +22,7 @@ from generator.datasets import Example, PromptStream, render_prompt
 from generator.engines.base import Engine, SampledCompletion
 from generator.progress import Progress
 from generator.rewards import RewardSet
+from generator.stats import LoopStats
 from generator.weight_receiver import WeightReceiver
 from shared.config.schema.weight_sync import WeightSyncConfig
 from shared.protocol.client import HubClient, HubError, HubUnavailable
@@ -35,27 +35,6 @@ def _right_padded(rows: list[list], dtype: torch.dtype, width: int) -> torch.Ten
     """``[len(rows), width]``: each row's values, then zeros (which mean nothing: lengths travel separately)."""
     padded = torch.nn.utils.rnn.pad_sequence([torch.tensor(r, dtype=dtype) for r in rows], batch_first=True)
     return torch.nn.functional.pad(padded, (0, width - padded.shape[1]))
-
-
-@dataclass
-class LoopStats:
-    groups_uploaded: int = 0
-    groups_dropped_constant: int = 0
-    groups_refused_stale: int = 0
-    prompts: int = 0
-    completion_tokens: int = 0
-    reward_errors: int = 0
-    weight_updates: int = 0
-    budget_waits: int = 0           # engine calls put off because the learner could not use more groups yet
-    budget_wait_s: float = 0.0
-    reward_sum: float = 0.0
-    reward_count: int = 0
-    component_sums: dict[str, float] = field(default_factory=dict)
-    last_queue_depth: int | None = None
-
-    @property
-    def mean_reward(self) -> float:
-        return self.reward_sum / self.reward_count if self.reward_count else 0.0
 
 
 class RolloutLoop:
