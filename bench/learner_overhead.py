@@ -32,11 +32,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import requests  # noqa: E402
 import yaml  # noqa: E402
 
 from shared.config.loader import load_config  # noqa: E402
 from shared.protocol.client import HubClient  # noqa: E402
+from shared.protocol.health import NotHealthy, wait_healthy  # noqa: E402
 
 
 def free_port() -> int:
@@ -102,16 +102,10 @@ def measure(tree: Path, groups, config_path: Path, model_dir: str, steps: int, w
     server = subprocess.Popen([sys.executable, "-m", "deploy.cli", "ref-server", "--config", str(config)], cwd=tree,
                               env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if requests.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"the ref server of {tree} did not start; see {work / 'services.log'}")
-            time.sleep(0.2)
+        try:
+            wait_healthy(f"http://127.0.0.1:{port}", 120, process=server, poll_s=0.2)
+        except NotHealthy:
+            raise SystemExit(f"the ref server of {tree} did not start; see {work / 'services.log'}") from None
         client = HubClient(f"http://127.0.0.1:{port}")
         per_step = load_config(str(config_path), []).learner.groups_per_step
         for i in range((steps + 2) * per_step):  # the same rollouts, each upload a new group id
