@@ -47,7 +47,6 @@ def free_port() -> int:
 
 def sampled_groups(model_dir: str, config, count: int):
     """``count`` groups of the config's group size, sampled from the model (prompts from the config's task)."""
-    import torch
 
     from generator.engines.hf import TransformersEngine
     from generator.main import load_examples
@@ -60,17 +59,11 @@ def sampled_groups(model_dir: str, config, count: int):
     prompts = [engine.tokenizer(e.question, add_special_tokens=False)["input_ids"] for e in examples]
     groups = []
     for prompt, samples in zip(prompts, engine.generate(prompts, sampling, n=gen.group_size, seed=config.seed)):
-        width = max(max(len(s.token_ids) for s in samples), 1)
-        ids = torch.zeros(len(samples), width, dtype=torch.long)
-        logprobs = torch.zeros(len(samples), width)
-        for i, s in enumerate(samples):
-            ids[i, :len(s.token_ids)] = torch.tensor(s.token_ids)
-            logprobs[i, :len(s.token_ids)] = torch.tensor(s.logprobs)
-        groups.append(RolloutGroup(
-            prompt_ids=torch.tensor(prompt), completion_ids=ids,
-            completion_lengths=torch.tensor([len(s.token_ids) for s in samples]), behaviour_logprobs=logprobs,
+        groups.append(RolloutGroup.from_samples(
+            prompt_ids=prompt, completion_ids=[s.token_ids for s in samples],
+            behaviour_logprobs=[s.logprobs for s in samples],
             # alternating rewards: every group has a learning signal, as the demo's dynamic sampling ensures
-            rewards=torch.tensor([float(i % 2) for i in range(len(samples))]),
+            rewards=[float(i % 2) for i in range(len(samples))],
             finish_reasons=[s.finish_reason for s in samples], policy_version=0, generator_id="bench",
             sampling=sampling))
     engine.close()

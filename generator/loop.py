@@ -16,8 +16,6 @@ import threading
 import time
 from pathlib import Path
 
-import torch
-
 from generator.datasets import Example, PromptStream, render_prompt
 from generator.engines.base import Engine, SampledCompletion
 from generator.progress import Progress
@@ -29,12 +27,6 @@ from shared.protocol.client import HubClient, HubError, HubUnavailable
 from shared.protocol.records import RolloutGroup, SamplingParams
 
 log = logging.getLogger("grpo.generator")
-
-
-def _right_padded(rows: list[list], dtype: torch.dtype, width: int) -> torch.Tensor:
-    """``[len(rows), width]``: each row's values, then zeros (which mean nothing: lengths travel separately)."""
-    padded = torch.nn.utils.rnn.pad_sequence([torch.tensor(r, dtype=dtype) for r in rows], batch_first=True)
-    return torch.nn.functional.pad(padded, (0, width - padded.shape[1]))
 
 
 class RolloutLoop:
@@ -116,15 +108,11 @@ class RolloutLoop:
         if self.drop_constant_groups and len(set(scores.total)) == 1:
             self.stats.groups_dropped_constant += 1
             return None
-        width = max(1, max(len(s.token_ids) for s in samples))  # a group of empty completions is still [G, 1]
-        completion_ids = _right_padded([s.token_ids for s in samples], torch.long, width)
-        logprobs = _right_padded([s.logprobs for s in samples], torch.float32, width)
-        return RolloutGroup(
-            prompt_ids=torch.tensor(prompt_ids, dtype=torch.long), completion_ids=completion_ids,
-            completion_lengths=torch.tensor([len(s.token_ids) for s in samples]), behaviour_logprobs=logprobs,
-            rewards=torch.tensor(scores.total), finish_reasons=[s.finish_reason for s in samples],
-            policy_version=self.policy_version, generator_id=self.generator_id, sampling=self.sampling,
-            reward_components={k: torch.tensor(v) for k, v in scores.components.items()},
+        return RolloutGroup.from_samples(
+            prompt_ids=prompt_ids, completion_ids=[s.token_ids for s in samples],
+            behaviour_logprobs=[s.logprobs for s in samples], rewards=scores.total,
+            finish_reasons=[s.finish_reason for s in samples], policy_version=self.policy_version,
+            generator_id=self.generator_id, sampling=self.sampling, reward_components=scores.components,
             task={k: str(v) for k, v in example.data.items() if isinstance(v, (str, int, float))}
                  | {"example_id": example.example_id},
         )
