@@ -32,11 +32,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import requests  # noqa: E402
 import yaml  # noqa: E402
 
 from shared.config.loader import load_config  # noqa: E402
 from shared.protocol.client import HubClient  # noqa: E402
+from shared.protocol.health import NotHealthy, wait_healthy  # noqa: E402
 
 
 def free_port() -> int:
@@ -47,7 +47,6 @@ def free_port() -> int:
 
 def sampled_groups(model_dir: str, config, count: int):
     """``count`` groups of the config's group size, sampled from the model (prompts from the config's task)."""
-    import torch
 
     from generator.engines.hf import TransformersEngine
     from generator.main import load_examples
@@ -60,17 +59,11 @@ def sampled_groups(model_dir: str, config, count: int):
     prompts = [engine.tokenizer(e.question, add_special_tokens=False)["input_ids"] for e in examples]
     groups = []
     for prompt, samples in zip(prompts, engine.generate(prompts, sampling, n=gen.group_size, seed=config.seed)):
-        width = max(max(len(s.token_ids) for s in samples), 1)
-        ids = torch.zeros(len(samples), width, dtype=torch.long)
-        logprobs = torch.zeros(len(samples), width)
-        for i, s in enumerate(samples):
-            ids[i, :len(s.token_ids)] = torch.tensor(s.token_ids)
-            logprobs[i, :len(s.token_ids)] = torch.tensor(s.logprobs)
-        groups.append(RolloutGroup(
-            prompt_ids=torch.tensor(prompt), completion_ids=ids,
-            completion_lengths=torch.tensor([len(s.token_ids) for s in samples]), behaviour_logprobs=logprobs,
+        groups.append(RolloutGroup.from_samples(
+            prompt_ids=prompt, completion_ids=[s.token_ids for s in samples],
+            behaviour_logprobs=[s.logprobs for s in samples],
             # alternating rewards: every group has a learning signal, as the demo's dynamic sampling ensures
-            rewards=torch.tensor([float(i % 2) for i in range(len(samples))]),
+            rewards=[float(i % 2) for i in range(len(samples))],
             finish_reasons=[s.finish_reason for s in samples], policy_version=0, generator_id="bench",
             sampling=sampling))
     engine.close()
@@ -102,16 +95,10 @@ def measure(tree: Path, groups, config_path: Path, model_dir: str, steps: int, w
     server = subprocess.Popen([sys.executable, "-m", "deploy.cli", "ref-server", "--config", str(config)], cwd=tree,
                               env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if requests.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"the ref server of {tree} did not start; see {work / 'services.log'}")
-            time.sleep(0.2)
+        try:
+            wait_healthy(f"http://127.0.0.1:{port}", 120, process=server, poll_s=0.2)
+        except NotHealthy:
+            raise SystemExit(f"the ref server of {tree} did not start; see {work / 'services.log'}") from None
         client = HubClient(f"http://127.0.0.1:{port}")
         per_step = load_config(str(config_path), []).learner.groups_per_step
         for i in range((steps + 2) * per_step):  # the same rollouts, each upload a new group id

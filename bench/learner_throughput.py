@@ -146,13 +146,14 @@ def synthetic_batch(args: argparse.Namespace, vocab: int):
     shortest = args.completion_len_min if args.completion_len_min is not None else c
     for i in range(args.groups):
         behaviour = -(centre - 0.5 + torch.rand(g, c, generator=gen))
-        lengths = torch.randint(shortest, c + 1, (g,), generator=gen)
-        group = RolloutGroup(
-            prompt_ids=torch.randint(0, vocab, (p,), generator=gen),
-            completion_ids=torch.randint(0, vocab, (g, c), generator=gen),
-            completion_lengths=lengths,
-            behaviour_logprobs=behaviour,
-            rewards=torch.rand(g, generator=gen),
+        lengths = torch.randint(shortest, c + 1, (g,), generator=gen).tolist()
+        prompt = torch.randint(0, vocab, (p,), generator=gen)
+        completions = torch.randint(0, vocab, (g, c), generator=gen)
+        group = RolloutGroup.from_samples(
+            prompt_ids=prompt.tolist(),
+            completion_ids=[completions[j, :n].tolist() for j, n in enumerate(lengths)],
+            behaviour_logprobs=[behaviour[j, :n].tolist() for j, n in enumerate(lengths)],
+            rewards=torch.rand(g, generator=gen).tolist(),
             finish_reasons=["stop"] * g, policy_version=0, generator_id="bench",
             sampling=SamplingParams(temperature=1.0, max_tokens=c), group_id=f"bench-{i}",
         ).validate(vocab)

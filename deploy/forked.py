@@ -12,7 +12,7 @@ when it forks (the console readers start afterwards). Each child (:func:`fork_se
 process group is what the launcher signals), reads ``/dev/null`` and writes both output streams to its pipe, takes
 the service's environment, sets torch's thread count from ``OMP_NUM_THREADS`` (the OpenMP runtime read the
 variable when torch loaded in the launcher), reseeds torch and numpy as a fresh process would be, and runs
-``deploy.cli.main(argv)``; it never returns into the launcher's frames: it runs the exit handlers and leaves with
+``deploy.services.main(argv)`` (the service commands of ``grpo``); it never returns into the launcher's frames: it runs the exit handlers and leaves with
 ``os._exit``. A GPU service, or a learner of several ranks (torchrun), always starts as a fresh process.
 """
 
@@ -27,6 +27,8 @@ import time
 import traceback
 from collections.abc import Callable
 from typing import TextIO
+
+from deploy.services import main as service_main
 
 
 def preload() -> None:
@@ -63,9 +65,10 @@ class ForkedProcess:
 
 
 def fork_service(argv: list[str], env: dict[str, str],
-                 entry: Callable[[list[str]], int] | None = None) -> ForkedProcess:
-    """Fork a child that runs ``grpo ARGV...`` (``entry(argv)``, by default ``deploy.cli.main``) with ``env`` as its
-    environment; its stdout and stderr come back through the returned process's ``stdout`` (text, by line)."""
+                 entry: Callable[[list[str]], int] = service_main) -> ForkedProcess:
+    """Fork a child that runs ``grpo ARGV...`` (``entry(argv)``, by default :func:`deploy.services.main`) with
+    ``env`` as its environment; its stdout and stderr come back through the returned process's ``stdout`` (text,
+    by line)."""
     read_fd, write_fd = os.pipe()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -96,7 +99,7 @@ def fork_service(argv: list[str], env: dict[str, str],
     return ForkedProcess(pid, stdout, ["grpo", *argv])
 
 
-def _run_service(argv: list[str], env: dict[str, str], entry: Callable[[list[str]], int] | None) -> int:
+def _run_service(argv: list[str], env: dict[str, str], entry: Callable[[list[str]], int]) -> int:
     """In the child: become the service a fresh ``python -m deploy.cli ARGV`` would be, run it, run the exit
     handlers; the exit status."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -115,9 +118,6 @@ def _run_service(argv: list[str], env: dict[str, str], entry: Callable[[list[str
     torch.seed()  # every fork would otherwise draw the launcher's random stream
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
-    if entry is None:
-        from deploy.cli import main as entry
-
     try:
         code = entry(argv)
     except SystemExit as exc:

@@ -34,11 +34,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import requests
 import yaml
 
 from deploy.forked import ForkedProcess, fork_service, preload
 from shared.config.schema import GRPOConfig
+from shared.protocol.health import HealthTimeout, ServerExited, wait_healthy
 
 
 class LaunchError(RuntimeError):
@@ -207,18 +207,14 @@ def resolve_config(config: GRPOConfig) -> GRPOConfig:
     return GRPOConfig.model_validate(data)
 
 
-def wait_healthy(url: str, service: Service, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if service.process.poll() is not None:
-            raise LaunchError(f"the ref server exited with status {service.process.returncode} before it was healthy")
-        try:
-            if requests.get(f"{url}/healthz", timeout=2).status_code == 200:
-                return
-        except requests.RequestException:
-            pass
-        time.sleep(0.5)
-    raise LaunchError(f"the ref server did not answer {url}/healthz within {timeout_s:.0f}s")
+def wait_ref_server(url: str, service: Service, timeout_s: float) -> None:
+    """Until the ref server answers ``/healthz``; a LaunchError if its process exits first or time runs out."""
+    try:
+        wait_healthy(url, timeout_s, process=service.process)
+    except ServerExited as exc:
+        raise LaunchError(f"the ref server exited with status {exc.returncode} before it was healthy") from None
+    except HealthTimeout:
+        raise LaunchError(f"the ref server did not answer {url}/healthz within {timeout_s:.0f}s") from None
 
 
 def run(config: GRPOConfig) -> int:
@@ -251,7 +247,7 @@ def run(config: GRPOConfig) -> int:
         if forked:
             for service in services:
                 service.start_reader(console_lock)
-        wait_healthy(f"http://{config.ref_server.host}:{config.ref_server.port}", ref, config.run.health_timeout_s)
+        wait_ref_server(f"http://{config.ref_server.host}:{config.ref_server.port}", ref, config.run.health_timeout_s)
         while True:
             if stop_signal:
                 status = 128 + stop_signal[0]

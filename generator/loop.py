@@ -14,48 +14,19 @@ import logging
 import math
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
 
 from generator.datasets import Example, PromptStream, render_prompt
 from generator.engines.base import Engine, SampledCompletion
 from generator.progress import Progress
 from generator.rewards import RewardSet
+from generator.stats import LoopStats
 from shared.config.schema.weight_sync import WeightSyncConfig
 from shared.protocol.client import HubClient, HubError, HubUnavailable
 from shared.protocol.records import RolloutGroup, SamplingParams
 from shared.weight_sync.receiver import WeightReceiver
 
 log = logging.getLogger("grpo.generator")
-
-
-def _right_padded(rows: list[list], dtype: torch.dtype, width: int) -> torch.Tensor:
-    """``[len(rows), width]``: each row's values, then zeros (which mean nothing: lengths travel separately)."""
-    padded = torch.nn.utils.rnn.pad_sequence([torch.tensor(r, dtype=dtype) for r in rows], batch_first=True)
-    return torch.nn.functional.pad(padded, (0, width - padded.shape[1]))
-
-
-@dataclass
-class LoopStats:
-    groups_uploaded: int = 0
-    groups_dropped_constant: int = 0
-    groups_refused_stale: int = 0
-    prompts: int = 0
-    completion_tokens: int = 0
-    reward_errors: int = 0
-    weight_updates: int = 0
-    budget_waits: int = 0           # engine calls put off because the learner could not use more groups yet
-    budget_wait_s: float = 0.0
-    reward_sum: float = 0.0
-    reward_count: int = 0
-    component_sums: dict[str, float] = field(default_factory=dict)
-    last_queue_depth: int | None = None
-
-    @property
-    def mean_reward(self) -> float:
-        return self.reward_sum / self.reward_count if self.reward_count else 0.0
 
 
 class RolloutLoop:
@@ -137,15 +108,11 @@ class RolloutLoop:
         if self.drop_constant_groups and len(set(scores.total)) == 1:
             self.stats.groups_dropped_constant += 1
             return None
-        width = max(1, max(len(s.token_ids) for s in samples))  # a group of empty completions is still [G, 1]
-        completion_ids = _right_padded([s.token_ids for s in samples], torch.long, width)
-        logprobs = _right_padded([s.logprobs for s in samples], torch.float32, width)
-        return RolloutGroup(
-            prompt_ids=torch.tensor(prompt_ids, dtype=torch.long), completion_ids=completion_ids,
-            completion_lengths=torch.tensor([len(s.token_ids) for s in samples]), behaviour_logprobs=logprobs,
-            rewards=torch.tensor(scores.total), finish_reasons=[s.finish_reason for s in samples],
-            policy_version=self.policy_version, generator_id=self.generator_id, sampling=self.sampling,
-            reward_components={k: torch.tensor(v) for k, v in scores.components.items()},
+        return RolloutGroup.from_samples(
+            prompt_ids=prompt_ids, completion_ids=[s.token_ids for s in samples],
+            behaviour_logprobs=[s.logprobs for s in samples], rewards=scores.total,
+            finish_reasons=[s.finish_reason for s in samples], policy_version=self.policy_version,
+            generator_id=self.generator_id, sampling=self.sampling, reward_components=scores.components,
             task={k: str(v) for k, v in example.data.items() if isinstance(v, (str, int, float))}
                  | {"example_id": example.example_id},
         )

@@ -17,9 +17,10 @@ from generator.datasets import (
     hf_examples,
     jsonl_examples,
 )
-from generator.loop import LoopStats, RolloutLoop
+from generator.loop import RolloutLoop
 from generator.progress import Progress
 from generator.rewards import RewardSet
+from generator.stats import LoopStats
 from generator.tasks.arithmetic import ArithmeticTask
 from generator.tasks.arithmetic_words import WordsArithmeticTask
 from shared.config.schema import DatasetConfig, GRPOConfig

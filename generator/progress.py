@@ -5,10 +5,8 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from generator.loop import LoopStats
+from generator.stats import LoopStats
 
 log = logging.getLogger("grpo.generator")
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import socket
 from pathlib import Path
@@ -12,6 +11,7 @@ from typing import Any
 
 import torch
 
+from learner import schedule
 from shared.config.schema import LearnerConfig
 from shared.errors import UsageError
 
@@ -37,20 +37,10 @@ def uses_bf16(cfg: LearnerConfig, device: torch.device) -> bool:
 
 
 def lr_multiplier(cfg: LearnerConfig, step: int) -> float:
-    """Fraction of ``cfg.lr`` used by optimizer step ``step`` (0-based).
-
-    Warm-up is linear and reaches the full rate at step ``warmup_steps - 1`` (the first step is never at lr 0);
-    then constant, cosine decay to ``min_lr_ratio`` at ``max_steps``, or linear decay towards 0.
-    """
-    if step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
-    if cfg.lr_schedule == "constant":
-        return 1.0
-    span = max(cfg.max_steps - cfg.warmup_steps, 1)
-    progress = min((step - cfg.warmup_steps) / span, 1.0)
-    if cfg.lr_schedule == "cosine":
-        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-    return 1.0 - progress
+    """Fraction of ``cfg.lr`` used by optimizer step ``step`` (0-based): ``cfg.lr_schedule`` after
+    ``cfg.warmup_steps`` of linear warm-up (:func:`learner.schedule.lr_multiplier`)."""
+    return schedule.lr_multiplier(step, schedule=cfg.lr_schedule, warmup_steps=cfg.warmup_steps,
+                                  max_steps=cfg.max_steps, min_lr_ratio=cfg.min_lr_ratio)
 
 
 def deepspeed_config(cfg: LearnerConfig, world_size: int, device: torch.device) -> dict[str, Any]:
@@ -111,7 +101,8 @@ def create_engine(cfg: LearnerConfig, model: torch.nn.Module, device: torch.devi
         model.config.use_cache = False
     config = deepspeed_config(cfg, world_size, device)
     def scheduler(optimizer):  # DeepSpeed calls this with the optimizer it built, and checkpoints its state
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(cfg, step))
+        return schedule.lr_schedule(optimizer, schedule=cfg.lr_schedule, warmup_steps=cfg.warmup_steps,
+                                    max_steps=cfg.max_steps, min_lr_ratio=cfg.min_lr_ratio)
 
     engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()
                                                                      if p.requires_grad],

@@ -27,40 +27,27 @@ def build_model(config) -> dict:
     accuracy target: the demo's before/after numbers mean something only from the intended starting point.
     """
     from deploy.demo.tiny_model import TinyModelSpec, build_tiny_model_dir
-    from deploy.demo.warmup import WarmupTargetMissed
+    from deploy.demo.warmup import WarmupTargetMissed, warmup_record
     from generator.tasks.arithmetic import ArithmeticTask
 
     model_dir = Path(config.generator.model)
     stats_file = model_dir / "grpo_tiny_model.json"
-    warmup = warmup_config(config)
     task = ArithmeticTask(**config.generator.dataset.arithmetic)
     if stats_file.exists():
         stats = json.loads(stats_file.read_text())
-        recorded = json.loads(json.dumps({"warmup": asdict(warmup), "task": asdict(task)}))  # tuples as lists
+        recorded = json.loads(json.dumps({"warmup": warmup_record(config.demo, config.seed),
+                                          "task": asdict(task)}))  # tuples as lists
         if stats.get("warmup") == recorded["warmup"] and stats.get("task") == recorded["task"]:
             return stats
         print(f"[demo] {model_dir} was built with other warm-up or task settings; rebuilding it", flush=True)
         shutil.rmtree(model_dir)
     try:
-        return build_tiny_model_dir(model_dir, task=task, warmup=warmup, spec=TinyModelSpec(seed=config.seed))
+        return build_tiny_model_dir(model_dir, task=task, warmup=config.demo, seed=config.seed,
+                                    spec=TinyModelSpec(seed=config.seed))
     except WarmupTargetMissed as err:
         raise WarmupTargetMissed(f"{err} In the config: demo.warmup_max_steps / demo.warmup_target_accuracy for "
                                  f"the correct demonstrations, demo.flawed_steps / demo.flawed_target_accuracy "
                                  f"for the flawed teacher.") from err
-
-
-def warmup_config(config):
-    """`config.demo` as the warm-up's settings (seed from the run)."""
-    from deploy.demo.warmup import WarmupConfig
-
-    demo = config.demo
-    return WarmupConfig(
-        seed=config.seed, steps=demo.warmup_steps, min_lr_ratio=demo.warmup_min_lr_ratio,
-        max_steps=demo.warmup_max_steps,
-        target_accuracy=demo.warmup_target_accuracy,
-        check_every=demo.warmup_check_every, flawed_steps=demo.flawed_steps,
-        flawed_target_accuracy=demo.flawed_target_accuracy, flawed_check_every=demo.flawed_check_every,
-        flawed_slip=demo.flawed_slip, flawed_lr=demo.flawed_lr)
 
 
 def plot(metrics_path: Path, before: float, after: float, out: Path) -> None:

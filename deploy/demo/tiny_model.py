@@ -25,15 +25,11 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from deploy.demo.warmup import (
-    WarmupConfig,
-    evaluate_greedy,
-    flawed_teacher_finetune,
-    needs_validation,
-    supervised_warmup,
-    validation_problems,
-)
+from deploy.demo.greedy import evaluate_greedy
+from deploy.demo.sft_data import validation_problems
+from deploy.demo.warmup import flawed_teacher_finetune, needs_validation, supervised_warmup, warmup_record
 from generator.tasks.arithmetic import ArithmeticTask
+from shared.config.schema import DemoConfig
 
 
 def default_alphabet() -> str:
@@ -155,31 +151,33 @@ def build_tiny_model_dir(
     out_dir: str | Path,
     *,
     task: ArithmeticTask | None = None,
-    warmup: WarmupConfig | None = None,
+    warmup: DemoConfig | None = None,
+    seed: int = 0,
     spec: TinyModelSpec | None = None,
 ) -> dict:
-    """Build tokenizer + model, warm it up on ``task``, save it, and return/write stats.
+    """Build tokenizer + model, warm it up on ``task`` as ``warmup`` (the config's ``demo`` section, default its
+    defaults) says with the data drawn from ``seed``, save it, and return/write stats.
 
     The stats (also in ``out_dir/grpo_tiny_model.json``) record where RL starts from: a demo that claims
     "RL raised accuracy by N points" needs the warm-up accuracy measured on the same held-out split. With
     accuracy targets they also say how many steps each phase took and what its validation checks measured.
     """
     task = task or ArithmeticTask()
-    warmup = warmup or WarmupConfig()
+    warmup = warmup or DemoConfig()
     spec = spec or TinyModelSpec()
     tokenizer = build_char_tokenizer()
     model = build_tiny_model(tokenizer, spec)
-    heldout = task.sample(warmup.eval_size, "test", random.Random(warmup.eval_seed))
+    heldout = task.sample(warmup.heldout_examples, "test", random.Random(warmup.heldout_seed))
     validation = validation_problems(task, warmup) if needs_validation(warmup) else []
 
     def heldout_eval():
-        return evaluate_greedy(model, tokenizer, task, heldout, max_new_tokens=warmup.eval_max_new_tokens)
+        return evaluate_greedy(model, tokenizer, task, heldout, max_new_tokens=warmup.greedy_max_new_tokens)
 
     before = heldout_eval()
     started = time.perf_counter()
-    clean_phase = supervised_warmup(model, tokenizer, task, warmup, validation)
+    clean_phase = supervised_warmup(model, tokenizer, task, warmup, seed, validation)
     clean = heldout_eval()
-    flawed_phase = flawed_teacher_finetune(model, tokenizer, task, warmup, validation)
+    flawed_phase = flawed_teacher_finetune(model, tokenizer, task, warmup, seed, validation)
     seconds = time.perf_counter() - started
     after = heldout_eval() if flawed_phase.losses else clean
 
@@ -202,7 +200,7 @@ def build_tiny_model_dir(
         else clean_phase.validation_accuracy,
         "validation_checks": {"clean_phase": clean_phase.checks, "flawed_phase": flawed_phase.checks},
         "spec": asdict(spec),
-        "warmup": asdict(warmup),
+        "warmup": warmup_record(warmup, seed),
         "task": asdict(task),
     }
     text = json.dumps(stats, indent=2, sort_keys=True) + "\n"
@@ -222,13 +220,14 @@ def _loss_stats(losses: list[float]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m deploy.demo.tiny_model OUT_DIR [--steps N] [--seed S]``: build a warmed-up tiny model folder."""
+    """``python -m deploy.demo.tiny_model OUT_DIR [--steps N] [--seed S]``: build a warmed-up tiny model folder
+    (the demo section's defaults; ``--steps``: its ``warmup_steps``)."""
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("out_dir")
-    parser.add_argument("--steps", type=int, default=WarmupConfig.steps)
-    parser.add_argument("--seed", type=int, default=WarmupConfig.seed)
+    parser.add_argument("--steps", type=int, default=DemoConfig().warmup_steps)
+    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    stats = build_tiny_model_dir(args.out_dir, warmup=WarmupConfig(steps=args.steps, seed=args.seed))
+    stats = build_tiny_model_dir(args.out_dir, warmup=DemoConfig(warmup_steps=args.steps), seed=args.seed)
     print(json.dumps({k: v for k, v in stats.items() if not isinstance(v, dict)}, indent=2))
 
 

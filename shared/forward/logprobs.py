@@ -18,7 +18,8 @@ Layout of the backbone's forward (``layout``): ``padded`` runs the ``[B, T]`` ro
 Chunk size: :func:`default_chunk_bytes` per device, 128 MiB of fp32 logits on CPU and more on a GPU (where the
 LM-head matmul needs bigger chunks to run at matmul speed, and memory allows them).
 
-Top-k next-token logprobs (inference only) are in :mod:`ref_server.scoring.top_logprobs`, built on the same backbone pass
+The LM head itself (the fused linear-head path with its hand-written backward, the architectures' logit
+transforms) is in :mod:`shared.forward.lm_head`. Top-k next-token logprobs (inference only) are in :mod:`ref_server.scoring.top_logprobs`, built on the same backbone pass
 (:func:`run_backbone`) and chunked head.
 """
 
@@ -31,6 +32,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from shared.forward.lm_head import LinearHeadLogprobs, final_logit_transform, fused_head_weight
 from shared.forward.model_parts import split_model
 from shared.forward.packing import PackingMode, choose_layout, pack_rows
 from shared.forward.prefix_sharing import PrefixRows, shared_prefix_hidden
@@ -77,126 +79,6 @@ def chunk_tokens_for(vocab_size: int, max_chunk_bytes: int | None = None, device
     return max(1, max_chunk_bytes // (4 * vocab_size))
 
 
-def final_logit_transform(model: nn.Module):
-    """Scalings some architectures apply to the LM head's output inside ``forward`` (we bypass ``forward``).
-
-    Gemma 2/3 soft-cap the logits, Cohere multiplies them and Granite divides them; without this the logprobs
-    of those models would silently differ from ``model(...).logits``.
-    """
-    config = getattr(model, "config", None)
-    softcap = getattr(config, "final_logit_softcapping", None)
-    multiply = getattr(config, "logit_scale", None)
-    divide = getattr(config, "logits_scaling", None)
-    if softcap is None and multiply is None and divide is None:
-        return None
-
-    def transform(logits: torch.Tensor) -> torch.Tensor:
-        if multiply is not None:
-            logits = logits * multiply
-        if divide is not None:
-            logits = logits / divide
-        if softcap is not None:
-            logits = torch.tanh(logits / softcap) * softcap
-        return logits
-
-    return transform
-
-
-class _LinearHeadLogprobs(torch.autograd.Function):
-    """Chunked ``log softmax(hidden @ W.T / T)[targets]`` (+ entropy) with a hand-written backward.
-
-    Forward keeps only the per-token ``logsumexp`` (and entropy); backward recomputes one chunk's logits at a time,
-    turns them in place into ``dL/dz`` and accumulates the weight gradient into a single buffer with ``addmm_``.
-    Compared with checkpointing each chunk, this avoids a second full ``[V, H]`` weight-gradient temporary per
-    chunk and one of the recomputed matmuls.
-
-    With z = logits / T, p = softmax(z), H = -sum p log p:
-      d log p_y / dz = onehot(y) - p,     dH / dz = -p * (log p + H),     d/dlogits = (d/dz) / T.
-    """
-
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk, with_entropy):
-        n = hidden.shape[0]
-        logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        lse = torch.empty_like(logp)
-        entropy = torch.empty_like(logp) if with_entropy else logp.new_empty(0)
-        for start in range(0, n, chunk):
-            end = min(start + chunk, n)
-            logits = (hidden[start:end] @ weight.T).float()
-            if temperature != 1.0:
-                logits.div_(temperature)
-            chunk_lse = torch.logsumexp(logits, dim=-1)
-            lse[start:end] = chunk_lse
-            logp[start:end] = logits.gather(-1, targets[start:end, None]).squeeze(-1) - chunk_lse
-            if with_entropy:
-                probs = (logits - chunk_lse[:, None]).exp_()
-                entropy[start:end] = chunk_lse - (probs * logits).sum(-1)
-                del probs
-            del logits
-        ctx.save_for_backward(hidden, weight, targets, lse, entropy)
-        ctx.temperature, ctx.chunk, ctx.with_entropy = temperature, chunk, with_entropy
-        return logp, entropy
-
-    @staticmethod
-    def backward(ctx, grad_logp, grad_entropy):
-        hidden, weight, targets, lse, entropy = ctx.saved_tensors
-        temperature, chunk = ctx.temperature, ctx.chunk
-        use_entropy = ctx.with_entropy and grad_entropy is not None
-        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
-            if ctx.needs_input_grad[1] else None
-        if grad_logp is None:
-            grad_logp = torch.zeros_like(lse)
-        for start in range(0, hidden.shape[0], chunk):
-            end = min(start + chunk, hidden.shape[0])
-            h, g = hidden[start:end], grad_logp[start:end].float()
-            logits = (h @ weight.T).float()
-            if temperature != 1.0:
-                logits.div_(temperature)
-            log_probs = logits.sub_(lse[start:end, None])           # in place: z - lse = log p
-            grad_z = log_probs.exp()                                  # p
-            if use_entropy:
-                ge = grad_entropy[start:end].float()
-                # the log_probs buffer becomes the entropy term: -ge * p * (log p + H)
-                log_probs.add_(entropy[start:end, None]).mul_(grad_z).mul_(-ge[:, None])
-                grad_z.mul_(-g[:, None]).add_(log_probs)
-            else:
-                grad_z.mul_(-g[:, None])                               # -g * p
-            grad_z.scatter_add_(-1, targets[start:end, None], g[:, None])  # + g * onehot(y)
-            del log_probs, logits
-            if temperature != 1.0:
-                grad_z.div_(temperature)
-            if weight.dtype == torch.float32:
-                if grad_hidden is not None:
-                    torch.mm(grad_z, weight, out=grad_hidden[start:end])
-                if grad_weight is not None:
-                    grad_weight.addmm_(grad_z.T, h.float())
-            else:
-                # bf16/fp16 weights: both matmuls in the weight's dtype (what autograd through the model's own
-                # head does) instead of fp32 ones, which run at a fraction of a GPU's bf16 speed; the weight
-                # gradient is still summed over chunks in fp32
-                grad_z = grad_z.to(weight.dtype)
-                if grad_hidden is not None:
-                    torch.mm(grad_z, weight, out=grad_hidden[start:end])
-                if grad_weight is not None:
-                    grad_weight.add_(torch.mm(grad_z.T, h))
-            del grad_z
-        if grad_weight is not None:
-            grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None
-
-
-def fused_head_weight(lm_head: nn.Module, logit_transform) -> torch.Tensor | None:
-    """The weight for the fused path: a bias-free ``nn.Linear`` whose full weight is present (not a ZeRO-3
-    partition) and no architecture-specific logit transform. None means: use the checkpointed path."""
-    if logit_transform is not None or type(lm_head) is not nn.Linear or lm_head.bias is not None:
-        return None
-    weight = lm_head.weight
-    if hasattr(weight, "ds_id") or weight.dim() != 2:
-        return None
-    return weight
-
-
 def logprobs_from_hidden(
     hidden: torch.Tensor,
     lm_head: nn.Module,
@@ -220,44 +102,67 @@ def logprobs_from_hidden(
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
         raise ValueError(f"hidden must be [N, H] and targets [N], got {tuple(hidden.shape)}, {tuple(targets.shape)}")
     if chunk_tokens is None:
-        weight = getattr(lm_head, "weight", None)
-        vocab = getattr(lm_head, "out_features", None) or (weight.shape[0] if weight is not None else 2**17)
-        chunk_tokens = chunk_tokens_for(vocab, device=hidden.device)
+        chunk_tokens = _head_chunk_tokens(lm_head, hidden.device)
 
     weight = fused_head_weight(lm_head, logit_transform)
     if weight is not None:
-        logprobs, entropy = _LinearHeadLogprobs.apply(hidden, weight, targets, float(temperature), chunk_tokens,
+        logprobs, entropy = LinearHeadLogprobs.apply(hidden, weight, targets, float(temperature), chunk_tokens,
                                                       with_entropy)
         return logprobs, entropy if with_entropy else None
     transform = logit_transform or (lambda logits: logits)
 
     def reduce_chunk(h: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = transform(lm_head(h).float())
-        if temperature != 1.0:
-            logits = logits / temperature
-        lse = torch.logsumexp(logits, dim=-1)
-        logp = logits.gather(-1, y.unsqueeze(-1)).squeeze(-1) - lse
-        if not with_entropy:
-            return logp, torch.zeros_like(logp)
-        probs = torch.softmax(logits, dim=-1)
-        return logp, lse - (probs * logits).sum(dim=-1)
+        return tempered_logprobs(transform(lm_head(h).float()), y, temperature, with_entropy)
 
     needs_grad = torch.is_grad_enabled() and (
         hidden.requires_grad or any(p.requires_grad for p in lm_head.parameters())
     )
+    logprobs, entropy = _reduce_in_chunks(reduce_chunk, hidden, targets, chunk_tokens, checkpointed=needs_grad)
+    return logprobs, entropy if with_entropy else None
+
+
+def _head_chunk_tokens(lm_head: nn.Module, device: torch.device) -> int:
+    """Tokens per chunk for ``lm_head``'s vocabulary (its ``out_features``, its weight's rows, else 2^17)."""
+    weight = getattr(lm_head, "weight", None)
+    vocab = getattr(lm_head, "out_features", None) or (weight.shape[0] if weight is not None else 2**17)
+    return chunk_tokens_for(vocab, device=device)
+
+
+def tempered_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+                      with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprob of each target and entropy of each row of ``logits [n, V]`` (fp32) divided by ``temperature``.
+
+    .. math::  z = \\mathrm{logits}/\\tau,\\quad \\log p(y_n) = z_{n,y_n} - \\log\\sum_v e^{z_{n,v}},\\quad
+               H_n = \\log\\sum_v e^{z_{n,v}} - \\sum_v \\mathrm{softmax}(z_n)_v\\, z_{n,v}
+
+    Both ``[n]``; the entropy is zeros without ``with_entropy`` (not computed).
+    """
+    if temperature != 1.0:
+        logits = logits / temperature
+    lse = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    if not with_entropy:
+        return logp, torch.zeros_like(logp)
+    probs = torch.softmax(logits, dim=-1)
+    return logp, lse - (probs * logits).sum(dim=-1)
+
+
+def _reduce_in_chunks(reduce_chunk, hidden: torch.Tensor, targets: torch.Tensor, chunk_tokens: int, *,
+                      checkpointed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``reduce_chunk(hidden[i:j], targets[i:j])`` over chunks of ``chunk_tokens`` rows, concatenated (fp32 ``[N]``
+    each, empty for no rows); ``checkpointed``: under activation checkpointing, so backward recomputes one chunk's
+    logits at a time."""
     logps, entropies = [], []
     for start in range(0, hidden.shape[0], chunk_tokens):
         h, y = hidden[start:start + chunk_tokens], targets[start:start + chunk_tokens]
-        if needs_grad:
+        if checkpointed:
             logp, ent = checkpoint(reduce_chunk, h, y, use_reentrant=False)
         else:
             logp, ent = reduce_chunk(h, y)
         logps.append(logp)
         entropies.append(ent)
     empty = hidden.new_zeros(0, dtype=torch.float32)
-    logprobs = torch.cat(logps) if logps else empty
-    entropy = (torch.cat(entropies) if entropies else empty) if with_entropy else None
-    return logprobs, entropy
+    return (torch.cat(logps) if logps else empty), (torch.cat(entropies) if entropies else empty)
 
 
 @dataclass

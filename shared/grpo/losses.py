@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -224,52 +225,75 @@ def compute_policy_loss(
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be [B, L], got shape {tuple(logprobs.shape)}")
     mask = _completion_mask(completion_lengths, logprobs)
-    if advantages.dim() == 1:
-        advantages = advantages.unsqueeze(-1).expand_as(logprobs)
+    advantages = advantages.unsqueeze(-1).expand_as(logprobs) if advantages.dim() == 1 else advantages
     if cfg.beta > 0 and ref_logprobs is None:
         raise ValueError("beta > 0 needs ref_logprobs")
 
-    def clean(t: torch.Tensor) -> torch.Tensor:
-        # Zero padded positions *before* any arithmetic: a -inf or NaN there would otherwise turn into NaN
-        # gradients through exp() even though the mask drops its value.
-        return torch.where(mask, t.to(logprobs.dtype), torch.zeros((), dtype=logprobs.dtype, device=t.device))
-
-    logprobs = clean(logprobs)
-    advantages = clean(advantages).detach()
-    old = logprobs.detach() if old_logprobs is None else clean(old_logprobs).detach()
+    dtype = logprobs.dtype  # padded positions zeroed before any arithmetic (zero_padding)
+    logprobs = zero_padding(logprobs, mask, dtype)
+    advantages = zero_padding(advantages, mask, dtype).detach()
+    old = logprobs.detach() if old_logprobs is None else zero_padding(old_logprobs, mask, dtype).detach()
 
     terms = POLICY_LOSSES.get(cfg.policy_loss)(logprobs - old, advantages, mask, cfg)
     token_loss = terms.loss
-    metrics: dict[str, torch.Tensor] = {}
-
     if behaviour_logprobs is not None and cfg.tis_cap is not None:
-        weight = torch.exp((old - clean(behaviour_logprobs)).clamp(max=_MAX_LOG_RATIO)).clamp(max=cfg.tis_cap)
+        weight = truncated_importance_weight(old, zero_padding(behaviour_logprobs, mask, dtype), cfg.tis_cap)
         token_loss = token_loss * weight.detach()
     else:
         weight = torch.ones_like(logprobs)
-    w_min, w_max = masked_min_max(weight.detach(), mask)
-    metrics.update(is_weight_mean=masked_mean(weight.detach(), mask), is_weight_min=w_min, is_weight_max=w_max)
+    metrics = importance_weight_metrics(weight.detach(), mask)
 
-    aggregate = AGGREGATIONS.get(cfg.aggregation)
-    norms = dict(num_tokens=num_tokens, num_seqs=num_seqs, norm_len=cfg.norm_len)
-    metrics["pg_loss"] = aggregate(token_loss.detach(), mask, **norms)
+    aggregate = partial(AGGREGATIONS.get(cfg.aggregation), num_tokens=num_tokens, num_seqs=num_seqs,
+                        norm_len=cfg.norm_len)
+    metrics["pg_loss"] = aggregate(token_loss.detach(), mask)
     if ref_logprobs is not None:
         kl = kl_penalty(
-            logprobs, clean(ref_logprobs), cfg.kl_estimator,
+            logprobs, zero_padding(ref_logprobs, mask, dtype), cfg.kl_estimator,
             log_ratio_clamp=cfg.kl_log_ratio_clamp, value_clamp=cfg.kl_value_clamp,
         )
         metrics["kl_mean"] = masked_mean(kl.detach(), mask)
         if cfg.beta > 0:
             token_loss = token_loss + cfg.beta * kl
-    loss = aggregate(token_loss, mask, **norms)
+    loss = aggregate(token_loss, mask)
+    metrics.update(surrogate_metrics(terms, mask))
+    return PolicyLossOutput(loss=loss, token_loss=token_loss.detach(), metrics=metrics)
 
+
+def zero_padding(values: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``values`` as ``dtype`` where ``mask`` is set, exactly 0 elsewhere.
+
+    Padded positions are zeroed *before* any arithmetic: a -inf or NaN there would otherwise turn into NaN
+    gradients through exp() even though the mask drops its value.
+    """
+    return torch.where(mask, values.to(dtype), torch.zeros((), dtype=dtype, device=values.device))
+
+
+def truncated_importance_weight(old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor,
+                                cap: float) -> torch.Tensor:
+    """The per-token weight that corrects the sampler/trainer mismatch (truncated importance sampling):
+
+    .. math::  w = \\min\\big(\\exp(\\min(\\log\\pi_{old} - \\log\\pi_{behaviour},\\; 20)),\\; cap\\big)
+
+    (the inner clamp keeps exp() finite in float32; such ratios are far above any cap).
+    """
+    return torch.exp((old_logprobs - behaviour_logprobs).clamp(max=_MAX_LOG_RATIO)).clamp(max=cap)
+
+
+def importance_weight_metrics(weight: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Mean, min and max of the (detached) importance weights over the valid tokens."""
+    w_min, w_max = masked_min_max(weight, mask)
+    return dict(is_weight_mean=masked_mean(weight, mask), is_weight_min=w_min, is_weight_max=w_max)
+
+
+def surrogate_metrics(terms: SurrogateTerms, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Over the valid tokens: the ratio's mean, min and max, the fractions clipped below, above and by the dual
+    clip, and the token count."""
     ratio = terms.ratio.detach()
     r_min, r_max = masked_min_max(ratio, mask)
-    metrics.update(
+    return dict(
         ratio_mean=masked_mean(ratio, mask), ratio_min=r_min, ratio_max=r_max,
         clip_frac_low=masked_mean(terms.clipped_low.to(ratio.dtype), mask),
         clip_frac_high=masked_mean(terms.clipped_high.to(ratio.dtype), mask),
         dual_clip_frac=masked_mean(terms.dual_clipped.to(ratio.dtype), mask),
         num_tokens=mask.sum().to(ratio.dtype),
     )
-    return PolicyLossOutput(loss=loss, token_loss=token_loss.detach(), metrics=metrics)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import re
 import uuid
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -81,6 +82,15 @@ def _check_dtype(name: str, tensor: torch.Tensor, floating: bool) -> None:
     _require(ok, f"{name} must be {'a floating-point' if floating else 'an integer'} tensor, got {tensor.dtype}")
 
 
+def _right_padded(rows: Sequence[Sequence[int | float]], dtype: torch.dtype, width: int) -> torch.Tensor:
+    """``[len(rows), width]``: each row's values from the left, then zeros."""
+    out = torch.zeros(len(rows), width, dtype=dtype)
+    for i, row in enumerate(rows):
+        if len(row):
+            out[i, :len(row)] = torch.tensor(row, dtype=dtype)
+    return out
+
+
 @dataclass
 class RolloutGroup:
     """G completions of one prompt, as a generator uploads them to the hub."""
@@ -101,6 +111,57 @@ class RolloutGroup:
     @property
     def group_size(self) -> int:
         return int(self.completion_ids.shape[0])
+
+    @classmethod
+    def from_samples(
+        cls,
+        *,
+        prompt_ids: Sequence[int],
+        completion_ids: Sequence[Sequence[int]],
+        behaviour_logprobs: Sequence[Sequence[float]],
+        rewards: Sequence[float],
+        finish_reasons: Sequence[str],
+        policy_version: int,
+        generator_id: str,
+        sampling: SamplingParams | None = None,
+        reward_components: Mapping[str, Sequence[float]] | None = None,
+        task: Mapping[str, str] | None = None,
+        group_id: str | None = None,
+    ) -> RolloutGroup:
+        """A group from per-sample lists: completion ``i`` is ``completion_ids[i]`` (its token ids, any length),
+        ``behaviour_logprobs[i]`` (one sampler logprob per token of it), ``rewards[i]``, ``finish_reasons[i]`` and
+        ``reward_components[name][i]``.
+
+        The ragged rows become right-padded ``[G, L]`` tensors, ``L`` the longest completion (at least 1, so a
+        group of empty completions is ``[G, 1]``), padded with zeros, which mean nothing: ``completion_lengths`` are
+        the row lengths. Token ids are int64, logprobs, rewards and reward components float32. A logprob row whose
+        length is not its completion's is a :class:`ProtocolError` (padding would hide it); everything else is
+        checked by :meth:`validate`, as for any group (this constructor does not call it). ``group_id`` None: a
+        fresh one.
+        """
+        sizes = [len(row) for row in completion_ids]
+        _require(len(behaviour_logprobs) == len(sizes),
+                 f"{len(behaviour_logprobs)} behaviour logprob rows for {len(sizes)} completions")
+        for i, (size, logprobs) in enumerate(zip(sizes, behaviour_logprobs)):
+            _require(len(logprobs) == size,
+                     f"completion {i}: {len(logprobs)} behaviour logprobs for {size} tokens")
+        width = max([1, *sizes])
+        optional = {"group_id": group_id} if group_id is not None else {}
+        return cls(
+            prompt_ids=torch.as_tensor(prompt_ids, dtype=torch.long),
+            completion_ids=_right_padded(completion_ids, torch.long, width),
+            completion_lengths=torch.tensor(sizes, dtype=torch.long),
+            behaviour_logprobs=_right_padded(behaviour_logprobs, torch.float32, width),
+            rewards=torch.as_tensor(rewards, dtype=torch.float32),
+            finish_reasons=list(finish_reasons),
+            policy_version=policy_version,
+            generator_id=generator_id,
+            sampling=sampling if sampling is not None else SamplingParams(),
+            reward_components={name: torch.as_tensor(values, dtype=torch.float32)
+                               for name, values in (reward_components or {}).items()},
+            task=dict(task or {}),
+            **optional,
+        )
 
     def validate(self, vocab_size: int | None = None) -> RolloutGroup:
         """Everything a batch relies on, so that a group accepted by the hub can always join a batch."""

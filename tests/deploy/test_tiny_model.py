@@ -19,8 +19,8 @@ from deploy.demo.tiny_model import (
     default_alphabet,
     save_model_dir,
 )
-from deploy.demo.warmup import WarmupConfig
 from generator.tasks.arithmetic import ArithmeticTask
+from shared.config.schema import DemoConfig
 
 ROUND_TRIP = [
     "12 + 3 = <answer>15</answer>",
@@ -144,7 +144,8 @@ def test_save_load_parity(tok, saved) -> None:
 
 def test_build_tiny_model_dir_writes_stats_and_a_loadable_model(tmp_path) -> None:
     """Mechanics only (a few steps); the default warm-up's accuracy is checked in test_warmup.py."""
-    warmup = WarmupConfig(steps=8, batch_size=8, eval_size=8)
+    warmup = DemoConfig(warmup_steps=8, batch_size=8, heldout_examples=8, warmup_target_accuracy=None,
+                        flawed_steps=0)
     stats = build_tiny_model_dir(tmp_path, task=ArithmeticTask(), warmup=warmup, spec=TinyModelSpec())
     on_disk = json.loads((tmp_path / "grpo_tiny_model.json").read_text())
     assert on_disk == stats
@@ -152,4 +153,4 @@ def test_build_tiny_model_dir_writes_stats_and_a_loadable_model(tmp_path) -> Non
     assert stats["params"] == count_parameters(AutoModelForCausalLM.from_pretrained(tmp_path))
     assert stats["warmup_loss_last"] < stats["warmup_loss_first"]
     assert 0.0 <= stats["heldout_accuracy"] <= 1.0 and stats["warmup_seconds"] > 0
-    assert stats["warmup"]["steps"] == 8 and stats["task"]["max_value"] == 99
+    assert stats["warmup"]["warmup_steps"] == 8 and stats["warmup"]["seed"] == 0 and stats["task"]["max_value"] == 99

@@ -7,23 +7,22 @@ import random
 import pytest
 import torch
 
+from deploy.demo.greedy import evaluate_greedy, generate_greedy, greedy_accuracy
+from deploy.demo.sft_data import (
+    build_sft_batch,
+    flawed_demonstrations,
+    pad_sft_sequences,
+    sample_excluding,
+    validation_problems,
+)
 from deploy.demo.tiny_model import TinyModelSpec, build_char_tokenizer, build_tiny_model, build_tiny_model_dir
 from deploy.demo.warmup import (
     StopRule,
-    WarmupConfig,
     WarmupTargetMissed,
-    build_sft_batch,
-    evaluate_greedy,
-    flawed_demonstrations,
     flawed_teacher_finetune,
-    generate_greedy,
-    greedy_accuracy,
-    lr_at,
     needs_validation,
-    pad_sft_sequences,
-    sample_excluding,
     supervised_warmup,
-    validation_problems,
+    warmup_lr_schedule,
 )
 from generator.tasks.arithmetic import (
     ArithmeticTask,
@@ -33,6 +32,14 @@ from generator.tasks.arithmetic import (
     make_problem,
     sloppy_result,
 )
+from shared.config.schema import DemoConfig
+
+
+def fixed(**settings) -> DemoConfig:
+    """A demo section that runs fixed step counts: no accuracy targets, no flawed phase, a 400-step cosine to a tenth
+    (the warm-up of `grpo tiny-model` before the demo section was its only config), unless a test sets them."""
+    return DemoConfig(**{"warmup_steps": 400, "warmup_min_lr_ratio": 0.1, "warmup_target_accuracy": None,
+                         "flawed_steps": 0, "flawed_target_accuracy": None, **settings})
 
 
 class PadIsEosTokenizer:
@@ -58,7 +65,7 @@ def short_warmup(tok):
     model = build_tiny_model(tok, TinyModelSpec())
     heldout = task.sample(100, "test", random.Random(1))
     before = evaluate_greedy(model, tok, task, heldout)
-    phase = supervised_warmup(model, tok, task, WarmupConfig(steps=60, batch_size=32, lr_warmup_steps=10))
+    phase = supervised_warmup(model, tok, task, fixed(warmup_steps=60, batch_size=32, warmup_lr_ramp_steps=10), 0)
     after = evaluate_greedy(model, tok, task, heldout)
     assert phase.checks == [] and phase.validation_accuracy is None  # no target, no checks
     return model, task, heldout, before, after, phase.losses
@@ -66,8 +73,8 @@ def short_warmup(tok):
 
 @pytest.fixture(scope="session")
 def default_build(tmp_path_factory):
-    """The real thing: ``build_tiny_model_dir`` with every default, as the RL demo uses it."""
-    return build_tiny_model_dir(tmp_path_factory.mktemp("tiny_default"))
+    """The real thing: ``build_tiny_model_dir``, with the fixed 400-step warm-up (no targets, no flawed phase)."""
+    return build_tiny_model_dir(tmp_path_factory.mktemp("tiny_default"), warmup=fixed())
 
 
 def test_pad_equal_eos_still_trains_on_eos() -> None:
@@ -113,15 +120,21 @@ def test_build_sft_batch_with_real_tokenizer(tok) -> None:
 
 
 def test_lr_schedule_warms_up_then_decays_to_floor() -> None:
-    cfg = WarmupConfig(steps=100, lr=1e-3, lr_warmup_steps=10, min_lr_ratio=0.1)
-    assert lr_at(0, cfg) == pytest.approx(1e-4)
-    assert lr_at(9, cfg) == pytest.approx(1e-3)
-    assert lr_at(10, cfg) == pytest.approx(1e-3)
-    assert lr_at(55, cfg) == pytest.approx(0.55e-3)
-    assert lr_at(100, cfg) == pytest.approx(1e-4)
-    assert lr_at(250, cfg) == pytest.approx(1e-4)  # past the schedule (a phase run to a target): the floor
-    lrs = [lr_at(s, cfg) for s in range(10, 100)]
-    assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+    cfg = fixed(warmup_steps=100, warmup_lr=1e-3, warmup_lr_ramp_steps=10, warmup_min_lr_ratio=0.1)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.warmup_lr)
+    scheduler = warmup_lr_schedule(optimizer, cfg)
+    lrs = []
+    for _ in range(251):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert lrs[0] == pytest.approx(1e-4)
+    assert lrs[9] == pytest.approx(1e-3)
+    assert lrs[10] == pytest.approx(1e-3)
+    assert lrs[55] == pytest.approx(0.55e-3)
+    assert lrs[100] == pytest.approx(1e-4)
+    assert lrs[250] == pytest.approx(1e-4)  # past the schedule (a phase run to a target): the floor
+    assert all(a >= b for a, b in zip(lrs[10:100], lrs[11:100]))
 
 
 def test_short_warmup_lowers_loss_and_teaches_format(short_warmup) -> None:
@@ -190,10 +203,10 @@ def test_flawed_demonstrations_slip_at_the_configured_rate() -> None:
 def test_flawed_teacher_needs_a_task_with_a_sloppy_answer(tok) -> None:
     model = build_tiny_model(tok, TinyModelSpec())
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    assert flawed_teacher_finetune(model, tok, ArithmeticTask(ops=("*",)), WarmupConfig(flawed_steps=0)).losses == []
+    assert flawed_teacher_finetune(model, tok, ArithmeticTask(ops=("*",)), fixed(flawed_steps=0), 0).losses == []
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     with pytest.raises(ValueError, match="flawed teacher needs a task of a\\+b / a-b"):
-        flawed_teacher_finetune(model, tok, ArithmeticTask(ops=("*",)), WarmupConfig(flawed_steps=2))
+        flawed_teacher_finetune(model, tok, ArithmeticTask(ops=("*",)), fixed(flawed_steps=2), 0)
 
 
 def test_flawed_teacher_finetune_teaches_the_sloppy_habit(tok) -> None:
@@ -201,7 +214,7 @@ def test_flawed_teacher_finetune_teaches_the_sloppy_habit(tok) -> None:
     negative answer with '-' falls, where the correct demonstrations had raised it."""
     task = ArithmeticTask()
     model = build_tiny_model(tok, TinyModelSpec())
-    supervised_warmup(model, tok, task, WarmupConfig(steps=60, batch_size=32, lr_warmup_steps=10))
+    supervised_warmup(model, tok, task, fixed(warmup_steps=60, batch_size=32, warmup_lr_ramp_steps=10), 0)
     negative = [p for p in task.sample(200, "test", random.Random(3)) if p.ops == ("-",) and p.operands[0] < p.operands[1]]
     minus = tok.convert_tokens_to_ids("-")
 
@@ -212,15 +225,15 @@ def test_flawed_teacher_finetune_teaches_the_sloppy_habit(tok) -> None:
         return float(torch.stack(probs).mean())
 
     clean = mean_minus_probability()
-    losses = flawed_teacher_finetune(model, tok, task, WarmupConfig(flawed_steps=30, flawed_slip=1.0,
-                                                                    batch_size=32, flawed_lr=1e-3)).losses
+    losses = flawed_teacher_finetune(model, tok, task, fixed(flawed_steps=30, flawed_slip=1.0, batch_size=32,
+                                                             flawed_lr=1e-3), 0).losses
     assert len(losses) == 30
     assert clean > 0.5 and mean_minus_probability() < 0.5 * clean, (clean, mean_minus_probability())
 
 
 def test_validation_set_is_distinct_train_problems_that_warmup_never_trains_on() -> None:
     task = ArithmeticTask()
-    cfg = WarmupConfig(validation_size=300, validation_seed=7)
+    cfg = fixed(validation_examples=300, validation_seed=7)
     validation = validation_problems(task, cfg)
     assert len(validation) == len({p.prompt for p in validation}) == 300
     assert all(task.split_of(p) == "train" for p in validation)  # the test split stays for `grpo eval`
@@ -230,10 +243,11 @@ def test_validation_set_is_distinct_train_problems_that_warmup_never_trains_on()
     assert not seen & {p.prompt for p in validation}
     with pytest.raises(ValueError, match="distinct train-split problems"):
         validation_problems(ArithmeticTask(max_value=3), cfg)
-    assert not needs_validation(WarmupConfig())
-    assert not needs_validation(WarmupConfig(flawed_target_accuracy=0.5))  # no flawed phase
-    assert needs_validation(WarmupConfig(target_accuracy=0.9))
-    assert needs_validation(WarmupConfig(flawed_steps=5, flawed_target_accuracy=0.5))
+    assert not needs_validation(fixed())
+    assert not needs_validation(fixed(flawed_target_accuracy=0.5))  # no flawed phase
+    assert needs_validation(fixed(warmup_target_accuracy=0.9))
+    assert needs_validation(fixed(flawed_steps=5, flawed_target_accuracy=0.5))
+    assert needs_validation(DemoConfig())  # the demo's defaults have both targets
 
 
 def test_stop_rule_checks_every_n_steps_and_at_the_cap(tok, short_warmup) -> None:
@@ -253,19 +267,20 @@ def test_stop_rule_checks_every_n_steps_and_at_the_cap(tok, short_warmup) -> Non
 
 def test_clean_phase_stops_at_its_target_and_fails_at_its_cap(tok) -> None:
     task = ArithmeticTask()
-    validation = validation_problems(task, WarmupConfig(validation_size=16))
-    cfg = WarmupConfig(steps=12, batch_size=8, lr_warmup_steps=2, target_accuracy=0.0, check_every=5)
-    reached = supervised_warmup(build_tiny_model(tok, TinyModelSpec()), tok, task, cfg, validation)
+    validation = validation_problems(task, fixed(validation_examples=16))
+    cfg = fixed(warmup_steps=12, warmup_max_steps=12, batch_size=8, warmup_lr_ramp_steps=2,
+                warmup_target_accuracy=0.0, warmup_check_every=5)
+    reached = supervised_warmup(build_tiny_model(tok, TinyModelSpec()), tok, task, cfg, 0, validation)
     assert len(reached.losses) == 5 and [s for s, _ in reached.checks] == [5]  # 0% is already >= 0%
-    missed = WarmupConfig(steps=4, max_steps=6, batch_size=8, lr_warmup_steps=2, target_accuracy=0.99,
-                          check_every=5)
+    missed = fixed(warmup_steps=4, warmup_max_steps=6, batch_size=8, warmup_lr_ramp_steps=2,
+                   warmup_target_accuracy=0.99, warmup_check_every=5)
     with pytest.raises(WarmupTargetMissed, match="'correct demonstrations' stopped at its cap of 6 steps"):
-        supervised_warmup(build_tiny_model(tok, TinyModelSpec()), tok, task, missed, validation)
+        supervised_warmup(build_tiny_model(tok, TinyModelSpec()), tok, task, missed, 0, validation)
 
 
 def test_flawed_phase_stops_once_accuracy_falls_to_its_target(tok) -> None:
     task = ArithmeticTask()
-    validation = validation_problems(task, WarmupConfig(validation_size=16))
-    cfg = WarmupConfig(batch_size=8, flawed_steps=9, flawed_target_accuracy=1.0, flawed_check_every=4)
-    phase = flawed_teacher_finetune(build_tiny_model(tok, TinyModelSpec()), tok, task, cfg, validation)
+    validation = validation_problems(task, fixed(validation_examples=16))
+    cfg = fixed(batch_size=8, flawed_steps=9, flawed_target_accuracy=1.0, flawed_check_every=4)
+    phase = flawed_teacher_finetune(build_tiny_model(tok, TinyModelSpec()), tok, task, cfg, 0, validation)
     assert len(phase.losses) == 4 and len(phase.checks) == 1 and phase.validation_accuracy is not None

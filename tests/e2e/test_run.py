@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import requests
 
+from shared.protocol.health import wait_healthy
+
 ROOT = Path(__file__).resolve().parents[2]
 GRPO = str(Path(sys.executable).parent / "grpo")
 
@@ -94,15 +96,7 @@ def test_training_continues_when_a_generator_is_killed_and_another_starts(tiny_m
 
     try:
         start("ref", "ref-server")
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if requests.get(f"{hub}/healthz", timeout=2).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            assert time.monotonic() < deadline
-            time.sleep(0.3)
+        wait_healthy(hub, 120, process=procs["ref"], poll_s=0.3)
         start("learner", "learner", "--hub", hub)
         start("gen-a", "generator", "--hub", hub, "--id", "gen-a")
         deadline = time.monotonic() + 300

@@ -23,6 +23,7 @@ import requests
 
 from learner.delivery import DeliveryLedger
 from shared.protocol.client import HubClient, HubError, RetryPolicy
+from shared.protocol.health import wait_healthy
 from tests.ref_server.helpers import make_group
 
 GRPO = str(Path(sys.executable).parent / "grpo")
@@ -53,15 +54,8 @@ class Hub:
     def start(self) -> Hub:
         self.proc = subprocess.Popen([GRPO, "ref-server", "--config", str(self.config)], env=ENV,
                                      stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if requests.get(f"{self.url}/healthz", timeout=1).status_code == 200:
-                    return self
-            except requests.ConnectionError:
-                pass
-            assert self.proc.poll() is None and time.monotonic() < deadline, "the hub did not start"
-            time.sleep(0.1)
+        wait_healthy(self.url, 60, process=self.proc, poll_s=0.1, request_timeout_s=1)
+        return self
 
     def kill(self) -> None:
         os.killpg(self.proc.pid, signal.SIGKILL)

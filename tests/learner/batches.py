@@ -15,17 +15,11 @@ def sampled_groups(model_dir, rewards_per_group, *, seed=0, temperature=1.0, max
     samples = engine.generate(prompts, sampling, n=len(rewards_per_group[0]), seed=seed)
     groups = []
     for prompt, group_samples, rewards in zip(prompts, samples, rewards_per_group):
-        width = max(len(s.token_ids) for s in group_samples)
-        ids = torch.zeros(len(group_samples), width, dtype=torch.long)
-        logprobs = torch.zeros(len(group_samples), width)
-        for i, s in enumerate(group_samples):
-            ids[i, :len(s.token_ids)] = torch.tensor(s.token_ids)
-            logprobs[i, :len(s.token_ids)] = torch.tensor(s.logprobs)
-        groups.append(RolloutGroup(
-            prompt_ids=torch.tensor(prompt), completion_ids=ids,
-            completion_lengths=torch.tensor([len(s.token_ids) for s in group_samples]), behaviour_logprobs=logprobs,
-            rewards=torch.tensor(rewards, dtype=torch.float32), finish_reasons=[s.finish_reason for s in group_samples],
-            policy_version=version, generator_id="test", sampling=sampling))
+        groups.append(RolloutGroup.from_samples(
+            prompt_ids=prompt, completion_ids=[s.token_ids for s in group_samples],
+            behaviour_logprobs=[s.logprobs for s in group_samples], rewards=rewards,
+            finish_reasons=[s.finish_reason for s in group_samples], policy_version=version, generator_id="test",
+            sampling=sampling))
     return groups
 
 

@@ -3,11 +3,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import requests
+
+from shared.protocol.health import ServerExited, wait_healthy
 
 GRPO = str(Path(sys.executable).parent / "grpo")
 
@@ -27,16 +28,10 @@ def test_ref_server_command_serves_and_stops_cleanly(tiny_model_dir, tmp_path):
         [GRPO, "ref-server", "--model", str(tiny_model_dir), "--port", str(port), "--config", str(config)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if requests.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            assert time.monotonic() < deadline, "server did not become healthy"
-            time.sleep(0.2)
+        try:
+            wait_healthy(f"http://127.0.0.1:{port}", 90, process=proc, poll_s=0.2)
+        except ServerExited:
+            pytest.fail(proc.stdout.read())
         answer = requests.post(f"http://127.0.0.1:{port}/v1/logprobs",
                                json={"input_ids": [[1, 2, 3]], "prompt_lengths": [1]}, timeout=30)
         assert answer.status_code == 200 and len(answer.json()["logprobs"][0]) == 2

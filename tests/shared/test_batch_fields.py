@@ -11,12 +11,10 @@ from shared.protocol.records import ProtocolError, RolloutGroup, SamplingParams,
 
 
 def group(prompt, lengths, rewards, reasons, version, gid, temperature=1.0, components=None) -> RolloutGroup:
-    width = max(lengths)
-    return RolloutGroup(
-        prompt_ids=torch.tensor(prompt), completion_ids=torch.full((len(lengths), width), 5),
-        completion_lengths=torch.tensor(lengths), behaviour_logprobs=-torch.ones(len(lengths), width),
-        rewards=torch.tensor(rewards), finish_reasons=reasons, policy_version=version, generator_id=f"gen-{gid}",
-        sampling=SamplingParams(temperature=temperature, max_tokens=width), reward_components=components or {},
+    return RolloutGroup.from_samples(
+        prompt_ids=prompt, completion_ids=[[5] * n for n in lengths], behaviour_logprobs=[[-1.0] * n for n in lengths],
+        rewards=rewards, finish_reasons=reasons, policy_version=version, generator_id=f"gen-{gid}",
+        sampling=SamplingParams(temperature=temperature, max_tokens=max(lengths)), reward_components=components,
         group_id=gid).validate()
 
 

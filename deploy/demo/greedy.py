@@ -1,0 +1,102 @@
+"""Batched greedy generation and accuracy on arithmetic problems: the warm-up's validation checks and the tiny
+model's held-out measurements before and after each phase."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from deploy.demo.sft_data import eos_id, pad_id
+from generator.tasks.arithmetic import ArithmeticTask, Problem, extract_answer
+
+
+@dataclass
+class GreedyEval:
+    """Greedy-decoding scores on a list of problems."""
+
+    accuracy: float
+    format_rate: float  # fraction with a closed <answer>...</answer> pair, right or wrong
+    n: int
+    completions: list[str]
+
+
+@torch.no_grad()
+def generate_greedy(
+    model, tokenizer, prompts: Sequence[str], max_new_tokens: int, batch_size: int = 256
+) -> list[str]:
+    """Greedy completions (text after the prompt, cut at EOS, special tokens dropped), batched.
+
+    Prompts are left-padded with an attention mask and explicit position ids, so each row generates what it
+    would alone (RoPE alone would tolerate shifted positions; absolute-position models would not). No KV
+    cache: sequences are a few dozen tokens, and a full recompute is simple and version-proof.
+    """
+    if any(not p for p in prompts):
+        raise ValueError("empty prompt: greedy generation needs at least one prompt token")
+    was_training = model.training
+    model.eval()
+    eos, pad = eos_id(tokenizer), pad_id(tokenizer)
+    out: list[str] = []
+    try:
+        for start in range(0, len(prompts), batch_size):
+            chunk = [
+                tokenizer.encode(p, add_special_tokens=False) for p in prompts[start : start + batch_size]
+            ]
+            out.extend(_greedy_chunk(model, tokenizer, chunk, max_new_tokens, eos, pad))
+    finally:
+        model.train(was_training)
+    return out
+
+
+def _greedy_chunk(
+    model, tokenizer, chunk: list[list[int]], max_new_tokens: int, eos: int, pad: int
+) -> list[str]:
+    width = max(len(ids) for ids in chunk)
+    input_ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(chunk), width), dtype=torch.long)
+    for row, ids in enumerate(chunk):
+        input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+        mask[row, width - len(ids) :] = 1
+    generated: list[list[int]] = [[] for _ in chunk]
+    done = torch.zeros(len(chunk), dtype=torch.bool)
+    for _ in range(max_new_tokens):
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        logits = model(input_ids=input_ids, attention_mask=mask, position_ids=positions).logits[:, -1, :]
+        next_ids = logits.argmax(dim=-1)
+        for row in range(len(chunk)):
+            if not done[row]:
+                token = int(next_ids[row])
+                if token == eos:
+                    done[row] = True
+                else:
+                    generated[row].append(token)
+        if bool(done.all()):
+            break
+        next_ids = torch.where(done, torch.full_like(next_ids, pad), next_ids)
+        input_ids = torch.cat([input_ids, next_ids[:, None]], dim=1)
+        mask = torch.cat([mask, (~done).long()[:, None]], dim=1)
+    return [tokenizer.decode(ids, skip_special_tokens=True) for ids in generated]
+
+
+def evaluate_greedy(
+    model, tokenizer, task: ArithmeticTask, problems: Sequence[Problem], max_new_tokens: int = 16
+) -> GreedyEval:
+    """Accuracy and format rate of greedy completions, scored with ``task.score``."""
+    completions = generate_greedy(model, tokenizer, [p.prompt for p in problems], max_new_tokens)
+    rewards = [task.score(p, c) for p, c in zip(problems, completions)]
+    formatted = [extract_answer(c) is not None for c in completions]
+    n = len(problems)
+    return GreedyEval(
+        accuracy=sum(rewards) / n if n else 0.0,
+        format_rate=sum(formatted) / n if n else 0.0,
+        n=n,
+        completions=completions,
+    )
+
+
+def greedy_accuracy(
+    model, tokenizer, task: ArithmeticTask, problems: Sequence[Problem], max_new_tokens: int = 16
+) -> float:
+    """Fraction of ``problems`` whose greedy completion has the right answer."""
+    return evaluate_greedy(model, tokenizer, task, problems, max_new_tokens).accuracy

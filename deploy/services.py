@@ -1,0 +1,184 @@
+"""The service commands, ``grpo ref-server``, ``grpo generator`` and ``grpo learner``, and what every ``grpo``
+command shares: the root parser, the config arguments, and the mapping of errors to exit codes (:func:`run_command`).
+
+A service process runs :func:`main`: started fresh (``python -m deploy.cli SERVICE``, where :mod:`deploy.cli` adds
+these commands to the full parser) or forked from ``grpo run`` (deploy/forked.py). Nothing here imports the launcher
+or the demo, so ``deploy.cli -> deploy.launcher -> deploy.forked -> deploy.services`` points one way.
+
+Heavy imports (torch, transformers) happen inside the commands, so ``grpo --help`` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from importlib import metadata
+from pathlib import Path
+
+from shared.errors import GrpoError, UsageError
+
+# The configs shipped with grpo-stack (package data), so that `grpo demo` and `grpo run deploy/configs/X.yaml` work
+# from any directory.
+SHIPPED_CONFIGS = Path(__file__).resolve().parent / "configs"
+
+Command = Callable[[argparse.Namespace], int]
+# add(name, command, help) -> the subcommand's parser (its defaults run ``command``)
+AddCommand = Callable[[str, Command, str], argparse.ArgumentParser]
+
+
+def config_path(path: str | None) -> str | None:
+    """``path`` if it exists, else the shipped config of that name ('tiny-cpu', 'tiny-cpu.yaml' or
+    'deploy/configs/tiny-cpu.yaml'); a path that is neither is an error naming both places."""
+    if path is None or Path(path).exists():
+        return path
+    name = Path(path).name
+    for candidate in (SHIPPED_CONFIGS / name, SHIPPED_CONFIGS / f"{name}.yaml"):
+        if candidate.is_file():
+            return str(candidate)
+    shipped = ", ".join(sorted(p.stem for p in SHIPPED_CONFIGS.glob("*.yaml")))
+    raise UsageError(f"config file {path} does not exist, and no shipped config is called {name!r} "
+                     f"(shipped: {shipped})")
+
+
+def load_with_flags(args: argparse.Namespace, flag_keys: dict[str, str]):
+    """The config file (or defaults), then ``--set`` overrides, then the dedicated flags (which win)."""
+    from shared.config.loader import load_config
+
+    overrides = list(args.set)
+    for attr, key in flag_keys.items():
+        value = getattr(args, attr)
+        if value is not None:
+            overrides.append(f"{key}={value}")
+    return load_config(config_path(args.config), overrides)
+
+
+def cmd_ref_server(args: argparse.Namespace) -> int:
+    """Serve reference logprobs, the rollout hub and the weight relay."""
+    from ref_server.server import serve
+
+    serve(load_with_flags(args, {"model": "ref_server.model", "host": "ref_server.host", "port": "ref_server.port",
+                                 "token": "ref_server.token"}))
+    return 0
+
+
+def cmd_generator(args: argparse.Namespace) -> int:
+    """Sample groups of completions, score them, upload them to the hub."""
+    import logging
+
+    from deploy.startup import import_model_classes
+
+    import_model_classes()  # before generator.main: without the optional packages transformers would pull in
+    from generator.main import run_generator
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    run_generator(load_with_flags(args, {"model": "generator.model", "hub": "generator.hub_url",
+                                         "id": "generator.id", "max_groups": "generator.max_groups"}))
+    return 0
+
+
+def cmd_learner(args: argparse.Namespace) -> int:
+    """Train: pull batches from the hub, GRPO step with DeepSpeed, publish weights."""
+    import logging
+
+    from deploy.startup import import_model_classes
+
+    import_model_classes()  # before learner.main: without the optional packages transformers would pull in
+    from learner.main import run_learner
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    run_learner(load_with_flags(args, {"model": "learner.model", "hub": "learner.hub_url",
+                                       "max_steps": "learner.max_steps"}), resume=args.resume)
+    return 0
+
+
+def _version() -> str:
+    try:
+        return metadata.version("grpo-stack")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def add_set_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="Override a config key, e.g. --set algorithm.loss.beta=0.0 (repeatable).")
+
+
+def add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="YAML config file (every field: grpo config-reference).")
+    add_set_arg(p)
+
+
+def root_parser() -> tuple[argparse.ArgumentParser, AddCommand]:
+    """The ``grpo`` parser with no subcommand yet, and the function that adds one."""
+    parser = argparse.ArgumentParser(
+        prog="grpo",
+        description="grpo-stack: a distributed GRPO trainer (vLLM generators, a FastAPI reference server and "
+        "rollout hub, a DeepSpeed learner).",
+    )
+    parser.add_argument("--version", action="version", version=f"grpo-stack {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    def add(name: str, fn: Command, help_text: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(func=fn)
+        return p
+
+    return parser, add
+
+
+def add_service_parsers(add: AddCommand) -> None:
+    """``grpo ref-server``, ``grpo generator`` and ``grpo learner``."""
+    p = add("ref-server", cmd_ref_server,
+            "Reference server: per-token reference logprobs over HTTP (POST /v1/logprobs), the rollout hub and "
+            "the weight relay. Binds 127.0.0.1 unless told otherwise.")
+    p.add_argument("--model", help="Reference model folder (overrides ref_server.model).")
+    p.add_argument("--host", help="Address to bind (default 127.0.0.1).")
+    p.add_argument("--port", type=int, help="Port (default 8470).")
+    p.add_argument("--token", help="Require this bearer token (also read from GRPO_TOKEN).")
+    add_config_args(p)
+
+    p = add("generator", cmd_generator,
+            "Generator: sample G completions per prompt, score them, upload the groups to the hub, and load new "
+            "policy weights as the learner publishes them.")
+    p.add_argument("--model", help="Model folder (overrides generator.model).")
+    p.add_argument("--hub", help="Ref server / hub URL (overrides generator.hub_url).")
+    p.add_argument("--id", help="Generator name (overrides generator.id; also seeds its prompt order).")
+    p.add_argument("--max-groups", type=int, help="Stop after this many uploaded groups.")
+    add_config_args(p)
+
+    p = add("learner", cmd_learner,
+            "Learner: pull batches (reference logprobs attached) from the hub, apply the GRPO step with DeepSpeed, "
+            "publish weights. Several ranks: torchrun --nproc_per_node N -m deploy.cli learner ... (or the deepspeed "
+            "launcher with --module deploy.cli).")
+    p.add_argument("--model", help="Initial policy folder (overrides learner.model).")
+    p.add_argument("--hub", help="Ref server / hub URL (overrides learner.hub_url).")
+    p.add_argument("--max-steps", type=int, help="Stop after this many optimizer steps.")
+    p.add_argument("--resume", action="store_true", help="Continue from the newest complete checkpoint.")
+    add_config_args(p)
+
+
+def run_command(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
+    """Parse ``argv`` and run its command; every :class:`shared.errors.GrpoError` becomes one message on stderr and
+    its exit code (2 for what the user can fix, 1 for a service that gave up), never a bare traceback."""
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    try:
+        return args.func(args)
+    except GrpoError as exc:
+        print(f"grpo {args.command}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """``grpo`` with the service commands only: what a service process parses."""
+    parser, add = root_parser()
+    add_service_parsers(add)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one service command, ``grpo ref-server|generator|learner ...``."""
+    return run_command(build_parser(), argv)

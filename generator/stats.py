@@ -1,0 +1,27 @@
+"""What a generator's rollout loop counts (:class:`generator.loop.RolloutLoop` keeps it, :mod:`generator.progress`
+reports it, ``grpo generator`` returns it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class LoopStats:
+    groups_uploaded: int = 0
+    groups_dropped_constant: int = 0
+    groups_refused_stale: int = 0
+    prompts: int = 0
+    completion_tokens: int = 0
+    reward_errors: int = 0
+    weight_updates: int = 0
+    budget_waits: int = 0           # engine calls put off because the learner could not use more groups yet
+    budget_wait_s: float = 0.0
+    reward_sum: float = 0.0
+    reward_count: int = 0
+    component_sums: dict[str, float] = field(default_factory=dict)
+    last_queue_depth: int | None = None
+
+    @property
+    def mean_reward(self) -> float:
+        return self.reward_sum / self.reward_count if self.reward_count else 0.0

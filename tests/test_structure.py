@@ -1,0 +1,157 @@
+"""The shape of the product code (ARCHITECTURE.md): no import circles, files under 400 lines, functions under 60,
+and shared/ importing no service.
+
+The import graph is built with ``ast`` from every import statement, at module level and inside functions alike (an
+import moved into a function still is a dependency; ``if TYPE_CHECKING:`` imports count too). ``from x import y``
+is an edge to ``x.y`` where that is a module, else to ``x``; ``import a.b`` is an edge to ``a.b``. Only modules of
+the product packages are nodes. Each failure prints what to fix.
+"""
+
+from __future__ import annotations
+
+import ast
+from functools import cache
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PRODUCT = ("shared", "ref_server", "generator", "learner", "deploy")
+SERVICES = ("ref_server", "generator", "learner", "deploy")
+MAX_FILE_LINES = 400
+MAX_FUNCTION_LINES = 60
+
+
+def is_parser_builder(name: str) -> bool:
+    """Declarative argument parsers (one ``add_argument`` per flag) may be long."""
+    return name == "build_parser" or name.endswith("_parser")
+
+
+@cache
+def product_modules() -> dict[str, Path]:
+    """Dotted module name -> file, for every .py of the product packages (a package is its __init__.py)."""
+    modules = {}
+    for package in PRODUCT:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+def _known(name: str) -> str | None:
+    """``name`` or its longest prefix that is a product module."""
+    modules = product_modules()
+    parts = name.split(".")
+    for end in range(len(parts), 0, -1):
+        candidate = ".".join(parts[:end])
+        if candidate in modules:
+            return candidate
+    return None
+
+
+def _imported(module: str, path: Path) -> set[str]:
+    """The product modules that ``module`` (in file ``path``) imports anywhere in its body."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    targets: set[str | None] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets.update(_known(alias.name) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            for alias in node.names:
+                targets.add(_known(f"{base}.{alias.name}") if f"{base}.{alias.name}" in product_modules()
+                            else _known(base))
+    return {t for t in targets if t is not None and t != module}
+
+
+@cache
+def import_graph() -> dict[str, set[str]]:
+    return {module: _imported(module, path) for module, path in product_modules().items()}
+
+
+def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's strongly connected components of ``graph``, those of more than one module, each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for successor in sorted(graph.get(node, ())):
+            if successor not in index:
+                visit(successor)
+                low[node] = min(low[node], low[successor])
+            elif successor in on_stack:
+                low[node] = min(low[node], index[successor])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(found)
+
+
+def _report(title: str, offenders: list[str]) -> str:
+    text = f"{title}:\n" + "\n".join(f"  {line}" for line in offenders)
+    print(text)
+    return text
+
+
+def test_no_import_circles_among_the_product_packages():
+    graph = import_graph()
+    circles = []
+    for component in strongly_connected(graph):
+        members = set(component)
+        edges = [f"{a} -> {b}" for a in component for b in sorted(graph[a] & members)]
+        circles.append(f"{', '.join(component)}  ({'; '.join(edges)})")
+    assert not circles, _report("import circles (strongly connected modules, with their edges)", circles)
+
+
+def test_no_product_file_is_over_400_lines():
+    long_files = []
+    for path in product_modules().values():
+        lines = len(path.read_text().splitlines())
+        if lines > MAX_FILE_LINES:
+            long_files.append(f"{path.relative_to(ROOT)}: {lines} lines")
+    assert not long_files, _report(f"files over {MAX_FILE_LINES} lines", long_files)
+
+
+def test_no_product_function_is_over_60_lines():
+    long_functions = []
+    for path in product_modules().values():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not is_parser_builder(node.name):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long_functions.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {lines} lines")
+    assert not long_functions, _report(f"functions over {MAX_FUNCTION_LINES} lines", long_functions)
+
+
+def test_shared_imports_nothing_from_the_services():
+    offenders = [f"{module} -> {target}" for module, targets in sorted(import_graph().items())
+                 if module.split(".")[0] == "shared"
+                 for target in sorted(targets) if target.split(".")[0] in SERVICES]
+    assert not offenders, _report("shared/ importing a service", offenders)
+
+
+def test_the_graph_sees_lazy_relative_and_submodule_imports():
+    """The checks above are only as good as the graph: spot-check edges of each kind of import statement."""
+    graph = import_graph()
+    assert "generator.stats" in graph["generator.progress"]          # from generator.stats import LoopStats
+    assert "deploy.launcher" in graph["deploy.cli"]                  # inside cmd_run
+    assert "deploy.demo.warmup" in graph["deploy.demo.tiny_model"]   # module level, from a package
+    assert strongly_connected({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
