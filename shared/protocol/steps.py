@@ -19,6 +19,7 @@ estimator decides what steps mean (``process_advantages`` in :mod:`shared.grpo.a
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any
 
@@ -47,20 +48,17 @@ def steps_from_lists(steps: Sequence[Sequence[tuple[int, float]]], sizes: Sequen
             require(isinstance(pair, (tuple, list)) and len(pair) == 2,
                     f"completion {i}, step {j}: expected an (end, reward) pair, got {pair!r}")
             end, reward = pair
-            require(type(end) is int, f"completion {i}, step {j}: step end must be an integer, got {end!r}")
+            require(type(end) is int and -2**63 <= end < 2**63,
+                    f"completion {i}, step {j}: step end must be an int64 integer, got {end!r}")
             require(_number(reward), f"completion {i}, step {j}: step reward must be a number, got {reward!r}")
             ends.append(end)
-            rewards.append(float(reward))
+            rewards.append(float(reward) if isinstance(reward, float) or abs(reward) < 2**1000 else math.inf)
             rows.append(i)
     require(len(rows) <= MAX_STEPS_PER_GROUP, f"{len(rows)} steps in one group; at most {MAX_STEPS_PER_GROUP}")
     wide = torch.tensor(rewards, dtype=torch.float64)
     index = torch.tensor(rows, dtype=torch.long)
     _check_finite(wide, index)
-    try:
-        step_end = torch.tensor(ends, dtype=torch.long)
-    except RuntimeError:  # beyond int64
-        raise ProtocolError("a step end is out of the int64 range") from None
-    return {"step_rewards": wide.float(), "step_index": index, "step_end": step_end}
+    return {"step_rewards": wide.float(), "step_index": index, "step_end": torch.tensor(ends, dtype=torch.long)}
 
 
 def _step_name(step_index: torch.Tensor, k: int) -> str:
