@@ -64,7 +64,10 @@ def batch_advantages(batch: TrainBatch, cfg: AdvantageConfig) -> torch.Tensor:
     """``[B]`` advantages of the whole batch, one estimator call with the group index (verl's way).
 
     With ``scale: batch`` the std is that of the global batch: every rank's rewards, all-reduced (count, sum,
-    sum of squares), so the result does not depend on how the hub split the batch over ranks."""
+    sum of squares), so the result does not depend on how the hub split the batch over ranks.
+
+    Outcome rewards only: the batch's step rewards (``step_rewards``, ``step_index``, ``step_end``, present when
+    its groups carry them) are not read here; the process estimator consumes them (issue 23 item 3)."""
     batch_std = None
     if cfg.scale == "batch":
         rewards = batch.rewards.double()

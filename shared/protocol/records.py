@@ -15,6 +15,9 @@ from typing import Any
 
 import torch
 
+from shared.protocol import steps as step_fields
+from shared.protocol.errors import ProtocolError
+from shared.protocol.errors import require as _require
 from shared.protocol.wire import WireError, decode, encode
 
 FINISH_REASONS = ("stop", "length")
@@ -24,15 +27,6 @@ SAFE_ID = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}$")
 MIN_TEMPERATURE = 1e-3
 # policy_version is an int64 tensor in a train batch and a JSON number in answers: keep it exact in both.
 MAX_VERSION = 2**53
-
-
-class ProtocolError(ValueError):
-    """A message whose fields are inconsistent (wrong shapes, lengths out of range, unknown values)."""
-
-
-def _require(cond: bool, message: str) -> None:
-    if not cond:
-        raise ProtocolError(message)
 
 
 def _is_number(value: object) -> bool:
@@ -107,6 +101,10 @@ class RolloutGroup:
     reward_components: dict[str, torch.Tensor] = field(default_factory=dict)  # reward name -> [G] unweighted
     task: dict[str, str] = field(default_factory=dict)  # task metadata, e.g. {"answer": "82"}
     group_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    # step rewards (shared.protocol.steps), None for an outcome-only group:
+    step_rewards: torch.Tensor | None = None  # [S] float32, reward of each step
+    step_index: torch.Tensor | None = None    # [S] int64, its completion (0..G-1), non-decreasing
+    step_end: torch.Tensor | None = None      # [S] int64, its last token among the completion's tokens
 
     @property
     def group_size(self) -> int:
@@ -127,6 +125,7 @@ class RolloutGroup:
         reward_components: Mapping[str, Sequence[float]] | None = None,
         task: Mapping[str, str] | None = None,
         group_id: str | None = None,
+        steps: Sequence[Sequence[tuple[int, float]]] | None = None,
     ) -> RolloutGroup:
         """A group from per-sample lists: completion ``i`` is ``completion_ids[i]`` (its token ids, any length),
         ``behaviour_logprobs[i]`` (one sampler logprob per token of it), ``rewards[i]``, ``finish_reasons[i]`` and
@@ -137,7 +136,8 @@ class RolloutGroup:
         the row lengths. Token ids are int64, logprobs, rewards and reward components float32. A logprob row whose
         length is not its completion's is a :class:`ProtocolError` (padding would hide it); everything else is
         checked by :meth:`validate`, as for any group (this constructor does not call it). ``group_id`` None: a
-        fresh one.
+        fresh one. ``steps[i]``: completion i's ``(step end token, step reward)`` pairs (:mod:`shared.protocol.steps`);
+        None: an outcome-only group.
         """
         sizes = [len(row) for row in completion_ids]
         _require(len(behaviour_logprobs) == len(sizes),
@@ -147,6 +147,8 @@ class RolloutGroup:
                      f"completion {i}: {len(logprobs)} behaviour logprobs for {size} tokens")
         width = max([1, *sizes])
         optional = {"group_id": group_id} if group_id is not None else {}
+        if steps is not None:
+            optional.update(step_fields.steps_from_lists(steps, sizes))
         return cls(
             prompt_ids=torch.as_tensor(prompt_ids, dtype=torch.long),
             completion_ids=_right_padded(completion_ids, torch.long, width),
@@ -198,6 +200,7 @@ class RolloutGroup:
             _require(bool(SAFE_ID.match(name)), f"reward component name {name[:40]!r} is not a safe name")
             _check_dtype(f"reward component {name!r}", values, True)
             _require(values.shape == (g,), f"reward component {name!r} must be [{g}]")
+        step_fields.check_steps(self.step_rewards, self.step_index, self.step_end, self.completion_lengths)
         if vocab_size is not None:
             for name, ids in (("prompt_ids", self.prompt_ids), ("completion_ids", self.completion_ids)):
                 if ids.numel():
@@ -212,6 +215,7 @@ class RolloutGroup:
             "behaviour_logprobs": self.behaviour_logprobs.float(), "rewards": self.rewards.float(),
         }
         tensors.update({f"reward/{name}": v.float() for name, v in self.reward_components.items()})
+        tensors.update(step_fields.step_tensors(self))  # nothing for an outcome-only group
         fields = dict(finish_reasons=self.finish_reasons, policy_version=self.policy_version,
                       generator_id=self.generator_id, sampling=asdict(self.sampling), task=self.task,
                       group_id=self.group_id)
@@ -235,6 +239,7 @@ class RolloutGroup:
                 finish_reasons=fields["finish_reasons"], policy_version=fields["policy_version"],
                 generator_id=fields["generator_id"], sampling=SamplingParams(**sampling),
                 task={str(k): str(v) for k, v in task.items()}, group_id=fields["group_id"],
+                **step_fields.take_steps(tensors),
             )
         except KeyError as exc:
             raise WireError(f"rollout group is missing {exc}") from None
@@ -265,6 +270,10 @@ class TrainBatch:
     generator_ids: list[str]            # one per group: which generator sampled it
     temperature: float                  # sampling temperature shared by every group of the batch
     batch_id: str = ""                  # the hub's lease on these groups: acknowledge it once the step is applied
+    # step rewards (shared.protocol.steps), present when a group of the batch has them; step_index is the batch row
+    step_rewards: torch.Tensor | None = None  # [S] float32
+    step_index: torch.Tensor | None = None    # [S] int64, row in this batch (0..B-1), non-decreasing
+    step_end: torch.Tensor | None = None      # [S] int64, the step's last token among the row's completion tokens
 
     @property
     def batch_size(self) -> int:
@@ -278,9 +287,10 @@ class TrainBatch:
     def fields_of_groups(groups: list[RolloutGroup]) -> dict[str, Any]:
         """The batch fields of ``groups`` other than the token-aligned tensors (``input_ids``,
         ``behaviour_logprobs``, ``ref_logprobs``) and ``batch_id``: per-row lengths, rewards, group index, versions,
-        truncation and reward components (NaN in the rows of a group without that component), the per-group ids and
-        the temperature they share (checked). One definition for :meth:`from_groups` and the hub's batch assembly
-        (ref_server/hub/batching.py), so that the two cannot drift."""
+        truncation and reward components (NaN in the rows of a group without that component), the per-group ids,
+        the temperature they share (checked) and the step rewards (:func:`shared.protocol.steps.batch_steps`). One
+        definition for :meth:`from_groups` and the hub's batch assembly (ref_server/hub/batching.py), so that the
+        two cannot drift."""
         _require(len(groups) > 0, "a batch needs at least one group")
         temperatures = {g.sampling.temperature for g in groups}
         _require(len(temperatures) == 1, f"groups of one batch were sampled at different temperatures {temperatures}")
@@ -298,7 +308,7 @@ class TrainBatch:
                 for name in sorted({name for g in groups for name in g.reward_components})
             },
             group_ids=[g.group_id for g in groups], generator_ids=[g.generator_id for g in groups],
-            temperature=temperatures.pop(),
+            temperature=temperatures.pop(), **step_fields.batch_steps(groups),
         )
 
     @classmethod
@@ -337,7 +347,8 @@ class TrainBatch:
             ref_logprobs=self.ref_logprobs[rows, :width_c] if self.ref_logprobs is not None else None,
             group_index=renumber[self.group_index[rows]], policy_versions=self.policy_versions[rows],
             truncated=self.truncated[rows], reward_components={k: v[rows] for k, v in self.reward_components.items()},
-            group_ids=[self.group_ids[i] for i in keep], generator_ids=[self.generator_ids[i] for i in keep])
+            group_ids=[self.group_ids[i] for i in keep], generator_ids=[self.generator_ids[i] for i in keep],
+            **step_fields.select_steps(vars(self), rows, self.batch_size))
 
     def to_bytes(self) -> bytes:
         tensors = {
@@ -349,6 +360,7 @@ class TrainBatch:
         if self.ref_logprobs is not None:
             tensors["ref_logprobs"] = self.ref_logprobs.float()
         tensors.update({f"reward/{k}": v.float() for k, v in self.reward_components.items()})
+        tensors.update(step_fields.step_tensors(self))
         return encode("train_batch/v2", tensors, {"group_ids": self.group_ids, "generator_ids": self.generator_ids,
                                                   "temperature": self.temperature, "batch_id": self.batch_id})
 
@@ -366,7 +378,7 @@ class TrainBatch:
                                    if k.startswith("reward/")},
                 group_ids=[str(g) for g in fields["group_ids"]],
                 generator_ids=[str(g) for g in fields["generator_ids"]], temperature=float(fields["temperature"]),
-                batch_id=str(fields.get("batch_id", "")),
+                batch_id=str(fields.get("batch_id", "")), **step_fields.take_steps(dict(tensors)),
             )
         except KeyError as exc:
             raise WireError(f"train batch is missing {exc}") from None
