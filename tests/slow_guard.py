@@ -7,7 +7,9 @@
   in another thread such as tests/live_server.py's ``LiveServer``). This check is structural, not timed, so a
   loaded machine cannot make it flaky. A fixture that starts one of these while it is set up (a module-scoped
   live server, say) makes every test that uses it count as starting it, not only the first one;
-* or spends more than ``slow_guard_limit_s`` (ini option, default 10 s) in its call phase.
+* or spends more than ``slow_guard_limit_s`` (ini option, default 10 s) in its call phase: wall time, less the
+  time the test's thread was runnable but waiting for a CPU (Linux schedstat), so that other processes on a
+  shared machine do not make it flaky; sleeping and waiting on I/O or locks count.
 
 Loaded by tests/conftest.py. The patches are process-wide and installed once; they report to the guard of the
 innermost running pytest session, so in-process ``pytester`` runs (tests/test_slow_guard.py) are judged by their
@@ -56,6 +58,15 @@ def _where(item: pytest.Item) -> str:
     return where
 
 
+def _cpu_wait_s() -> float:
+    """Seconds this thread has spent runnable but waiting for a CPU (Linux schedstat's run delay; 0 elsewhere)."""
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 class SlowGuard:
     """Per-session state: the test phase running now, what was started in it, and which fixtures start things."""
 
@@ -65,6 +76,7 @@ class SlowGuard:
         self.fixtures: list[str] = []  # fixtures being set up right now, innermost last
         self.starts: list[Start] = []  # what the current phase started
         self.fixture_starts: dict[str, Start] = {}  # fixture name -> what its setup started (any test, any mark)
+        self.call_cpu_wait_s = 0.0  # how long the last call phase's thread was runnable but not on a CPU
 
     def record(self, what: str) -> None:
         item = self.item
@@ -82,7 +94,11 @@ class SlowGuard:
 
     @pytest.hookimpl(wrapper=True, tryfirst=True)
     def pytest_runtest_call(self, item):
-        return (yield from self._phase(item))
+        before = _cpu_wait_s()
+        try:
+            return (yield from self._phase(item))
+        finally:
+            self.call_cpu_wait_s = _cpu_wait_s() - before
 
     @pytest.hookimpl(wrapper=True, tryfirst=True)
     def pytest_runtest_teardown(self, item):
@@ -123,8 +139,12 @@ class SlowGuard:
                     seen.add(start.what)
                     problems.append(f"{item.nodeid} uses fixture {name!r}, which started {start.what} (at "
                                     f"{start.where}), but is not marked slow")
-        if call.when == "call" and self.limit_s > 0 and report.duration > self.limit_s:
-            problems.append(f"{item.nodeid} took {report.duration:.1f} s in its call phase, over the "
+        # other processes' load is not the test's cost: the time its thread waited for a CPU is not counted
+        own_s = report.duration - self.call_cpu_wait_s
+        if call.when == "call" and self.limit_s > 0 and own_s > self.limit_s:
+            waited = self.call_cpu_wait_s
+            waited = f" ({waited:.1f} s of it waiting for a CPU, not counted)" if waited >= 0.1 else ""
+            problems.append(f"{item.nodeid} took {report.duration:.1f} s in its call phase{waited}, over the "
                             f"{self.limit_s:g} s limit (slow_guard_limit_s) for tests not marked slow")
         self.starts = []
         if problems:

@@ -143,6 +143,20 @@ def test_quick():
     ])
 
 
+def test_time_spent_waiting_for_a_cpu_is_not_counted(run):
+    """Other processes' load on a shared machine: the thread's run-queue wait (Linux schedstat) is subtracted."""
+    result = run("""
+import time
+import tests.slow_guard as guard
+
+def test_starved(monkeypatch):
+    real = guard._cpu_wait_s
+    monkeypatch.setattr(guard, "_cpu_wait_s", lambda: real() + 1.0)  # as if it had waited 1 s for a CPU
+    time.sleep(0.3)
+""", "-o", "slow_guard_limit_s=0.2")
+    result.assert_outcomes(passed=1)
+
+
 def test_a_failing_test_keeps_its_own_failure_and_gets_the_guard_as_a_section(run):
     result = run("""
 import subprocess
