@@ -60,7 +60,8 @@ $(VLLM_STAMP): pyproject.toml
 test-vllm: $(VLLM_STAMP)
 	VLLM_CPU_OMP_THREADS_BIND=nobind $(VLLM_PY) -m pytest -p no:cacheprovider tests/vllm $(PYTEST_ARGS)
 
-# The quick loop: everything except tests marked slow.
+# The quick loop: everything except tests marked slow (subprocesses, DeepSpeed engines, live servers, > ~3 s);
+# under 2 minutes on 2 cores. tests/slow_guard.py fails an unmarked test that starts one of those or runs > 10 s.
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 

@@ -4,6 +4,10 @@ import os
 
 import pytest
 
+# tests/slow_guard.py fails tests not marked slow that start subprocesses, DeepSpeed engines or live servers, or
+# run longer than slow_guard_limit_s; pytester is for tests/test_slow_guard.py, which tests that guard
+pytest_plugins = ["pytester", "tests.slow_guard"]
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 

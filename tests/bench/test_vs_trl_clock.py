@@ -127,6 +127,7 @@ def test_repeats_report_each_ratio_and_their_median():
     assert only_ours[0]["ratio"] is None and only_ours[0]["grpo_s"] == 30.0
 
 
+@pytest.mark.slow
 def test_the_benchmark_process_does_not_import_trl():
     code = "import sys, bench.vs_trl; print(sorted(m for m in ('trl', 'torch', 'datasets') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)

@@ -2,11 +2,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from deploy.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_console_script_help():
     grpo = Path(sys.executable).parent / "grpo"
     assert grpo.exists(), "the grpo console script is not installed in this environment"
@@ -44,6 +47,7 @@ def test_config_reference_doc_is_current(capsys):
     assert generated in document, "docs/config.md is stale: regenerate it with `grpo config-reference`"
 
 
+@pytest.mark.slow
 def test_shipped_configs_work_from_any_directory(tmp_path):
     """`grpo check-config deploy/configs/tiny-cpu.yaml` (what `grpo run`/`grpo demo` read) outside the repository."""
     grpo = Path(sys.executable).parent / "grpo"

@@ -51,6 +51,7 @@ def test_placement_beyond_the_node_is_refused(tmp_path, monkeypatch):
         plan(config, tmp_path / "c.yaml", tmp_path)
 
 
+@pytest.mark.slow
 def test_slurm_template_is_valid_bash_and_uses_real_commands():
     script = ROOT / "deploy" / "slurm" / "grpo-multinode.sbatch"
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0

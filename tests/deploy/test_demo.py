@@ -13,6 +13,7 @@ from shared.config.loader import load_config
 CONFIG = "deploy/configs/tiny-cpu.yaml"
 
 
+@pytest.mark.slow
 def test_demo_model_is_reused_only_when_its_settings_match(tmp_path):
     model_dir = tmp_path / "tiny"
     # targets met at the first check (0% >= 0%, anything <= 100%): the target path, cheaply
@@ -33,6 +34,7 @@ def test_demo_model_is_reused_only_when_its_settings_match(tmp_path):
     assert json.loads((model_dir / "grpo_tiny_model.json").read_text())["flawed_steps"] == 1
 
 
+@pytest.mark.slow
 def test_demo_fails_when_a_cap_comes_before_its_target(tmp_path):
     settings = [f"generator.model={tmp_path / 'tiny'}", "demo.warmup_max_steps=2", "demo.warmup_check_every=2",
                 "demo.warmup_target_accuracy=0.9"]

@@ -43,6 +43,7 @@ def output_of(process) -> dict[str, str]:
     return {line.split(" ", 1)[0]: line.split(" ", 1)[1] if " " in line else "" for line in lines}
 
 
+@pytest.mark.slow
 def test_a_forked_service_gets_its_arguments_environment_threads_and_own_session(monkeypatch):
     monkeypatch.setenv("PARENT_ONLY", "1")
     env = {"GRPO_TEST_VALUE": "forty-two", "OMP_NUM_THREADS": "1", "PATH": os.environ["PATH"]}
@@ -61,6 +62,7 @@ def test_a_forked_service_gets_its_arguments_environment_threads_and_own_session
     assert other["seed"] != seen["seed"]         # reseeded like a fresh process, not the launcher's stream
 
 
+@pytest.mark.slow
 def test_a_service_that_raises_exits_1_with_its_traceback():
     process = fork_service(["gen-7"], {"PATH": os.environ["PATH"]}, entry=failing)
     text = process.stdout.read()
@@ -68,6 +70,7 @@ def test_a_service_that_raises_exits_1_with_its_traceback():
     assert "RuntimeError: the service broke: gen-7" in text and "Traceback" in text
 
 
+@pytest.mark.slow
 def test_stop_terminates_a_forked_service_and_wait_times_out_while_it_runs(tmp_path):
     service = Service("gen-0", ["grpo", "gen"], {"PATH": os.environ["PATH"]}, tmp_path / "gen-0.log",
                       fork_argv=["gen"])

@@ -70,6 +70,7 @@ TRUTH_HACK = ("class Yes:\n    __class__ = property(lambda self: int)\n    def _
               "        return True\n    __hash__ = object.__hash__\n\ndef add(a, b):\n    return Yes()\n")
 
 
+@pytest.mark.slow
 def test_truth_values_computed_next_to_the_solution_are_not_trusted():
     """``add(x, 0) == x`` inside a comprehension would be True for an always-equal object, and
     ``isinstance`` believes a faked ``__class__``: the first test form is refused, the second checked here."""
@@ -83,6 +84,7 @@ def code_reward(completion, example=EXAMPLE, timeout_s=1.0):
     return fn("prompt", [f"```python\n{completion}```"], example)[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(HACKS))
 def test_hack_scores_zero(name):
     started = time.monotonic()
@@ -98,6 +100,7 @@ def test_every_hack_is_valid_python():
     compile(SPAWN, "spawn", "exec")
 
 
+@pytest.mark.slow
 def test_an_honest_solution_still_scores_one():
     assert code_reward("def add(a, b):\n    return a + b\n") == 1.0
 
@@ -110,6 +113,7 @@ def canary(tmp_path):
     return path
 
 
+@pytest.mark.slow
 def test_subprocess_past_the_audit_hook_cannot_touch_the_host(canary):
     outside = str(canary.parent / "shell-was-here")
     hack = (SPAWN + f"canary, outside = {str(canary)!r}, {outside!r}\n"
@@ -121,6 +125,7 @@ def test_subprocess_past_the_audit_hook_cannot_touch_the_host(canary):
     assert canary.read_text() == "original" and not os.path.exists(outside)
 
 
+@pytest.mark.slow
 def test_os_system_and_file_deletion_do_not_reach_the_host(canary):
     hack = (f"import os, shutil\n"
             f"for f in (lambda: os.remove({str(canary)!r}), lambda: shutil.rmtree({str(canary.parent)!r})):\n"
@@ -131,6 +136,7 @@ def test_os_system_and_file_deletion_do_not_reach_the_host(canary):
     assert canary.read_text() == "original"
 
 
+@pytest.mark.slow
 def test_reading_host_files_and_writing_outside_the_sandbox(canary):
     hack = ("def add(a, b):\n    data = open('/etc/passwd').read()\n"
             f"    open({str(canary)!r}, 'w').write(data)\n    raise ValueError(data)\n")

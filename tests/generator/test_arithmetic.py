@@ -100,6 +100,7 @@ def test_enumerate_refuses_huge_spaces() -> None:
         next(ArithmeticTask(max_value=999, num_operands=3).enumerate())
 
 
+@pytest.mark.slow
 def test_split_is_stable_across_processes_and_hash_seeds() -> None:
     """Python's hash() is salted per process; a split built on it would leak test problems into training."""
     task = ArithmeticTask()

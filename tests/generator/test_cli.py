@@ -61,6 +61,7 @@ def test_unreachable_hub_is_a_clear_failure(tmp_path, tiny_model_dir):
     assert "the hub stayed unreachable" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_bad_dataset_is_named(tmp_path, tiny_model_dir):
     config = write_config(tmp_path, "http://127.0.0.1:9", tiny_model_dir,
                           dataset=f"{{kind: jsonl, path: {tmp_path / 'missing.jsonl'}}}")

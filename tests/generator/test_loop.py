@@ -17,6 +17,8 @@ from shared.protocol.client import HubClient, RetryPolicy
 from shared.protocol.records import SamplingParams
 from tests.live_server import LiveServer, make_config
 
+pytestmark = pytest.mark.slow  # every test runs the loop against a live hub (LiveServer)
+
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):

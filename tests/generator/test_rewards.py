@@ -57,6 +57,7 @@ def test_arithmetic_reward(completion, expected):
 CODE_EXAMPLE = {"tests": ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(2, 2) == 5"]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("completion, expected", [
     ("```python\ndef add(a, b):\n    return a + b\n```", 2 / 3),
     ("def add(a, b):\n    return a + b", 2 / 3),
@@ -69,6 +70,7 @@ def test_code_reward(completion, expected):
     assert score("code", completion, CODE_EXAMPLE, timeout_s=2.0, memory_mb=256) == pytest.approx(expected)
 
 
+@pytest.mark.slow
 def test_sandbox_blocks_network_and_subprocesses_and_runs_in_an_empty_directory():
     cwd = run_tests("import os\nfiles = os.listdir('.')", ["assert sorted(files) == []"])
     assert cwd.passed == 1, cwd

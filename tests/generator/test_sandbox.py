@@ -14,6 +14,7 @@ ADD_TESTS = ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(2, 2
 FAST = SandboxLimits(timeout_s=2.0, memory_mb=256)
 
 
+@pytest.mark.slow
 def test_correct_solution_scores_one_and_partial_ones_their_fraction():
     assert run_tests(ADD, ADD_TESTS, FAST).fraction_passed == 1.0
     wrong_for_negatives = "def add(a, b):\n    return abs(a) + b\n"
@@ -22,11 +23,13 @@ def test_correct_solution_scores_one_and_partial_ones_their_fraction():
     assert "add(-1, 1) == 0 failed (left side: 2)" in run.detail
 
 
+@pytest.mark.slow
 def test_the_solutions_prints_do_not_disturb_the_values():
     noisy = "print('{\"leaf\": 0, \"v\": 99}')\ndef add(a, b):\n    print('debug', a, b)\n    return a + b\n"
     assert run_tests(noisy, ADD_TESTS, FAST).fraction_passed == 1.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("returned, test, passes", [
     # Python's own == on plain values: the dataset's asserts mean what they mean when run normally.
     ("4.0", "assert f() == 4", True),               # f(2) == 4 with f returning 4.0 passes, as in Python
@@ -56,6 +59,7 @@ def test_values_are_compared_as_plain_python_values(returned, test, passes):
     assert run.passed == int(passes), run
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("definition", [
     "class Int(int):\n    def __eq__(self, other):\n        return True\n    __hash__ = int.__hash__\nvalue = Int(7)",
     "class Str(str):\n    pass\nvalue = Str('x')",
@@ -68,12 +72,14 @@ def test_anything_but_exact_plain_types_fails(definition):
     assert run.passed == 0, run
 
 
+@pytest.mark.slow
 def test_set_up_statements_variables_and_short_circuit():
     tests = ["x = add(1, 1)\nassert x == 2", "y = None\nassert y is None or y[0] == 1",
              "import math\nassert math.floor(add(0.5, 1)) == 1", "assert not add(0, 0)"]
     assert run_tests(ADD, tests, FAST).fraction_passed == 1.0
 
 
+@pytest.mark.slow
 def test_unsupported_test_forms_fail_with_a_reason():
     tests = ["for a in range(3):\n    assert add(a, 0) == a", "add(1, 2)", "assert add(1, 2) ==", "assert add(1, 2) is 3"]
     run = run_tests(ADD, tests, FAST)
@@ -91,6 +97,7 @@ def test_the_sandbox_is_never_sent_the_expected_values():
     assert "add(40, 2)" in sent and "xs" in sent
 
 
+@pytest.mark.slow
 def test_a_builtin_name_the_solution_defines_is_the_solutions():
     wrong = "def sum(xs):\n    return 0\n"
     assert run_tests(wrong, ["assert sum([1, 2]) == 3"], FAST).passed == 0
@@ -98,6 +105,7 @@ def test_a_builtin_name_the_solution_defines_is_the_solutions():
     assert run_tests(right, ["assert sum([1, 2]) == 3"], FAST).passed == 1
 
 
+@pytest.mark.slow
 def test_exceptions_in_solution_or_tests_fail():
     assert run_tests("raise ValueError('boom')", ADD_TESTS, FAST).status == "solution_error"
     assert run_tests("def add(a, b)\n    return a", ADD_TESTS, FAST).status == "solution_error"
@@ -105,6 +113,7 @@ def test_exceptions_in_solution_or_tests_fail():
     assert run.passed == 1 and "ZeroDivisionError" in run.detail
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("code", ["while True:\n    pass", "import time\ntime.sleep(30)",
                                   "def add(a, b):\n    while True:\n        pass"])
 def test_timeouts_are_killed_and_score_zero(code):
@@ -114,18 +123,21 @@ def test_timeouts_are_killed_and_score_zero(code):
     assert time.monotonic() - started < 1.0 + sandbox.STARTUP_GRACE_S + 1.5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("code", ["x = 'a' * (2 ** 34)", "x = [0] * (2 ** 31)",
                                   "def add(a, b):\n    return bytearray(2 ** 33)"])
 def test_memory_bombs_are_contained_and_score_zero(code):
     assert run_tests(code, ADD_TESTS, FAST).fraction_passed == 0.0
 
 
+@pytest.mark.slow
 def test_file_size_limit():
     code = "def add(a, b):\n    with open('big', 'wb') as fh:\n        fh.write(b'0' * 2**21)\n    return a + b\n"
     run = run_tests(code, ["assert add(1, 2) == 3"], SandboxLimits(timeout_s=2.0, max_file_mb=1))
     assert run.passed == 0
 
 
+@pytest.mark.slow
 def test_isolation_on_this_machine():
     level = isolation_level()
     if level != "namespaces":
@@ -138,6 +150,7 @@ def test_isolation_on_this_machine():
     assert run.isolation.startswith("namespaces(mount,pid,net,ipc,uts")
 
 
+@pytest.mark.slow
 def test_a_forced_level_works_or_fails_loudly(monkeypatch, caplog):
     assert run_tests(ADD, ADD_TESTS, FAST, isolation="namespaces" if isolation_level() == "namespaces"
                      else "rlimits").fraction_passed == 1.0

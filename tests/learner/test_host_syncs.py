@@ -143,6 +143,7 @@ def _batch(tiny_model_dir):
     return batch
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prefix_sharing, packing, old_mode", [
     ("off", "padded", "behaviour"),
     ("on", "padded", "behaviour"),

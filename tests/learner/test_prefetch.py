@@ -30,6 +30,7 @@ def prefetcher(url, stop, ledger, groups=2, wait_s=0.5, retry_s=30.0):
     return BatchPrefetcher(HubClient(url, retry=RetryPolicy(max_retry_s=retry_s)), groups, wait_s, stop, ledger)
 
 
+@pytest.mark.slow
 def test_one_batch_is_leased_ahead_and_every_group_is_trained_exactly_once(live):
     client = HubClient(live.url)
     groups = [make_group(seed=i) for i in range(8)]
@@ -66,6 +67,7 @@ def test_one_batch_is_leased_ahead_and_every_group_is_trained_exactly_once(live)
     assert hub.counters.consumed == 8 and hub.depth() == 0 and hub.leased_depth() == 0
 
 
+@pytest.mark.slow
 def test_stop_hands_the_prefetched_lease_back_at_once(live):
     client = HubClient(live.url)
     groups = [make_group(seed=i) for i in range(4)]
@@ -86,6 +88,7 @@ def test_stop_hands_the_prefetched_lease_back_at_once(live):
     assert client.get_batch(2).group_ids == [g.group_id for g in groups[2:]]
 
 
+@pytest.mark.slow
 def test_stop_while_waiting_for_groups_returns_none_and_leaves_the_hub_untouched(live):
     client = HubClient(live.url)
     client.upload_group(make_group(seed=0))  # fewer than a batch
@@ -98,6 +101,7 @@ def test_stop_while_waiting_for_groups_returns_none_and_leaves_the_hub_untouched
     assert live.state.hub.depth() == 1 and live.state.hub.leased_depth() == 0
 
 
+@pytest.mark.slow
 def test_an_unreachable_hub_is_raised_on_the_training_thread(tmp_path):
     server = LiveServer(make_config(tmp_path))
     with server:
@@ -110,6 +114,7 @@ def test_an_unreachable_hub_is_raised_on_the_training_thread(tmp_path):
     fetch.close()
 
 
+@pytest.mark.slow
 def test_hub_calls_are_made_in_order_and_a_failure_surfaces_on_the_training_thread(live):
     calls = HubCalls(HubClient(live.url))
     hub = live.state.hub
@@ -130,6 +135,7 @@ def test_hub_calls_are_made_in_order_and_a_failure_surfaces_on_the_training_thre
         calls.close()
 
 
+@pytest.mark.slow
 def test_each_lease_asks_for_groups_fit_for_the_version_it_will_be_trained_at(live):
     """Prefetching trains a batch one version after it was leased: the lease names the oldest version allowed at
     the version the learner will hold then, so max_staleness holds for what is trained."""

@@ -168,6 +168,7 @@ def test_sigterm_while_waiting_checkpoints_and_exits_cleanly(tiny_model_dir, tmp
     assert (tmp_path / "final" / "model.safetensors").exists()
 
 
+@pytest.mark.slow
 def test_unreachable_hub_fails_with_the_reason(tiny_model_dir, tmp_path):
     config = learner_config(tmp_path, "http://127.0.0.1:9", tiny_model_dir, retry_max_s=1.0)
     result = run_learner(config)
@@ -192,6 +193,7 @@ def test_tensorboard_and_jsonl_metrics(tiny_model_dir, tmp_path):
     assert events.Scalars("loss")[0].value == pytest.approx(jsonl["loss"], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_learner_with_beta_refuses_a_hub_without_a_reference_model(tiny_model_dir, tmp_path):
     with LiveServer(make_config(tmp_path)) as live:
         result = run_learner(learner_config(tmp_path, live.url, tiny_model_dir, max_steps=1))
@@ -199,6 +201,7 @@ def test_learner_with_beta_refuses_a_hub_without_a_reference_model(tiny_model_di
     assert "algorithm.loss.beta is 0.04 but the ref server" in result.stderr
 
 
+@pytest.mark.slow
 def test_fresh_learner_refuses_a_hub_holding_an_earlier_runs_weights(tiny_model_dir, tmp_path):
     with LiveServer(make_config(tmp_path)) as live:
         path = tmp_path / "old.safetensors"

@@ -58,6 +58,7 @@ def test_advantages_through_the_learners_path_for_each_scale(scale, magnitudes):
     assert torch.equal(torch.cat([first.advantages, second.advantages]), advantages)
 
 
+@pytest.mark.slow
 def test_one_step_moves_logprobs_the_way_the_advantages_say(distributed, tiny_model_dir):
     groups = sampled_groups(tiny_model_dir, [[1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 1.0, 1.0]], seed=1)
     batch = batch_of(groups)
@@ -112,6 +113,7 @@ def test_loss_and_gradients_equal_a_hand_written_reference(tiny_model_dir):
         torch.testing.assert_close(ours[name], param.grad, atol=1e-6, rtol=1e-4, msg=name)
 
 
+@pytest.mark.slow
 def test_mu_updates_keep_old_logprobs_fixed(distributed, tiny_model_dir):
     batch = batch_of(sampled_groups(tiny_model_dir, [[1.0, 0.0, 0.0, 1.0]], seed=3))
     engine = make_engine(tiny_model_dir, lr=5e-3, groups_per_step=1, old_logprobs="recompute")
@@ -129,6 +131,7 @@ def test_mu_updates_keep_old_logprobs_fixed(distributed, tiny_model_dir):
     assert first.metrics["is_weight_max"] == pytest.approx(1.0, abs=1e-3)
 
 
+@pytest.mark.slow
 def test_nonfinite_loss_skips_the_step_and_keeps_parameters(distributed, tiny_model_dir):
     batch = batch_of(sampled_groups(tiny_model_dir, [[1.0, 0.0, 0.0, 1.0]], seed=4))
     batch.behaviour_logprobs[0, 0] = float("nan")  # poisons the ratio of a valid token
@@ -174,6 +177,7 @@ def test_deepspeed_config_from_learner_config():
         LearnerConfig(lr_schedule="cosine")
 
 
+@pytest.mark.slow
 def test_optimizer_needs_no_op_build(distributed, tiny_model_dir, monkeypatch):
     """torch's AdamW through DeepSpeed's torch_adam: no JIT compile of FusedAdam/CPU Adam at start-up (minutes of
     nvcc, and a crash where TORCH_CUDA_ARCH_LIST=9.0a), on the CPU, with offload, and in the config for a GPU."""
@@ -192,6 +196,7 @@ def test_optimizer_needs_no_op_build(distributed, tiny_model_dir, monkeypatch):
     assert gpu["optimizer"]["params"]["torch_adam"] is True and gpu["bf16"] == {"enabled": True}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
 def test_zero_stages_step_and_publish_full_parameters(distributed, tiny_model_dir, tmp_path, stage):
     from safetensors.torch import load_file
@@ -215,6 +220,7 @@ def test_zero_stages_step_and_publish_full_parameters(distributed, tiny_model_di
     assert set(after) == set(before) and any(not torch.equal(after[n], before[n]) for n in before)
 
 
+@pytest.mark.slow
 def test_gradient_checkpointing_gives_the_same_update(distributed, tiny_model_dir):
     batch = batch_of(sampled_groups(tiny_model_dir, [[1.0, 0.0, 0.0, 1.0]], seed=8))
     params = []
@@ -263,6 +269,7 @@ def test_zero3_accumulates_micro_batches_like_zero0(distributed, tiny_model_dir)
         torch.testing.assert_close(params[3][name], value, atol=1e-6, rtol=1e-5, msg=name)
 
 
+@pytest.mark.slow
 def test_deepspeed_config_for_a_gpu_builds_without_any_op(distributed, tiny_model_dir, monkeypatch):
     """The config generated for device cuda (bf16, torch's fused AdamW) builds engines at ZeRO 0, 2 and 3 with
     every DeepSpeed op loader refusing: nothing in it asks for a compiled op. Built here on the CPU (DeepSpeed's
@@ -303,6 +310,7 @@ def _loss_and_grads(model, micro, loss_cfg):
     return total, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
 def test_packed_token_budget_micro_batches_equal_one_padded_batch(tiny_model_dir, aggregation):
     """Rows of different lengths: one padded micro-batch against micro-batches cut by a token budget (rows of
@@ -356,6 +364,7 @@ def test_token_budget_keeps_each_row_once_with_its_own_data(tiny_model_dir):
     assert sorted(seen) == list(range(batch.batch_size))
 
 
+@pytest.mark.slow
 def test_step_reports_the_gap_to_the_behaviour_logprobs(distributed, tiny_model_dir):
     """logprob_diff_mean / _max: |learner logprob - generator logprob| over every sampled token, from the
     logprobs of the step's own forward (checked against a separate naive computation before the update)."""
@@ -399,6 +408,7 @@ def test_cpu_device_selects_deepspeeds_cpu_accelerator():
         set_accelerator(original)
 
 
+@pytest.mark.slow
 def test_attn_implementation_is_set_on_the_model_or_refused_by_name(distributed, tiny_model_dir):
     from learner.engine import LearnerSetupError
 

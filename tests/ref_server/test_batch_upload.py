@@ -28,6 +28,7 @@ def test_the_container_round_trips_and_refuses_what_it_does_not_hold():
         decode_messages(messages[0], max_count=8)
 
 
+@pytest.mark.slow
 def test_a_batch_upload_queues_every_group_in_order_with_one_answer_each(server_factory):
     live = server_factory(model=False)
     client = HubClient(live.url)
@@ -43,6 +44,7 @@ def test_a_batch_upload_queues_every_group_in_order_with_one_answer_each(server_
     assert stats["accepted"] == 5 and stats["duplicates"] == 1
 
 
+@pytest.mark.slow
 def test_a_bad_group_in_a_batch_queues_none_and_names_the_group(server_factory, tiny_model):
     live = server_factory(model=True)
     groups = [make_group(seed=i) for i in range(3)]
@@ -61,6 +63,7 @@ def test_a_bad_group_in_a_batch_queues_none_and_names_the_group(server_factory, 
     assert garbage.status_code == 400
 
 
+@pytest.mark.slow
 def test_a_full_queue_takes_the_groups_that_fit_and_a_retry_finishes(server_factory):
     live = server_factory(model=False, queue_capacity=3)
     client = HubClient(live.url)
@@ -75,6 +78,7 @@ def test_a_full_queue_takes_the_groups_that_fit_and_a_retry_finishes(server_fact
     assert client.get_batch(2).group_ids == [groups[3].group_id, groups[4].group_id]
 
 
+@pytest.mark.slow
 def test_the_client_falls_back_to_one_request_per_group_on_an_older_hub(server_factory, monkeypatch):
     live = server_factory(model=False)
     client = HubClient(live.url)

@@ -43,6 +43,7 @@ def test_ref_server_command_serves_and_stops_cleanly(tiny_model_dir, tmp_path):
     assert "Traceback" not in output
 
 
+@pytest.mark.slow
 def test_ref_server_missing_model_is_a_clear_error(tmp_path):
     result = subprocess.run([GRPO, "ref-server", "--model", str(tmp_path / "nope"), "--port", str(_free_port())],
                             capture_output=True, text=True, timeout=120)
@@ -50,6 +51,7 @@ def test_ref_server_missing_model_is_a_clear_error(tmp_path):
     assert "has no config.json" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_ref_server_config_typo_names_the_key(tmp_path):
     config = tmp_path / "typo.yaml"
     config.write_text("ref_server:\n  prot: 9000\n")

@@ -10,6 +10,8 @@ from transformers import AutoTokenizer
 from shared.protocol.logprob_messages import encode_logprob_request
 from shared.protocol.wire import encode
 
+pytestmark = pytest.mark.slow  # every test uses the live shared_server (autouse _no_nagle)
+
 
 @pytest.fixture(scope="module", autouse=True)
 def _no_nagle(shared_server):

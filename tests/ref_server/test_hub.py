@@ -26,6 +26,7 @@ def test_group_round_trips_through_safetensors():
     assert back.finish_reasons == group.finish_reasons and back.sampling == group.sampling
 
 
+@pytest.mark.slow
 def test_batch_carries_reference_logprobs_equal_to_direct_scoring(server_factory):
     live = server_factory(model=True)
     groups = [make_group(seed=i, rewards=[0.0, 1.0, 1.0, 0.0]) for i in range(2)]
@@ -49,6 +50,7 @@ def test_batch_carries_reference_logprobs_equal_to_direct_scoring(server_factory
     assert client.ack_batches([batch.batch_id]) == {batch.batch_id: "acked"}
 
 
+@pytest.mark.slow
 def test_queue_is_bounded_fifo_with_depth_and_retry_after(server_factory):
     live = server_factory(model=False, queue_capacity=3)
     groups = [make_group(seed=i) for i in range(4)]
@@ -67,6 +69,7 @@ def test_queue_is_bounded_fifo_with_depth_and_retry_after(server_factory):
     assert live.get("/v1/hub/stats").json()["consumed"] == 2
 
 
+@pytest.mark.slow
 def test_duplicate_upload_is_acknowledged_once(server_factory):
     live = server_factory(model=False)
     group = make_group()
@@ -75,6 +78,7 @@ def test_duplicate_upload_is_acknowledged_once(server_factory):
     assert again["duplicate"] is True and again["queue_depth"] == 1
 
 
+@pytest.mark.slow
 def test_staleness_drops_are_counted(server_factory):
     live = server_factory(model=False, max_staleness=1)
     live.post("/v1/learner/version", json={"version": 1})
@@ -94,6 +98,7 @@ def test_staleness_drops_are_counted(server_factory):
     assert going_back.status_code == 409 and "older" in going_back.json()["detail"]
 
 
+@pytest.mark.slow
 def test_empty_queue_answers_204_fast_and_long_poll_wakes_up(server_factory):
     live = server_factory(model=False)
     client = HubClient(live.url)
@@ -108,6 +113,7 @@ def test_empty_queue_answers_204_fast_and_long_poll_wakes_up(server_factory):
     assert time.monotonic() - started < 8.0
 
 
+@pytest.mark.slow
 def test_spooled_groups_survive_a_restart_in_order(server_factory, tmp_path):
     first = server_factory(model=False, path=tmp_path)
     groups = [make_group(seed=i) for i in range(3)]
@@ -127,6 +133,7 @@ def test_spooled_groups_survive_a_restart_in_order(server_factory, tmp_path):
     assert (tmp_path / "spool" / "corrupt" / "000000000099-garbage.group").exists()
 
 
+@pytest.mark.slow
 def test_spool_reload_recomputes_reference_logprobs(server_factory, tmp_path):
     first = server_factory(model=True, path=tmp_path)
     upload(first, make_group(seed=5))
@@ -136,6 +143,7 @@ def test_spool_reload_recomputes_reference_logprobs(server_factory, tmp_path):
     assert batch.ref_logprobs is not None and (batch.ref_logprobs[0, :3] < 0).all()
 
 
+@pytest.mark.slow
 def test_bad_uploads(server_factory, tiny_model):
     live = server_factory(model=True)
     assert upload(live, make_group()).status_code == 200

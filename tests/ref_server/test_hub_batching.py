@@ -4,6 +4,7 @@ never hold the lock across their disk write, and leases handed back by a stoppin
 import heapq
 import threading
 
+import pytest
 import torch
 
 from ref_server.hub.batching import GroupRows, assemble_batch
@@ -133,6 +134,7 @@ def test_a_handed_back_lease_is_the_next_batch_at_once(tmp_path):
     assert h.ack([again.batch_id]) == {again.batch_id: "acked"} and h.counters.consumed == 2
 
 
+@pytest.mark.slow
 def test_release_over_http(server_factory):
     live = server_factory(model=False)
     client = HubClient(live.url)

@@ -116,6 +116,7 @@ def _tamper(group: RolloutGroup, **fields) -> bytes:
     return encode("rollout_group/v1", tensors, {**base, **fields})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fields, reason", [
     ({"group_id": "a/b"}, "group_id"),
     ({"group_id": "x" * 300}, "group_id"),
@@ -138,6 +139,7 @@ def test_malformed_group_fields_are_4xx_over_http(server_factory, fields, reason
     assert live.get("/v1/hub/stats").json()["queue_depth"] == 0
 
 
+@pytest.mark.slow
 def test_non_finite_behaviour_logprobs_are_refused(server_factory):
     live = server_factory(model=False)
     group = make_group()
@@ -149,6 +151,7 @@ def test_non_finite_behaviour_logprobs_are_refused(server_factory):
     assert live.post("/v1/rollouts", data=padded.to_bytes(), headers=OCTET).status_code == 200
 
 
+@pytest.mark.slow
 def test_ack_and_renew_over_http(server_factory):
     live = server_factory(model=False, lease_timeout_s=60)
     client = HubClient(live.url)

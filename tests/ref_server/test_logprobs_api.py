@@ -9,6 +9,8 @@ from shared.forward.logprobs import naive_sequence_logprobs
 from shared.protocol.client import HubClient
 from shared.protocol.logprob_messages import encode_logprob_request
 
+pytestmark = pytest.mark.slow  # every test uses the live shared_server
+
 OCTET = {"Content-Type": "application/octet-stream"}
 
 

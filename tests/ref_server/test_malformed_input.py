@@ -9,6 +9,8 @@ from safetensors.torch import save
 
 from shared.protocol.wire import FORMAT_KEY, JSON_KEY
 
+pytestmark = pytest.mark.slow  # every test uses a live server (shared_server or server_factory)
+
 OCTET = {"Content-Type": "application/octet-stream"}
 
 

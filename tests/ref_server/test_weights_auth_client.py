@@ -22,6 +22,7 @@ def weights_file(tmp_path, name, value, size=1000):
     return path
 
 
+@pytest.mark.slow
 def test_weight_relay_versions_prune_and_stream(server_factory, tmp_path):
     live = server_factory(model=False, keep_weight_versions=2)
     client = HubClient(live.url)
@@ -42,6 +43,7 @@ def test_weight_relay_versions_prune_and_stream(server_factory, tmp_path):
                                                                       "v0000000005.safetensors"]
 
 
+@pytest.mark.slow
 def test_weight_uploads_that_are_not_whole_safetensors_are_refused(server_factory, tmp_path):
     live = server_factory(model=False, max_weight_bytes=100_000)
     good = weights_file(tmp_path, "good", 1).read_bytes()
@@ -56,6 +58,7 @@ def test_weight_uploads_that_are_not_whole_safetensors_are_refused(server_factor
     assert list((tmp_path / "weights").iterdir()) == []
 
 
+@pytest.mark.slow
 def test_bearer_token_on_every_endpoint_but_healthz(server_factory):
     live = server_factory(model=True, token="s3cret")
     assert live.get("/healthz").status_code == 200
@@ -73,6 +76,7 @@ def test_bearer_token_on_every_endpoint_but_healthz(server_factory):
     assert info.value.status == 401
 
 
+@pytest.mark.slow
 def test_token_from_environment(server_factory, monkeypatch):
     monkeypatch.setenv("GRPO_TOKEN", "from-env")
     live = server_factory(model=False)
@@ -80,6 +84,7 @@ def test_token_from_environment(server_factory, monkeypatch):
     assert HubClient(live.url, token="from-env").weights_version() is None
 
 
+@pytest.mark.slow
 def test_beta_zero_mode_loads_no_model(server_factory):
     live = server_factory(model=True, beta=0.0)
     health = live.get("/healthz").json()
@@ -106,6 +111,7 @@ def test_dead_server_looks_dead_not_empty():
     assert time.monotonic() - started < 10
 
 
+@pytest.mark.slow
 def test_client_retries_429_until_accepted(server_factory):
     live = server_factory(model=False, queue_capacity=1)
     client = HubClient(live.url, retry=RetryPolicy(max_retry_s=20, initial_backoff_s=0.1))

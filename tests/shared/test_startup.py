@@ -20,6 +20,7 @@ print("sklearn" in sys.modules and "scipy" in sys.modules)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("sklearn") is None, reason="scikit-learn is not installed here")
 def test_model_classes_import_without_sklearn_which_stays_importable():
     out = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, timeout=120, check=True)

@@ -14,6 +14,8 @@ from generator.engines.vllm_engine import VLLMEngine  # noqa: E402
 from shared.forward.logprobs import sequence_logprobs  # noqa: E402
 from shared.protocol.records import SamplingParams  # noqa: E402
 
+pytestmark = pytest.mark.slow  # every test uses a real vLLM engine (its own processes; make test-vllm runs them)
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 
 

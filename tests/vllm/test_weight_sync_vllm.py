@@ -21,6 +21,8 @@ from shared.weight_sync.publisher import WeightPublisher  # noqa: E402
 from shared.weight_sync.receiver import WeightReceiver  # noqa: E402
 from tests.live_server import LiveServer, make_config  # noqa: E402
 
+pytestmark = pytest.mark.slow  # a real vLLM engine and a live hub (LiveServer)
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 CFG = WeightSyncConfig(transport="collective", bucket_mb=0.05, timeout_s=20.0, join_timeout_s=60.0, poll_s=0.2)
 

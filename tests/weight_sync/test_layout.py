@@ -56,6 +56,7 @@ def test_header_and_buffer_are_a_safetensors_file_and_the_layout_survives_json(t
             assert torch.equal(fh.get_tensor(name), tensor), name
 
 
+@pytest.mark.slow
 def test_rendezvous_refuses_what_it_cannot_honour(tmp_path):
     with LiveServer(make_config(tmp_path)) as live:
         join = {"generator_id": "g", "transport": "collective"}

@@ -20,6 +20,8 @@ from shared.weight_sync.publisher import WeightPublisher
 from shared.weight_sync.receiver import WeightReceiver
 from tests.live_server import LiveServer, make_config
 
+pytestmark = pytest.mark.slow  # every test runs a live hub (LiveServer); one a subprocess receiver
+
 # ~50 KiB buckets: the tiny model's 192 x 192 projections (144 KiB) span several buckets
 CFG = dict(transport="collective", bucket_mb=0.05, timeout_s=5.0, join_timeout_s=30.0, poll_s=0.2)
 

@@ -11,6 +11,8 @@ from shared.weight_sync.params import iter_parameters
 from tests.live_server import LiveServer, make_config
 from tests.weight_sync.test_weight_sync import Generator, make_publisher
 
+pytestmark = pytest.mark.slow  # a ZeRO-3 DeepSpeed engine and a live hub (~70 s)
+
 
 @pytest.fixture
 def restore_functional_linear():
