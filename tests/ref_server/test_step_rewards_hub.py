@@ -14,6 +14,8 @@ from shared.protocol.wire import decode, encode, encode_messages
 
 from .helpers import make_group
 
+pytestmark = pytest.mark.slow  # every test here uploads to a live uvicorn server
+
 OCTET = {"Content-Type": "application/octet-stream"}
 STEP_FIELDS = ("step_rewards", "step_index", "step_end")
 

@@ -218,7 +218,7 @@ def valid_steps(draw):
     return lengths, steps
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(valid_steps())
 def test_random_valid_step_lists_round_trip_exactly(drawn):
     lengths, steps = drawn
@@ -242,7 +242,7 @@ def oracle(rewards, index, end, lengths) -> bool:
     return True
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(lengths=st.lists(st.integers(0, 4), min_size=1, max_size=4),
        rows=st.lists(st.tuples(st.one_of(st.floats(), st.sampled_from([1e39, -3.5e38, 1e300])),
                                st.integers(-2, 5), st.integers(-2, 6)), max_size=8),

@@ -111,6 +111,7 @@ def test_the_senders_long_poll_returns_typed_work_whose_json_is_the_hubs_old_ans
     assert json.dumps(built.model_dump(mode="json")) == json.dumps(old)
 
 
+@pytest.mark.slow  # a fresh interpreter (subprocess)
 def test_the_modules_vllm_workers_import_stay_light():
     code = ("import sys; import shared.weight_sync.group_receiver, shared.weight_sync.ipc; "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'pydantic', 'requests', 'fastapi', "
