@@ -73,9 +73,9 @@ class SlowGuard:
     def __init__(self, limit_s: float) -> None:
         self.limit_s = limit_s
         self.item: pytest.Item | None = None  # the item whose setup/call/teardown is running, for every thread
-        self.fixtures: list[str] = []  # fixtures being set up right now, innermost last
+        self.fixtures: list = []  # the FixtureDefs being set up right now, innermost last
         self.starts: list[Start] = []  # what the current phase started
-        self.fixture_starts: dict[str, Start] = {}  # fixture name -> what its setup started (any test, any mark)
+        self.fixture_starts: dict = {}  # FixtureDef -> what its setup started (in any test, marked or not)
         self.call_cpu_wait_s = 0.0  # how long the last call phase's thread was runnable but not on a CPU
 
     def record(self, what: str) -> None:
@@ -113,11 +113,21 @@ class SlowGuard:
 
     @pytest.hookimpl(wrapper=True)
     def pytest_fixture_setup(self, fixturedef, request):
-        self.fixtures.append(fixturedef.argname)
+        self.fixtures.append(fixturedef)
         try:
             return (yield)
         finally:
             self.fixtures.pop()
+
+    def _fixture_starts_of(self, item):
+        """(name, what it started) for the fixtures this test uses that started something when they were set up
+        (by this test or an earlier one: a module- or session-scoped fixture is set up once)."""
+        name2defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+        for name in item.fixturenames:
+            for fixturedef in name2defs.get(name, ()):
+                if fixturedef in self.fixture_starts:
+                    yield name, self.fixture_starts[fixturedef]
+                    break
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(self, item, call):
@@ -133,9 +143,8 @@ class SlowGuard:
             if len(seen) == 3:
                 break
         if call.when == "setup":
-            for name in item.fixturenames:
-                start = self.fixture_starts.get(name)
-                if start is not None and start.what not in seen:
+            for name, start in self._fixture_starts_of(item):
+                if start.what not in seen:
                     seen.add(start.what)
                     problems.append(f"{item.nodeid} uses fixture {name!r}, which started {start.what} (at "
                                     f"{start.where}), but is not marked slow")

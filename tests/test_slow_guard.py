@@ -78,6 +78,31 @@ def test_not_using_it():
             f"(subprocess.Popen ['sleep', '30']) (at test_it.py:6), but is not marked slow: {HINT}") in result.stdout.str()
 
 
+def test_a_fixture_of_the_same_name_elsewhere_that_starts_nothing_is_not_blamed(pytester, run):
+    pytester.makepyfile(test_a="""
+import subprocess
+import pytest
+
+@pytest.fixture(scope="module")
+def service():
+    subprocess.run(["true"])
+
+@pytest.mark.slow
+def test_a(service):
+    pass
+""")
+    run("""
+import pytest
+
+@pytest.fixture(scope="module")
+def service():
+    return "in-process"
+
+def test_b(service):
+    pass
+""").assert_outcomes(passed=2)
+
+
 def test_a_uvicorn_server_started_in_a_thread_is_blamed_on_the_running_test(run):
     """tests/live_server.py's LiveServer runs uvicorn in a thread of the test process."""
     result = run("""
