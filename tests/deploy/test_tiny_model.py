@@ -142,7 +142,6 @@ def test_save_load_parity(tok, saved) -> None:
     assert loaded.get_input_embeddings().weight is loaded.get_output_embeddings().weight
 
 
-@pytest.mark.slow
 def test_build_tiny_model_dir_writes_stats_and_a_loadable_model(tmp_path) -> None:
     """Mechanics only (a few steps); the default warm-up's accuracy is checked in test_warmup.py."""
     warmup = DemoConfig(warmup_steps=8, batch_size=8, heldout_examples=8, warmup_target_accuracy=None,

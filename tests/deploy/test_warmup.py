@@ -137,7 +137,6 @@ def test_lr_schedule_warms_up_then_decays_to_floor() -> None:
     assert all(a >= b for a, b in zip(lrs[10:100], lrs[11:100]))
 
 
-@pytest.mark.slow
 def test_short_warmup_lowers_loss_and_teaches_format(short_warmup) -> None:
     _, _, _, before, after, losses = short_warmup
     assert len(losses) == 60 and all(torch.isfinite(torch.tensor(losses)))
@@ -147,7 +146,6 @@ def test_short_warmup_lowers_loss_and_teaches_format(short_warmup) -> None:
     assert after.format_rate >= 0.9, after.completions[:5]
 
 
-@pytest.mark.slow
 def test_batched_greedy_matches_one_prompt_at_a_time(tok, short_warmup) -> None:
     """Left padding must not change what a prompt generates (positions and masks are per row)."""
     model = short_warmup[0]
@@ -159,7 +157,6 @@ def test_batched_greedy_matches_one_prompt_at_a_time(tok, short_warmup) -> None:
     assert model.training is False
 
 
-@pytest.mark.slow
 def test_generation_stops_at_eos_and_respects_budget(tok, short_warmup) -> None:
     model, _, heldout, _, after, _ = short_warmup
     for text in after.completions:
@@ -172,7 +169,6 @@ def test_generation_stops_at_eos_and_respects_budget(tok, short_warmup) -> None:
         generate_greedy(model, tok, ["1+1=", ""], max_new_tokens=4)
 
 
-@pytest.mark.slow
 def test_greedy_accuracy_counts_correct_answers(tok, short_warmup) -> None:
     model, task, heldout, _, after, _ = short_warmup
     assert greedy_accuracy(model, tok, task, heldout) == after.accuracy
@@ -255,7 +251,6 @@ def test_validation_set_is_distinct_train_problems_that_warmup_never_trains_on()
     assert needs_validation(DemoConfig())  # the demo's defaults have both targets
 
 
-@pytest.mark.slow
 def test_stop_rule_checks_every_n_steps_and_at_the_cap(tok, short_warmup) -> None:
     model, task = short_warmup[0], short_warmup[1]
     validation = task.sample(20, "train", random.Random(5))
@@ -271,7 +266,6 @@ def test_stop_rule_checks_every_n_steps_and_at_the_cap(tok, short_warmup) -> Non
         StopRule("empty", 0.5, True, 3, [])
 
 
-@pytest.mark.slow
 def test_clean_phase_stops_at_its_target_and_fails_at_its_cap(tok) -> None:
     task = ArithmeticTask()
     validation = validation_problems(task, fixed(validation_examples=16))
@@ -285,7 +279,6 @@ def test_clean_phase_stops_at_its_target_and_fails_at_its_cap(tok) -> None:
         supervised_warmup(build_tiny_model(tok, TinyModelSpec()), tok, task, missed, 0, validation)
 
 
-@pytest.mark.slow
 def test_flawed_phase_stops_once_accuracy_falls_to_its_target(tok) -> None:
     task = ArithmeticTask()
     validation = validation_problems(task, fixed(validation_examples=16))

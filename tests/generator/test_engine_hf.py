@@ -1,4 +1,3 @@
-import pytest
 import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
@@ -16,7 +15,6 @@ from shared.protocol.records import SamplingParams
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
 
 
-@pytest.mark.slow
 def test_groups_have_shapes_finish_reasons_and_consistent_logprobs(tiny_model_dir):
     engine = TransformersEngine(tiny_model_dir)
     sampling = SamplingParams(temperature=0.8, max_tokens=12)

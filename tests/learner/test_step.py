@@ -310,7 +310,6 @@ def _loss_and_grads(model, micro, loss_cfg):
     return total, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
 def test_packed_token_budget_micro_batches_equal_one_padded_batch(tiny_model_dir, aggregation):
     """Rows of different lengths: one padded micro-batch against micro-batches cut by a token budget (rows of

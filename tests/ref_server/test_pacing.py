@@ -91,7 +91,6 @@ def test_a_lease_drops_groups_older_than_its_min_version():
     assert h.take(2, min_version=0).policy_versions.unique().tolist() == [2]  # a floor never raises older drops
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("bound", [0, 1, 2, 3])
 def test_a_paced_generator_and_a_prefetching_learner_waste_nothing_and_stay_within_the_bound(bound):
     """A deterministic interleaving: the generator samples when the hub wants groups of its version (at most a

@@ -208,7 +208,6 @@ def test_bf16_head_gradients_match_autograd_in_bf16(device):
         assert (got - want).abs().max() <= 0.02 * scale, ((got - want).abs().max(), scale)
 
 
-@pytest.mark.slow
 @settings(max_examples=25, deadline=None)
 @given(rows=st.lists(st.tuples(st.integers(1, 6), st.integers(0, 6)), min_size=1, max_size=4),
        chunk=st.integers(1, 9), seed=st.integers(0, 1000))
