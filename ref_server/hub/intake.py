@@ -25,7 +25,8 @@ import torch
 from ref_server.hub.batching import GroupRows
 from ref_server.hub.queue import QueuedGroup, RolloutQueue
 from ref_server.scoring.scorer import ReferenceScorer, Row
-from shared.protocol.records import ProtocolError, RolloutGroup
+from shared.protocol.errors import ProtocolError
+from shared.protocol.records import RolloutGroup
 
 log = logging.getLogger("grpo.ref_server.hub")
 

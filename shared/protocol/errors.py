@@ -1,5 +1,5 @@
-"""The error of a message whose fields are inconsistent, shared by the record modules (re-exported by
-:mod:`shared.protocol.records`, where callers import it from)."""
+"""The error of a message whose fields are inconsistent, shared by the record modules (records, steps,
+logprob_messages)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,8 @@ import itertools
 import numpy as np
 import torch
 
-from shared.protocol.records import ProtocolError, check_temperature
+from shared.protocol.errors import ProtocolError
+from shared.protocol.records import check_temperature
 from shared.protocol.wire import WireError, decode, encode
 
 

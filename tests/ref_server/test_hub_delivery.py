@@ -8,7 +8,8 @@ import torch
 from ref_server.hub.intake import GroupRejected
 from ref_server.hub.rollout_hub import RolloutHub
 from shared.protocol.client import HubClient
-from shared.protocol.records import ProtocolError, RolloutGroup
+from shared.protocol.errors import ProtocolError
+from shared.protocol.records import RolloutGroup
 from shared.protocol.wire import encode
 
 from .helpers import make_group

@@ -3,7 +3,7 @@
 import pytest
 
 from ref_server.hub.spool import RolloutSpool
-from shared.protocol.records import ProtocolError
+from shared.protocol.errors import ProtocolError
 
 from .helpers import make_group
 

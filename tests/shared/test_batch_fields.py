@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from ref_server.hub.batching import GroupRows, assemble_batch
-from shared.protocol.records import ProtocolError, RolloutGroup, SamplingParams, TrainBatch
+from shared.protocol.errors import ProtocolError
+from shared.protocol.records import RolloutGroup, SamplingParams, TrainBatch
 
 
 def group(prompt, lengths, rewards, reasons, version, gid, temperature=1.0, components=None) -> RolloutGroup:

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from shared.protocol.records import ProtocolError, RolloutGroup, SamplingParams
+from shared.protocol.errors import ProtocolError
+from shared.protocol.records import RolloutGroup, SamplingParams
 
 
 def samples(**changes):

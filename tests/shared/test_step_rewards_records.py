@@ -11,7 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shared.protocol import steps as step_fields
-from shared.protocol.records import ProtocolError, RolloutGroup, SamplingParams, TrainBatch
+from shared.protocol.errors import ProtocolError
+from shared.protocol.records import RolloutGroup, SamplingParams, TrainBatch
 from shared.protocol.wire import WireError, decode, encode, read_header
 
 LENGTHS = (3, 1, 4, 0)
