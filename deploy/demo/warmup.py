@@ -184,22 +184,20 @@ def flawed_teacher_finetune(model, tokenizer, task: Task, cfg: DemoConfig, seed:
     """``cfg.flawed_steps`` SFT steps on a flawed teacher's demonstrations, or fewer: with
     ``cfg.flawed_target_accuracy`` set, until greedy accuracy on ``validation`` falls to it.
 
-    Each demonstration drops its carries, borrows and minus sign (``slipped``) with probability
-    ``cfg.flawed_slip``; the rest are correct. A fresh AdamW at the constant ``cfg.flawed_lr`` (a separate
-    fine-tuning run, as when a pretrained model is fine-tuned on someone else's data). Only 2-operand ``+``/``-``
-    tasks have a sloppy answer (``sloppy_result``). Leaves the model in eval mode; raises
-    ``WarmupTargetMissed`` if a target is set and the cap comes first.
+    Arithmetic: each demonstration drops its carries, borrows and minus sign (``slipped``) with probability
+    ``cfg.flawed_slip``; the rest are correct; only 2-operand ``+``/``-`` tasks have a sloppy answer
+    (``sloppy_result``). Chain: with that probability the teacher slips in the intermediate lines only
+    (``deploy.demo.chain_data.sloppy_chain``). A fresh AdamW at the constant ``cfg.flawed_lr`` (a separate
+    fine-tuning run, as when a pretrained model is fine-tuned on someone else's data). Leaves the model in eval
+    mode; raises ``WarmupTargetMissed`` if a target is set and the cap comes first.
     """
     if not cfg.flawed_steps:
         return PhaseResult([], [])
-    if task.num_operands != 2 or not set(task.ops) <= {"+", "-"} or task.min_value < 0:
-        raise ValueError("the flawed teacher needs a task of a+b / a-b with non-negative operands")
     rng = random.Random(seed + 1)
+    next_batch = _flawed_batches(task, cfg, rng, validation)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.flawed_lr, weight_decay=0.0)
     stop = flawed_stop_rule(cfg, validation)
-    losses = _sft_steps(model, tokenizer, task, optimizer, cfg, cfg.flawed_steps,
-                        lambda: flawed_demonstrations(task, cfg.batch_size, cfg.flawed_slip, rng, validation),
-                        stop=stop)
+    losses = _sft_steps(model, tokenizer, task, optimizer, cfg, cfg.flawed_steps, next_batch, stop=stop)
     if stop is not None:
         stop.require_reached(cfg.flawed_steps)
     return PhaseResult(losses, stop.checks if stop is not None else [])
