@@ -98,10 +98,10 @@ def test_the_chain_flawed_teacher_needs_non_negative_operands() -> None:
 def test_a_short_chain_warmup_builds_a_model_folder(tmp_path) -> None:
     task = ChainTask(num_operands=3)
     stats = build_tiny_model_dir(tmp_path / "m", task=task, seed=0, warmup=fixed(
-        warmup_steps=30, batch_size=16, warmup_lr_ramp_steps=5, flawed_steps=3, flawed_slip=1.0,
-        heldout_examples=20))
+        warmup_steps=30, batch_size=8, warmup_lr_ramp_steps=5, flawed_steps=3, flawed_slip=1.0,
+        heldout_examples=10))
     assert stats["warmup_steps"] == 30 and stats["flawed_steps"] == 3
     assert stats["warmup_loss_last"] < 0.7 * stats["warmup_loss_first"]
-    assert stats["task"] == json.loads(json.dumps(task.__dict__)) and stats["heldout_n"] == 20
+    assert stats["task"] == json.loads(json.dumps(task.__dict__)) and stats["heldout_n"] == 10
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
     assert sum(p.numel() for p in model.parameters()) == stats["params"]

@@ -168,3 +168,29 @@ def test_one_slip_at_line_k_gives_zero_only_at_k(drawn, k, delta) -> None:
     scores = REWARDS.get("chain_steps")()("", [format_solution(slipped)], example)[0]
     assert scores.rewards == tuple(0.0 if j == k else 1.0 for j in range(len(p.ops)))
     assert scores.outcome == 0.0
+
+
+@pytest.mark.slow
+def test_the_worded_chain_through_smollm2s_chat_template(smollm2_dir) -> None:
+    """The chat-model path: deploy/configs/smollm2-chain-cpu.yaml's prompts are rendered by SmolLM2's chat template
+    as a user turn, and each line of a solution ends inside one of SmolLM2's tokens (the step's end token)."""
+    from transformers import AutoTokenizer
+
+    from generator.datasets import render_prompt
+    from generator.main import load_examples, system_prompt_for
+    from shared.config.loader import load_config
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    dataset = load_config("deploy/configs/smollm2-chain-cpu.yaml").generator.dataset
+    example = load_examples(dataset, seed=0)[0]
+    text = render_prompt(tokenizer, example.question, system_prompt_for(dataset), dataset.template)
+    operands, ops = example.data["operands"], example.data["ops"]
+    expression = " ".join([str(operands[0])] + [f"{op} {v}" for op, v in zip(ops, operands[1:])])
+    assert f"<|im_start|>user\nWork out {expression} from left to right." in text
+    assert text.endswith("<|im_start|>assistant\n")
+    solution = format_solution(partial_results(operands, ops))
+    scores = REWARDS.get("chain_steps")()("", [solution], example.data)[0]
+    assert scores.rewards == (1.0,) * len(ops)
+    offsets = tokenizer(solution, return_offsets_mapping=True, add_special_tokens=False)["offset_mapping"]
+    for end in scores.char_ends(solution):
+        assert any(start < end <= stop for start, stop in offsets), (solution, end, offsets)
