@@ -51,15 +51,23 @@ OUTCOME_REWARDS = [{"name": "chain", "weight": 1.0}]
 PROCESS_REWARDS = [{"name": "chain_steps", "weight": 1.0}, {"name": "chain", "weight": 0.0}]
 
 
+SUPERVISIONS = ("outcome", "process", "process_outcome")
+PLACES = ("kl_loss", "kl_reward")
+
+
 def variant_changes(name: str, beta: float) -> dict:
-    """The config changes of one variant (``supervision+kl_place``), as ``grpo_config``'s dotted keys (``__``)."""
+    """The config changes of one variant (``supervision+kl_place``), as ``grpo_config``'s dotted keys (``__``).
+
+    ``process_outcome`` (not in the default set) is process supervision with the outcome added to the last step's
+    reward (``generator.step_rewards.outcome: final_step``)."""
     supervision, _, place = name.partition("+")
-    if supervision not in ("outcome", "process") or place not in ("kl_loss", "kl_reward"):
-        raise ValueError(f"unknown variant {name!r}; variants are {', '.join(VARIANTS)}")
-    changes = {"algorithm__advantage__supervision": supervision,
-               "generator__rewards": OUTCOME_REWARDS if supervision == "outcome" else PROCESS_REWARDS}
-    if supervision == "process":
-        changes["generator__step_rewards"] = {"outcome": "none"}
+    if supervision not in SUPERVISIONS or place not in PLACES:
+        raise ValueError(f"unknown variant {name!r}; variants are {', '.join(ALL_VARIANTS)}")
+    outcome = supervision == "outcome"
+    changes = {"algorithm__advantage__supervision": "outcome" if outcome else "process",
+               "generator__rewards": OUTCOME_REWARDS if outcome else PROCESS_REWARDS}
+    if not outcome:
+        changes["generator__step_rewards"] = {"outcome": "none" if supervision == "process" else "final_step"}
     if place == "kl_loss":
         changes.update(algorithm__loss__beta=beta, algorithm__kl={"in_reward": False})
     else:
@@ -68,6 +76,7 @@ def variant_changes(name: str, beta: float) -> dict:
 
 
 VARIANTS = ("outcome+kl_loss", "process+kl_loss", "outcome+kl_reward", "process+kl_reward")
+ALL_VARIANTS = tuple(f"{s}+{p}" for p in PLACES for s in SUPERVISIONS)
 
 
 # -- curve bookkeeping (pure) -----------------------------------------------------------------------------------
@@ -97,19 +106,24 @@ def steps_to(target: float | None, curve: dict[int, float | None]) -> int | None
 
 
 def comparison(curves: dict[str, dict[int, float | None]]) -> dict[str, dict]:
-    """For each KL placement with both curves: the outcome curve's final accuracy as the target, the steps each
-    curve takes to reach it, and process / outcome (None when a side never reaches it)."""
+    """For each KL placement and each process variant with an outcome curve beside it (keys ``kl_loss``,
+    ``kl_reward`` for ``process``, ``process_outcome+kl_loss``... for the others): the outcome curve's final
+    accuracy as the target, the steps each curve takes to reach it, and process / outcome (None when a side never
+    reaches it)."""
     out = {}
-    for place in ("kl_loss", "kl_reward"):
-        outcome, process = curves.get(f"outcome+{place}"), curves.get(f"process+{place}")
-        if not outcome or not process:
-            continue
-        target = final_accuracy(outcome)
-        steps_outcome, steps_process = steps_to(target, outcome), steps_to(target, process)
-        ratio = steps_process / steps_outcome if steps_outcome and steps_process is not None else None
-        out[place] = {"target": target, "steps_outcome": steps_outcome, "steps_process": steps_process,
-                      "budget": max(outcome), "ratio": ratio, "final_outcome": target,
-                      "final_process": final_accuracy(process)}
+    for place in PLACES:
+        outcome = curves.get(f"outcome+{place}")
+        for supervision in SUPERVISIONS[1:]:
+            process = curves.get(f"{supervision}+{place}")
+            if not outcome or not process:
+                continue
+            target = final_accuracy(outcome)
+            steps_outcome, steps_process = steps_to(target, outcome), steps_to(target, process)
+            ratio = steps_process / steps_outcome if steps_outcome and steps_process is not None else None
+            key = place if supervision == "process" else f"{supervision}+{place}"
+            out[key] = {"target": target, "steps_outcome": steps_outcome, "steps_process": steps_process,
+                        "budget": max(outcome), "ratio": ratio, "final_outcome": target,
+                        "final_process": final_accuracy(process)}
     return out
 
 
@@ -157,9 +171,9 @@ def plot(summary: dict, out: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
-    colours = {"outcome": "tab:blue", "process": "tab:orange"}
+    colours = {"outcome": "tab:blue", "process": "tab:orange", "process_outcome": "tab:green"}
     for ax, place, title in zip(axes, ("kl_loss", "kl_reward"), ("KL in the loss", "KL in the reward")):
-        for supervision in ("outcome", "process"):
+        for supervision in SUPERVISIONS:
             name = f"{supervision}+{place}"
             for curve in summary["per_seed"].get(name, {}).values():
                 steps = sorted(int(s) for s in curve)
@@ -189,11 +203,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, help="Learner steps per run (default: the config's max_steps).")
     parser.add_argument("--eval-every", type=int, default=10, help="Evaluate every N learner steps.")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="Seeds; every variant runs each.")
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=ALL_VARIANTS,
+                        help="supervision+kl_place; process_outcome = process with the outcome in the last step.")
     parser.add_argument("--beta", type=float, default=0.04, help="KL weight, in the loss or in the reward.")
     parser.add_argument("--out", default="runs/bench/process-vs-outcome", help="Work folder (emptied first).")
     parser.add_argument("--figure", default="docs/process-vs-outcome.png")
     parser.add_argument("--port", type=int, default=8483, help="Ref server port of the runs.")
+    parser.add_argument("--reuse", action="store_true", help="Keep --out and reuse the runs it already holds "
+                        "(a variant and seed with a result.json is read, not run again): add seeds or variants to "
+                        "an earlier measurement, or redraw its figure.")
     parser.add_argument("--keep-snapshots", action="store_true", help="Keep the checkpoints and HF snapshots.")
     parser.add_argument("--grpo-tree", default=str(Path(__file__).resolve().parents[1]),
                         help="Source tree whose services `grpo run` starts.")
@@ -218,11 +236,17 @@ def main(argv: list[str] | None = None) -> int:
                                           "heldout_accuracy", "validation_accuracy")}}
     print(f"[bench] start model {model_dir}: held-out greedy accuracy {start_accuracy:.1%}", flush=True)
     out = Path(args.out)
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
+    if not args.reuse:
+        shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
     records = []
     for seed in args.seeds:
         for name in args.variants:
+            done = out / f"{name.replace('+', '_')}-seed{seed}" / "result.json"
+            if args.reuse and done.exists():
+                records.append(json.loads(done.read_text()))
+                print(f"[bench] {name} seed {seed}: reused {done}", flush=True)
+                continue
             records.append(run_variant(config, model_dir, name, seed, args, start_accuracy))
             summary = summarise(records, args, start, config)  # kept after every run: a failure loses nothing
             (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -18,6 +18,7 @@ def test_arguments_and_their_defaults():
     assert (args.steps, args.eval_every, args.seeds, args.beta, args.overrides) == (40, 5, [3, 4], 0.1, ["x.y=1"])
     defaults = parse_args([])
     assert defaults.variants == list(VARIANTS) and defaults.config == "deploy/configs/tiny-chain-cpu.yaml"
+    assert not defaults.reuse and parse_args(["--reuse", "--variants", "process_outcome+kl_reward"]).reuse
     with pytest.raises(SystemExit):
         parse_args(["--eval-every", "0"])
     with pytest.raises(SystemExit):
@@ -36,6 +37,9 @@ def test_variants_put_the_kl_in_exactly_one_place():
     assert [r["name"] for r in reward["generator__rewards"]] == ["chain"] and "generator__step_rewards" not in reward
     with pytest.raises(ValueError, match="unknown variant"):
         variant_changes("process", 0.04)
+    both = variant_changes("process_outcome+kl_loss", 0.04)
+    assert both["generator__step_rewards"] == {"outcome": "final_step"}
+    assert both["algorithm__advantage__supervision"] == "process"
 
 
 def test_mean_curve_averages_the_seeds_that_have_a_point():
@@ -54,5 +58,7 @@ def test_steps_to_the_outcome_runs_final_accuracy_and_the_ratio():
     assert cmp["kl_loss"] == {"target": 0.8, "steps_outcome": 30, "steps_process": 20, "budget": 40,
                               "ratio": pytest.approx(2 / 3), "final_outcome": 0.8, "final_process": 0.9}
     assert "kl_reward" not in cmp  # no curves for it
+    both = comparison({"outcome+kl_loss": outcome, "process_outcome+kl_loss": process})
+    assert list(both) == ["process_outcome+kl_loss"] and both["process_outcome+kl_loss"]["steps_process"] == 20
     slower = comparison({"outcome+kl_reward": outcome, "process+kl_reward": {0: 0.5, 40: 0.75}})
     assert slower["kl_reward"]["steps_process"] is None and slower["kl_reward"]["ratio"] is None
