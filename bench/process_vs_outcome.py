@@ -127,6 +127,17 @@ def comparison(curves: dict[str, dict[int, float | None]]) -> dict[str, dict]:
     return out
 
 
+def curve_stats(curves: dict[str, dict[int, float | None]], level: float) -> dict[str, dict]:
+    """Per variant, two measures that do not hinge on one point of a plateau: the first evaluated step at ``level``
+    and the mean accuracy over the evaluated steps after step 0 (the area under the curve per step)."""
+    out = {}
+    for name, curve in curves.items():
+        later = [v for s, v in curve.items() if s > 0 and v is not None]
+        out[name] = {"final": final_accuracy(curve), f"steps_to_{level:g}": steps_to(level, curve),
+                     "mean_after_start": statistics.fmean(later) if later else None}
+    return out
+
+
 # -- running -----------------------------------------------------------------------------------------------------
 def run_variant(config: GRPOConfig, model_dir: str, name: str, seed: int, args, start_accuracy: float) -> dict:
     """One ``grpo run`` of variant ``name`` with ``seed``; its curve (step 0 = the start model) and rewards."""
@@ -160,7 +171,11 @@ def summarise(records: list[dict], args, start: dict, config: GRPOConfig) -> dic
             "eval_every": args.eval_every, "seeds": args.seeds, "beta": args.beta,
             "eval_examples": config.eval.num_examples, "start_model": start, "curves": curves,
             "per_seed": {name: seeds for name, seeds in per_variant.items()},
-            "comparison": comparison(curves), "comparison_per_seed": per_seed_cmp, "runs": records,
+            "comparison": comparison(curves), "comparison_per_seed": per_seed_cmp,
+            "curve_stats": curve_stats(curves, args.level),
+            "curve_stats_per_seed": {seed: curve_stats({n: s[seed] for n, s in per_variant.items() if seed in s},
+                                                       args.level) for seed in args.seeds},
+            "runs": records,
             "machine": machine()}
 
 
@@ -205,6 +220,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="Seeds; every variant runs each.")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=ALL_VARIANTS,
                         help="supervision+kl_place; process_outcome = process with the outcome in the last step.")
+    parser.add_argument("--level", type=float, default=0.9, help="Also report the steps to this accuracy.")
     parser.add_argument("--beta", type=float, default=0.04, help="KL weight, in the loss or in the reward.")
     parser.add_argument("--out", default="runs/bench/process-vs-outcome", help="Work folder (emptied first).")
     parser.add_argument("--figure", default="docs/process-vs-outcome.png")
@@ -251,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
             summary = summarise(records, args, start, config)  # kept after every run: a failure loses nothing
             (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     plot(summary, Path(args.figure))
-    print(json.dumps({"comparison": summary["comparison"], "comparison_per_seed": summary["comparison_per_seed"]}))
+    print(json.dumps({key: summary[key] for key in ("comparison", "comparison_per_seed", "curve_stats")}))
     return 0
 
 

@@ -5,6 +5,7 @@ import pytest
 from bench.process_vs_outcome import (
     VARIANTS,
     comparison,
+    curve_stats,
     final_accuracy,
     mean_curve,
     parse_args,
@@ -62,3 +63,8 @@ def test_steps_to_the_outcome_runs_final_accuracy_and_the_ratio():
     assert list(both) == ["process_outcome+kl_loss"] and both["process_outcome+kl_loss"]["steps_process"] == 20
     slower = comparison({"outcome+kl_reward": outcome, "process+kl_reward": {0: 0.5, 40: 0.75}})
     assert slower["kl_reward"]["steps_process"] is None and slower["kl_reward"]["ratio"] is None
+
+
+def test_curve_stats_steps_to_a_level_and_the_mean_after_the_start():
+    stats = curve_stats({"outcome+kl_loss": {0: 0.4, 10: 0.8, 20: 0.9, 30: None, 40: 1.0}}, 0.9)
+    assert stats["outcome+kl_loss"] == {"final": 1.0, "steps_to_0.9": 20, "mean_after_start": pytest.approx(0.9)}
