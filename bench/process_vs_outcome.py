@@ -179,6 +179,12 @@ def summarise(records: list[dict], args, start: dict, config: GRPOConfig) -> dic
             "machine": machine()}
 
 
+def points(curve: dict) -> tuple[list[int], list[float | None]]:
+    """A curve's steps in order and its values (keys may be ints, or strings after a JSON round trip)."""
+    by_step = {int(step): value for step, value in curve.items()}
+    return sorted(by_step), [by_step[step] for step in sorted(by_step)]
+
+
 def plot(summary: dict, out: Path) -> None:
     import matplotlib
 
@@ -191,12 +197,12 @@ def plot(summary: dict, out: Path) -> None:
         for supervision in SUPERVISIONS:
             name = f"{supervision}+{place}"
             for curve in summary["per_seed"].get(name, {}).values():
-                steps = sorted(int(s) for s in curve)
-                ax.plot(steps, [curve[s] for s in steps], color=colours[supervision], alpha=0.25, lw=1)
+                steps, values = points(curve)
+                ax.plot(steps, values, color=colours[supervision], alpha=0.25, lw=1)
             mean = summary["curves"].get(name)
             if mean:
-                steps = sorted(int(s) for s in mean)
-                ax.plot(steps, [mean[s] for s in steps], color=colours[supervision], lw=2.2, marker="o", ms=3,
+                steps, values = points(mean)
+                ax.plot(steps, values, color=colours[supervision], lw=2.2, marker="o", ms=3,
                         label=f"{supervision} (mean of {len(summary['per_seed'][name])} seeds)")
         cmp = summary["comparison"].get(place)
         if cmp and cmp["target"] is not None:

@@ -9,6 +9,7 @@ from bench.process_vs_outcome import (
     final_accuracy,
     mean_curve,
     parse_args,
+    points,
     steps_to,
     variant_changes,
 )
@@ -68,3 +69,8 @@ def test_steps_to_the_outcome_runs_final_accuracy_and_the_ratio():
 def test_curve_stats_steps_to_a_level_and_the_mean_after_the_start():
     stats = curve_stats({"outcome+kl_loss": {0: 0.4, 10: 0.8, 20: 0.9, 30: None, 40: 1.0}}, 0.9)
     assert stats["outcome+kl_loss"] == {"final": 1.0, "steps_to_0.9": 20, "mean_after_start": pytest.approx(0.9)}
+
+
+def test_points_read_a_curve_before_and_after_a_json_round_trip():
+    assert points({20: 0.9, 0: 0.4, 10: None}) == ([0, 10, 20], [0.4, None, 0.9])
+    assert points({"20": 0.9, "0": 0.4, "10": None}) == ([0, 10, 20], [0.4, None, 0.9])
