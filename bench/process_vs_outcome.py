@@ -185,6 +185,12 @@ def points(curve: dict) -> tuple[list[int], list[float | None]]:
     return sorted(by_step), [by_step[step] for step in sorted(by_step)]
 
 
+def write_summary(records: list[dict], args, start: dict, config: GRPOConfig, out: Path) -> dict:
+    summary = summarise(records, args, start, config)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
 def plot(summary: dict, out: Path) -> None:
     import matplotlib
 
@@ -270,8 +276,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[bench] {name} seed {seed}: reused {done}", flush=True)
                 continue
             records.append(run_variant(config, model_dir, name, seed, args, start_accuracy))
-            summary = summarise(records, args, start, config)  # kept after every run: a failure loses nothing
-            (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            write_summary(records, args, start, config, out)  # after every run: a failure loses nothing
+    summary = write_summary(records, args, start, config, out)
     plot(summary, Path(args.figure))
     print(json.dumps({key: summary[key] for key in ("comparison", "comparison_per_seed", "curve_stats")}))
     return 0
