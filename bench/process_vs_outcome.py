@@ -167,7 +167,8 @@ def summarise(records: list[dict], args, start: dict, config: GRPOConfig) -> dic
     curves = {name: mean_curve(seeds) for name, seeds in per_variant.items()}
     per_seed_cmp = {seed: comparison({name: seeds[seed] for name, seeds in per_variant.items() if seed in seeds})
                     for seed in args.seeds}
-    return {"command": " ".join(sys.argv), "config": args.config, "steps": config.learner.max_steps,
+    return {"command": " ".join(sys.argv), "config": args.config, "overrides": args.overrides,
+            "task": config.generator.dataset.chain.model_dump(mode="json"), "steps": config.learner.max_steps,
             "eval_every": args.eval_every, "seeds": args.seeds, "beta": args.beta,
             "eval_examples": config.eval.num_examples, "start_model": start, "curves": curves,
             "per_seed": {name: seeds for name, seeds in per_variant.items()},
@@ -197,9 +198,12 @@ def plot(summary: dict, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    titles = {"kl_loss": "KL in the loss", "kl_reward": "KL in the reward"}
+    places = [p for p in PLACES if any(name.endswith(f"+{p}") for name in summary["curves"])]
+    fig, axes = plt.subplots(1, len(places), figsize=(max(7.0, 5.5 * len(places)), 4.6), sharey=True, squeeze=False)
     colours = {"outcome": "tab:blue", "process": "tab:orange", "process_outcome": "tab:green"}
-    for ax, place, title in zip(axes, ("kl_loss", "kl_reward"), ("KL in the loss", "KL in the reward")):
+    for ax, place in zip(axes[0], places):
+        title = titles[place]
         for supervision in SUPERVISIONS:
             name = f"{supervision}+{place}"
             for curve in summary["per_seed"].get(name, {}).values():
@@ -216,8 +220,9 @@ def plot(summary: dict, out: Path) -> None:
         ax.set_title(title)
         ax.set_xlabel("learner step")
         ax.legend(loc="lower right")
-    axes[0].set_ylabel("held-out greedy accuracy (final line right)")
-    fig.suptitle(f"chain task, tiny model on CPU: outcome vs process rewards (beta {summary['beta']})")
+    axes[0][0].set_ylabel("held-out greedy accuracy (final line right)")
+    lines = summary.get("task", {}).get("num_operands", 0) - 1
+    fig.suptitle(f"chain task ({lines} lines), tiny model on CPU\noutcome vs process rewards, KL beta {summary['beta']}")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)
