@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from learner.advantages import AdvantageLog, batch_advantages
 from learner.checkpoint import load_latest, save_checkpoint
 from learner.delivery import DeliveryLedger
 from learner.engine import (
@@ -30,12 +31,10 @@ from learner.engine import (
     init_distributed,
     uses_bf16,
 )
-from learner.metrics import LappedEngine, MetricsLogger, StepClock
+from learner.metrics import LappedEngine, MetricsLogger, StepClock, batch_metrics
 from learner.prefetch import BatchPrefetcher, HubCalls
 from learner.step import (
     all_reduce,
-    batch_advantages,
-    batch_metrics,
     grpo_step,
     recompute_old_logprobs,
     split_micro_batches,
@@ -112,6 +111,8 @@ class Learner:
         consumed: list[str] = []
         if resume and (state := load_latest(self.engine, cfg.checkpoint_dir)) is not None:
             self.step, self.version, consumed = state["step"], state["version"], state["consumed"]
+        self.advantage_log = (AdvantageLog(cfg.advantages_jsonl, self.rank, config.algorithm,
+                                           mask_truncated=cfg.mask_truncated) if cfg.advantages_jsonl else None)
         self.metrics = MetricsLogger(jsonl=cfg.metrics_jsonl, tensorboard_dir=cfg.tensorboard_dir,
                                      wandb_project=cfg.wandb_project, enabled=self.rank == 0,
                                      total_steps=cfg.max_steps, run_config=config.model_dump(mode="json"))
@@ -142,12 +143,15 @@ class Learner:
         self.staging = os.path.join(cfg.checkpoint_dir, "..", "publish")
 
     def _check_hub(self, resume: bool, dtype: torch.dtype) -> int:
-        """Refuse a hub this run cannot train against (no reference model for beta > 0, an earlier run's weights);
+        """Refuse a hub this run cannot train against (no reference model when one is needed, an earlier run's weights);
         report the starting version. Returns the hub's newest weights version."""
-        if self.config.algorithm.loss.beta > 0 and not self.client.health()["reference_model_loaded"]:
+        algorithm = self.config.algorithm
+        if algorithm.needs_reference and not self.client.health()["reference_model_loaded"]:
+            wants = (f"algorithm.loss.beta is {algorithm.loss.beta}" if algorithm.loss.beta > 0
+                     else "algorithm.kl.in_reward is true")
             raise LearnerSetupError(
-                f"algorithm.loss.beta is {self.config.algorithm.loss.beta} but the ref server at {self.cfg.hub_url} "
-                "has no reference model loaded (its algorithm.loss.beta is 0?): start both with the same config")
+                f"{wants} but the ref server at {self.cfg.hub_url} has no reference model loaded (its "
+                "algorithm.loss.beta is 0?): start both with the same config")
         # the newest version the hub knows: on its relay, or reported by a learner (the relay may lag behind the
         # reports: weights reach it only when a generator needs them there)
         hub_version = max(self.client.weights_version() or 0, self.client.hub_stats()["learner_version"])
@@ -183,6 +187,8 @@ class Learner:
             self.publisher.close()
             self.prefetcher.close()
             self.metrics.close()
+            if self.advantage_log is not None:
+                self.advantage_log.close()
             self.client.close()
         return LearnerResult(self.step, self.version, self.skipped, self.stop.is_set(), self.ledger.duplicates)
 
@@ -202,8 +208,10 @@ class Learner:
         """``updates_per_batch`` GRPO steps on one batch, each followed by publishing and logging; then the batch
         counts as trained (before any checkpoint, so that a checkpoint holding its update also holds its ids)."""
         cfg, algorithm, clock = self.cfg, self.config.algorithm, self.clock
-        advantages = batch_advantages(batch, algorithm.advantage)
-        rollout_metrics = batch_metrics(batch, advantages, self.version)
+        advantages = batch_advantages(batch, algorithm.advantage, algorithm.kl)
+        rollout_metrics = batch_metrics(batch, advantages, self.version, algorithm)
+        if self.advantage_log is not None:
+            self.advantage_log.write(self.step + 1, batch, advantages)
         # host numbers from host tensors (the batch is still on the CPU here): no device round trip for them
         tokens = float((batch.prompt_lengths + batch.completion_lengths).sum())
         if self.world > 1:

@@ -57,9 +57,10 @@ def build_state(config: GRPOConfig) -> ServerState:
     vocab_size = max_context = None
     if cfg.model is not None:
         vocab_size, max_context = model_limits(cfg.model)
-    if config.algorithm.loss.beta > 0:
+    if config.algorithm.needs_reference:
         if cfg.model is None:
-            raise ModelLoadError("algorithm.loss.beta > 0 needs ref_server.model (or --model)")
+            raise ModelLoadError("algorithm.loss.beta > 0 or algorithm.kl.in_reward needs ref_server.model (or "
+                                 "--model)")
         device = resolve_device(cfg.device)
         model = load_reference_model(cfg.model, device, default_dtype(cfg.dtype, device))
         vocab_size = model.config.get_text_config().vocab_size

@@ -14,7 +14,7 @@ class RefServerConfig(StrictModel):
 
     model: str | None = Field(
         None, description="Folder of the reference model (any AutoModelForCausalLM). Not loaded when "
-        "algorithm.loss.beta is 0; the hub and weight relay work without it.")
+        "algorithm.loss.beta is 0 and algorithm.kl.in_reward is false; the hub and weight relay work without it.")
     host: str = Field("127.0.0.1", description="Address to bind. Keep 127.0.0.1 unless a token is set.")
     port: int = Field(8470, ge=1, le=65535, description="TCP port; every other process is told this address.")
     token: str | None = Field(
