@@ -8,7 +8,11 @@ exact where offsets are not: byte-level BPE splitting one UTF-8 character over s
 U+FFFD until the character's last byte), SentencePiece's leading-space marker, special tokens skipped mid-text (they
 complete no character). A binary search per step, from the previous step's token on, keeps it to
 ``O(steps * log(tokens))`` decodes; it keeps the invariant "the prefix before ``lo`` does not cover ``c``", so its
-answer satisfies the definition even for a decoder whose prefixes are not monotone.
+answer ``k`` always satisfies "``k + 1`` tokens cover ``c`` characters, ``k`` tokens do not". Where every decoded
+prefix is a prefix of the text (any valid text) that ``k`` is unique. A sampled completion can hold an invalid byte
+sequence, and a byte-fallback decoder (Llama's) then garbles a whole prefix that ends inside it (``C2 80 00 C2``
+decodes to four U+FFFD although ``C2 80 00`` decodes to two characters): prefixes stop being monotone there, and
+the answer is one of the tokens where coverage begins, which still satisfies the definition above.
 
 How the outcome joins the steps (``generator.step_rewards``, shared/config/schema/generator.py) is
 :func:`with_outcome`.
