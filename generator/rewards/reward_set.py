@@ -111,6 +111,7 @@ class RewardSet:
         found = _TermSteps(parts=[{} for _ in range(n)], failed=[False] * n)
         for term in self.terms:
             values = self._safe(term, prompt, completions, example, errors)
+            term.gives_steps = term.gives_steps or any(isinstance(v, StepScores) for v in values)
             outcomes = [self._outcome(term, i, v, completions[i], found, errors) for i, v in enumerate(values)]
             components[term.name] = outcomes
             total = [t + term.weight * v for t, v in zip(total, outcomes)]
@@ -136,7 +137,7 @@ class RewardSet:
                 found.failed[i] = True   # a step reward that failed here: its steps are unknown
             found.any_steps = found.any_steps or term.gives_steps
             return term.on_error if math.isnan(value) else value
-        term.gives_steps = found.any_steps = True
+        found.any_steps = True
         try:
             ends = value.char_ends(text)
         except ValueError as exc:
