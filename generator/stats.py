@@ -14,6 +14,9 @@ class LoopStats:
     prompts: int = 0
     completion_tokens: int = 0
     reward_errors: int = 0
+    step_reward_errors: int = 0     # completions whose steps were dropped (a failed step reward, a mismatch)
+    steps_uploaded: int = 0         # step rewards in accepted groups
+    groups_with_steps: int = 0      # accepted groups that carried steps (process supervision)
     weight_updates: int = 0
     budget_waits: int = 0           # engine calls put off because the learner could not use more groups yet
     budget_wait_s: float = 0.0

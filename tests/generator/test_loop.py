@@ -187,3 +187,31 @@ def test_a_paced_generator_asks_for_enough_prompts_to_fill_what_is_wanted(engine
         assert loop.prompts_wanted() == 8
         loop.step(4)  # every group kept (no dynamic sampling here): the share moves towards 1
         assert loop.kept_fraction == pytest.approx(0.2 + (4 / 64) * 0.8)
+
+
+def line_steps(prompt, completion, example):
+    """A step every 2 characters (reward: its parity), so the tiny model's completions have several."""
+    from generator.rewards import StepScores
+
+    ends = sorted({*range(2, len(completion), 2), len(completion)} - {0})
+    return StepScores([float(j % 2) for j in range(len(ends))], ends=ends)
+
+
+def test_step_rewards_reach_the_batch(engine, tmp_path, tiny_model_dir):
+    """A step reward's groups are accepted by the hub and lease with their steps at the right rows; the loop's
+    counts agree with the batch."""
+    rewards = RewardSet.from_specs([RewardSpec(name="arithmetic"), RewardSpec(name="python", label="steps", args={
+        "function": "tests.generator.test_loop:line_steps"})])
+    with LiveServer(make_config(tmp_path, tiny_model_dir)) as live:
+        loop = make_loop(engine, live.url, tmp_path, rewards=rewards)
+        groups = loop.step()
+        loop.upload(groups)
+        assert loop.stats.groups_uploaded == 2 and loop.stats.groups_with_steps == 2
+        batch = HubClient(live.url).get_batch(2, wait_s=20)
+    sent = torch.cat([g.step_rewards for g in groups])
+    assert loop.stats.steps_uploaded == sent.numel() and loop.stats.step_reward_errors == 0
+    assert sorted(batch.step_rewards.tolist()) == sorted(sent.tolist())
+    # each row's last step ends at its last token (final_step carries the arithmetic outcome there)
+    for row in range(batch.batch_size):
+        ends = batch.step_end[batch.step_index == row]
+        assert int(ends[-1]) == int(batch.completion_lengths[row]) - 1
