@@ -211,9 +211,11 @@ def prm_reward(url: str, model: str | None = None, step_separator: str = "\n\n",
         if chat == "messages":
             messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": problem},
                         {"role": "assistant", "content": response}]
-            return {"messages": messages}, {"messages": messages}
+            # stated in both requests: vLLM's /tokenize adds the generation prompt by default, /pooling does not
+            chat_request = {"messages": messages, "add_generation_prompt": False, "add_special_tokens": False}
+            return chat_request, chat_request
         text = prompt_template.format(system=system_prompt, problem=problem, response=response)
-        return text, {"prompt": text}
+        return text, {"prompt": text, "add_special_tokens": True}
 
     def group(prompt: str, completions: Sequence[str], example: dict[str, Any]) -> list[StepScores | float]:
         steps = [step_pieces(c, step_separator) for c in completions]

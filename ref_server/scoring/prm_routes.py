@@ -63,7 +63,7 @@ class TokenizeRequest(BaseModel):
     prompt: StrictStr | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
-    add_generation_prompt: bool = False
+    add_generation_prompt: bool = True  # vLLM's TokenizeChatRequest default (its pooling chat request's is False)
 
 
 def prm_scorer(request: Request) -> PRMScorer:

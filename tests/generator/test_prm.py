@@ -98,7 +98,8 @@ def test_bad_arguments_are_config_errors():
 # ---- through HTTP: the stand-in's numbers ------------------------------------------------------------------
 
 @pytest.mark.slow
-@pytest.mark.parametrize("chat, per_token", [("text", False), ("messages", False), ("text", True)])
+@pytest.mark.parametrize("chat, per_token", [("text", False), ("messages", False), ("text", True),
+                                             ("messages", True)])
 def test_client_gets_the_direct_forward_numbers(scorer, chat, per_token):
     """Both response shapes (a row per step tag, a row per token) and both chat modes give the same rewards."""
     served = PRMScorer(scorer.model, scorer.tokenizer, name="tiny", per_token=per_token)
