@@ -141,3 +141,16 @@ def test_prm_reward_through_the_ref_server_with_a_token(prm_dir, scorer, tmp_pat
         assert result.char_ends(completion) == [8, 17]  # "17+25=42" | "\n\n" | "42-8=34"
         with pytest.raises(PRMError, match="refused the request: HTTP 401"):
             prm_reward(url=server.url, system_prompt=system, retries=3)(problem, [completion], {})
+
+
+def test_tiny_prm_tokenizer_keeps_whitespace_next_to_tags(scorer):
+    """The saved tokenizer (what the stand-in and vLLM load) splits like the built one: no whitespace is eaten
+    next to <extra_0> or the chat tokens, so a step ending in a newline keeps it."""
+    from ref_server.scoring.prm_tiny import build_tiny_prm_tokenizer
+
+    built = build_tiny_prm_tokenizer()
+    for text in ["<|im_start|>sys\n<extra_0>ab", "a\n\n<extra_0>\n<|im_end|>\n x <extra_0> "]:
+        ids = scorer.tokenizer.encode(text)
+        assert ids == built.encode(text)
+        assert scorer.tokenizer.decode(ids) == text
+    assert scorer.tokenizer.encode("a\n<extra_0>") == [scorer.tokenizer.convert_tokens_to_ids(c) for c in "a\n"] + [2]
