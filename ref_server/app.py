@@ -20,7 +20,7 @@ from ref_server import operations
 from ref_server.hub import routes as hub_routes
 from ref_server.metrics import ServerMetrics
 from ref_server.relay import routes as weights
-from ref_server.scoring import completions_routes, logprobs_routes, tokenizer_routes
+from ref_server.scoring import completions_routes, logprobs_routes, prm_routes, tokenizer_routes
 from ref_server.state import ServerState
 
 __all__ = ["ServerState", "create_app"]
@@ -40,6 +40,9 @@ def create_app(state: ServerState, on_ready: Callable[[], None] | None = None) -
     app.state.metrics = metrics
     for module in (logprobs_routes, completions_routes, tokenizer_routes, hub_routes, weights, operations):
         app.include_router(module.router)
+    if state.prm is not None:  # vLLM's /pooling for a process reward model (ref_server.prm_model)
+        app.state.prm = state.prm
+        app.include_router(prm_routes.router)
 
     @app.middleware("http")
     async def _auth_and_metrics(request: Request, call_next):

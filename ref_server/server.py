@@ -12,6 +12,7 @@ import torch
 
 from ref_server.app import create_app
 from ref_server.hub.rollout_hub import RolloutHub
+from ref_server.scoring.prm import PRMScorer
 from ref_server.scoring.scorer import ReferenceScorer
 from ref_server.scoring.tokenizer import ServedTokenizer
 from ref_server.state import ServerState
@@ -69,6 +70,11 @@ def build_state(config: GRPOConfig) -> ServerState:
                                  batch_tokens=cfg.batch_tokens, packing=cfg.packing,
                                  prefix_sharing=cfg.prefix_sharing)
         tokenizer = ServedTokenizer.load(cfg.model, vocab_size, max_context)
+    prm = None
+    if cfg.prm_model is not None:
+        device = resolve_device(cfg.device)
+        prm = PRMScorer.load(cfg.prm_model, device, default_dtype(cfg.dtype, device),
+                             max_tokens=cfg.max_request_tokens, max_request_bytes=cfg.max_request_bytes)
     weights = WeightStore(cfg.weights_dir, keep=cfg.keep_weight_versions, max_bytes=cfg.max_weight_bytes)
     temperature = config.generator.sampling.temperature
     hub = RolloutHub(capacity=cfg.queue_capacity, max_staleness=cfg.max_staleness, scorer=scorer,
@@ -81,7 +87,7 @@ def build_state(config: GRPOConfig) -> ServerState:
         max_context=max_context, max_request_bytes=cfg.max_request_bytes,
         max_request_tokens=cfg.max_request_tokens, max_long_poll_s=cfg.max_long_poll_s,
         token=cfg.token or os.environ.get("GRPO_TOKEN") or None, max_version_ahead=cfg.max_version_ahead,
-        tokenizer=tokenizer,
+        tokenizer=tokenizer, prm=prm,
     )
 
 

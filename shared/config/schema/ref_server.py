@@ -15,6 +15,10 @@ class RefServerConfig(StrictModel):
     model: str | None = Field(
         None, description="Folder of the reference model (any AutoModelForCausalLM). Not loaded when "
         "algorithm.loss.beta is 0 and algorithm.kl.in_reward is false; the hub and weight relay work without it.")
+    prm_model: str | None = Field(
+        None, description="Folder of a process reward model (any AutoModelForTokenClassification with 2 labels whose "
+        "tokenizer has the step tag `<extra_0>` as one token) to serve at POST /pooling in vLLM's schema, a local "
+        "stand-in for `vllm serve Qwen/Qwen2.5-Math-PRM-7B` (the 'prm' reward; docs/process-rewards.md). Off when null.")
     host: str = Field("127.0.0.1", description="Address to bind. Keep 127.0.0.1 unless a token is set.")
     port: int = Field(8470, ge=1, le=65535, description="TCP port; every other process is told this address.")
     token: str | None = Field(
