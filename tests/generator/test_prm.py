@@ -254,3 +254,22 @@ def test_well_formed_scripted_answer_in_any_item_order(scripted):
     first, second = prm_reward(url=server.url, retries=0, softmax=True)(PROBLEM, ["a\n\nb", "c"], {})
     assert first.rewards == pytest.approx((1 / (1 + math.e ** 2), 0.5))
     assert second.rewards == pytest.approx((math.e / (1 + math.e),))
+
+
+@pytest.mark.slow
+def test_prm_from_config_gives_the_reward_set_its_steps(scorer):
+    """The registered 'prm' reward, built from a config entry as the generator builds it, hands RewardSet one
+    (character end, weight x probability) per step, at the ends StepScores.char_ends gives."""
+    from shared.config.schema.generator import RewardSpec
+
+    served = PRMScorer(scorer.model, scorer.tokenizer, name="tiny", per_token=False)
+    with ThreadServer(create_prm_app(served)) as server:
+        spec = RewardSpec(name="prm", weight=2.0, args={"url": server.url, "model": "tiny", "chat": "messages",
+                                                          "system_prompt": SYSTEM, "retries": 0})
+        scores = RewardSet.from_specs([spec]).score_group(PROBLEM, GROUP, {})
+    assert scores.errors == {} and scores.step_errors == 0
+    for completion, steps in zip(GROUP, scores.steps):
+        ends = [end for end, _ in steps]
+        assert ends == StepScores((0.0,) * len(ends), separator="\n\n").char_ends(completion)
+        np.testing.assert_allclose([r for _, r in steps], [2 * p for p in expected(scorer, completion)], atol=1e-6)
+    assert [len(s) for s in scores.steps] == [2, 2, 0, 1]
