@@ -122,11 +122,11 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
     says (the demo's starting model), and save it."""
     import json
 
+    from deploy.demo.run import demo_task
     from deploy.demo.tiny_model import TinyModelSpec, build_tiny_model_dir
-    from generator.tasks.arithmetic import ArithmeticTask
 
     config = load_with_flags(args, {"warmup_steps": "demo.warmup_steps", "seed": "seed"})
-    stats = build_tiny_model_dir(args.out, task=ArithmeticTask(**config.generator.dataset.arithmetic),
+    stats = build_tiny_model_dir(args.out, task=demo_task(config),
                                  warmup=config.demo, seed=config.seed, spec=TinyModelSpec(seed=config.seed))
     print(json.dumps(stats, indent=2))
     return 0

@@ -1,4 +1,4 @@
-"""Prompt sources (the built-in arithmetic task, JSONL files, Hugging Face datasets) and prompt rendering.
+"""Prompt sources (the built-in arithmetic and chain tasks, JSONL files, Hugging Face datasets) and prompt rendering.
 
 Every source yields :class:`Example` rows: the question, the reference data rewards need (``answer``, ``tests``,
 ...) and a stable id. :class:`PromptStream` draws them in an order private to each generator (seeded by the run
@@ -17,6 +17,7 @@ from typing import Any
 
 from generator.tasks.arithmetic import ArithmeticTask
 from generator.tasks.arithmetic_words import WordsArithmeticTask
+from generator.tasks.chain import ChainTask
 from shared.errors import UsageError
 
 # DeepSeek-R1-Zero style system prompt (DeepSeek-R1, Guo et al. 2025; as in simple_GRPO), the default for math datasets.
@@ -52,6 +53,14 @@ def arithmetic_words_examples(task: WordsArithmeticTask, split: str, count: int,
     problems = task.sample(count, split, random.Random(seed))
     return [Example(p.prompt, {"answer": p.answer, "operands": list(p.operands)}, f"words:{p.prompt}")
             for p in problems]
+
+
+def chain_examples(task: ChainTask, split: str, count: int, seed: int) -> list[Example]:
+    """``count`` chain problems of ``split`` drawn with a fixed seed; the operands and ops travel with the answer,
+    so ``chain_steps`` can check each line against the one before it."""
+    problems = task.sample(count, split, random.Random(seed))
+    return [Example(p.prompt, {"answer": p.answer, "operands": list(p.operands), "ops": list(p.ops)},
+                    f"chain:{p.prompt}") for p in problems]
 
 
 def jsonl_examples(path: str | Path, question_field: str = "question", answer_field: str | None = "answer"

@@ -14,6 +14,7 @@ from generator.datasets import (
     PromptStream,
     arithmetic_examples,
     arithmetic_words_examples,
+    chain_examples,
     hf_examples,
     jsonl_examples,
 )
@@ -23,6 +24,7 @@ from generator.rewards import RewardSet
 from generator.stats import LoopStats
 from generator.tasks.arithmetic import ArithmeticTask
 from generator.tasks.arithmetic_words import WordsArithmeticTask
+from generator.tasks.chain import ChainTask
 from shared.config.schema import DatasetConfig, GRPOConfig
 from shared.devices import default_dtype, resolve_device
 from shared.errors import UsageError
@@ -43,6 +45,8 @@ def load_examples(cfg: DatasetConfig, seed: int):
     if cfg.kind == "arithmetic_words":
         return arithmetic_words_examples(WordsArithmeticTask(**cfg.arithmetic), cfg.split, cfg.arithmetic_pool,
                                          seed)
+    if cfg.kind == "chain":
+        return chain_examples(ChainTask(**cfg.chain.model_dump()), cfg.split, cfg.arithmetic_pool, seed)
     if cfg.kind == "jsonl":
         return jsonl_examples(cfg.path, cfg.question_field, cfg.answer_field)
     return hf_examples(cfg.path, split=cfg.split, subset=cfg.subset, question_field=cfg.question_field,
@@ -52,7 +56,7 @@ def load_examples(cfg: DatasetConfig, seed: int):
 def system_prompt_for(cfg: DatasetConfig) -> str | None:
     if cfg.system_prompt is not None:
         return cfg.system_prompt or None
-    return None if cfg.kind in ("arithmetic", "arithmetic_words") else R1_SYSTEM_PROMPT
+    return None if cfg.kind in ("arithmetic", "arithmetic_words", "chain") else R1_SYSTEM_PROMPT
 
 
 def resolve_engine_name(requested: str) -> str:

@@ -1,4 +1,4 @@
-"""Batched greedy generation and accuracy on arithmetic problems: the warm-up's validation checks and the tiny
+"""Batched greedy generation and accuracy on the built-in tasks' problems (arithmetic, chain): the warm-up's validation checks and the tiny
 model's held-out measurements before and after each phase."""
 
 from __future__ import annotations
@@ -8,8 +8,10 @@ from dataclasses import dataclass
 
 import torch
 
-from deploy.demo.sft_data import eos_id, pad_id
-from generator.tasks.arithmetic import ArithmeticTask, Problem, extract_answer
+from deploy.demo.chain_data import chain_formatted
+from deploy.demo.sft_data import Task, eos_id, pad_id
+from generator.tasks.arithmetic import Problem, extract_answer
+from generator.tasks.chain import ChainTask
 
 
 @dataclass
@@ -17,7 +19,8 @@ class GreedyEval:
     """Greedy-decoding scores on a list of problems."""
 
     accuracy: float
-    format_rate: float  # fraction with a closed <answer>...</answer> pair, right or wrong
+    format_rate: float  # fraction in the task's form, right or wrong: a closed <answer>...</answer> pair (arithmetic),
+    # one integer per line, as many lines as steps (chain)
     n: int
     completions: list[str]
 
@@ -80,12 +83,15 @@ def _greedy_chunk(
 
 
 def evaluate_greedy(
-    model, tokenizer, task: ArithmeticTask, problems: Sequence[Problem], max_new_tokens: int = 16
+    model, tokenizer, task: Task, problems: Sequence[Problem], max_new_tokens: int = 16
 ) -> GreedyEval:
     """Accuracy and format rate of greedy completions, scored with ``task.score``."""
     completions = generate_greedy(model, tokenizer, [p.prompt for p in problems], max_new_tokens)
     rewards = [task.score(p, c) for p, c in zip(problems, completions)]
-    formatted = [extract_answer(c) is not None for c in completions]
+    if isinstance(task, ChainTask):
+        formatted = [chain_formatted(task, c) for c in completions]
+    else:
+        formatted = [extract_answer(c) is not None for c in completions]
     n = len(problems)
     return GreedyEval(
         accuracy=sum(rewards) / n if n else 0.0,
@@ -96,7 +102,7 @@ def evaluate_greedy(
 
 
 def greedy_accuracy(
-    model, tokenizer, task: ArithmeticTask, problems: Sequence[Problem], max_new_tokens: int = 16
+    model, tokenizer, task: Task, problems: Sequence[Problem], max_new_tokens: int = 16
 ) -> float:
     """Fraction of ``problems`` whose greedy completion has the right answer."""
     return evaluate_greedy(model, tokenizer, task, problems, max_new_tokens).accuracy

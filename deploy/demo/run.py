@@ -18,6 +18,7 @@ from pathlib import Path
 from deploy.launcher import run
 from generator.evaluate import evaluate
 from shared.config.loader import load_config
+from shared.errors import UsageError
 
 
 def build_model(config) -> dict:
@@ -28,11 +29,10 @@ def build_model(config) -> dict:
     """
     from deploy.demo.tiny_model import TinyModelSpec, build_tiny_model_dir
     from deploy.demo.warmup import WarmupTargetMissed, warmup_record
-    from generator.tasks.arithmetic import ArithmeticTask
 
     model_dir = Path(config.generator.model)
     stats_file = model_dir / "grpo_tiny_model.json"
-    task = ArithmeticTask(**config.generator.dataset.arithmetic)
+    task = demo_task(config)
     if stats_file.exists():
         stats = json.loads(stats_file.read_text())
         recorded = json.loads(json.dumps({"warmup": warmup_record(config.demo, config.seed),
@@ -48,6 +48,20 @@ def build_model(config) -> dict:
         raise WarmupTargetMissed(f"{err} In the config: demo.warmup_max_steps / demo.warmup_target_accuracy for "
                                  f"the correct demonstrations, demo.flawed_steps / demo.flawed_target_accuracy "
                                  f"for the flawed teacher.") from err
+
+
+def demo_task(config):
+    """The built-in task the tiny model warms up on: ``generator.dataset``'s arithmetic or chain settings."""
+    from generator.tasks.arithmetic import ArithmeticTask
+    from generator.tasks.chain import ChainTask
+
+    dataset = config.generator.dataset
+    if dataset.kind == "chain":
+        return ChainTask(**dataset.chain.model_dump())
+    if dataset.kind == "arithmetic":
+        return ArithmeticTask(**dataset.arithmetic)
+    raise UsageError(f"the tiny model warms up on a built-in task: generator.dataset.kind must be 'arithmetic' or "
+                     f"'chain', got {dataset.kind!r}")
 
 
 def plot(metrics_path: Path, before: float, after: float, out: Path) -> None:

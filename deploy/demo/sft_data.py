@@ -11,7 +11,10 @@ from dataclasses import replace
 import torch
 
 from generator.tasks.arithmetic import ArithmeticTask, Problem, format_target, sloppy_result
+from generator.tasks.chain import ChainTask
 from shared.config.schema import DemoConfig
+
+Task = ArithmeticTask | ChainTask  # the built-in tasks the demo can warm the tiny model up on
 
 
 def eos_id(tokenizer) -> int:
@@ -47,22 +50,32 @@ def pad_sft_sequences(
     return input_ids, labels
 
 
+def target_text(task: Task, problem: Problem) -> str:
+    """The completion a perfect policy emits: ``<answer>82</answer>`` (arithmetic) or one total per line (chain)."""
+    return task.target(problem) if isinstance(task, ChainTask) else format_target(problem)
+
+
 def build_sft_batch(
-    tokenizer, problems: Sequence[Problem], max_len: int | None = None
+    tokenizer, problems: Sequence[Problem], max_len: int | None = None, targets: Sequence[str] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(input_ids [B,T], labels [B,T])`` for prompt + target + EOS, right-padded.
+    """``(input_ids [B,T], labels [B,T])`` for prompt + target + EOS, right-padded; the targets are ``targets``
+    (one per problem) or, by default, the arithmetic task's ``format_target``.
 
     Prompt and target are tokenized separately (as in RL, where completion tokens follow prompt tokens) and
     without automatic special tokens; EOS is appended explicitly. Right padding + causal attention means real
     tokens never attend to padding, so no attention mask is needed for the loss.
     """
     eos = eos_id(tokenizer)
+    if targets is None:
+        targets = [format_target(p) for p in problems]
+    if len(targets) != len(problems):
+        raise ValueError(f"{len(problems)} problems but {len(targets)} targets")
     pairs = [
         (
             tokenizer.encode(p.prompt, add_special_tokens=False),
-            tokenizer.encode(format_target(p), add_special_tokens=False) + [eos],
+            tokenizer.encode(target, add_special_tokens=False) + [eos],
         )
-        for p in problems
+        for p, target in zip(problems, targets)
     ]
     return pad_sft_sequences(pairs, pad_id(tokenizer), max_len)
 
@@ -72,7 +85,7 @@ def slipped(problem: Problem) -> Problem:
     return replace(problem, answer=str(sloppy_result(problem.operands, problem.ops)))
 
 
-def validation_problems(task: ArithmeticTask, cfg: DemoConfig, max_rounds: int = 100) -> list[Problem]:
+def validation_problems(task: Task, cfg: DemoConfig, max_rounds: int = 100) -> list[Problem]:
     """``cfg.validation_examples`` distinct train-split problems (fixed by ``cfg.validation_seed``)."""
     rng = random.Random(cfg.validation_seed)
     chosen: dict[str, Problem] = {}
@@ -85,7 +98,7 @@ def validation_problems(task: ArithmeticTask, cfg: DemoConfig, max_rounds: int =
                      f"(got {len(chosen)}); the task is too small for this validation_examples")
 
 
-def sample_excluding(task: ArithmeticTask, n: int, rng: random.Random, excluded: Sequence[Problem] = (),
+def sample_excluding(task: Task, n: int, rng: random.Random, excluded: Sequence[Problem] = (),
                      max_rounds: int = 1000) -> list[Problem]:
     """``n`` train-split problems, none of them in ``excluded`` (the validation set)."""
     skip = {p.prompt for p in excluded}

@@ -29,6 +29,7 @@ from deploy.demo.greedy import evaluate_greedy
 from deploy.demo.sft_data import validation_problems
 from deploy.demo.warmup import flawed_teacher_finetune, needs_validation, supervised_warmup, warmup_record
 from generator.tasks.arithmetic import ArithmeticTask
+from generator.tasks.chain import ChainTask
 from shared.config.schema import DemoConfig
 
 
@@ -150,7 +151,7 @@ def save_model_dir(
 def build_tiny_model_dir(
     out_dir: str | Path,
     *,
-    task: ArithmeticTask | None = None,
+    task: ArithmeticTask | ChainTask | None = None,
     warmup: DemoConfig | None = None,
     seed: int = 0,
     spec: TinyModelSpec | None = None,

@@ -1,7 +1,7 @@
 """A short supervised warm-up so that RL on the tiny model has a signal to amplify.
 
-A randomly initialised model never emits ``<answer>..</answer>``, so every GRPO group would get reward 0 and
-zero advantage. SFT teaches the format and the arithmetic; the demo then fine-tunes on a flawed teacher so that
+A randomly initialised model never emits ``<answer>..</answer>`` (or a chain of running totals), so every GRPO
+group would get reward 0 and zero advantage. SFT teaches the format and the arithmetic; the demo then fine-tunes on a flawed teacher so that
 the RL run has accuracy left to win.
 
 Each phase runs a fixed number of steps, or, with a target, until greedy accuracy on a validation set crosses
@@ -22,9 +22,11 @@ from operator import itemgetter
 
 import torch
 
+from deploy.demo.chain_data import check_flawed_chain_task, flawed_chain_demonstrations
 from deploy.demo.greedy import greedy_accuracy
-from deploy.demo.sft_data import build_sft_batch, flawed_demonstrations, sample_excluding
+from deploy.demo.sft_data import Task, build_sft_batch, flawed_demonstrations, sample_excluding, target_text
 from generator.tasks.arithmetic import ArithmeticTask, Problem
+from generator.tasks.chain import ChainTask
 from learner.schedule import lr_schedule
 from shared.config.schema import DemoConfig
 
@@ -61,7 +63,7 @@ class StopRule:
         if not self.validation:
             raise ValueError(f"{self.phase}: an accuracy target needs a non-empty validation set")
 
-    def done(self, model, tokenizer, task: ArithmeticTask, steps_done: int, cap: int) -> bool:
+    def done(self, model, tokenizer, task: Task, steps_done: int, cap: int) -> bool:
         """Whether the phase may stop after ``steps_done`` steps (evaluates only at check steps)."""
         if steps_done % self.every and steps_done != cap:
             return False
@@ -125,7 +127,7 @@ def warmup_lr_schedule(optimizer: torch.optim.Optimizer, cfg: DemoConfig) -> tor
                        max_steps=cfg.warmup_steps, min_lr_ratio=cfg.warmup_min_lr_ratio)
 
 
-def supervised_warmup(model, tokenizer, task: ArithmeticTask, cfg: DemoConfig, seed: int,
+def supervised_warmup(model, tokenizer, task: Task, cfg: DemoConfig, seed: int,
                       validation: Sequence[Problem] = ()) -> PhaseResult:
     """Train on fresh ``train``-split batches (never a ``validation`` problem) for ``cfg.warmup_steps`` steps, or
     until ``cfg.warmup_target_accuracy`` is reached on ``validation`` (then ``cfg.warmup_max_steps`` is the cap, and
@@ -139,24 +141,29 @@ def supervised_warmup(model, tokenizer, task: ArithmeticTask, cfg: DemoConfig, s
                                   weight_decay=cfg.warmup_weight_decay)
     stop = clean_stop_rule(cfg, validation)
     cap = cfg.warmup_steps if stop is None else cfg.warmup_max_steps
-    losses = _sft_steps(model, tokenizer, task, optimizer, cfg, cap,
-                        lambda: sample_excluding(task, cfg.batch_size, rng, validation),
+
+    def correct_batch() -> tuple[list[Problem], list[str]]:
+        problems = sample_excluding(task, cfg.batch_size, rng, validation)
+        return problems, [target_text(task, p) for p in problems]
+
+    losses = _sft_steps(model, tokenizer, task, optimizer, cfg, cap, correct_batch,
                         warmup_lr_schedule(optimizer, cfg), stop)
     if stop is not None:
         stop.require_reached(cap)
     return PhaseResult(losses, stop.checks if stop is not None else [])
 
 
-def _sft_steps(model, tokenizer, task: ArithmeticTask, optimizer, cfg: DemoConfig, steps: int,
-               next_problems: Callable[[], list[Problem]], scheduler=None, stop: StopRule | None = None
-               ) -> list[float]:
-    """Up to ``steps`` supervised steps on ``next_problems()`` batches (the rate stepped by ``scheduler`` if given,
+def _sft_steps(model, tokenizer, task: Task, optimizer, cfg: DemoConfig, steps: int,
+               next_batch: Callable[[], tuple[list[Problem], list[str]]], scheduler=None,
+               stop: StopRule | None = None) -> list[float]:
+    """Up to ``steps`` supervised steps on ``next_batch()`` batches (problems and their targets; the rate stepped by ``scheduler`` if given,
     else the optimizer's own), ending early when ``stop`` says so; returns the per-step losses and leaves the model
     in eval mode."""
     model.train()
     losses: list[float] = []
     for step in range(steps):
-        input_ids, labels = build_sft_batch(tokenizer, next_problems(), cfg.max_sequence_tokens)
+        problems, targets = next_batch()
+        input_ids, labels = build_sft_batch(tokenizer, problems, cfg.max_sequence_tokens, targets)
         loss = model(input_ids=input_ids, labels=labels).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -172,27 +179,47 @@ def _sft_steps(model, tokenizer, task: ArithmeticTask, optimizer, cfg: DemoConfi
     return losses
 
 
-def flawed_teacher_finetune(model, tokenizer, task: ArithmeticTask, cfg: DemoConfig, seed: int,
+def flawed_teacher_finetune(model, tokenizer, task: Task, cfg: DemoConfig, seed: int,
                             validation: Sequence[Problem] = ()) -> PhaseResult:
     """``cfg.flawed_steps`` SFT steps on a flawed teacher's demonstrations, or fewer: with
     ``cfg.flawed_target_accuracy`` set, until greedy accuracy on ``validation`` falls to it.
 
-    Each demonstration drops its carries, borrows and minus sign (``slipped``) with probability
-    ``cfg.flawed_slip``; the rest are correct. A fresh AdamW at the constant ``cfg.flawed_lr`` (a separate
-    fine-tuning run, as when a pretrained model is fine-tuned on someone else's data). Only 2-operand ``+``/``-``
-    tasks have a sloppy answer (``sloppy_result``). Leaves the model in eval mode; raises
-    ``WarmupTargetMissed`` if a target is set and the cap comes first.
+    Arithmetic: each demonstration drops its carries, borrows and minus sign (``slipped``) with probability
+    ``cfg.flawed_slip``; the rest are correct; only 2-operand ``+``/``-`` tasks have a sloppy answer
+    (``sloppy_result``). Chain: with that probability the teacher slips in the intermediate lines only
+    (``deploy.demo.chain_data.sloppy_chain``). A fresh AdamW at the constant ``cfg.flawed_lr`` (a separate
+    fine-tuning run, as when a pretrained model is fine-tuned on someone else's data). Leaves the model in eval
+    mode; raises ``WarmupTargetMissed`` if a target is set and the cap comes first.
     """
     if not cfg.flawed_steps:
         return PhaseResult([], [])
-    if task.num_operands != 2 or not set(task.ops) <= {"+", "-"} or task.min_value < 0:
-        raise ValueError("the flawed teacher needs a task of a+b / a-b with non-negative operands")
     rng = random.Random(seed + 1)
+    next_batch = _flawed_batches(task, cfg, rng, validation)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.flawed_lr, weight_decay=0.0)
     stop = flawed_stop_rule(cfg, validation)
-    losses = _sft_steps(model, tokenizer, task, optimizer, cfg, cfg.flawed_steps,
-                        lambda: flawed_demonstrations(task, cfg.batch_size, cfg.flawed_slip, rng, validation),
-                        stop=stop)
+    losses = _sft_steps(model, tokenizer, task, optimizer, cfg, cfg.flawed_steps, next_batch, stop=stop)
     if stop is not None:
         stop.require_reached(cfg.flawed_steps)
     return PhaseResult(losses, stop.checks if stop is not None else [])
+
+
+def _flawed_batches(task: Task, cfg: DemoConfig, rng: random.Random, validation: Sequence[Problem]
+                    ) -> Callable[[], tuple[list[Problem], list[str]]]:
+    """The flawed teacher's batches for ``task`` (problems never in ``validation``, with the teacher's targets)."""
+    if isinstance(task, ChainTask):
+        check_flawed_chain_task(task)
+
+        def chain_batch() -> tuple[list[Problem], list[str]]:
+            problems = sample_excluding(task, cfg.batch_size, rng, validation)
+            return problems, flawed_chain_demonstrations(task, problems, cfg.flawed_slip, rng)
+
+        return chain_batch
+    if not isinstance(task, ArithmeticTask) or task.num_operands != 2 or not set(task.ops) <= {"+", "-"} \
+            or task.min_value < 0:
+        raise ValueError("the flawed teacher needs a task of a+b / a-b with non-negative operands")
+
+    def arithmetic_batch() -> tuple[list[Problem], list[str]]:
+        problems = flawed_demonstrations(task, cfg.batch_size, cfg.flawed_slip, rng, validation)
+        return problems, [target_text(task, p) for p in problems]
+
+    return arithmetic_batch

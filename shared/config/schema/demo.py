@@ -9,7 +9,8 @@ from shared.config.schema.base import StrictModel
 
 class DemoConfig(StrictModel):
     """`grpo demo`: the warm-up that makes the tiny model the RL starting point. The model is built once into
-    `generator.model` (delete that folder to rebuild); the task is `generator.dataset.arithmetic`. Each phase
+    `generator.model` (delete that folder to rebuild); the task is `generator.dataset.arithmetic`, or with
+    `generator.dataset.kind: chain` the multi-step chain task of `generator.dataset.chain`. Each phase
     runs until its accuracy target on a validation set (train-split problems the warm-up never trains on,
     disjoint from the held-out test split) and fails if its step cap comes first: where the accuracy jumps
     depends on the seed, the thread count and the hardware, so fixed step counts do not reproduce."""
@@ -39,7 +40,8 @@ class DemoConfig(StrictModel):
                                     "teacher's fine-tuning.")
     flawed_slip: float = Field(0.8, ge=0, le=1, description="Fraction of the flawed teacher's answers that drop "
                                "their carries, borrows and minus signs (58+67 -> 115, 38-41 -> 13); the rest are "
-                               "correct.")
+                               "correct. On the chain task the teacher slips so in the intermediate lines only and "
+                               "works the last line right from its own previous line.")
     flawed_lr: float = Field(3e-4, gt=0, description="Constant learning rate of the flawed-teacher phase.")
     # The settings below were measured on the default task and TinyModelSpec (README "The tiny local model"): batch
     # 128 learned as much per example as batch 32 at less CPU per example; weight decay 0.1 reached the accuracy

@@ -38,13 +38,37 @@ class RewardSpec(StrictModel):
         return check_registered("generator.rewards", "REWARDS", value)
 
 
+class ChainOptions(StrictModel):
+    """The built-in multi-step task (generator/tasks/chain.py): ``17+25-8+40=`` solved one running total per line."""
+
+    min_value: int = Field(0, description="Smallest operand.")
+    max_value: int = Field(9, description="Largest operand (>= min_value).")
+    ops: list[Literal["+", "-"]] = Field(["+", "-"], min_length=1, description="Operators drawn between operands; "
+                                         "the chain is worked left to right.")
+    num_operands: int = Field(4, ge=2, description="Operands per problem; a solution has num_operands - 1 lines.")
+    heldout_fraction: float = Field(0.1, ge=0, le=1, description="Share of expressions in the held-out 'test' "
+                                    "split (a salted hash of the expression).")
+    split_salt: str = Field("grpo-chain", description="Salt of the split's hash; changing it reshuffles the split.")
+    template: str | None = Field(None, description="Prompt wording with {expression} (e.g. 'Work out {expression} "
+                                 "...') for chat models; null: the bare expression '3+5-2+7=' for the tiny model.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ChainOptions:
+        if self.min_value > self.max_value:
+            raise ValueError(f"min_value {self.min_value} > max_value {self.max_value}")
+        if self.template is not None and "{expression}" not in self.template:
+            raise ValueError(f"template must contain {{expression}}, got {self.template!r}")
+        return self
+
+
 class DatasetConfig(StrictModel):
     """Where prompts come from and how they are rendered."""
 
-    kind: Literal["arithmetic", "arithmetic_words", "jsonl", "hf"] = Field(
+    kind: Literal["arithmetic", "arithmetic_words", "chain", "jsonl", "hf"] = Field(
         "arithmetic", description="'arithmetic' (built-in task), 'arithmetic_words' (the same in words for chat "
-        "models: 'What is 23 plus 58? Reply with only the number.'), 'jsonl' (a file) or 'hf' (a Hugging Face "
-        "dataset name or a save_to_disk folder).")
+        "models: 'What is 23 plus 58? Reply with only the number.'), 'chain' (built-in multi-step task: "
+        "'3+5-2=' -> '8\\n6', one running total per line; see the chain block), 'jsonl' (a file) or 'hf' (a "
+        "Hugging Face dataset name or a save_to_disk folder).")
     path: str | None = Field(None, description="The JSONL file, or the Hugging Face dataset name/folder.")
     split: str = Field("train", description="Dataset split to train on ('train' or 'test' for arithmetic).")
     subset: str | None = Field(None, description="Hugging Face dataset configuration, e.g. 'main' for gsm8k.")
@@ -58,8 +82,10 @@ class DatasetConfig(StrictModel):
     arithmetic: dict[str, Any] = Field(
         default_factory=dict, description="ArithmeticTask settings: min_value, max_value, ops, num_operands, "
         "heldout_fraction (arithmetic_words also takes template, with {expression}).")
-    arithmetic_pool: int = Field(20000, ge=1, description="Arithmetic problems drawn (with a fixed seed) into "
-                                 "the training pool.")
+    arithmetic_pool: int = Field(20000, ge=1, description="Arithmetic (and chain) problems drawn (with a fixed "
+                                 "seed) into the training pool.")
+    chain: ChainOptions = Field(default_factory=ChainOptions, description="Settings of the 'chain' task (used "
+                                "only with kind 'chain').")
 
     @model_validator(mode="after")
     def _path_when_needed(self) -> DatasetConfig:
