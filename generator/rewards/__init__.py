@@ -23,6 +23,7 @@ from generator.rewards.steps import StepScores
 # Modules whose import registers rewards (generator.rewards.<name>); imported when the package is.
 REWARD_MODULES: tuple[str, ...] = (
     "builtin",    # format, math, arithmetic, final_number, code, http, python
+    "chain",      # chain, chain_steps: the multi-step task (outcome and one reward per line)
     "prm",        # a process reward model behind vLLM's /pooling API
 )
 
