@@ -54,3 +54,7 @@ class Progress:
                      "per-reward means %s, %s", stats.groups_uploaded, stats.groups_dropped_constant,
                      stats.groups_refused_stale, stats.reward_errors, stats.budget_waits, stats.budget_wait_s, means,
                      self.summary(stats, version))
+            if stats.groups_with_steps or stats.step_reward_errors:
+                log.info("step rewards: %d groups carried %d steps (%.2f per group); %d completions lost their steps "
+                         "to a failed or mismatched step reward", stats.groups_with_steps, stats.steps_uploaded,
+                         stats.steps_uploaded / max(stats.groups_with_steps, 1), stats.step_reward_errors)
