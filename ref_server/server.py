@@ -12,6 +12,7 @@ import torch
 
 from ref_server.app import create_app
 from ref_server.hub.rollout_hub import RolloutHub
+from ref_server.limits import BodyLimits
 from ref_server.scoring.scorer import ReferenceScorer
 from ref_server.scoring.tokenizer import ServedTokenizer
 from ref_server.state import ServerState
@@ -81,7 +82,10 @@ def build_state(config: GRPOConfig) -> ServerState:
         max_context=max_context, max_request_bytes=cfg.max_request_bytes,
         max_request_tokens=cfg.max_request_tokens, max_long_poll_s=cfg.max_long_poll_s,
         token=cfg.token or os.environ.get("GRPO_TOKEN") or None, max_version_ahead=cfg.max_version_ahead,
-        tokenizer=tokenizer,
+        tokenizer=tokenizer, limits=BodyLimits(
+            json_bytes=cfg.max_json_body_bytes, request_bytes=cfg.max_request_bytes,
+            weight_bytes=cfg.max_weight_bytes, timeout_s=cfg.body_timeout_s,
+            min_bytes_per_s=cfg.min_body_bytes_per_s),
     )
 
 
