@@ -9,8 +9,8 @@
   byte a second is cut off after ``body_timeout_s``; a big upload at a reasonable rate is not.
 * **Strict JSON**: a route whose body FastAPI parses (a pydantic model parameter: acknowledgements, version
   reports, the weight-sync rendezvous) gets its body checked by :func:`shared.protocol.strict_json.loads` first
-  (NaN/Infinity literals, nesting, numbers out of range: 400). The big JSON routes parse their bodies themselves
-  with the same loader.
+  (NaN/Infinity literals, nesting, numbers out of range: 422, as FastAPI answers JSON it cannot parse). The big
+  JSON routes parse their bodies themselves with the same loader.
 * **Disconnects**: a client that goes away mid-body is answered 499 (nginx's "client closed request"), without a
   traceback, and counted as such, never as a 500.
 * **Auth and metrics**: the bearer token (every path but /healthz), then every answer counted by endpoint and
@@ -192,7 +192,8 @@ class RequestGuard:
                     strict_json.loads(body)
             except strict_json.StrictJSONError as exc:
                 reader.refused = "bad_json"
-                await JSONResponse({"detail": f"request body: {exc}"}, 400)(scope, reader.receive, send)
+                # 422 as FastAPI answers JSON it cannot parse
+                await JSONResponse({"detail": f"request body: {exc}"}, 422)(scope, reader.receive, send)
                 return
         await self.app(scope, _replay(body, reader), send)
 

@@ -76,7 +76,7 @@ def build_state(config: GRPOConfig) -> ServerState:
                      vocab_size=vocab_size, spool_dir=cfg.spool_dir, lease_timeout_s=cfg.lease_timeout_s,
                      # 0 is greedy decoding, for evaluation only: no training group is sampled that way
                      temperature=temperature if temperature > 0 else None,
-                     published_version=lambda: weights.current)
+                     published_version=lambda: weights.current, max_context=max_context)
     return ServerState(
         scorer=scorer, hub=hub, weights=weights, model_name=cfg.model, vocab_size=vocab_size,
         max_context=max_context, max_request_bytes=cfg.max_request_bytes,
