@@ -1,6 +1,6 @@
 """Every request's body, bounded in one place: :class:`RequestGuard`, a pure ASGI middleware around the whole app.
 
-* **Size**: each route has a body limit (:meth:`BodyLimits.for_route`): the binary uploads and the big scoring
+* **Size**: each route has a body limit (:meth:`ref_server.body_limits.BodyLimits.for_route`): the binary uploads and the big scoring
   bodies take ``max_request_bytes`` (weights: ``max_weight_bytes``), every other route ``max_json_body_bytes``.
   A declared ``Content-Length`` above it is refused before a byte is read; a chunked body is counted as it arrives
   and refused the moment it passes the limit, so no route ever holds more than its limit. 413.
@@ -25,7 +25,6 @@ import asyncio
 import hmac
 import logging
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastapi import HTTPException
@@ -34,6 +33,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse
 from starlette.routing import Match
 
+from ref_server.body_limits import BodyLimits
 from shared.protocol import strict_json
 
 if TYPE_CHECKING:
@@ -45,29 +45,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("grpo.ref_server.limits")
 
-# routes whose bodies are bulk data, by (method, path template): the BodyLimits field that bounds them
-LARGE_BODIES: dict[tuple[str, str], str] = {
-    ("POST", "/v1/rollouts"): "request_bytes", ("POST", "/v1/rollouts/batch"): "request_bytes",
-    ("POST", "/v1/logprobs"): "request_bytes", ("POST", "/v1/completions"): "request_bytes",
-    ("POST", "/tokenize"): "request_bytes", ("POST", "/detokenize"): "request_bytes",
-    ("PUT", "/v1/weights/{version}"): "weight_bytes",
-}
 CLIENT_CLOSED = 499  # nginx's status for "the client closed the connection before the answer"
 _PARSE_INLINE_BYTES = 64 * 1024  # strict-JSON checks of bigger bodies run in the thread pool
-
-
-@dataclass(frozen=True)
-class BodyLimits:
-    """The guard's settings (``ref_server.max_*`` and ``body_timeout_s`` in the config)."""
-
-    json_bytes: int = 2**20
-    request_bytes: int = 64 * 2**20
-    weight_bytes: int = 256 * 2**30
-    timeout_s: float = 30.0
-    min_bytes_per_s: float = 256 * 1024
-
-    def for_route(self, method: str, path_template: str | None) -> int:
-        return getattr(self, LARGE_BODIES.get((method, path_template or ""), "json_bytes"))
 
 
 class BodyRefused(HTTPException):

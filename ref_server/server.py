@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 
 from ref_server.app import create_app
+from ref_server.body_limits import BodyLimits
 from ref_server.hub.rollout_hub import RolloutHub
-from ref_server.limits import BodyLimits
 from ref_server.scoring.scorer import ReferenceScorer
 from ref_server.scoring.tokenizer import ServedTokenizer
 from ref_server.state import ServerState

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ref_server.body_limits import BodyLimits
 from ref_server.hub.rollout_hub import RolloutHub
-from ref_server.limits import BodyLimits
 from ref_server.scoring.scorer import ReferenceScorer
 from ref_server.scoring.tokenizer import ServedTokenizer
 from shared.weight_sync.relay_store import WeightStore

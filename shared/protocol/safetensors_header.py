@@ -74,7 +74,7 @@ def read_header(data: bytes | memoryview, allowed: Collection[str]) -> dict[str,
     try:  # strict: no NaN/Infinity, bounded nesting, numbers in range (json.loads raised RecursionError: a 500)
         header = strict_json.loads(bytes(data[8:8 + header_size]))
     except strict_json.StrictJSONError as exc:
-        raise HeaderError(f"body is not safetensors: header is {exc}") from None
+        raise HeaderError(f"body is not safetensors: header is not JSON ({exc})") from None
     if not isinstance(header, dict):
         raise HeaderError("body is not safetensors: header is not a JSON object")
     metadata = header.get(METADATA, {})
