@@ -7,12 +7,12 @@ refuses all of them with one exception type, :class:`StrictJSONError` (a ``Value
 never quotes the input:
 
 * no ``NaN`` / ``Infinity`` literals, and no number literal that overflows a float64 to infinity;
-* integers within int64 (every id, length, count and version of the protocol is one);
+* integers of at most 4300 digits (Python's own limit; each consumer checks the range it needs, naming the field);
 * nesting at most :data:`MAX_DEPTH` arrays/objects deep (pydantic-core's parser stops there; it never recurses in
   Python).
 
 Parsing is pydantic-core's Rust parser (about 2.5x faster than ``json.loads``); the walk that checks magnitudes runs
-only when the text holds a literal that could break them (20+ digits in a row, or a 3-digit exponent).
+only when the text holds a literal that could break them (a 3-digit exponent, or 309+ digits in a row).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from typing import Any
 
 import pydantic_core
 
-MAX_DEPTH = 200  # pydantic-core's recursion limit: deeper input is refused while parsing
-INT_LIMIT = 2**63  # integers must lie in [-2**63, 2**63)
-_MAYBE_OUT_OF_RANGE = re.compile(rb"\d{19,}|[eE][+]?\d{3,}")
+MAX_DEPTH = 200  # arrays/objects inside each other: pydantic-core refuses deeper input while parsing
+# a float literal can overflow only with a 3-digit exponent or 309+ digits before its point
+_MAYBE_OVERFLOW = re.compile(rb"[eE][+]?\d{3,}|\d{309,}")
 
 
 class StrictJSONError(ValueError):
@@ -39,7 +39,7 @@ def loads(data: bytes | bytearray | memoryview | str) -> Any:
         value = pydantic_core.from_json(raw, allow_inf_nan=False, cache_strings=False)
     except ValueError as exc:
         raise StrictJSONError(f"not strict JSON: {_reason(str(exc), raw)}") from None
-    if _MAYBE_OUT_OF_RANGE.search(raw):
+    if _MAYBE_OVERFLOW.search(raw):
         _check_numbers(value)
     return value
 
@@ -55,7 +55,7 @@ def _reason(message: str, raw: bytes) -> str:
 
 
 def _check_numbers(value: Any) -> None:
-    """Refuse floats that overflowed to infinity and integers outside int64 (iteratively: no recursion)."""
+    """Refuse floats that overflowed to infinity (iteratively: no recursion)."""
     stack = [value]
     while stack:
         item = stack.pop()
@@ -63,8 +63,5 @@ def _check_numbers(value: Any) -> None:
             stack.extend(item.values())
         elif isinstance(item, list):
             stack.extend(item)
-        elif isinstance(item, float):
-            if not math.isfinite(item):
-                raise StrictJSONError("not strict JSON: a number literal overflows a 64-bit float")
-        elif isinstance(item, int) and not isinstance(item, bool) and not -INT_LIMIT <= item < INT_LIMIT:
-            raise StrictJSONError("not strict JSON: an integer is outside the 64-bit range")
+        elif isinstance(item, float) and not math.isfinite(item):
+            raise StrictJSONError("not strict JSON: a number literal overflows a 64-bit float")
