@@ -65,7 +65,7 @@ def _validate(body: bytes, model: type[BaseModel]):
     try:
         return model.model_validate(strict_json.loads(body))
     except strict_json.StrictJSONError as exc:
-        raise OpenAIError(400, f"body: {exc}") from None
+        raise OpenAIError(400, f"body: {exc}", param=str(exc.path[0]) if exc.path else None) from None
     except ValidationError as exc:
         errors = exc.errors(include_url=False)
         first = errors[0]

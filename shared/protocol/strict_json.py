@@ -29,7 +29,12 @@ _MAYBE_OVERFLOW = re.compile(rb"[eE][+]?\d{3,}|\d{309,}")
 
 
 class StrictJSONError(ValueError):
-    """Input that is not strict JSON; the message says what is wrong without quoting the input."""
+    """Input that is not strict JSON; the message says what is wrong without quoting the input. ``path``: where a
+    non-finite number sits (keys and indices from the top), when that is the problem."""
+
+    def __init__(self, message: str, path: tuple[str | int, ...] | None = None) -> None:
+        super().__init__(message)
+        self.path = path
 
 
 def loads(data: bytes | bytearray | memoryview | str) -> Any:
@@ -38,30 +43,43 @@ def loads(data: bytes | bytearray | memoryview | str) -> Any:
     try:
         value = pydantic_core.from_json(raw, allow_inf_nan=False, cache_strings=False)
     except ValueError as exc:
-        raise StrictJSONError(f"not strict JSON: {_reason(str(exc), raw)}") from None
+        message = str(exc)[:200]
+        if message.startswith("recursion limit exceeded"):
+            raise StrictJSONError(f"not strict JSON: nested more than {MAX_DEPTH} levels deep ({message})") from None
+        if message.startswith(("expected value", "invalid number")) and (b"NaN" in raw or b"Infinity" in raw):
+            path = _lenient_non_finite_path(raw)
+            if path is not None:
+                raise _non_finite(path) from None
+        raise StrictJSONError(f"not strict JSON: {message}") from None
     if _MAYBE_OVERFLOW.search(raw):
-        _check_numbers(value)
+        path = _non_finite_path(value)
+        if path is not None:
+            raise _non_finite(path)
     return value
 
 
-def _reason(message: str, raw: bytes) -> str:
-    """pydantic-core's message (``<what> at line L column C``), bounded, with a hint for the common cases."""
-    message = message[:200]
-    if message.startswith("recursion limit exceeded"):
-        return f"nested more than {MAX_DEPTH} levels deep ({message})"
-    if message.startswith(("expected value", "invalid number")) and (b"NaN" in raw or b"Infinity" in raw):
-        return f"{message} (NaN and Infinity are not JSON numbers)"
-    return message
+def _non_finite(path: tuple[str | int, ...]) -> StrictJSONError:
+    where = "".join(f"[{p}]" if isinstance(p, int) else f".{p[:40]}" for p in path[:8]) or "the top"
+    return StrictJSONError(f"not strict JSON: a non-finite number at {where} (NaN, Infinity and literals beyond "
+                           "the float64 range are not JSON numbers)", path)
 
 
-def _check_numbers(value: Any) -> None:
-    """Refuse floats that overflowed to infinity (iteratively: no recursion)."""
-    stack = [value]
+def _lenient_non_finite_path(raw: bytes) -> tuple[str | int, ...] | None:
+    try:
+        return _non_finite_path(pydantic_core.from_json(raw, allow_inf_nan=True, cache_strings=False))
+    except ValueError:  # broken elsewhere too: the strict parser's message stands
+        return None
+
+
+def _non_finite_path(value: Any) -> tuple[str | int, ...] | None:
+    """Where the first non-finite float in ``value`` sits, or None (iteratively: no recursion)."""
+    stack: list[tuple[tuple[str | int, ...], Any]] = [((), value)]
     while stack:
-        item = stack.pop()
+        path, item = stack.pop()
         if isinstance(item, dict):
-            stack.extend(item.values())
+            stack.extend(((*path, k), v) for k, v in reversed(item.items()))
         elif isinstance(item, list):
-            stack.extend(item)
+            stack.extend(((*path, i), v) for i, v in reversed(list(enumerate(item))))
         elif isinstance(item, float) and not math.isfinite(item):
-            raise StrictJSONError("not strict JSON: a number literal overflows a 64-bit float")
+            return path
+    return None
