@@ -27,7 +27,7 @@ def test_every_strict_json_value_round_trips(value):
 @settings(max_examples=60, deadline=None)
 @given(JSON_VALUES, st.sampled_from(["NaN", "Infinity", "-Infinity"]))
 def test_nan_and_infinity_literals_are_refused_wherever_they_are(value, literal):
-    text = json.dumps([value, {"x": [literal]}]).replace(f'"{literal}"', literal)
+    text = json.dumps([value])[:-1] + ', {"x": [' + literal + "]}]"
     assert isinstance(json.loads(text), list)  # what Python's json accepts ...
     with pytest.raises(StrictJSONError, match=r"non-finite number at \[1\]\.x\[0\]") as info:
         loads(text)  # ... is refused, naming where
