@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("grpo.ref_server.limits")
 
+OPENAI_SHAPED = frozenset({"/v1/completions", "/tokenize", "/detokenize"})
 CLIENT_CLOSED = 499  # nginx's status for "the client closed the connection before the answer"
 _PARSE_INLINE_BYTES = 64 * 1024  # strict-JSON checks of bigger bodies run in the thread pool
 
@@ -129,7 +130,7 @@ class RequestGuard:
         try:
             await self._guarded(scope, reader, answer.send)
         except BodyRefused as exc:  # refused before the app ran, or raised through it
-            await _answer_refusal(exc, answer)
+            await _answer_refusal(exc, answer, scope["path"])
         except ClientDisconnect:
             reader.refused = "disconnected"
         except Exception:
@@ -184,10 +185,13 @@ class RequestGuard:
         return None
 
 
-async def _answer_refusal(exc: BodyRefused, answer: _Answer) -> None:
+async def _answer_refusal(exc: BodyRefused, answer: _Answer, path: str) -> None:
     if answer.status is not None or exc.status_code == CLIENT_CLOSED:
         return  # an answer has started (nothing more can be sent), or nobody is there to read one
-    response = JSONResponse({"detail": exc.detail}, exc.status_code, exc.headers)
+    body = {"detail": exc.detail}
+    if path in OPENAI_SHAPED:  # those endpoints' clients read OpenAI's error shape (ref_server/scoring/openai_shape.py)
+        body = {"error": {"message": exc.detail, "type": "invalid_request_error", "param": None, "code": None}}
+    response = JSONResponse(body, exc.status_code, exc.headers)
     await response({"type": "http"}, _no_body, answer.send)
 
 
