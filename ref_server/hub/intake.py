@@ -135,8 +135,7 @@ class Intake:
                                 "server's config)")
         try:  # the rule /v1/logprobs applies: a row longer than the model's context is never queued
             check_group(self.max_context, group)
-        except ContextTooLong as exc:
-            queue.counters.rejected += 1
+        except ContextTooLong as exc:  # counted in ``rejected`` by the caller (trust-numbers' put/put_many)
             raise GroupRejected(str(exc)) from None
         newest = max(queue.learner_version, self._published_version() or 0)
         if group.policy_version > newest:
