@@ -10,6 +10,8 @@ LARGE_BODIES: dict[tuple[str, str], str] = {
     ("POST", "/v1/logprobs"): "request_bytes", ("POST", "/v1/completions"): "request_bytes",
     ("POST", "/tokenize"): "request_bytes", ("POST", "/detokenize"): "request_bytes",
     ("PUT", "/v1/weights/{version}"): "weight_bytes",
+    # an offer carries the model's layout, [name, dtype, shape] per tensor: megabytes for a large MoE
+    ("POST", "/v1/weights/sync/offers"): "request_bytes",
 }
 
 

@@ -36,7 +36,7 @@ class RefServerConfig(StrictModel):
         "share a prompt; 'off': never.")
     max_request_bytes: int = Field(
         64 * 2**20, ge=1024, description="Largest body of the bulk endpoints (rollout uploads, /v1/logprobs, "
-        "/v1/completions, /tokenize, /detokenize); 413 above, refused as soon as it passes the limit.")
+        "/v1/completions, /tokenize, /detokenize, weight-sync offers); 413 above, refused as soon as it passes the limit.")
     max_json_body_bytes: int = Field(
         2**20, ge=1024, description="Largest body of every other endpoint (acknowledgements, renewals, version "
         "reports, the weight-sync rendezvous); 413 above, refused as soon as it passes the limit.")
