@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from ref_server.app import create_app
+from ref_server.body_limits import BodyLimits
 from ref_server.hub.rollout_hub import RolloutHub
 from ref_server.scoring.prm import PRMScorer
 from ref_server.scoring.scorer import ReferenceScorer
@@ -81,13 +82,16 @@ def build_state(config: GRPOConfig) -> ServerState:
                      vocab_size=vocab_size, spool_dir=cfg.spool_dir, lease_timeout_s=cfg.lease_timeout_s,
                      # 0 is greedy decoding, for evaluation only: no training group is sampled that way
                      temperature=temperature if temperature > 0 else None,
-                     published_version=lambda: weights.current)
+                     published_version=lambda: weights.current, max_context=max_context)
     return ServerState(
         scorer=scorer, hub=hub, weights=weights, model_name=cfg.model, vocab_size=vocab_size,
         max_context=max_context, max_request_bytes=cfg.max_request_bytes,
         max_request_tokens=cfg.max_request_tokens, max_long_poll_s=cfg.max_long_poll_s,
         token=cfg.token or os.environ.get("GRPO_TOKEN") or None, max_version_ahead=cfg.max_version_ahead,
-        tokenizer=tokenizer, prm=prm,
+        tokenizer=tokenizer, prm=prm, limits=BodyLimits(
+            json_bytes=cfg.max_json_body_bytes, request_bytes=cfg.max_request_bytes,
+            weight_bytes=cfg.max_weight_bytes, timeout_s=cfg.body_timeout_s,
+            min_bytes_per_s=cfg.min_body_bytes_per_s),
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ref_server.body_limits import BodyLimits
 from ref_server.hub.rollout_hub import RolloutHub
 from ref_server.scoring.prm import PRMScorer
 from ref_server.scoring.scorer import ReferenceScorer
@@ -31,3 +32,5 @@ class ServerState:
     sync: SyncRendezvous = field(default_factory=SyncRendezvous)
     # the process reward model stand-in behind vLLM's /pooling (ref_server.prm_model); None when not set
     prm: PRMScorer | None = None
+    # every request body's size limit and deadline (ref_server/limits.py)
+    limits: BodyLimits = field(default_factory=BodyLimits)

@@ -24,6 +24,7 @@ import torch
 
 from ref_server.hub.batching import GroupRows
 from ref_server.hub.queue import QueuedGroup, RolloutQueue
+from ref_server.scoring.context import ContextTooLong, check_group
 from ref_server.scoring.scorer import ReferenceScorer, Row
 from shared.protocol.errors import ProtocolError
 from shared.protocol.records import RolloutGroup
@@ -41,8 +42,9 @@ class GroupRejected(ValueError):
 
 class Intake:
     def __init__(self, queue: RolloutQueue, *, scorer: ReferenceScorer | None, vocab_size: int | None = None,
-                 published_version: Callable[[], int | None] = lambda: None) -> None:
+                 published_version: Callable[[], int | None] = lambda: None, max_context: int | None = None) -> None:
         self.queue = queue
+        self.max_context = max_context
         self.scorer = scorer
         self.vocab_size = vocab_size
         self._published_version = published_version
@@ -131,6 +133,10 @@ class Intake:
             raise GroupRejected(f"group sampled at temperature {group.sampling.temperature}, but this hub batches "
                                 f"groups sampled at {queue.temperature} (generator.sampling.temperature in the ref "
                                 "server's config)")
+        try:  # the rule /v1/logprobs applies: a row longer than the model's context is never queued
+            check_group(self.max_context, group)
+        except ContextTooLong as exc:  # counted in ``rejected`` by the caller (trust-numbers' put/put_many)
+            raise GroupRejected(str(exc)) from None
         newest = max(queue.learner_version, self._published_version() or 0)
         if group.policy_version > newest:
             queue.counters.rejected += 1

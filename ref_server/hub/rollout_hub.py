@@ -31,10 +31,12 @@ class RolloutHub:
         temperature: float | None = None,
         lease_timeout_s: float = 300.0,
         published_version: Callable[[], int | None] = lambda: None,
+        max_context: int | None = None,
     ) -> None:
         self.queue = RolloutQueue(capacity=capacity, max_staleness=max_staleness, temperature=temperature,
                                   spool_dir=spool_dir)
-        self.intake = Intake(self.queue, scorer=scorer, vocab_size=vocab_size, published_version=published_version)
+        self.intake = Intake(self.queue, scorer=scorer, vocab_size=vocab_size, published_version=published_version,
+                             max_context=max_context)
         self.leases = Leases(self.queue, lease_timeout_s=lease_timeout_s)
         if self.queue.spool is not None:
             self.intake.reload_spool()

@@ -38,7 +38,19 @@ class RefServerConfig(StrictModel):
         "prompt and the completions on its cached keys/values (exact; shared/forward/prefix_sharing.py). 'auto': when a "
         "micro-batch holds at least two rows per distinct prompt and packing is not 'packed'; 'on': whenever rows "
         "share a prompt; 'off': never.")
-    max_request_bytes: int = Field(64 * 2**20, ge=1024, description="Largest request body accepted (413 above).")
+    max_request_bytes: int = Field(
+        64 * 2**20, ge=1024, description="Largest body of the bulk endpoints (rollout uploads, /v1/logprobs, "
+        "/v1/completions, /tokenize, /detokenize, weight-sync offers); 413 above, refused as soon as it passes the limit.")
+    max_json_body_bytes: int = Field(
+        2**20, ge=1024, description="Largest body of every other endpoint (acknowledgements, renewals, version "
+        "reports, the weight-sync rendezvous); 413 above, refused as soon as it passes the limit.")
+    body_timeout_s: float = Field(
+        30.0, gt=0, allow_inf_nan=False, description="A request body must arrive within this many seconds plus one "
+        "second per min_body_bytes_per_s bytes received, else 408: a client trickling its body cannot hold a "
+        "connection.")
+    min_body_bytes_per_s: float = Field(
+        256 * 1024, gt=0, allow_inf_nan=False, description="The slowest upload rate a big body may keep up beyond "
+        "body_timeout_s (see there), in bytes per second.")
     max_request_tokens: int = Field(262144, ge=1, description="Most tokens one logprob request may hold (413 above).")
     queue_capacity: int = Field(256, ge=1, description="Rollout groups the hub holds; uploads get 429 when full.")
     max_staleness: int = Field(
