@@ -16,7 +16,6 @@ the scorer is ``per_token``). Errors use vLLM's / OpenAI's ``{"error": {"message
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 
@@ -28,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, Validat
 from ref_server.http import read_body
 from ref_server.scoring.openai_shape import OpenAIError, json_response, openapi_body
 from ref_server.scoring.prm import PRMInputError, PRMScorer
+from shared.protocol import strict_json
 
 router = APIRouter(tags=["prm"])
 TASKS = (None, "token_classify", "encode")  # "encode": the name older vLLM gave this pooling task
@@ -80,9 +80,9 @@ async def parse(request: Request, scorer: PRMScorer, models: tuple[type[BaseMode
     except HTTPException as exc:
         raise OpenAIError.from_http(exc) from None
     try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise OpenAIError(400, "body: not valid JSON") from None
+        body = await run_in_threadpool(strict_json.loads, raw)  # no NaN/Infinity, bounded depth, off the loop
+    except strict_json.StrictJSONError as exc:
+        raise OpenAIError(400, f"body: {exc}") from None
     if not isinstance(body, dict):
         raise OpenAIError(400, "body: must be a JSON object")
     model = models[0] if len(models) == 1 or "messages" not in body else models[1]
@@ -122,7 +122,7 @@ async def pooling(request: Request) -> Response:
         body = await parse(request, scorer, (PoolingTextRequest, PoolingChatRequest))
         if body.task not in TASKS:
             raise OpenAIError(400, f"task: {body.task!r} is not supported; use 'token_classify'", param="task")
-        ids = request_ids(scorer, body)
+        ids = await run_in_threadpool(request_ids, scorer, body)  # tokenising a big input must not stall /healthz
         rows = await run_in_threadpool(scorer.pool, ids, body.use_activation is not False)
     except PRMInputError as exc:
         return OpenAIError(exc.status, str(exc)).response()

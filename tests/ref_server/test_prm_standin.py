@@ -107,7 +107,11 @@ def test_ref_server_hosts_the_pooling_endpoint(prm_dir, scorer, tmp_path):
         bad_task = server.post("/pooling", json={"input": text, "task": "embed"})
         assert bad_task.status_code == 400 and "task" in bad_task.json()["error"]["message"]
         not_json = server.post("/pooling", data=b"{", headers={"content-type": "application/json"})
-        assert not_json.status_code == 400 and "not valid JSON" in not_json.json()["error"]["message"]
+        assert not_json.status_code == 400 and "not strict JSON" in not_json.json()["error"]["message"]
+        for hostile, reason in [(b'{"input": NaN}', "non-finite number at .input"),
+                                (b"[" * 5000, "nested more than 200 levels")]:
+            refused = server.post("/pooling", data=hostile, headers={"content-type": "application/json"})
+            assert refused.status_code == 400 and reason in refused.json()["error"]["message"]
         bad_ids = server.post("/pooling", json={"input": [[1, 10**6]]})
         assert bad_ids.status_code == 400 and "token ids must be in" in bad_ids.json()["error"]["message"]
         no_input = server.post("/pooling", json={"model": "x"})
