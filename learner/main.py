@@ -121,7 +121,7 @@ class Learner:
         hub_stats = self.client.hub_stats()
         self.ledger = DeliveryLedger(self.client, ack_on_checkpoint=cfg.checkpoint_every is not None,
                                      lease_timeout_s=hub_stats["lease_timeout_s"], consumed=consumed,
-                                     calls=self.hub_calls.submit)
+                                     calls=self.hub_calls.submit).start()  # its timer renews held leases
         self.hub_version = self._check_hub(resume, dtype)
         # weight sync: a send buffer on rank 0 and background transfers (its threads get their own clients)
         self.publisher = WeightPublisher(
@@ -183,6 +183,7 @@ class Learner:
             self.finish()
             self.hub_calls.flush()  # every acknowledgement reached the hub before the learner reports success
         finally:
+            self.ledger.close()
             self.hub_calls.close()
             self.publisher.close()
             self.prefetcher.close()
