@@ -10,6 +10,7 @@ the buffer itself. A tensor larger than a bucket spans several buckets; the rece
 from __future__ import annotations
 
 import json
+import math
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -66,9 +67,13 @@ class Layout:
         specs, offset = [], 0
         for name, code, shape in rows:
             if code not in WEIGHT_DTYPES:
-                raise ValueError(f"tensor {name!r}: unknown dtype {code!r}")
-            size = torch.Size(shape).numel() * DTYPES[code].itemsize
-            specs.append(TensorSpec(str(name), code, tuple(int(d) for d in shape), offset, offset + size))
+                raise ValueError(f"tensor {_short(name)}: unknown dtype {_short(code)}")
+            dims = tuple(int(d) for d in shape)
+            if any(d < 0 for d in dims):
+                raise ValueError(f"tensor {_short(name)}: negative dimension")
+            # math.prod on Python ints: a registered layout comes from the network, and torch.Size overflows
+            size = math.prod(dims) * DTYPES[code].itemsize
+            specs.append(TensorSpec(str(name), code, dims, offset, offset + size))
             offset += size
         return cls(tuple(specs))
 
