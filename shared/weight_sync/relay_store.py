@@ -8,7 +8,7 @@ tensors tile the rest of the file exactly, and, once a learner registered its mo
 (:meth:`WeightStore.register_learner`), only when its tensor names, dtypes and shapes are that layout's: weights
 that would not load into the model never reach a generator.
 
-The store also keeps the learner's registration (``learner.json`` beside the versions, so a hub restart keeps it):
+The store also keeps the learner's registration (``learner.json`` and ``layout.json`` beside the versions, so a hub restart keeps it):
 the session id that version reports and uploads must carry, the layout, and the learner's last version.
 """
 
@@ -47,7 +47,8 @@ class NotTheLearner(WeightsConflict):
     """A version report or upload that does not name the registered learner session (HTTP 409)."""
 
 
-LEARNER_FILE = "learner.json"
+LEARNER_FILE = "learner.json"   # the registered learner's session and last version
+LAYOUT_FILE = "layout.json"     # its model's layout
 
 
 def _flush_to_disk(fh) -> None:
@@ -94,7 +95,7 @@ class WeightStore:
                                     problem)
                         (self.directory / f"v{stored:010d}.safetensors").unlink(missing_ok=True)
                         self.versions.remove(stored)
-            self._save_learner()
+            self._save_learner(with_layout=True)
             return self.session
 
     def check_session(self, session: str | None) -> None:
@@ -111,12 +112,16 @@ class WeightStore:
                 self.learner_version = version
                 self._save_learner()
 
-    def _save_learner(self) -> None:
-        record = {"session": self.session, "version": self.learner_version,
-                  "layout": self.layout.to_json() if self.layout is not None else None}
-        tmp = self.directory / (LEARNER_FILE + ".tmp")
+    def _save_learner(self, with_layout: bool = False) -> None:
+        """learner.json (small: rewritten at each version report) and, at a registration, layout.json."""
+        if with_layout:
+            self._write(LAYOUT_FILE, self.layout.to_json() if self.layout is not None else None)
+        self._write(LEARNER_FILE, {"session": self.session, "version": self.learner_version})
+
+    def _write(self, name: str, record: object) -> None:
+        tmp = self.directory / (name + ".tmp")
         tmp.write_text(json.dumps(record))
-        os.replace(tmp, self.directory / LEARNER_FILE)
+        os.replace(tmp, self.directory / name)
 
     def _load_learner(self) -> None:
         path = self.directory / LEARNER_FILE
@@ -124,8 +129,10 @@ class WeightStore:
             return
         try:
             record = json.loads(path.read_text())
-            layout = Layout.from_json(record["layout"]) if record.get("layout") is not None else None
             session, version = record["session"], record["version"]
+            layout_path = self.directory / LAYOUT_FILE
+            rows = json.loads(layout_path.read_text()) if layout_path.exists() else None
+            layout = Layout.from_json(rows) if rows is not None else None
         except (ValueError, KeyError, TypeError) as exc:
             log.warning("%s is unreadable (%s): no learner registered until one registers", path, exc)
             return
