@@ -42,7 +42,7 @@ from learner.step import (
 from shared.config.schema import GRPOConfig
 from shared.devices import resolve_device
 from shared.errors import ServiceError, UsageError
-from shared.protocol.client import service_client, stop_on_signals
+from shared.protocol.client import HubClient, LearnerSession, service_client, stop_on_signals
 from shared.protocol.records import TrainBatch
 from shared.weight_sync.export import export_hf_folder
 from shared.weight_sync.publisher import WeightPublisher
@@ -94,7 +94,9 @@ class Learner:
         if cfg.model is None:
             raise UsageError("learner.model is not set (pass --model or set it in the config)")
         self.stop = stop or threading.Event()
-        self.client = service_client(cfg.hub_url, config.ref_server.token, cfg.retry_max_s)
+        # the hub takes version reports and weights only from this learner's session (registered below)
+        self.session = LearnerSession()
+        self.client = self._client()
         stop_on_signals(self.stop, self.client, "finishing this step, checkpointing, exiting")
         ensure_single_process_env()
         self.device = resolve_device(cfg.device, local_rank=int(os.environ.get("LOCAL_RANK", "0")))
@@ -117,17 +119,20 @@ class Learner:
                                      wandb_project=cfg.wandb_project, enabled=self.rank == 0,
                                      total_steps=cfg.max_steps, run_config=config.model_dump(mode="json"))
         # acknowledgements and lease renewals leave from a background thread (its own client)
-        self.hub_calls = HubCalls(service_client(cfg.hub_url, config.ref_server.token, cfg.retry_max_s))
+        self.hub_calls = HubCalls(self._client())
         hub_stats = self.client.hub_stats()
         self.ledger = DeliveryLedger(self.client, ack_on_checkpoint=cfg.checkpoint_every is not None,
                                      lease_timeout_s=hub_stats["lease_timeout_s"], consumed=consumed,
-                                     calls=self.hub_calls.submit)
+                                     calls=self.hub_calls.submit).start()  # its timer renews held leases
         self.hub_version = self._check_hub(resume, dtype)
         # weight sync: a send buffer on rank 0 and background transfers (its threads get their own clients)
         self.publisher = WeightPublisher(
-            self.engine.module, lambda: service_client(cfg.hub_url, config.ref_server.token, cfg.retry_max_s),
-            config.weight_sync, rank=self.rank, world=self.world, device=self.device,
-            relay_version=self.hub_version or None)
+            self.engine.module, self._client, config.weight_sync, rank=self.rank, world=self.world,
+            device=self.device, relay_version=self.hub_version or None)
+        if self.rank == 0:
+            # the learner's session: its version and its model's layout (the relay refuses weights that differ)
+            self.client.register_learner(max(self.version, self.hub_version), cfg.groups_per_step * self.world,
+                                         self.publisher.layout.to_json())
         # the next batch is leased and decoded while this one trains (its own client: sessions are per thread)
         self.prefetcher = BatchPrefetcher(service_client(cfg.hub_url, config.ref_server.token, cfg.retry_max_s),
                                           cfg.groups_per_step, cfg.batch_wait_s, self.stop, self.ledger,
@@ -142,9 +147,16 @@ class Learner:
         self._said_prefix = False
         self.staging = os.path.join(cfg.checkpoint_dir, "..", "publish")
 
+    def _client(self) -> HubClient:
+        """A client of this learner's (one per thread: a requests session is not meant to be shared)."""
+        client = service_client(self.cfg.hub_url, self.config.ref_server.token, self.cfg.retry_max_s)
+        client.learner = self.session
+        return client
+
     def _check_hub(self, resume: bool, dtype: torch.dtype) -> int:
         """Refuse a hub this run cannot train against (no reference model when one is needed, an earlier run's weights);
-        report the starting version. Returns the hub's newest weights version."""
+        find the version to start from (registered with the hub once the publisher knows the layout). Returns the hub's
+        newest weights version."""
         algorithm = self.config.algorithm
         if algorithm.needs_reference and not self.client.health()["reference_model_loaded"]:
             wants = (f"algorithm.loss.beta is {algorithm.loss.beta}" if algorithm.loss.beta > 0
@@ -161,8 +173,6 @@ class Learner:
                 "train against them. Start the ref server with empty ref_server.weights_dir and spool_dir, or pass "
                 "--resume")
         if self.rank == 0:
-            # the global batch in groups: the hub paces the generators by it (ref_server/hub/pacing.py)
-            self.client.report_version(max(self.version, hub_version), self.cfg.groups_per_step * self.world)
             log.info("learner: %d rank(s) on %s, ZeRO-%d, %s, step %d, version %d", self.world, self.device.type,
                      self.cfg.zero_stage, dtype, self.step, self.version)
         return hub_version
@@ -183,6 +193,7 @@ class Learner:
             self.finish()
             self.hub_calls.flush()  # every acknowledgement reached the hub before the learner reports success
         finally:
+            self.ledger.close()
             self.hub_calls.close()
             self.publisher.close()
             self.prefetcher.close()

@@ -83,6 +83,8 @@ def build_state(config: GRPOConfig) -> ServerState:
                      # 0 is greedy decoding, for evaluation only: no training group is sampled that way
                      temperature=temperature if temperature > 0 else None,
                      published_version=lambda: weights.current, max_context=max_context)
+    if weights.learner_version is not None:  # the registered learner's last version survives a hub restart
+        hub.report_version(weights.learner_version)
     return ServerState(
         scorer=scorer, hub=hub, weights=weights, model_name=cfg.model, vocab_size=vocab_size,
         max_context=max_context, max_request_bytes=cfg.max_request_bytes,

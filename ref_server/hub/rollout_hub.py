@@ -77,8 +77,14 @@ class RolloutHub:
                              groups_per_step=queue.groups_per_step, max_staleness=queue.max_staleness)
 
     # -- learner ------------------------------------------------------------------------------------------
-    def report_version(self, version: int, groups_per_step: int | None = None) -> int:
-        return self.queue.report_version(version, groups_per_step)
+    def report_version(self, version: int, groups_per_step: int | None = None, reset: bool = False) -> int:
+        """The learner's version (never lower than the last, :class:`ValueError`), or with ``reset`` (a learner
+        registering: ref_server/relay/routes.py) any version, also a lower one. Returns the groups made stale."""
+        queue = self.queue
+        if reset:
+            with queue.cond:
+                queue.learner_version = min(queue.learner_version, version)  # report_version takes it from there
+        return queue.report_version(version, groups_per_step)
 
     def take(self, num_groups: int, timeout: float = 0.0, min_version: int | None = None) -> TrainBatch | None:
         return self.leases.take(num_groups, timeout, min_version)

@@ -11,6 +11,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ref_server.http import OCTET, State, binary_body, read_body
 from ref_server.hub.intake import HubFull
+from ref_server.relay.routes import check_learner
 from shared.protocol.records import MAX_VERSION
 from shared.protocol.wire import WireError, decode_messages
 
@@ -125,12 +126,15 @@ async def renew_leases(body: RenewedBatches, state: State) -> dict:
 
 
 @router.post("/v1/learner/version")
-async def learner_version(report: VersionReport, state: State) -> dict:
-    """The learner's current policy version; groups it makes stale are dropped (and counted)."""
+async def learner_version(report: VersionReport, request: Request, state: State) -> dict:
+    """The learner's current policy version; groups it makes stale are dropped (and counted). 409 when it is older
+    than the last, more than ``ref_server.max_version_ahead`` ahead, or not from the registered learner session."""
+    check_learner(request, state, report.version, "version report")
     try:
         dropped = await run_in_threadpool(state.hub.report_version, report.version, report.groups_per_step)
     except ValueError as exc:
         raise HTTPException(409, str(exc)) from None
+    await run_in_threadpool(state.weights.note_version, report.version)  # kept across hub restarts
     return {"version": report.version, "dropped_stale": dropped, "queue_depth": state.hub.depth()}
 
 

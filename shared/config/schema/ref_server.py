@@ -60,8 +60,9 @@ class RefServerConfig(StrictModel):
         "none. Null keeps them in memory only.")
     weights_dir: str = Field("runs/ref_server/weights", description="Where published weight versions are stored.")
     max_version_ahead: int = Field(
-        1000, ge=1, description="Refuse a weights upload whose version is more than this ahead of the learner's "
-        "reported version (a runaway version would make every queued group look stale).")
+        1000, ge=1, description="Refuse a weights upload, a learner version report or a learner registration whose "
+        "version is more than this ahead of the newest the hub knows (the learner's reported version, the relay's "
+        "newest weights): a runaway version would make every queued group look stale.")
     keep_weight_versions: int = Field(2, ge=1, description="How many newest weight versions to keep on disk.")
     max_weight_bytes: int = Field(
         256 * 2**30, ge=1024, description="Largest weights upload accepted (one safetensors file per version).")
