@@ -12,6 +12,8 @@ LARGE_BODIES: dict[tuple[str, str], str] = {
     ("PUT", "/v1/weights/{version}"): "weight_bytes",
     # an offer carries the model's layout, [name, dtype, shape] per tensor: megabytes for a large MoE
     ("POST", "/v1/weights/sync/offers"): "request_bytes",
+    # a learner registers its layout with its session: the same tensor list
+    ("POST", "/v1/learner/session"): "request_bytes",
 }
 
 
