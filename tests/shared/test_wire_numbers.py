@@ -16,8 +16,7 @@ from hypothesis import strategies as st
 from shared.protocol.errors import ProtocolError
 from shared.protocol.numbers import MAX_LOGPROB, MIN_LOGPROB
 from shared.protocol.records import RolloutGroup, SamplingParams
-from shared.protocol.wire import encode
-from tests.ref_server.helpers import make_group
+from tests.ref_server.helpers import group_bytes, make_group
 
 OVERFLOW = 2.0**128 - 2.0**103   # float64 values of this magnitude or more become inf in float32
 FLOAT32_MAX = 3.4028234663852886e38
@@ -30,21 +29,6 @@ DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF1
 
 def finite_in_float32(x: float) -> bool:
     return math.isfinite(x) and abs(x) < OVERFLOW
-
-
-def group_bytes(field: str, x: float, dtype: torch.dtype, position: int = 1) -> tuple[bytes, float]:
-    """A valid group's bytes with entry ``position`` of ``field`` set to ``x`` in ``dtype``; also the value as it
-    travels (``x`` rounded to ``dtype``)."""
-    group = make_group()
-    tensors = {"prompt_ids": group.prompt_ids, "completion_ids": group.completion_ids,
-               "completion_lengths": group.completion_lengths, "behaviour_logprobs": group.behaviour_logprobs,
-               "rewards": group.rewards, "reward/correct": group.reward_components["correct"]}
-    target = tensors[field].to(dtype).clone()
-    target.view(-1)[position] = torch.tensor(x, dtype=torch.float64).to(dtype)  # the cast a sender would do
-    tensors[field] = target
-    fields = dict(finish_reasons=group.finish_reasons, policy_version=0, generator_id="gen", task={},
-                  sampling={"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_tokens": 4}, group_id="g1")
-    return encode("rollout_group/v1", tensors, fields), float(target.view(-1)[position].double())
 
 
 @settings(max_examples=300, deadline=None)
