@@ -36,6 +36,7 @@ class QueuedGroup:
     spool_path: Path | None
     rows: GroupRows | None = None     # the group laid out as batch rows, set when it becomes ready
     ready: bool = False
+    failures: int = 0                 # its leases that expired untrained and unacknowledged (ref_server.hub.leases)
 
 
 @dataclass
@@ -52,6 +53,7 @@ class HubCounters:
     rejected_full: int = 0
     spool_reloaded: int = 0
     spool_corrupt: int = 0
+    quarantined: int = 0          # failed delivery too often (ref_server.max_deliveries): moved aside, never redelivered
 
 
 class RolloutQueue:
@@ -105,8 +107,16 @@ class RolloutQueue:
         self.groups = OrderedDict(sorted(self.groups.items()))
         self.drop_stale_locked()
 
-    def oldest_ready_locked(self, num_groups: int) -> list[QueuedGroup] | None:
-        """The oldest ready groups of one temperature (the oldest group's), or None if there are too few."""
+    def oldest_ready_locked(self, num_groups: int, alone_after: int | None = None) -> list[QueuedGroup] | None:
+        """The oldest ready groups of one temperature (the oldest group's), or None if there are too few.
+
+        ``alone_after``: a ready group whose deliveries failed this many times or more is a suspect: the oldest one
+        is returned alone (a batch of one), ahead of everything, so that the group that keeps crashing its consumer
+        is told apart from the good groups it was batched with."""
+        if alone_after is not None:
+            suspect = next((e for e in self.groups.values() if e.ready and e.failures >= alone_after), None)
+            if suspect is not None:
+                return [suspect]
         chosen: list[QueuedGroup] = []
         for entry in self.groups.values():
             if entry.ready and (not chosen or entry.group.sampling.temperature ==
@@ -122,6 +132,13 @@ class RolloutQueue:
             entry.rows = rows
             entry.ready = True
             self.cond.notify_all()
+
+    def quarantine_locked(self, entry: QueuedGroup, reason: str) -> None:
+        """Take a group out of delivery for good (it is not queued): its spool file moves to the spool's
+        ``quarantine/`` folder with the reason beside it (kept across restarts, never reloaded); counted."""
+        self.counters.quarantined += 1
+        where = self.spool.quarantine(entry.spool_path, reason) if entry.spool_path is not None else None
+        log.error("group %s quarantined (%s)%s", entry.group.group_id, reason, f": moved to {where}" if where else "")
 
     def unspool(self, entry: QueuedGroup) -> None:
         """Delete the group's spool file (it was consumed or dropped)."""

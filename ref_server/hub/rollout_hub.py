@@ -30,12 +30,13 @@ class RolloutHub:
         spool_dir: str | Path | None = None,
         temperature: float | None = None,
         lease_timeout_s: float = 300.0,
+        max_deliveries: int = 3,
         published_version: Callable[[], int | None] = lambda: None,
     ) -> None:
         self.queue = RolloutQueue(capacity=capacity, max_staleness=max_staleness, temperature=temperature,
                                   spool_dir=spool_dir)
         self.intake = Intake(self.queue, scorer=scorer, vocab_size=vocab_size, published_version=published_version)
-        self.leases = Leases(self.queue, lease_timeout_s=lease_timeout_s)
+        self.leases = Leases(self.queue, lease_timeout_s=lease_timeout_s, max_deliveries=max_deliveries)
         if self.queue.spool is not None:
             self.intake.reload_spool()
 

@@ -5,6 +5,8 @@
   renames the file to ``{seq:012d}-{group_id}.group``, its queue position (under the lock, a cheap rename).
 * Only complete renames count: a half-written file keeps its ``.tmp`` name and is deleted on reload.
 * :meth:`RolloutSpool.remove` deletes a group's file once the learner acknowledged it (or the hub dropped it).
+* :meth:`RolloutSpool.quarantine` moves the file of a group that kept failing delivery to ``quarantine/``, with a
+  ``.reason`` file beside it; reloads never pick it up again (only the spool's top folder is read).
 * :meth:`RolloutSpool.reload` (at start-up) returns the spooled groups in sequence order, so that a restart, clean
   or not, queues again every group that was accepted and not yet trained on, in the order it had; a file that
   cannot be read or that the hub refuses is moved to ``corrupt/`` and counted, never silently deleted.
@@ -67,6 +69,15 @@ class RolloutSpool:
 
     def remove(self, path: Path) -> None:
         path.unlink(missing_ok=True)
+
+    def quarantine(self, path: Path, reason: str) -> Path:
+        """Move a group's file to ``quarantine/`` (and write ``reason`` beside it, as ``<name>.reason``)."""
+        folder = self.directory / "quarantine"
+        folder.mkdir(exist_ok=True)
+        (folder / f"{path.name}.reason").write_text(reason + "\n")
+        target = folder / path.name
+        os.replace(path, target)
+        return target
 
     def reload(self, check: Callable[[RolloutGroup], None]) -> SpoolContents:
         """The spooled groups in sequence order (temporary files of unfinished writes are deleted).
