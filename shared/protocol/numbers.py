@@ -12,6 +12,7 @@ number, never the whole input), fit for a 4xx answer.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -71,3 +72,21 @@ def check_token_ids(name: str, ids: torch.Tensor, vocab_size: int | None) -> Non
     if low_bad or high_bad:
         bound = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
         raise ProtocolError(f"{name}: token ids must be in {bound}, got {int(ids.min() if low_bad else ids.max())}")
+
+
+def batch_problem(batch: Any, vocab_size: int | None) -> str | None:
+    """What in a decoded :class:`shared.protocol.records.TrainBatch` the learner cannot train on (token ids outside
+    its vocabulary, floats not finite in float32 where they count), or None. The hub checks every group at upload;
+    this is the consumer's own check, for what the hub could not know (its vocabulary) or a hub of another version."""
+    try:
+        check_token_ids("input_ids", batch.input_ids, vocab_size)
+        valid = torch.arange(batch.behaviour_logprobs.shape[1]) < batch.completion_lengths.unsqueeze(1)
+        as_float32("rewards", batch.rewards)
+        as_float32("behaviour_logprobs", batch.behaviour_logprobs, mask=valid)
+        if batch.ref_logprobs is not None:
+            as_float32("ref_logprobs", batch.ref_logprobs, mask=valid)
+        if batch.step_rewards is not None:
+            as_float32("step_rewards", batch.step_rewards)
+    except ProtocolError as exc:
+        return str(exc)
+    return None
