@@ -67,7 +67,7 @@ class Leases:
                 self.expire_locked()
                 if min_version is not None:
                     queue.drop_stale_locked(min_version)
-                chosen = queue.oldest_ready_locked(num_groups, self._alone_after)
+                chosen = queue.oldest_ready_locked(num_groups)
                 if chosen is not None:
                     break
                 remaining = deadline - time.monotonic()
@@ -181,6 +181,8 @@ class Leases:
             entry.failures += 1
             if entry.failures < self.max_deliveries:
                 back.append(entry)
+                if self._alone_after is not None and entry.failures >= self._alone_after:
+                    self.queue.suspects.add(entry.seq)   # leased alone from now on
                 continue
             alone = " (leased alone)" if len(lease.groups) == 1 else ""
             self.queue.quarantine_locked(entry, f"{entry.failures} leases expired untrained and unacknowledged{alone}, "

@@ -71,6 +71,8 @@ class RolloutQueue:
         self.groups_per_step: int | None = None   # the learner's global batch in groups, from its version reports
         self.groups: OrderedDict[int, QueuedGroup] = OrderedDict()
         self.reserved = 0            # uploads admitted and still writing their spool file (count against capacity)
+        # seqs of groups to be leased alone (their deliveries failed repeatedly); gone ones are dropped lazily
+        self.suspects: set[int] = set()
         # (policy_version, seq) of queued groups, oldest version on top: staleness drops pop from here
         self._by_version: list[tuple[int, int]] = []
         self.cond = threading.Condition()
@@ -107,16 +109,18 @@ class RolloutQueue:
         self.groups = OrderedDict(sorted(self.groups.items()))
         self.drop_stale_locked()
 
-    def oldest_ready_locked(self, num_groups: int, alone_after: int | None = None) -> list[QueuedGroup] | None:
+    def oldest_ready_locked(self, num_groups: int) -> list[QueuedGroup] | None:
         """The oldest ready groups of one temperature (the oldest group's), or None if there are too few.
 
-        ``alone_after``: a ready group whose deliveries failed this many times or more is a suspect: the oldest one
-        is returned alone (a batch of one), ahead of everything, so that the group that keeps crashing its consumer
-        is told apart from the good groups it was batched with."""
-        if alone_after is not None:
-            suspect = next((e for e in self.groups.values() if e.ready and e.failures >= alone_after), None)
-            if suspect is not None:
-                return [suspect]
+        A queued ``suspects`` group (its deliveries failed repeatedly) that is ready comes first and alone (a batch
+        of one), so that the group that keeps crashing its consumer is told apart from the good groups it was
+        batched with."""
+        for seq in sorted(self.suspects):
+            entry = self.groups.get(seq)
+            if entry is None:   # leased (a new failure adds it again), consumed or dropped
+                self.suspects.discard(seq)
+            elif entry.ready:
+                return [entry]
         chosen: list[QueuedGroup] = []
         for entry in self.groups.values():
             if entry.ready and (not chosen or entry.group.sampling.temperature ==
