@@ -80,11 +80,12 @@ def batch_problem(batch: Any, vocab_size: int | None) -> str | None:
     this is the consumer's own check, for what the hub could not know (its vocabulary) or a hub of another version."""
     try:
         check_token_ids("input_ids", batch.input_ids, vocab_size)
-        valid = torch.arange(batch.behaviour_logprobs.shape[1]) < batch.completion_lengths.unsqueeze(1)
         as_float32("rewards", batch.rewards)
-        as_float32("behaviour_logprobs", batch.behaviour_logprobs, mask=valid)
-        if batch.ref_logprobs is not None:
-            as_float32("ref_logprobs", batch.ref_logprobs, mask=valid)
+        for name in ("behaviour_logprobs", "ref_logprobs"):
+            values = getattr(batch, name)
+            if values is not None:   # [B, L]: only the completion tokens count, padding means nothing
+                valid = torch.arange(values.shape[-1]) < batch.completion_lengths.reshape(-1, 1)
+                as_float32(name, values, mask=valid if valid.shape == values.shape else None)
         if batch.step_rewards is not None:
             as_float32("step_rewards", batch.step_rewards)
     except ProtocolError as exc:

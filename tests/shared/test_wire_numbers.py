@@ -14,8 +14,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from shared.protocol.errors import ProtocolError
-from shared.protocol.numbers import MAX_LOGPROB, MIN_LOGPROB
-from shared.protocol.records import RolloutGroup, SamplingParams
+from shared.protocol.numbers import MAX_LOGPROB, MIN_LOGPROB, batch_problem
+from shared.protocol.records import RolloutGroup, SamplingParams, TrainBatch
 from tests.ref_server.helpers import group_bytes, make_group
 
 OVERFLOW = 2.0**128 - 2.0**103   # float64 values of this magnitude or more become inf in float32
@@ -93,3 +93,18 @@ def test_temperatures_from_json_metadata_are_checked_in_float32(t):
     else:
         with pytest.raises(ProtocolError, match="temperature must be a finite float32"):
             SamplingParams(temperature=t).validate()
+
+
+def test_the_learners_own_check_of_a_batch_names_what_it_cannot_train():
+    groups = [make_group(seed=0), make_group(seed=1, lengths=(2, 2, 2, 2))]
+    ref = [-torch.rand(g.completion_ids.shape) for g in groups]
+    batch = TrainBatch.from_groups(groups, ref, batch_id="b")
+    top = int(batch.input_ids.max())
+    assert batch_problem(batch, vocab_size=top + 1) is None and batch_problem(batch, vocab_size=None) is None
+    assert batch_problem(batch, vocab_size=top) == f"input_ids: token ids must be in [0, {top}), got {top}"
+    batch.behaviour_logprobs[5, 3] = math.inf          # row 5 has 2 completion tokens: padding, ignored
+    assert batch_problem(batch, vocab_size=40) is None
+    batch.ref_logprobs[5, 1] = -math.inf
+    assert batch_problem(batch, 40) == "ref_logprobs[5, 1] = -inf is not a finite float32 (the dtype the learner uses)"
+    batch.rewards[2] = math.nan
+    assert batch_problem(batch, 40).startswith("rewards[2] = nan")
