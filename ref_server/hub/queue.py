@@ -141,7 +141,12 @@ class RolloutQueue:
         """Take a group out of delivery for good (it is not queued): its spool file moves to the spool's
         ``quarantine/`` folder with the reason beside it (kept across restarts, never reloaded); counted."""
         self.counters.quarantined += 1
-        where = self.spool.quarantine(entry.spool_path, reason) if entry.spool_path is not None else None
+        where = None
+        if entry.spool_path is not None:
+            try:
+                where = self.spool.quarantine(entry.spool_path, reason)
+            except OSError as exc:  # a spool file gone or a full disk must not fail the lease request that expired it
+                log.error("could not move %s to the spool's quarantine folder (%s)", entry.spool_path, exc)
         log.error("group %s quarantined (%s)%s", entry.group.group_id, reason, f": moved to {where}" if where else "")
 
     def unspool(self, entry: QueuedGroup) -> None:

@@ -117,3 +117,14 @@ def test_over_http_a_poison_group_is_quarantined_counted_and_the_rest_trains(ser
     assert re.search(r'grpo_hub_groups\{event="quarantined"\} 1\.0', metrics)
     assert [p.name.split("-", 1)[1] for p in (tmp_path / "spool" / "quarantine").glob("*.group")] == \
         [f"{ids[4]}.group"]
+
+
+@pytest.mark.parametrize("spool", ["none", "file gone"])
+def test_quarantine_without_a_spool_file_still_counts_and_never_fails_the_lease_request(tmp_path, spool):
+    h = hub(None if spool == "none" else tmp_path, max_deliveries=1)
+    h.put(make_group(seed=0).to_bytes())
+    assert h.take(1) is not None
+    for path in tmp_path.glob("*.group"):
+        path.unlink()                       # removed behind the hub's back
+    time.sleep(LEASE_S * 1.5)
+    assert h.take(1) is None and h.counters.quarantined == 1 and h.depth() == 0
