@@ -105,5 +105,6 @@ def serve(config: GRPOConfig) -> None:
     try:
         uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, timeout_graceful_shutdown=5)
     finally:
+        state.hub.close()  # leases still held untrained count as failed deliveries (poison pills across restarts)
         if state.scorer is not None:
             state.scorer.close()

@@ -187,8 +187,9 @@ class Intake:
         self.queue.mark_ready(entry, rows)
 
     # -- restart ------------------------------------------------------------------------------------------
-    def reload_spool(self) -> None:
-        """Queue the spooled groups again in their order, each under the sequence number it was spooled with."""
+    def reload_spool(self, triage: Callable[[QueuedGroup], bool] = lambda entry: True) -> None:
+        """Queue the spooled groups again in their order, each under the sequence number it was spooled with and
+        with the failed deliveries recorded for it; ``triage(entry)`` False: not queued (quarantined)."""
         queue = self.queue
         assert queue.spool is not None
         found = queue.spool.reload(self._check_reloaded)
@@ -196,10 +197,11 @@ class Intake:
         pending: list[QueuedGroup] = []
         for spooled in found.groups:
             self._next_seq = max(self._next_seq, spooled.seq + 1)
-            entry = QueuedGroup(spooled.seq, spooled.group, spooled.path)
-            queue.add_locked(entry)
+            entry = QueuedGroup(spooled.seq, spooled.group, spooled.path, failures=spooled.failures)
             self._remember(spooled.group.group_id)
-            pending.append(entry)
+            if triage(entry):
+                queue.add_locked(entry)
+                pending.append(entry)
         queue.counters.spool_reloaded = len(pending)
         if pending:
             log.info("reloaded %d spooled groups from %s", len(pending), queue.spool.directory)

@@ -10,8 +10,11 @@ Poison pills: a lease that expires while the learner has not marked it trained c
 of its groups (a learner that crashes on a group never acknowledges it; a handed-back lease does not count). A group
 with ``max_deliveries - 1`` failures is leased alone, so the good groups of its batches train and only the culprit
 fails again; at ``max_deliveries`` failures it is quarantined (:meth:`RolloutQueue.quarantine_locked`), never
-redelivered, counted (``quarantined``). Like a dead-letter queue with a redrive count; the counts live in memory
-(a hub restart starts them again at 0, the quarantine folder stays).
+redelivered, counted (``quarantined``). Like a dead-letter queue with a redrive count. The counts are kept beside
+the spool files, and a hub that shuts down cleanly counts the leases still held untrained as failed (a learner that
+crashes stops ``grpo run``, hub included): restarts go on counting, so a group that crashes the learner on every
+restart is quarantined too (:meth:`Leases.triage` at reload). A hub killed outright counts nothing for the leases it
+held (the learner is not to blame).
 
 A take looks only at the groups it takes (and at any not-yet-scored ones ahead of them): their batch rows were laid
 out when they became ready (:mod:`ref_server.hub.batching`).
@@ -179,15 +182,34 @@ class Leases:
         back = []
         for entry in lease.groups:
             entry.failures += 1
-            if entry.failures < self.max_deliveries:
+            if self.triage(entry, alone=len(lease.groups) == 1):
+                self.queue.record_failures_locked(entry)
                 back.append(entry)
-                if self._alone_after is not None and entry.failures >= self._alone_after:
-                    self.queue.suspects.add(entry.seq)   # leased alone from now on
-                continue
-            alone = " (leased alone)" if len(lease.groups) == 1 else ""
-            self.queue.quarantine_locked(entry, f"{entry.failures} leases expired untrained and unacknowledged{alone}, "
-                                                f"ref_server.max_deliveries is {self.max_deliveries}")
         return back
+
+    def triage(self, entry: QueuedGroup, alone: bool = False) -> bool:
+        """After a failed delivery (or at reload): quarantine a group at ``max_deliveries`` failures (False), else
+        mark it to be leased alone from ``max_deliveries - 1`` on; True while it may be delivered again. The caller
+        holds the queue's lock (or nothing else runs yet, at reload)."""
+        if entry.failures >= self.max_deliveries:
+            self.queue.quarantine_locked(entry, f"{entry.failures} leases expired or were held at shutdown untrained "
+                                                f"and unacknowledged{' (the last one alone)' if alone else ''}, "
+                                                f"ref_server.max_deliveries is {self.max_deliveries}")
+            return False
+        if self._alone_after is not None and entry.failures >= self._alone_after:
+            self.queue.suspects.add(entry.seq)   # leased alone from now on
+        return True
+
+    def close(self) -> None:
+        """A clean shutdown: the leases still held untrained count as failed deliveries (recorded beside the spool
+        files; the groups stay spooled and are triaged at the next start)."""
+        with self.queue.cond:
+            for lease in self.held.values():
+                if not (lease.trained or lease.released):
+                    for entry in lease.groups:
+                        entry.failures += 1
+                        self.queue.record_failures_locked(entry)
+            self.held.clear()
 
     def _finish(self, batch_id: str, requeued: list[int] | None) -> None:
         self._finished[batch_id] = requeued

@@ -149,6 +149,15 @@ class RolloutQueue:
                 log.error("could not move %s to the spool's quarantine folder (%s)", entry.spool_path, exc)
         log.error("group %s quarantined (%s)%s", entry.group.group_id, reason, f": moved to {where}" if where else "")
 
+    def record_failures_locked(self, entry: QueuedGroup) -> None:
+        """Keep the group's failed deliveries beside its spool file (a restart goes on counting from there)."""
+        if entry.spool_path is None:
+            return
+        try:
+            self.spool.set_failures(entry.spool_path, entry.failures)
+        except OSError as exc:  # the count then restarts at the last one written: logged, not fatal
+            log.error("could not record the failed deliveries of %s (%s)", entry.spool_path.name, exc)
+
     def unspool(self, entry: QueuedGroup) -> None:
         """Delete the group's spool file (it was consumed or dropped)."""
         if entry.spool_path is not None:

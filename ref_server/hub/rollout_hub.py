@@ -38,7 +38,7 @@ class RolloutHub:
         self.intake = Intake(self.queue, scorer=scorer, vocab_size=vocab_size, published_version=published_version)
         self.leases = Leases(self.queue, lease_timeout_s=lease_timeout_s, max_deliveries=max_deliveries)
         if self.queue.spool is not None:
-            self.intake.reload_spool()
+            self.intake.reload_spool(self.leases.triage)
 
     # -- generators ---------------------------------------------------------------------------------------
     def put(self, data: bytes) -> dict:
@@ -90,6 +90,10 @@ class RolloutHub:
 
     def renew(self, batch_ids: list[str], trained: bool = False) -> dict[str, str]:
         return self.leases.renew(batch_ids, trained)
+
+    def close(self) -> None:
+        """A clean shutdown: leases still held untrained count as failed deliveries (ref_server/hub/leases.py)."""
+        self.leases.close()
 
     # -- state --------------------------------------------------------------------------------------------
     def depth(self) -> int:

@@ -51,11 +51,45 @@ def test_a_poison_group_is_isolated_then_quarantined_while_the_good_ones_train(t
     quarantined = list((tmp_path / "quarantine").glob("*.group"))
     assert [p.name.split("-", 1)[1] for p in quarantined] == [f"{poison}.group"]
     reason = (tmp_path / "quarantine" / f"{quarantined[0].name}.reason").read_text()
-    assert reason == "3 leases expired untrained and unacknowledged (leased alone), ref_server.max_deliveries is 3\n"
+    assert reason == ("3 leases expired or were held at shutdown untrained and unacknowledged (the last one alone), "
+                      "ref_server.max_deliveries is 3\n")
     # a restart over the same spool keeps it quarantined: nothing is reloaded, the file stays
     again = hub(tmp_path)
     assert again.depth() == 0 and again.counters.spool_reloaded == 0
     assert (tmp_path / "quarantine" / quarantined[0].name).exists()
+
+
+def test_a_group_that_crashes_the_learner_on_every_restart_is_quarantined_across_hub_restarts(tmp_path):
+    """``grpo run`` stops every service when the learner dies: the hub shuts down cleanly holding the lease, and
+    counts it as a failed delivery beside the spool file, so the count survives the restart."""
+    groups = [make_group(seed=i) for i in range(4)]
+    first = hub(tmp_path)
+    for g in groups:
+        first.put(g.to_bytes())
+    ids = [g.group_id for g in groups]
+    poison, runs, h = ids[1], [], first
+    for _ in range(5):
+        handed = []
+        while (batch := h.take(4)) is not None:
+            handed.append(batch.group_ids)
+            if poison in batch.group_ids:
+                break                              # the learner crashes: the run stops, the hub shuts down cleanly
+            h.ack([batch.batch_id])
+        runs.append(handed)
+        h.close()
+        h = hub(tmp_path)
+    assert runs == [[ids], [ids], [[ids[0]], [ids[1]]], [[ids[2]], [ids[3]]], []]
+    assert h.counters.quarantined == 0 and h.depth() == 0      # quarantined at the fourth start, counted there
+    assert [p.name.split("-", 1)[1] for p in (tmp_path / "quarantine").glob("*.group")] == [f"{poison}.group"]
+    assert list(tmp_path.glob("*.group*")) == []               # no group file and no count left behind
+
+
+def test_a_hub_killed_outright_counts_nothing_against_the_groups_it_had_leased(tmp_path):
+    h = hub(tmp_path, max_deliveries=1)
+    h.put(make_group(seed=0).to_bytes())
+    assert h.take(1) is not None
+    again = hub(tmp_path, max_deliveries=1)      # no close(): a kill -9 of the hub
+    assert again.depth() == 1 and again.take(1) is not None and again.counters.quarantined == 0
 
 
 def test_handed_back_and_trained_leases_are_not_failed_deliveries(tmp_path):
