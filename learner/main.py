@@ -213,6 +213,10 @@ class Learner:
         """A batch (this rank's or another's) that cannot be trained: the bad one is left unacknowledged, so that
         its lease expires as a failed delivery and the hub isolates and quarantines the culprit
         (ref_server.max_deliveries); a good one is handed back for a later step."""
+        # a ledger that renews leased-untrained batches on a timer must stop renewing this one (else it never expires)
+        forget = getattr(self.ledger, "forget", None)  # TODO(merge with trust-leases): call self.ledger.forget directly
+        if forget is not None:
+            forget(batch.batch_id)
         if problem is None:
             self.hub_calls.submit(lambda client, ids=[batch.batch_id]: client._request(  # noqa: SLF001
                 "POST", "/v1/batch/release", json={"batch_ids": ids}))
