@@ -177,6 +177,9 @@ class RolloutLoop:
                 self.stats.component_sums[name] = self.stats.component_sums.get(name, 0.0) + float(values.sum())
         elif answer.get("dropped") == "stale":
             self.stats.groups_refused_stale += 1
+        elif "refused" in answer:  # the hub refused this group alone (a batch upload); the others went on
+            self.stats.groups_refused_invalid += 1
+            log.error("the hub refused group %s (%s): %s", group.group_id, answer.get("status"), answer["refused"])
 
     # -- the loop -------------------------------------------------------------------------------------------
     def run(self, stop: threading.Event, max_groups: int | None = None) -> LoopStats:

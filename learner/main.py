@@ -43,6 +43,7 @@ from shared.config.schema import GRPOConfig
 from shared.devices import resolve_device
 from shared.errors import ServiceError, UsageError
 from shared.protocol.client import HubClient, LearnerSession, service_client, stop_on_signals
+from shared.protocol.numbers import batch_problem
 from shared.protocol.records import TrainBatch
 from shared.weight_sync.export import export_hf_folder
 from shared.weight_sync.publisher import WeightPublisher
@@ -205,15 +206,32 @@ class Learner:
 
     def next_batch(self) -> TrainBatch | None:
         """The next batch of untrained groups, or None once any rank was asked to stop (all ranks agree)."""
-        if _agree(self.stop.is_set(), self.device):
-            self.stop.set()
-            return None
-        batch, fetched = self.prefetcher.next()
-        if _agree(batch is None, self.device):  # a rank stopped while waiting: everyone stops
-            self.stop.set()
-            return None  # a batch this rank had leased goes back to the hub when the prefetcher closes
-        self.fetched = fetched
-        return batch
+        while True:
+            if _agree(self.stop.is_set(), self.device):
+                self.stop.set()
+                return None
+            batch, fetched = self.prefetcher.next()
+            if _agree(batch is None, self.device):  # a rank stopped while waiting: everyone stops
+                self.stop.set()
+                return None  # a batch this rank had leased goes back to the hub when the prefetcher closes
+            problem = batch_problem(batch, getattr(self.engine.module.get_input_embeddings(), "num_embeddings", None))
+            if not _agree(problem is not None, self.device):
+                self.fetched = fetched
+                return batch
+            self._set_aside(batch, problem)
+
+    def _set_aside(self, batch: TrainBatch, problem: str | None) -> None:
+        """A batch (this rank's or another's) that cannot be trained: the bad one is left unacknowledged, so that
+        its lease expires as a failed delivery and the hub isolates and quarantines the culprit
+        (ref_server.max_deliveries); a good one is handed back for a later step."""
+        # a ledger that renews leased-untrained batches on a timer must stop renewing this one (else it never expires)
+        self.ledger.forget(batch.batch_id)  # not renewed any more: its lease expires and the hub counts the failure
+        if problem is None:
+            self.hub_calls.submit(lambda client, ids=[batch.batch_id]: client._request(  # noqa: SLF001
+                "POST", "/v1/batch/release", json={"batch_ids": ids}))
+            return
+        log.error("batch %s cannot be trained (%s): left unacknowledged; the hub quarantines the group after "
+                  "ref_server.max_deliveries failed deliveries", batch.batch_id, problem)
 
     def train_on(self, batch: TrainBatch) -> None:
         """``updates_per_batch`` GRPO steps on one batch, each followed by publishing and logging; then the batch

@@ -45,7 +45,8 @@ class ServerMetrics:
         hub_events = Gauge("grpo_hub_groups", "Rollout groups by what happened to them", ["event"],
                            registry=self.registry)
         for event in ("accepted", "duplicates", "rejected", "refused_stale", "dropped_stale", "dropped_ref_failure", "leased",
-                      "consumed", "lease_expired", "rejected_full", "spool_reloaded", "spool_corrupt"):
+                      "consumed", "lease_expired", "rejected_full", "spool_reloaded", "spool_corrupt",
+                      "quarantined"):
             hub_events.labels(event=event).set_function(lambda e=event: getattr(counters, e))
 
     def observe(self, path: str, status: int, started: float) -> None:

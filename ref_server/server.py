@@ -80,6 +80,7 @@ def build_state(config: GRPOConfig) -> ServerState:
     temperature = config.generator.sampling.temperature
     hub = RolloutHub(capacity=cfg.queue_capacity, max_staleness=cfg.max_staleness, scorer=scorer,
                      vocab_size=vocab_size, spool_dir=cfg.spool_dir, lease_timeout_s=cfg.lease_timeout_s,
+                     max_deliveries=cfg.max_deliveries,
                      # 0 is greedy decoding, for evaluation only: no training group is sampled that way
                      temperature=temperature if temperature > 0 else None,
                      published_version=lambda: weights.current, max_context=max_context)
@@ -116,5 +117,6 @@ def serve(config: GRPOConfig) -> None:
     try:
         uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, timeout_graceful_shutdown=5)
     finally:
+        state.hub.close()  # leases still held untrained count as failed deliveries (poison pills across restarts)
         if state.scorer is not None:
             state.scorer.close()

@@ -15,10 +15,13 @@ outcome score) or a :class:`StepScores`:
   that completion's steps are dropped with a logged error and counted (its outcome scores are kept).
 
 Containment (a reward never stops the generator): an exception for the whole group scores every completion
-``on_error``; a non-finite or unconvertible value, or a StepScores that does not fit its completion (a separator
+``on_error``; a value that is not finite in float32 once weighted (NaN, inf, 1e39: the group carries float32, where
+1e39 is inf) or unconvertible, or a StepScores that does not fit its completion (a separator
 splitting the text into a different number of steps than the rewards, an end past the text), scores that completion
 ``on_error``; both are counted in ``errors``. When a term that has scored steps before fails on a completion, that
-completion's steps are dropped too (its process signal is unknown, and a partial sum would be wrong).
+completion's steps are dropped too (its process signal is unknown, and a partial sum would be wrong). A total or a
+summed step reward that overflows float32 although each term fitted is scored like a failure of every term there
+(``on_error`` each, counted under ``"total"``; the steps dropped), so that the group can still be uploaded.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Any
 
 from generator.rewards.base import REWARDS, GroupReward, RewardConfigError, Score, as_score
 from generator.rewards.steps import StepScores
+from shared.protocol.numbers import finite_float32
 
 log = logging.getLogger("grpo.generator.rewards")
 
@@ -76,6 +80,8 @@ def merge_term_steps(parts: dict[str, tuple[list[int], list[float]]]) -> CharSte
             raise ValueError(f"step rewards {first!r} and {name!r} locate different steps (character ends {ends} "
                              f"vs {other_ends}); two step rewards are summed only when their steps agree")
         summed = [a + b for a, b in zip(summed, other_rewards)]
+    if not all(finite_float32(r) for r in summed):
+        raise ValueError(f"summed step rewards {summed} are not finite in float32")
     return list(zip(ends, summed))
 
 
@@ -115,6 +121,7 @@ class RewardSet:
             outcomes = [self._outcome(term, i, v, completions[i], found, errors) for i, v in enumerate(values)]
             components[term.name] = outcomes
             total = [t + term.weight * v for t, v in zip(total, outcomes)]
+        self._contain_overflow(total, found, errors)
         if not found.any_steps:
             return GroupScores(total, components, errors)
         steps: list[CharSteps | None] = []
@@ -127,6 +134,17 @@ class RewardSet:
                     log.warning("completion %d: %s; it carries no steps", i, exc)
             steps.append(merged)
         return GroupScores(total, components, errors, steps, sum(s is None for s in steps))
+
+    def _contain_overflow(self, total: list[float], found: _TermSteps, errors: dict[str, int]) -> None:
+        """Totals that overflow float32 (each term fitted, their sum does not): ``on_error`` of every term, counted
+        under ``"total"``, the completion's steps dropped."""
+        for i, value in enumerate(total):
+            if not finite_float32(value):
+                total[i] = sum(term.weight * term.on_error for term in self.terms)
+                log.warning("completion %d: the weighted total %.6g is not finite in float32; scoring it %s with no "
+                            "steps", i, value, total[i])
+                errors["total"] = errors.get("total", 0) + 1
+                found.failed[i] = True
 
     @staticmethod
     def _outcome(term: RewardTerm, i: int, value: Score, text: str, found: _TermSteps,
@@ -168,10 +186,19 @@ class RewardSet:
                 values.append(as_score(value))
             except (TypeError, ValueError):
                 values.append(math.nan)
-        bad = [i for i, v in enumerate(values) if not isinstance(v, StepScores) and not math.isfinite(v)]
+        bad = [i for i, v in enumerate(values) if not _fits_float32(term.weight, v)]
         if bad:
-            log.warning("reward %r failed or was not finite for %d completions; scoring them %s", term.name,
-                        len(bad), term.on_error)
+            log.warning("reward %r failed or was not finite in float32 (weighted) for %d completions; scoring them %s",
+                        term.name, len(bad), term.on_error)
             errors[term.name] = errors.get(term.name, 0) + len(bad)
             values = [math.nan if i in bad else v for i, v in enumerate(values)]
         return values
+
+
+def _fits_float32(weight: float, value: Score) -> bool:
+    """Whether a term's value, weighted, is finite in float32 (the dtype of a group's rewards and step rewards): a
+    float, or a StepScores' every step reward and outcome."""
+    if not isinstance(value, StepScores):
+        return finite_float32(value) and finite_float32(weight * value)
+    numbers = [*value.rewards, *([] if value.outcome is None else [float(value.outcome)])]
+    return all(finite_float32(x) and finite_float32(weight * x) for x in numbers)

@@ -30,6 +30,7 @@ class RolloutHub:
         spool_dir: str | Path | None = None,
         temperature: float | None = None,
         lease_timeout_s: float = 300.0,
+        max_deliveries: int = 3,
         published_version: Callable[[], int | None] = lambda: None,
         max_context: int | None = None,
     ) -> None:
@@ -37,9 +38,9 @@ class RolloutHub:
                                   spool_dir=spool_dir)
         self.intake = Intake(self.queue, scorer=scorer, vocab_size=vocab_size, published_version=published_version,
                              max_context=max_context)
-        self.leases = Leases(self.queue, lease_timeout_s=lease_timeout_s)
+        self.leases = Leases(self.queue, lease_timeout_s=lease_timeout_s, max_deliveries=max_deliveries)
         if self.queue.spool is not None:
-            self.intake.reload_spool()
+            self.intake.reload_spool(self.leases.triage)
 
     # -- generators ---------------------------------------------------------------------------------------
     def put(self, data: bytes) -> dict:
@@ -97,6 +98,10 @@ class RolloutHub:
 
     def renew(self, batch_ids: list[str], trained: bool = False) -> dict[str, str]:
         return self.leases.renew(batch_ids, trained)
+
+    def close(self) -> None:
+        """A clean shutdown: leases still held untrained count as failed deliveries (ref_server/hub/leases.py)."""
+        self.leases.close()
 
     # -- state --------------------------------------------------------------------------------------------
     def depth(self) -> int:

@@ -62,12 +62,13 @@ async def upload_rollout(request: Request, state: State) -> JSONResponse:
 async def upload_rollouts(request: Request, state: State) -> JSONResponse:
     """Queue several rollout groups (an engine call's worth) in one request: one answer per group, in order.
 
-    Every group is checked before any is queued (400/422 naming the group: none queued). 429 with Retry-After when
-    the queue fills part-way: the groups before are queued, and the same request sent again answers them as
-    duplicates."""
+    A bad group is refused alone: its answer is ``{"accepted": false, "refused": reason, "status": 400 or 422}``
+    and the others are queued (400 for the whole request only when the container itself is malformed). 429 with
+    Retry-After when the queue fills part-way: the groups before are queued, and the same request sent again answers
+    them as duplicates."""
     body = await read_body(request, state.max_request_bytes)
     try:
-        messages = decode_messages(body, MAX_GROUPS_PER_UPLOAD)
+        messages = await run_in_threadpool(decode_messages, body, MAX_GROUPS_PER_UPLOAD)  # big bodies: off the loop
     except WireError as exc:
         raise HTTPException(400, str(exc)) from None
     answers = await _queue(state, state.hub.put_many, messages)

@@ -70,4 +70,12 @@ class RefServerConfig(StrictModel):
     lease_timeout_s: float = Field(
         300.0, gt=0, description="A batch handed to the learner and not acknowledged (or renewed) within this many "
         "seconds goes back to the queue, so a learner killed mid-step loses no groups.")
+    max_deliveries: int = Field(
+        3, ge=1, description="Failed deliveries before a group is quarantined: a lease that expires before the learner "
+        "trained or acknowledged it counts against each of its groups (a learner that crashes on a group never "
+        "acknowledges it), and so does a lease still held untrained when the hub shuts down cleanly; the counts are "
+        "kept beside the spool files across restarts. A group one failure short of this is leased alone, so the good groups it was batched with "
+        "train; at this many it moves to the spool's quarantine/ folder with the reason, is counted (quarantined in "
+        "/metrics and /v1/hub/stats) and is never delivered again. 1: the first failure quarantines every group of "
+        "the lease.")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Server log level.")
