@@ -8,8 +8,8 @@ from generator.stats import LoopStats
 
 def test_the_summary_reports_step_rewards_only_when_there_were_some(caplog):
     caplog.set_level(logging.INFO, logger="grpo.generator")
-    Progress(enabled=True).close(LoopStats(groups_uploaded=3), version=1)
-    assert "step rewards" not in caplog.text
+    Progress(enabled=True).close(LoopStats(groups_uploaded=3, groups_refused_invalid=2), version=1)
+    assert "step rewards" not in caplog.text and "2 refused as invalid" in caplog.text
     caplog.clear()
     Progress(enabled=True).close(LoopStats(groups_uploaded=4, groups_with_steps=4, steps_uploaded=30,
                                            step_reward_errors=2), version=1)
