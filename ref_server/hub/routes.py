@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict
 
 from fastapi import APIRouter, HTTPException, Query, Request
@@ -15,6 +16,7 @@ from ref_server.relay.routes import check_learner
 from shared.protocol.records import MAX_VERSION
 from shared.protocol.wire import WireError, decode_messages
 
+LONG_POLL_SLICE_S = 0.5  # a long-polling GET /v1/batch checks this often whether its client is still there
 MAX_GROUPS_PER_UPLOAD = 4096  # one request's groups (the request's size is bounded by ref_server.max_request_bytes)
 
 router = APIRouter(tags=["hub"])
@@ -89,7 +91,8 @@ async def rollout_budget(state: State,
 
 
 @router.get("/v1/batch", responses={200: {"content": {OCTET: {}}}, 204: {"description": "not enough groups"}})
-async def take_batch(state: State, num_groups: int = Query(ge=1, le=4096, description="Groups in the batch."),
+async def take_batch(request: Request, state: State,
+                     num_groups: int = Query(ge=1, le=4096, description="Groups in the batch."),
                      timeout: float = Query(0.0, ge=0, allow_inf_nan=False,
                                             description="Seconds to wait for enough groups."),
                      min_version: int | None = Query(None, ge=0, lt=MAX_VERSION, description=(
@@ -98,8 +101,18 @@ async def take_batch(state: State, num_groups: int = Query(ge=1, le=4096, descri
     """Lease the oldest ready groups as one encoded TrainBatch (reference logprobs attached); 204 if too few.
 
     Acknowledge it with ``POST /v1/batch/ack`` once trained; unacknowledged, its groups return to the queue after
-    the hub's lease timeout."""
-    batch = await run_in_threadpool(state.hub.take, num_groups, min(timeout, state.max_long_poll_s), min_version)
+    the hub's lease timeout. A long poll waits in slices and stops when its client has gone: a batch leased for a
+    client that disconnected is handed back at once (front of the queue), not after the lease timeout."""
+    deadline = time.monotonic() + min(timeout, state.max_long_poll_s)
+    while True:
+        wait = min(max(deadline - time.monotonic(), 0.0), LONG_POLL_SLICE_S)
+        batch = await run_in_threadpool(state.hub.take, num_groups, wait, min_version)
+        if await request.is_disconnected():
+            if batch is not None:
+                await run_in_threadpool(state.hub.release, [batch.batch_id])
+            return Response(status_code=204)  # nobody reads it; the metrics count the request as the client's
+        if batch is not None or time.monotonic() >= deadline:
+            break
     headers = {"X-Queue-Depth": str(state.hub.depth())}
     if batch is None:
         return Response(status_code=204, headers=headers)
