@@ -12,6 +12,7 @@ import torch
 
 from ref_server.app import create_app
 from ref_server.body_limits import BodyLimits
+from ref_server.header_deadline import header_deadline_protocol
 from ref_server.hub.rollout_hub import RolloutHub
 from ref_server.scoring.prm import PRMScorer
 from ref_server.scoring.scorer import ReferenceScorer
@@ -115,7 +116,8 @@ def serve(config: GRPOConfig) -> None:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda num, frame: log.info("ref-server stopped (%s)", signal.Signals(num).name))
     try:
-        uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, timeout_graceful_shutdown=5)
+        uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, timeout_graceful_shutdown=5,
+                    http=header_deadline_protocol(cfg.header_timeout_s))
     finally:
         state.hub.close()  # leases still held untrained count as failed deliveries (poison pills across restarts)
         if state.scorer is not None:

@@ -48,6 +48,10 @@ class RefServerConfig(StrictModel):
         30.0, gt=0, allow_inf_nan=False, description="A request body must arrive within this many seconds plus one "
         "second per min_body_bytes_per_s bytes received, else 408: a client trickling its body cannot hold a "
         "connection.")
+    header_timeout_s: float = Field(
+        10.0, gt=0, allow_inf_nan=False, description="A request's line and headers must arrive within this many "
+        "seconds of its connection opening (or of the connection's previous answer), else 408 and the connection is "
+        "closed: a client trickling its headers cannot hold a connection (uvicorn itself has no header timeout).")
     min_body_bytes_per_s: float = Field(
         256 * 1024, gt=0, allow_inf_nan=False, description="The slowest upload rate a big body may keep up beyond "
         "body_timeout_s (see there), in bytes per second.")
