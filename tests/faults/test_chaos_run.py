@@ -33,7 +33,7 @@ from tests.faults.hostile import HostileClients
 from tests.faults.services import Service, accounting_gap, hub_stats, server_errors, spooled_groups
 from tests.faults.test_delivery_faults import free_port
 
-MAX_STEPS = 10
+MAX_STEPS = 24
 LEASE_S = 5.0
 
 
@@ -122,30 +122,35 @@ class Chaos:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(480)
 def test_chaos_run_loses_nothing_trains_nothing_twice_and_answers_no_5xx(tmp_path, tiny_model_dir):
     seed = int(os.environ.get("CHAOS_SEED", "22"))
     chaos = Chaos(tmp_path, tiny_model_dir, seed)
     rng = chaos.rng
-    schedule = [(rng.choice(["gen-0", "gen-1"]) if k == "generator" else k, round(rng.uniform(1.0, 8.0), 1))
-                for k in rng.sample(["hub", "generator", "learner"], 3)]
-    schedule.insert(rng.randrange(len(schedule) + 1), ("hub", round(rng.uniform(1.0, 8.0), 1)))
-    print(f"chaos seed {seed} (CHAOS_SEED): kills after the learner's first step, each after a pause: {schedule}")
+    # each kill when the learner has logged a random number of steps (lines of its metrics, which go on counting
+    # across its restart), then after a random fraction of a second: a random moment of a run that is under way
+    kinds = [rng.choice(["gen-0", "gen-1"]) if k == "generator" else k
+             for k in rng.sample(["hub", "generator", "learner", "hub"], 4)]
+    at_lines = sorted(rng.sample(range(2, MAX_STEPS - 4), len(kinds)))
+    schedule = [(kind, line, round(rng.uniform(0.0, 1.0), 2)) for kind, line in zip(kinds, at_lines)]
+    print(f"chaos seed {seed} (CHAOS_SEED): (service to kill, at the learner's metrics line, + seconds): {schedule}")
     done = threading.Event()
     hostile = HostileClients(chaos.url, chaos.port, seed, rounds=3, go=chaos.go, done=done)
     try:
         chaos.start_hub()
         for service in (chaos.learner, *chaos.gens):
             service.start()
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + 300
         while not _steps(chaos.metrics):
             assert chaos.learner.alive() and time.monotonic() < deadline, chaos.learner.tail()
             time.sleep(0.2)
         hostile.start()
-        for what, pause_s in schedule:
+        for what, line, pause_s in schedule:
+            while len(_steps(chaos.metrics)) < line:
+                assert chaos.learner.alive() and time.monotonic() < deadline, chaos.learner.tail()
+                time.sleep(0.1)
             time.sleep(pause_s)
-            if chaos.learner.alive() or what == "hub":
-                chaos.kill(what)
+            chaos.kill(what)
         assert chaos.learner.proc.wait(timeout=max(deadline - time.monotonic(), 1)) == 0, chaos.learner.tail()
         for gen in chaos.gens:
             gen.stop()
