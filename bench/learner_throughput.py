@@ -167,13 +167,14 @@ def _child(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
+    from learner.advantages import batch_advantages
     from learner.engine import (
         create_engine,
         ensure_single_process_env,
         init_distributed,
         uses_bf16,
     )
-    from learner.step import batch_advantages, grpo_step, split_micro_batches
+    from learner.step import grpo_step, split_micro_batches
     from shared.config.schema import AdvantageConfig, LearnerConfig, LossConfig
     from shared.devices import resolve_device
 

@@ -21,6 +21,8 @@ from generator.engines.base import Engine, SampledCompletion
 from generator.progress import Progress
 from generator.rewards import RewardSet
 from generator.stats import LoopStats
+from generator.step_tokens import group_token_steps, tokenizer_decode
+from shared.config.schema.generator import StepRewardsConfig
 from shared.config.schema.weight_sync import WeightSyncConfig
 from shared.protocol.client import HubClient, HubError, HubUnavailable
 from shared.protocol.records import RolloutGroup, SamplingParams
@@ -29,12 +31,22 @@ from shared.weight_sync.receiver import WeightReceiver
 log = logging.getLogger("grpo.generator")
 
 
+def carries_signal(outcomes: list[float], steps: list[list[tuple[int, float]]] | None) -> bool:
+    """Whether a group can teach anything (dynamic sampling keeps it): its outcome totals differ, or its step
+    rewards do. Step rewards are normalised over the group's steps (``process_advantages``): fewer than two, or all
+    equal, give every token 0, whatever their positions."""
+    if len(set(outcomes)) > 1:
+        return True
+    return steps is not None and len({reward for pairs in steps for _, reward in pairs}) > 1
+
+
 class RolloutLoop:
     def __init__(self, *, engine: Engine, tokenizer, client: HubClient, rewards: RewardSet, prompts: PromptStream,
                  sampling: SamplingParams, group_size: int, prompts_per_batch: int, generator_id: str,
                  weights_dir: str | Path, system_prompt: str | None = None, template: str | None = None,
                  drop_constant_groups: bool = False, seed: int = 0, progress: Progress | None = None,
-                 wait_for_budget: bool = True, budget_poll_s: float = 2.0) -> None:
+                 wait_for_budget: bool = True, budget_poll_s: float = 2.0,
+                 step_rewards: StepRewardsConfig | None = None) -> None:
         self.engine, self.tokenizer, self.client = engine, tokenizer, client
         self.rewards, self.prompts, self.sampling = rewards, prompts, sampling
         self.group_size, self.prompts_per_batch = group_size, prompts_per_batch
@@ -42,6 +54,7 @@ class RolloutLoop:
         self.weights_dir = Path(weights_dir)
         self.system_prompt, self.template = system_prompt, template
         self.drop_constant_groups = drop_constant_groups
+        self.step_rewards = step_rewards or StepRewardsConfig()
         self.wait_for_budget = wait_for_budget
         self.budget_poll_s = budget_poll_s
         self.seed = seed
@@ -105,7 +118,14 @@ class RolloutLoop:
         texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
         scores = self.rewards.score_group(example.question, texts, example.data)
         self.stats.reward_errors += sum(scores.errors.values())
-        if self.drop_constant_groups and len(set(scores.total)) == 1:
+        self.stats.step_reward_errors += scores.step_errors
+        steps = None
+        if scores.steps is not None:  # a process-supervised group; outcome-only groups skip all of this
+            mapped = group_token_steps(tokenizer_decode(self.tokenizer), [s.token_ids for s in samples], texts,
+                                       scores.steps, scores.total, self.step_rewards)
+            self.stats.step_reward_errors += mapped.errors
+            steps = mapped.steps
+        if self.drop_constant_groups and not carries_signal(scores.total, steps):
             self.stats.groups_dropped_constant += 1
             return None
         return RolloutGroup.from_samples(
@@ -115,6 +135,7 @@ class RolloutLoop:
             generator_id=self.generator_id, sampling=self.sampling, reward_components=scores.components,
             task={k: str(v) for k, v in example.data.items() if isinstance(v, (str, int, float))}
                  | {"example_id": example.example_id},
+            steps=steps,
         )
 
     def step(self, num_prompts: int | None = None) -> list[RolloutGroup]:
@@ -149,10 +170,16 @@ class RolloutLoop:
             self.stats.groups_uploaded += 1
             self.stats.reward_sum += float(group.rewards.sum())
             self.stats.reward_count += group.group_size
+            if group.step_rewards is not None:
+                self.stats.steps_uploaded += int(group.step_rewards.numel())
+                self.stats.groups_with_steps += 1
             for name, values in group.reward_components.items():
                 self.stats.component_sums[name] = self.stats.component_sums.get(name, 0.0) + float(values.sum())
         elif answer.get("dropped") == "stale":
             self.stats.groups_refused_stale += 1
+        elif "refused" in answer:  # the hub refused this group alone (a batch upload); the others went on
+            self.stats.groups_refused_invalid += 1
+            log.error("the hub refused group %s (%s): %s", group.group_id, answer.get("status"), answer["refused"])
 
     # -- the loop -------------------------------------------------------------------------------------------
     def run(self, stop: threading.Event, max_groups: int | None = None) -> LoopStats:

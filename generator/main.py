@@ -100,7 +100,7 @@ def build_loop(config: GRPOConfig, engine, client: HubClient, progress: Progress
         prompts_per_batch=cfg.prompts_per_batch, generator_id=generator_id, weights_dir=cfg.weights_dir,
         system_prompt=system_prompt_for(cfg.dataset), template=cfg.dataset.template,
         drop_constant_groups=cfg.drop_constant_groups, seed=config.seed, progress=progress,
-        wait_for_budget=cfg.wait_for_budget)
+        wait_for_budget=cfg.wait_for_budget, step_rewards=cfg.step_rewards)
 
 
 def run_generator(config: GRPOConfig, stop: threading.Event | None = None) -> LoopStats:

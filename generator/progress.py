@@ -49,8 +49,13 @@ class Progress:
             self._bar.close()
         if self.enabled:
             means = {k: round(v / max(stats.reward_count, 1), 3) for k, v in stats.component_sums.items()}
-            log.info("done: %d groups uploaded, %d dropped (constant reward), %d refused as stale, %d reward "
-                     "errors, %d engine calls put off for %.1fs (the learner could not use more groups yet), "
-                     "per-reward means %s, %s", stats.groups_uploaded, stats.groups_dropped_constant,
-                     stats.groups_refused_stale, stats.reward_errors, stats.budget_waits, stats.budget_wait_s, means,
+            log.info("done: %d groups uploaded, %d dropped (constant reward), %d refused as stale, %d refused as "
+                     "invalid, %d reward errors, %d engine calls put off for %.1fs (the learner could not use more "
+                     "groups yet), per-reward means %s, %s", stats.groups_uploaded, stats.groups_dropped_constant,
+                     stats.groups_refused_stale, stats.groups_refused_invalid, stats.reward_errors,
+                     stats.budget_waits, stats.budget_wait_s, means,
                      self.summary(stats, version))
+            if stats.groups_with_steps or stats.step_reward_errors:
+                log.info("step rewards: %d groups carried %d steps (%.2f per group); %d completions lost their steps "
+                         "to a failed or mismatched step reward", stats.groups_with_steps, stats.steps_uploaded,
+                         stats.steps_uploaded / max(stats.groups_with_steps, 1), stats.step_reward_errors)

@@ -11,9 +11,13 @@ class LoopStats:
     groups_uploaded: int = 0
     groups_dropped_constant: int = 0
     groups_refused_stale: int = 0
+    groups_refused_invalid: int = 0  # refused by the hub alone in a batch upload (a value it cannot batch); logged
     prompts: int = 0
     completion_tokens: int = 0
     reward_errors: int = 0
+    step_reward_errors: int = 0     # completions whose steps were dropped (a failed step reward, a mismatch)
+    steps_uploaded: int = 0         # step rewards in accepted groups
+    groups_with_steps: int = 0      # accepted groups that carried steps (process supervision)
     weight_updates: int = 0
     budget_waits: int = 0           # engine calls put off because the learner could not use more groups yet
     budget_wait_s: float = 0.0

@@ -6,9 +6,16 @@ expired, or after the hub or the learner restarted. This ledger drops the groups
 (their ids survive in checkpoints), and decides when a batch is acknowledged:
 
 * checkpoints off: right after its step is applied;
-* checkpoints on: once a checkpoint holds its step (until then the leases are renewed), so a learner that dies
-  between checkpoints resumes from one that has not seen those groups, and the hub still has them. The hub hears
-  that each such batch is trained (a renewal marked ``trained``), so it paces generators without counting it.
+* checkpoints on: once a checkpoint holds its step, so a learner that dies between checkpoints resumes from one
+  that has not seen those groups, and the hub still has them. The hub hears that each such batch is trained (a
+  renewal marked ``trained``), so it paces generators without counting it.
+
+Held leases are renewed by a timer thread every third of the hub's lease timeout, whatever the training thread is
+doing (waiting for groups while the generators are down, checkpointing, publishing): a learner that is alive
+never lets a trained lease expire. Should one expire anyway (the hub restarted, a renewal was lost), its groups
+come back in another batch; when that batch holds groups trained since the last checkpoint, it is *held* like a
+trained batch (renewed, acknowledged at the next checkpoint), never acknowledged as a duplicate at once: that would
+make the hub delete groups no checkpoint holds yet, and a crash before the checkpoint would lose them.
 
 Each rank keeps its own ledger (a checkpoint holds every rank's ids, and a resumed rank loads all of them). While
 running, a group re-delivered to a *different* rank than the one that trained it would not be recognised; that
@@ -24,7 +31,7 @@ come back, a resumed learner drops those its checkpoint holds).
 from __future__ import annotations
 
 import logging
-import time
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -38,19 +45,29 @@ class DeliveryLedger:
     def __init__(self, client: HubClient, *, ack_on_checkpoint: bool, lease_timeout_s: float,
                  consumed: list[str] = (), remember: int = 1_000_000,
                  calls: Callable[[Callable[[HubClient], None]], None] | None = None) -> None:
+        """``client``: used for the ledger's hub calls when ``calls`` is None (then serialised under a lock, as
+        the renewal timer makes them from its own thread)."""
         self.client = client
+        self._client_lock = threading.Lock()
         # how a hub call is made: now, with this client; or handed to a background thread (HubCalls.submit)
-        self._call = calls or (lambda call: call(self.client))
+        self._call = calls or self._call_now
         self.ack_on_checkpoint = ack_on_checkpoint
         self.renew_every_s = lease_timeout_s / 3
         self.remember = remember
         self.consumed: OrderedDict[str, None] = OrderedDict.fromkeys(consumed)
-        self.pending: list[str] = []          # batch ids trained on, waiting for a checkpoint
+        self.unsaved: set[str] = set()        # group ids trained since the last checkpoint
+        self.pending: list[str] = []          # batch ids held until the next checkpoint
+        self.active: set[str] = set()         # batch ids leased and not trained yet (prefetched, in training)
         self.duplicates = 0
-        self._renewed = time.monotonic()
+        self.renewals = 0                     # timer renewals sent (for tests and logs)
+        self._lock = threading.Lock()         # pending and unsaved (the timer reads them)
+        self._stop = threading.Event()
+        self._timer: threading.Thread | None = None
 
+    # -- the training thread ------------------------------------------------------------------------------
     def fresh_part(self, batch: TrainBatch) -> TrainBatch | None:
-        """``batch`` without the groups already trained on; None (and the batch acknowledged) if nothing is left."""
+        """``batch`` without the groups already trained on; None if nothing is left (the batch is then acknowledged,
+        or held until the next checkpoint when it holds groups no checkpoint holds yet)."""
         keep = [i for i, group_id in enumerate(batch.group_ids) if group_id not in self.consumed]
         dropped = batch.num_groups - len(keep)
         if dropped:
@@ -58,7 +75,11 @@ class DeliveryLedger:
             log.warning("batch %s: %d of its %d groups were trained on already; dropped", batch.batch_id, dropped,
                         batch.num_groups)
         if not keep:
-            self._ack([batch.batch_id])
+            self.forget(batch.batch_id)
+            if self.ack_on_checkpoint and any(g in self.unsaved for g in batch.group_ids):
+                self._hold(batch.batch_id)  # its groups' only copy until a checkpoint holds them
+            else:
+                self._ack([batch.batch_id])
             return None
         return batch if not dropped else batch.select_groups(keep)
 
@@ -67,30 +88,85 @@ class DeliveryLedger:
         self.consumed.update(dict.fromkeys(batch.group_ids))
         while len(self.consumed) > self.remember:
             self.consumed.popitem(last=False)
+        self.forget(batch.batch_id)
         if self.ack_on_checkpoint:
-            self.pending.append(batch.batch_id)
-            self._call(lambda client, ids=[batch.batch_id]: _renew(client, ids, trained=True))
-            self._renew_if_due()
+            with self._lock:
+                self.unsaved.update(batch.group_ids)
+            self._hold(batch.batch_id)
         else:
             self._ack([batch.batch_id])
 
+    def leased(self, batch_id: str) -> None:
+        """A batch was leased and is not trained yet (any thread): the timer keeps its lease too."""
+        with self._lock:
+            self.active.add(batch_id)
+
+    def forget(self, batch_id: str) -> None:
+        """A leased batch is trained, acknowledged, held or handed back: no longer renewed as untrained."""
+        with self._lock:
+            self.active.discard(batch_id)
+
     def checkpointed(self) -> None:
         """A complete checkpoint holds every step so far: acknowledge what waited for it."""
-        if self.pending:
-            self._ack(self.pending)
-            self.pending = []
+        with self._lock:
+            held, self.pending = self.pending, []
+            self.unsaved.clear()
+        if held:
+            self._ack(held)
 
     def consumed_ids(self) -> list[str]:
         return list(self.consumed)
 
-    def _renew_if_due(self) -> None:
-        if time.monotonic() - self._renewed < self.renew_every_s:
-            return
-        self._call(lambda client, pending=list(self.pending): _renew(client, pending))
-        self._renewed = time.monotonic()
+    def held(self) -> list[str]:
+        """Batch ids whose leases this ledger keeps: trained ones waiting for a checkpoint, then untrained ones."""
+        with self._lock:
+            return list(self.pending) + sorted(self.active)
+
+    # -- the renewal timer --------------------------------------------------------------------------------
+    def start(self) -> DeliveryLedger:
+        """Start renewing held leases every ``renew_every_s`` from a thread of its own (idempotent)."""
+        if self._timer is None:
+            self._timer = threading.Thread(target=self._renew_loop, name="lease-renewal", daemon=True)
+            self._timer.start()
+        return self
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the timer (held leases are no longer renewed: unacknowledged, they expire on the hub)."""
+        self._stop.set()
+        if self._timer is not None:
+            self._timer.join(timeout=timeout_s)
+
+    def renew_held(self) -> None:
+        """Renew every lease this ledger keeps now (what the timer does)."""
+        with self._lock:
+            trained, untrained = list(self.pending), sorted(self.active)
+        for ids, is_trained in ((trained, True), (untrained, False)):
+            if ids:
+                self._call(lambda client, ids=ids, t=is_trained: _renew(client, ids, trained=t,
+                                                                        still_held=self.held))
+                self.renewals += 1
+
+    def _renew_loop(self) -> None:
+        while not self._stop.wait(self.renew_every_s):
+            try:
+                self.renew_held()
+            except Exception as exc:  # noqa: BLE001 - the training thread meets the same failure at its next call
+                log.warning("lease renewal failed (%s: %s); trying again in %.1fs", type(exc).__name__, exc,
+                            self.renew_every_s)
+
+    # -- hub calls ----------------------------------------------------------------------------------------
+    def _hold(self, batch_id: str) -> None:
+        with self._lock:
+            self.pending.append(batch_id)
+        # at once: the hub stops counting it among the groups still to train, and its lease restarts
+        self._call(lambda client, ids=[batch_id]: _renew(client, ids, trained=True, still_held=self.held))
 
     def _ack(self, batch_ids: list[str]) -> None:
         self._call(lambda client, ids=[b for b in batch_ids if b]: _ack(client, ids))
+
+    def _call_now(self, call: Callable[[HubClient], None]) -> None:
+        with self._client_lock:
+            call(self.client)
 
 
 def _ack(client: HubClient, batch_ids: list[str]) -> None:
@@ -101,9 +177,11 @@ def _ack(client: HubClient, batch_ids: list[str]) -> None:
                     ", ".join(unknown[:3]))
 
 
-def _renew(client: HubClient, batch_ids: list[str], trained: bool = False) -> None:
+def _renew(client: HubClient, batch_ids: list[str], trained: bool = False,
+           still_held: Callable[[], list[str]] = list) -> None:
     answer = client.renew_batches(batch_ids, trained=trained)
-    lost = [batch_id for batch_id, status in answer.items() if status != "renewed"]
-    if lost:  # the hub restarted or the lease ran out: its groups come back and are dropped as duplicates
+    held = set(still_held())  # an id acknowledged meanwhile (a checkpoint) is not a lost lease
+    lost = [batch_id for batch_id, status in answer.items() if status != "renewed" and batch_id in held]
+    if lost:  # the hub restarted or the lease ran out: its groups come back, and are held again when they do
         log.warning("%d leases could not be renewed (%s): the hub will deliver their groups again", len(lost),
                     ", ".join(lost[:3]))

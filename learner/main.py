@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from learner.advantages import AdvantageLog, batch_advantages
 from learner.checkpoint import load_latest, save_checkpoint
 from learner.delivery import DeliveryLedger
 from learner.engine import (
@@ -30,12 +31,10 @@ from learner.engine import (
     init_distributed,
     uses_bf16,
 )
-from learner.metrics import LappedEngine, MetricsLogger, StepClock
+from learner.metrics import LappedEngine, MetricsLogger, StepClock, batch_metrics
 from learner.prefetch import BatchPrefetcher, HubCalls
 from learner.step import (
     all_reduce,
-    batch_advantages,
-    batch_metrics,
     grpo_step,
     recompute_old_logprobs,
     split_micro_batches,
@@ -43,7 +42,8 @@ from learner.step import (
 from shared.config.schema import GRPOConfig
 from shared.devices import resolve_device
 from shared.errors import ServiceError, UsageError
-from shared.protocol.client import service_client, stop_on_signals
+from shared.protocol.client import HubClient, LearnerSession, service_client, stop_on_signals
+from shared.protocol.numbers import batch_problem
 from shared.protocol.records import TrainBatch
 from shared.weight_sync.export import export_hf_folder
 from shared.weight_sync.publisher import WeightPublisher
@@ -95,7 +95,9 @@ class Learner:
         if cfg.model is None:
             raise UsageError("learner.model is not set (pass --model or set it in the config)")
         self.stop = stop or threading.Event()
-        self.client = service_client(cfg.hub_url, config.ref_server.token, cfg.retry_max_s)
+        # the hub takes version reports and weights only from this learner's session (registered below)
+        self.session = LearnerSession()
+        self.client = self._client()
         stop_on_signals(self.stop, self.client, "finishing this step, checkpointing, exiting")
         ensure_single_process_env()
         self.device = resolve_device(cfg.device, local_rank=int(os.environ.get("LOCAL_RANK", "0")))
@@ -112,21 +114,26 @@ class Learner:
         consumed: list[str] = []
         if resume and (state := load_latest(self.engine, cfg.checkpoint_dir)) is not None:
             self.step, self.version, consumed = state["step"], state["version"], state["consumed"]
+        self.advantage_log = (AdvantageLog(cfg.advantages_jsonl, self.rank, config.algorithm,
+                                           mask_truncated=cfg.mask_truncated) if cfg.advantages_jsonl else None)
         self.metrics = MetricsLogger(jsonl=cfg.metrics_jsonl, tensorboard_dir=cfg.tensorboard_dir,
                                      wandb_project=cfg.wandb_project, enabled=self.rank == 0,
                                      total_steps=cfg.max_steps, run_config=config.model_dump(mode="json"))
         # acknowledgements and lease renewals leave from a background thread (its own client)
-        self.hub_calls = HubCalls(service_client(cfg.hub_url, config.ref_server.token, cfg.retry_max_s))
+        self.hub_calls = HubCalls(self._client())
         hub_stats = self.client.hub_stats()
         self.ledger = DeliveryLedger(self.client, ack_on_checkpoint=cfg.checkpoint_every is not None,
                                      lease_timeout_s=hub_stats["lease_timeout_s"], consumed=consumed,
-                                     calls=self.hub_calls.submit)
+                                     calls=self.hub_calls.submit).start()  # its timer renews held leases
         self.hub_version = self._check_hub(resume, dtype)
         # weight sync: a send buffer on rank 0 and background transfers (its threads get their own clients)
         self.publisher = WeightPublisher(
-            self.engine.module, lambda: service_client(cfg.hub_url, config.ref_server.token, cfg.retry_max_s),
-            config.weight_sync, rank=self.rank, world=self.world, device=self.device,
-            relay_version=self.hub_version or None)
+            self.engine.module, self._client, config.weight_sync, rank=self.rank, world=self.world,
+            device=self.device, relay_version=self.hub_version or None)
+        if self.rank == 0:
+            # the learner's session: its version and its model's layout (the relay refuses weights that differ)
+            self.client.register_learner(max(self.version, self.hub_version), cfg.groups_per_step * self.world,
+                                         self.publisher.layout.to_json())
         # the next batch is leased and decoded while this one trains (its own client: sessions are per thread)
         self.prefetcher = BatchPrefetcher(service_client(cfg.hub_url, config.ref_server.token, cfg.retry_max_s),
                                           cfg.groups_per_step, cfg.batch_wait_s, self.stop, self.ledger,
@@ -141,13 +148,23 @@ class Learner:
         self._said_prefix = False
         self.staging = os.path.join(cfg.checkpoint_dir, "..", "publish")
 
+    def _client(self) -> HubClient:
+        """A client of this learner's (one per thread: a requests session is not meant to be shared)."""
+        client = service_client(self.cfg.hub_url, self.config.ref_server.token, self.cfg.retry_max_s)
+        client.learner = self.session
+        return client
+
     def _check_hub(self, resume: bool, dtype: torch.dtype) -> int:
-        """Refuse a hub this run cannot train against (no reference model for beta > 0, an earlier run's weights);
-        report the starting version. Returns the hub's newest weights version."""
-        if self.config.algorithm.loss.beta > 0 and not self.client.health()["reference_model_loaded"]:
+        """Refuse a hub this run cannot train against (no reference model when one is needed, an earlier run's weights);
+        find the version to start from (registered with the hub once the publisher knows the layout). Returns the hub's
+        newest weights version."""
+        algorithm = self.config.algorithm
+        if algorithm.needs_reference and not self.client.health()["reference_model_loaded"]:
+            wants = (f"algorithm.loss.beta is {algorithm.loss.beta}" if algorithm.loss.beta > 0
+                     else "algorithm.kl.in_reward is true")
             raise LearnerSetupError(
-                f"algorithm.loss.beta is {self.config.algorithm.loss.beta} but the ref server at {self.cfg.hub_url} "
-                "has no reference model loaded (its algorithm.loss.beta is 0?): start both with the same config")
+                f"{wants} but the ref server at {self.cfg.hub_url} has no reference model loaded (its "
+                "algorithm.loss.beta is 0?): start both with the same config")
         # the newest version the hub knows: on its relay, or reported by a learner (the relay may lag behind the
         # reports: weights reach it only when a generator needs them there)
         hub_version = max(self.client.weights_version() or 0, self.client.hub_stats()["learner_version"])
@@ -157,8 +174,6 @@ class Learner:
                 "train against them. Start the ref server with empty ref_server.weights_dir and spool_dir, or pass "
                 "--resume")
         if self.rank == 0:
-            # the global batch in groups: the hub paces the generators by it (ref_server/hub/pacing.py)
-            self.client.report_version(max(self.version, hub_version), self.cfg.groups_per_step * self.world)
             log.info("learner: %d rank(s) on %s, ZeRO-%d, %s, step %d, version %d", self.world, self.device.type,
                      self.cfg.zero_stage, dtype, self.step, self.version)
         return hub_version
@@ -179,31 +194,53 @@ class Learner:
             self.finish()
             self.hub_calls.flush()  # every acknowledgement reached the hub before the learner reports success
         finally:
+            self.ledger.close()
             self.hub_calls.close()
             self.publisher.close()
             self.prefetcher.close()
             self.metrics.close()
+            if self.advantage_log is not None:
+                self.advantage_log.close()
             self.client.close()
         return LearnerResult(self.step, self.version, self.skipped, self.stop.is_set(), self.ledger.duplicates)
 
     def next_batch(self) -> TrainBatch | None:
         """The next batch of untrained groups, or None once any rank was asked to stop (all ranks agree)."""
-        if _agree(self.stop.is_set(), self.device):
-            self.stop.set()
-            return None
-        batch, fetched = self.prefetcher.next()
-        if _agree(batch is None, self.device):  # a rank stopped while waiting: everyone stops
-            self.stop.set()
-            return None  # a batch this rank had leased goes back to the hub when the prefetcher closes
-        self.fetched = fetched
-        return batch
+        while True:
+            if _agree(self.stop.is_set(), self.device):
+                self.stop.set()
+                return None
+            batch, fetched = self.prefetcher.next()
+            if _agree(batch is None, self.device):  # a rank stopped while waiting: everyone stops
+                self.stop.set()
+                return None  # a batch this rank had leased goes back to the hub when the prefetcher closes
+            problem = batch_problem(batch, getattr(self.engine.module.get_input_embeddings(), "num_embeddings", None))
+            if not _agree(problem is not None, self.device):
+                self.fetched = fetched
+                return batch
+            self._set_aside(batch, problem)
+
+    def _set_aside(self, batch: TrainBatch, problem: str | None) -> None:
+        """A batch (this rank's or another's) that cannot be trained: the bad one is left unacknowledged, so that
+        its lease expires as a failed delivery and the hub isolates and quarantines the culprit
+        (ref_server.max_deliveries); a good one is handed back for a later step."""
+        # a ledger that renews leased-untrained batches on a timer must stop renewing this one (else it never expires)
+        self.ledger.forget(batch.batch_id)  # not renewed any more: its lease expires and the hub counts the failure
+        if problem is None:
+            self.hub_calls.submit(lambda client, ids=[batch.batch_id]: client._request(  # noqa: SLF001
+                "POST", "/v1/batch/release", json={"batch_ids": ids}))
+            return
+        log.error("batch %s cannot be trained (%s): left unacknowledged; the hub quarantines the group after "
+                  "ref_server.max_deliveries failed deliveries", batch.batch_id, problem)
 
     def train_on(self, batch: TrainBatch) -> None:
         """``updates_per_batch`` GRPO steps on one batch, each followed by publishing and logging; then the batch
         counts as trained (before any checkpoint, so that a checkpoint holding its update also holds its ids)."""
         cfg, algorithm, clock = self.cfg, self.config.algorithm, self.clock
-        advantages = batch_advantages(batch, algorithm.advantage)
-        rollout_metrics = batch_metrics(batch, advantages, self.version)
+        advantages = batch_advantages(batch, algorithm.advantage, algorithm.kl)
+        rollout_metrics = batch_metrics(batch, advantages, self.version, algorithm)
+        if self.advantage_log is not None:
+            self.advantage_log.write(self.step + 1, batch, advantages)
         # host numbers from host tensors (the batch is still on the CPU here): no device round trip for them
         tokens = float((batch.prompt_lengths + batch.completion_lengths).sum())
         if self.world > 1:

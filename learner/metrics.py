@@ -9,6 +9,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from learner.advantages import advantage_metrics, algorithm_metrics
+from shared.config.schema import AlgorithmConfig
+from shared.protocol.records import TrainBatch
+
 log = logging.getLogger("grpo.learner")
 
 # What the console line shows, in order (the JSONL/TensorBoard get everything).
@@ -136,3 +142,32 @@ class LappedEngine:
         result = self._engine.step(*args, **kwargs)
         self._clock.lap("optimizer")
         return result
+
+
+def batch_metrics(batch: TrainBatch, advantages: torch.Tensor, current_version: int,
+                  algorithm: AlgorithmConfig | None = None) -> dict[str, float]:
+    """What the pulled batch says about the rollouts (before any update). The advantage metrics are over the
+    completions (``[B]``) or their real tokens (``[B, L]``); with ``algorithm`` also the step-reward and
+    KL-in-reward metrics (:func:`learner.advantages.algorithm_metrics`)."""
+    rewards = batch.rewards.float()
+    lengths = batch.completion_lengths.float()
+    groups = int(batch.group_index.max()) + 1
+    # a group is constant when its highest and lowest rewards are equal (two scatter ops, not one op per group)
+    highest = rewards.new_full((groups,), float("-inf")).scatter_reduce(0, batch.group_index, rewards, "amax")
+    lowest = rewards.new_full((groups,), float("inf")).scatter_reduce(0, batch.group_index, rewards, "amin")
+    constant = int((highest == lowest).sum())
+    staleness = (current_version - batch.policy_versions).float()
+    metrics = {
+        "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+        **(advantage_metrics(batch, advantages) if algorithm is None
+           else algorithm_metrics(batch, advantages, algorithm)),
+        "completion_len_mean": float(lengths.mean()), "completion_len_min": float(lengths.min()),
+        "completion_len_max": float(lengths.max()), "truncated_frac": float(batch.truncated.float().mean()),
+        "zero_variance_group_frac": constant / groups,
+        "staleness_mean": float(staleness.mean()), "staleness_max": float(staleness.max()),
+    }
+    for name, values in batch.reward_components.items():
+        valid = values[~torch.isnan(values)]
+        if valid.numel():
+            metrics[f"reward/{name}"] = float(valid.mean())
+    return metrics

@@ -145,6 +145,7 @@ class BatchPrefetcher:
             t1 = time.perf_counter()
             if response.status_code == 200:
                 batch = TrainBatch.from_bytes(response.content)
+                self.ledger.leased(batch.batch_id)  # its lease is renewed until it is trained or handed back
                 return FetchedBatch(batch, fetch_s=t1 - t0, decode_s=time.perf_counter() - t1)
             if self.progress is not None and self._consumer_waiting.is_set() and not self._closed.is_set():
                 stats = self.client.hub_stats()
@@ -154,6 +155,7 @@ class BatchPrefetcher:
 
     def _release(self, batch_id: str) -> None:
         """Hand an untrained lease back (one attempt: if it fails, the lease expires on the hub instead)."""
+        self.ledger.forget(batch_id)
         try:
             response = self.client.session.post(f"{self.client.base_url}/v1/batch/release",
                                                 json={"batch_ids": [batch_id]}, timeout=10)

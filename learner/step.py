@@ -16,12 +16,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from shared.config.schema import AdvantageConfig, LossConfig
+from shared.config.schema import LossConfig
 from shared.forward.logprobs import sequence_logprobs
 from shared.forward.packing import PackingMode, split_by_token_budget
 from shared.forward.prefix_sharing import PrefixRows, shared_prefixes
 from shared.forward.row_lengths import to_device
-from shared.grpo.advantages import compute_advantages
 from shared.grpo.losses import PolicyLossOutput, compute_policy_loss, loss_normalizers
 from shared.protocol.records import TrainBatch
 
@@ -60,24 +59,6 @@ class StepOutcome:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def batch_advantages(batch: TrainBatch, cfg: AdvantageConfig) -> torch.Tensor:
-    """``[B]`` advantages of the whole batch, one estimator call with the group index (verl's way).
-
-    With ``scale: batch`` the std is that of the global batch: every rank's rewards, all-reduced (count, sum,
-    sum of squares), so the result does not depend on how the hub split the batch over ranks.
-
-    Outcome rewards only: the batch's step rewards (``step_rewards``, ``step_index``, ``step_end``, present when
-    its groups carry them) are not read here; the process estimator consumes them (issue 23 item 3)."""
-    batch_std = None
-    if cfg.scale == "batch":
-        rewards = batch.rewards.double()
-        n, total, squares = all_reduce(torch.stack([torch.tensor(float(rewards.numel()), dtype=torch.float64),
-                                                    rewards.sum(), (rewards * rewards).sum()])).tolist()
-        batch_std = max((squares - total * total / n) / (n - 1), 0.0) ** 0.5 if n > 1 else 0.0
-    return compute_advantages(batch.rewards, batch.group_index, cfg.estimator, scale=cfg.scale, eps=cfg.eps,
-                              batch_std=batch_std)
-
-
 def micro_batch_rows(batch: TrainBatch, parts: int, token_budget: int | None = None, packed: bool = False,
                      device: torch.device | None = None) -> list[torch.Tensor]:
     """Row indices of each micro-batch.
@@ -111,7 +92,9 @@ def split_micro_batches(batch: TrainBatch, advantages: torch.Tensor, parts: int,
                         packing: PackingMode = "padded", prefix_sharing: str = "off") -> list[MicroBatch]:
     """Split into micro-batches (:func:`micro_batch_rows`), each trimmed to its own widths.
 
-    ``advantages`` is ``[B]``, one per completion (the loss broadcasts it over the completion's tokens).
+    ``advantages`` is ``[B]``, one per completion (the loss broadcasts it over the completion's tokens), or
+    ``[B, L]``, one per completion token (learner.advantages.batch_advantages): cut by rows like every per-row
+    tensor and trimmed to the micro-batch's completion width like the logprobs.
     ``packing`` is how their forward lays the rows out (``learner.packing``); it also decides how the token
     budget counts a micro-batch. ``prefix_sharing`` (``learner.prefix_sharing``): rows of a micro-batch that
     continue one prompt share one pass of it."""
@@ -135,7 +118,7 @@ def split_micro_batches(batch: TrainBatch, advantages: torch.Tensor, parts: int,
         pieces.append(MicroBatch(
             input_ids=take(batch.input_ids, width), prompt_lengths=take(batch.prompt_lengths),
             completion_lengths=take(batch.completion_lengths), loss_lengths=take(loss_lengths),
-            advantages=take(advantages),
+            advantages=take(advantages, width_c),
             behaviour_logprobs=take(batch.behaviour_logprobs, width_c),
             ref_logprobs=take(batch.ref_logprobs, width_c), layout=packing if prefix is None else "padded",
             prefix=prefix, normalizers=loss_normalizers(loss_lengths[rows]), host_prompt_lengths=batch.prompt_lengths[rows].tolist(), host_completion_lengths=completion.tolist(),
@@ -307,31 +290,4 @@ def _step_metrics(host: dict, grad_norm) -> dict[str, float]:
     metrics.update(host["maxs"])
     if grad_norm is not None:
         metrics["grad_norm"] = float(grad_norm)
-    return metrics
-
-
-def batch_metrics(batch: TrainBatch, advantages: torch.Tensor, current_version: int) -> dict[str, float]:
-    """What the pulled batch says about the rollouts (before any update)."""
-    rewards = batch.rewards.float()
-    lengths = batch.completion_lengths.float()
-    groups = int(batch.group_index.max()) + 1
-    # a group is constant when its highest and lowest rewards are equal (two scatter ops, not one op per group)
-    highest = rewards.new_full((groups,), float("-inf")).scatter_reduce(0, batch.group_index, rewards, "amax")
-    lowest = rewards.new_full((groups,), float("inf")).scatter_reduce(0, batch.group_index, rewards, "amin")
-    constant = int((highest == lowest).sum())
-    adv = advantages.float()
-    staleness = (current_version - batch.policy_versions).float()
-    metrics = {
-        "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
-        "advantage_mean": float(adv.mean()), "advantage_std": float(adv.std()) if adv.numel() > 1 else 0.0,
-        "advantage_min": float(adv.min()), "advantage_max": float(adv.max()),
-        "completion_len_mean": float(lengths.mean()), "completion_len_min": float(lengths.min()),
-        "completion_len_max": float(lengths.max()), "truncated_frac": float(batch.truncated.float().mean()),
-        "zero_variance_group_frac": constant / groups,
-        "staleness_mean": float(staleness.mean()), "staleness_max": float(staleness.max()),
-    }
-    for name, values in batch.reward_components.items():
-        valid = values[~torch.isnan(values)]
-        if valid.numel():
-            metrics[f"reward/{name}"] = float(valid.mean())
     return metrics

@@ -8,8 +8,6 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 if TYPE_CHECKING:
-    from fastapi import Request
-
     from ref_server.state import ServerState
 
 _ENDPOINTS = {"/healthz", "/metrics", "/v1/logprobs", "/v1/rollouts", "/v1/batch", "/v1/batch/ack",
@@ -25,6 +23,9 @@ class ServerMetrics:
         self.latency = Histogram("grpo_ref_request_seconds", "Request latency by endpoint", ["endpoint"],
                                  buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
                                  registry=self.registry)
+        self.refused = Counter("grpo_ref_requests_refused", "Requests the guard refused or lost, by reason: too_large "
+                               "(413), body_timeout (408), bad_json (422), disconnected (client left mid-body: 499)",
+                               ["reason"], registry=self.registry)
         self.tokens_scored = Counter("grpo_ref_tokens_scored", "Completion tokens given a reference logprob",
                                      registry=self.registry)
         gauges = {
@@ -44,11 +45,12 @@ class ServerMetrics:
         hub_events = Gauge("grpo_hub_groups", "Rollout groups by what happened to them", ["event"],
                            registry=self.registry)
         for event in ("accepted", "duplicates", "rejected", "refused_stale", "dropped_stale", "dropped_ref_failure", "leased",
-                      "consumed", "lease_expired", "rejected_full", "spool_reloaded", "spool_corrupt"):
+                      "consumed", "lease_expired", "rejected_full", "spool_reloaded", "spool_corrupt",
+                      "quarantined"):
             hub_events.labels(event=event).set_function(lambda e=event: getattr(counters, e))
 
-    def observe(self, request: Request, status: int, started: float) -> None:
-        path = request.url.path
+    def observe(self, path: str, status: int, started: float) -> None:
+        """One answered request; ``status`` 499 is a client that left before its answer (never counted as 5xx)."""
         endpoint = "/v1/weights" if path.startswith("/v1/weights") else path if path in _ENDPOINTS else "other"
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()
         self.latency.labels(endpoint=endpoint).observe(time.perf_counter() - started)

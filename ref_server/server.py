@@ -11,7 +11,10 @@ from pathlib import Path
 import torch
 
 from ref_server.app import create_app
+from ref_server.body_limits import BodyLimits
+from ref_server.header_deadline import header_deadline_protocol
 from ref_server.hub.rollout_hub import RolloutHub
+from ref_server.scoring.prm import PRMScorer
 from ref_server.scoring.scorer import ReferenceScorer
 from ref_server.scoring.tokenizer import ServedTokenizer
 from ref_server.state import ServerState
@@ -57,9 +60,10 @@ def build_state(config: GRPOConfig) -> ServerState:
     vocab_size = max_context = None
     if cfg.model is not None:
         vocab_size, max_context = model_limits(cfg.model)
-    if config.algorithm.loss.beta > 0:
+    if config.algorithm.needs_reference:
         if cfg.model is None:
-            raise ModelLoadError("algorithm.loss.beta > 0 needs ref_server.model (or --model)")
+            raise ModelLoadError("algorithm.loss.beta > 0 or algorithm.kl.in_reward needs ref_server.model (or "
+                                 "--model)")
         device = resolve_device(cfg.device)
         model = load_reference_model(cfg.model, device, default_dtype(cfg.dtype, device))
         vocab_size = model.config.get_text_config().vocab_size
@@ -68,19 +72,30 @@ def build_state(config: GRPOConfig) -> ServerState:
                                  batch_tokens=cfg.batch_tokens, packing=cfg.packing,
                                  prefix_sharing=cfg.prefix_sharing)
         tokenizer = ServedTokenizer.load(cfg.model, vocab_size, max_context)
+    prm = None
+    if cfg.prm_model is not None:
+        device = resolve_device(cfg.device)
+        prm = PRMScorer.load(cfg.prm_model, device, default_dtype(cfg.dtype, device),
+                             max_tokens=cfg.max_request_tokens, max_request_bytes=cfg.max_request_bytes)
     weights = WeightStore(cfg.weights_dir, keep=cfg.keep_weight_versions, max_bytes=cfg.max_weight_bytes)
     temperature = config.generator.sampling.temperature
     hub = RolloutHub(capacity=cfg.queue_capacity, max_staleness=cfg.max_staleness, scorer=scorer,
                      vocab_size=vocab_size, spool_dir=cfg.spool_dir, lease_timeout_s=cfg.lease_timeout_s,
+                     max_deliveries=cfg.max_deliveries,
                      # 0 is greedy decoding, for evaluation only: no training group is sampled that way
                      temperature=temperature if temperature > 0 else None,
-                     published_version=lambda: weights.current)
+                     published_version=lambda: weights.current, max_context=max_context)
+    if weights.learner_version is not None:  # the registered learner's last version survives a hub restart
+        hub.report_version(weights.learner_version)
     return ServerState(
         scorer=scorer, hub=hub, weights=weights, model_name=cfg.model, vocab_size=vocab_size,
         max_context=max_context, max_request_bytes=cfg.max_request_bytes,
         max_request_tokens=cfg.max_request_tokens, max_long_poll_s=cfg.max_long_poll_s,
         token=cfg.token or os.environ.get("GRPO_TOKEN") or None, max_version_ahead=cfg.max_version_ahead,
-        tokenizer=tokenizer,
+        tokenizer=tokenizer, prm=prm, limits=BodyLimits(
+            json_bytes=cfg.max_json_body_bytes, request_bytes=cfg.max_request_bytes,
+            weight_bytes=cfg.max_weight_bytes, timeout_s=cfg.body_timeout_s,
+            min_bytes_per_s=cfg.min_body_bytes_per_s),
     )
 
 
@@ -101,7 +116,9 @@ def serve(config: GRPOConfig) -> None:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda num, frame: log.info("ref-server stopped (%s)", signal.Signals(num).name))
     try:
-        uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, timeout_graceful_shutdown=5)
+        uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, timeout_graceful_shutdown=5,
+                    http=header_deadline_protocol(cfg.header_timeout_s))
     finally:
+        state.hub.close()  # leases still held untrained count as failed deliveries (poison pills across restarts)
         if state.scorer is not None:
             state.scorer.close()

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ref_server.body_limits import BodyLimits
 from ref_server.hub.rollout_hub import RolloutHub
+from ref_server.scoring.prm import PRMScorer
 from ref_server.scoring.scorer import ReferenceScorer
 from ref_server.scoring.tokenizer import ServedTokenizer
 from shared.weight_sync.relay_store import WeightStore
@@ -28,3 +30,7 @@ class ServerState:
     tokenizer: ServedTokenizer | None = None
     # the weight-sync rendezvous between the learner's sender and the generators (/v1/weights/sync/...)
     sync: SyncRendezvous = field(default_factory=SyncRendezvous)
+    # the process reward model stand-in behind vLLM's /pooling (ref_server.prm_model); None when not set
+    prm: PRMScorer | None = None
+    # every request body's size limit and deadline (ref_server/limits.py)
+    limits: BodyLimits = field(default_factory=BodyLimits)

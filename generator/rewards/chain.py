@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from generator.rewards import REWARDS, GroupReward, per_completion
+from generator.rewards.base import REWARDS, GroupReward, per_completion
 from generator.rewards.steps import StepScores
 from generator.tasks.chain import SEPARATOR, final_line_correct, line_checks
 

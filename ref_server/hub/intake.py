@@ -1,8 +1,9 @@
 """The hub's intake: generators' uploads into the shared :class:`ref_server.hub.queue.RolloutQueue`.
 
 * Validation: a group that could not join a batch is refused at upload (a temperature other than the hub's, a
-  policy version the learner has not published, unsafe ids, non-finite values), so it can never take other groups
-  down with it. A group already stale when uploaded is answered ``dropped: stale`` and never queued.
+  policy version the learner has not published, unsafe ids, values not finite in float32), so it can never take
+  other groups down with it; in a batch upload it is refused alone (its own answer says why) and the others are
+  queued. A group already stale when uploaded is answered ``dropped: stale`` and never queued.
 * Bounded: when ``capacity`` groups are held, :meth:`Intake.put` raises :class:`HubFull` (HTTP 429).
 * Duplicates: a group id seen recently is acknowledged again without being queued twice, so a generator may
   safely retry an upload whose answer it did not receive.
@@ -24,9 +25,11 @@ import torch
 
 from ref_server.hub.batching import GroupRows
 from ref_server.hub.queue import QueuedGroup, RolloutQueue
+from ref_server.scoring.context import ContextTooLong, check_group
 from ref_server.scoring.scorer import ReferenceScorer, Row
 from shared.protocol.errors import ProtocolError
 from shared.protocol.records import RolloutGroup
+from shared.protocol.wire import WireError
 
 log = logging.getLogger("grpo.ref_server.hub")
 
@@ -41,8 +44,9 @@ class GroupRejected(ValueError):
 
 class Intake:
     def __init__(self, queue: RolloutQueue, *, scorer: ReferenceScorer | None, vocab_size: int | None = None,
-                 published_version: Callable[[], int | None] = lambda: None) -> None:
+                 published_version: Callable[[], int | None] = lambda: None, max_context: int | None = None) -> None:
         self.queue = queue
+        self.max_context = max_context
         self.scorer = scorer
         self.vocab_size = vocab_size
         self._published_version = published_version
@@ -52,23 +56,35 @@ class Intake:
 
     # -- uploads ------------------------------------------------------------------------------------------
     def put(self, data: bytes) -> dict:
-        """Validate and enqueue one encoded group. Returns the answer for the generator (depth included)."""
-        return self._enqueue(RolloutGroup.from_bytes(data).validate(self.vocab_size), data)
+        """Validate and enqueue one encoded group. Returns the answer for the generator (depth included); a refused
+        group raises (WireError: not a group; ProtocolError, GroupRejected: a group the hub cannot take), counted in
+        ``rejected``."""
+        try:
+            return self._enqueue(self._decode(data), data)
+        except ValueError:
+            with self.queue.cond:
+                self.queue.counters.rejected += 1
+            raise
 
     def put_many(self, messages: list[bytes]) -> list[dict]:
-        """Enqueue several encoded groups, in order, with one answer each. Every group is decoded and validated
-        before any is queued: a bad one (a ValueError naming its index) queues none. A full queue raises HubFull
-        after the groups before it were queued; a retry of the same request answers those as duplicates."""
-        groups = []
+        """Enqueue several encoded groups, in order, with one answer each. A bad group is refused alone: its answer
+        is ``{"accepted": false, "refused": reason, "status": 400 or 422}`` (counted in ``rejected``) and the
+        others are queued. A full queue raises HubFull after the groups before it were queued; a retry of the same
+        request answers those as duplicates."""
+        answers = []
         for i, data in enumerate(messages):
             try:
-                group = RolloutGroup.from_bytes(data).validate(self.vocab_size)
+                answers.append(self._enqueue(self._decode(data), data))
+            except ValueError as exc:  # WireError, ProtocolError, GroupRejected: this group only
                 with self.queue.cond:
-                    self._check_batchable(group)
-            except ValueError as exc:
-                raise type(exc)(f"group {i} of {len(messages)} (none queued): {exc}") from None
-            groups.append(group)
-        return [self._enqueue(group, data) for group, data in zip(groups, messages)]
+                    self.queue.counters.rejected += 1
+                log.warning("upload: group %d of %d refused: %s", i, len(messages), exc)
+                answers.append(self._answer(accepted=False, refused=str(exc)[:500],
+                                            status=400 if isinstance(exc, WireError) else 422))
+        return answers
+
+    def _decode(self, data: bytes) -> RolloutGroup:
+        return RolloutGroup.from_bytes(data).validate(self.vocab_size)
 
     def _enqueue(self, group: RolloutGroup, data: bytes) -> dict:
         queue = self.queue
@@ -127,13 +143,15 @@ class Intake:
         """Refuse what could not join a batch with the others, naming why (checked under the lock)."""
         queue = self.queue
         if not queue.same_temperature(group):
-            queue.counters.rejected += 1
             raise GroupRejected(f"group sampled at temperature {group.sampling.temperature}, but this hub batches "
                                 f"groups sampled at {queue.temperature} (generator.sampling.temperature in the ref "
                                 "server's config)")
+        try:  # the rule /v1/logprobs applies: a row longer than the model's context is never queued
+            check_group(self.max_context, group)
+        except ContextTooLong as exc:  # counted in ``rejected`` by the caller (trust-numbers' put/put_many)
+            raise GroupRejected(str(exc)) from None
         newest = max(queue.learner_version, self._published_version() or 0)
         if group.policy_version > newest:
-            queue.counters.rejected += 1
             raise GroupRejected(f"policy_version {group.policy_version} is newer than any version the learner has "
                                 f"published ({newest})")
 
@@ -175,8 +193,9 @@ class Intake:
         self.queue.mark_ready(entry, rows)
 
     # -- restart ------------------------------------------------------------------------------------------
-    def reload_spool(self) -> None:
-        """Queue the spooled groups again in their order, each under the sequence number it was spooled with."""
+    def reload_spool(self, triage: Callable[[QueuedGroup], bool] = lambda entry: True) -> None:
+        """Queue the spooled groups again in their order, each under the sequence number it was spooled with and
+        with the failed deliveries recorded for it; ``triage(entry)`` False: not queued (quarantined)."""
         queue = self.queue
         assert queue.spool is not None
         found = queue.spool.reload(self._check_reloaded)
@@ -184,10 +203,11 @@ class Intake:
         pending: list[QueuedGroup] = []
         for spooled in found.groups:
             self._next_seq = max(self._next_seq, spooled.seq + 1)
-            entry = QueuedGroup(spooled.seq, spooled.group, spooled.path)
-            queue.add_locked(entry)
+            entry = QueuedGroup(spooled.seq, spooled.group, spooled.path, failures=spooled.failures)
             self._remember(spooled.group.group_id)
-            pending.append(entry)
+            if triage(entry):
+                queue.add_locked(entry)
+                pending.append(entry)
         queue.counters.spool_reloaded = len(pending)
         if pending:
             log.info("reloaded %d spooled groups from %s", len(pending), queue.spool.directory)

@@ -6,6 +6,16 @@ the groups and their spool files gone. A lease not acknowledged (or renewed, :me
 ``lease_timeout_s``, or handed back (:meth:`Leases.release`), returns its groups to the front of the queue. The
 learner drops group ids it already trained on, which makes delivery exactly once.
 
+Poison pills: a lease that expires while the learner has not marked it trained counts as a failed delivery of each
+of its groups (a learner that crashes on a group never acknowledges it; a handed-back lease does not count). A group
+with ``max_deliveries - 1`` failures is leased alone, so the good groups of its batches train and only the culprit
+fails again; at ``max_deliveries`` failures it is quarantined (:meth:`RolloutQueue.quarantine_locked`), never
+redelivered, counted (``quarantined``). Like a dead-letter queue with a redrive count. The counts are kept beside
+the spool files, and a hub that shuts down cleanly counts the leases still held untrained as failed (a learner that
+crashes stops ``grpo run``, hub included): restarts go on counting, so a group that crashes the learner on every
+restart is quarantined too (:meth:`Leases.triage` at reload). A hub killed outright counts nothing for the leases it
+held (the learner is not to blame).
+
 A take looks only at the groups it takes (and at any not-yet-scored ones ahead of them): their batch rows were laid
 out when they became ready (:mod:`ref_server.hub.batching`).
 """
@@ -30,12 +40,16 @@ class Lease:
     groups: list[QueuedGroup]
     deadline: float
     trained: bool = False   # the learner trained it and holds it for its next checkpoint (pacing leaves it out)
+    released: bool = False  # handed back by the learner (not a failed delivery)
 
 
 class Leases:
-    def __init__(self, queue: RolloutQueue, *, lease_timeout_s: float = 300.0) -> None:
+    def __init__(self, queue: RolloutQueue, *, lease_timeout_s: float = 300.0, max_deliveries: int = 3) -> None:
         self.queue = queue
         self.lease_timeout_s = lease_timeout_s
+        self.max_deliveries = max_deliveries
+        # groups that failed this often are leased alone (with max_deliveries 1, none: the first failure quarantines)
+        self._alone_after = max_deliveries - 1 if max_deliveries > 1 else None
         self.held: dict[str, Lease] = {}   # batch id -> lease, not yet acknowledged
         # batch ids acknowledged (-> None) or expired and requeued (-> their groups' sequence numbers), so that a
         # repeated or late acknowledgement is answered correctly
@@ -110,6 +124,7 @@ class Leases:
                     answer[batch_id] = "unknown"
                     continue
                 lease.deadline = float("-inf")
+                lease.released = True
                 answer[batch_id] = "released"
             self.expire_locked(reason="handed back")
         return answer
@@ -149,9 +164,10 @@ class Leases:
         requeued: list[QueuedGroup] = []
         for batch_id in expired:
             lease = self.held.pop(batch_id)
-            requeued += lease.groups
+            back = lease.groups if lease.released or lease.trained else self._failed_delivery(lease)
+            requeued += back
             self.queue.counters.lease_expired += len(lease.groups)
-            self._finish(batch_id, [e.seq for e in lease.groups])
+            self._finish(batch_id, [e.seq for e in back])
             if reason:
                 log.info("batch %s was %s: its %d groups are queued again", batch_id, reason, len(lease.groups))
             else:
@@ -159,6 +175,41 @@ class Leases:
                             self.lease_timeout_s, len(lease.groups))
         self.queue.requeue_locked(requeued)  # requeued groups may have gone stale while leased: dropped there
         self.queue.cond.notify_all()
+
+    def _failed_delivery(self, lease: Lease) -> list[QueuedGroup]:
+        """Count a failed delivery of each group of an expired, untrained lease; quarantine those that reached
+        ``max_deliveries``. Returns the groups to queue again."""
+        back = []
+        for entry in lease.groups:
+            entry.failures += 1
+            if self.triage(entry, alone=len(lease.groups) == 1):
+                self.queue.record_failures_locked(entry)
+                back.append(entry)
+        return back
+
+    def triage(self, entry: QueuedGroup, alone: bool = False) -> bool:
+        """After a failed delivery (or at reload): quarantine a group at ``max_deliveries`` failures (False), else
+        mark it to be leased alone from ``max_deliveries - 1`` on; True while it may be delivered again. The caller
+        holds the queue's lock (or nothing else runs yet, at reload)."""
+        if entry.failures >= self.max_deliveries:
+            self.queue.quarantine_locked(entry, f"{entry.failures} leases expired or were held at shutdown untrained "
+                                                f"and unacknowledged{' (the last one alone)' if alone else ''}, "
+                                                f"ref_server.max_deliveries is {self.max_deliveries}")
+            return False
+        if self._alone_after is not None and entry.failures >= self._alone_after:
+            self.queue.suspects.add(entry.seq)   # leased alone from now on
+        return True
+
+    def close(self) -> None:
+        """A clean shutdown: the leases still held untrained count as failed deliveries (recorded beside the spool
+        files; the groups stay spooled and are triaged at the next start)."""
+        with self.queue.cond:
+            for lease in self.held.values():
+                if not (lease.trained or lease.released):
+                    for entry in lease.groups:
+                        entry.failures += 1
+                        self.queue.record_failures_locked(entry)
+            self.held.clear()
 
     def _finish(self, batch_id: str, requeued: list[int] | None) -> None:
         self._finished[batch_id] = requeued

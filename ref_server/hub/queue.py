@@ -36,6 +36,7 @@ class QueuedGroup:
     spool_path: Path | None
     rows: GroupRows | None = None     # the group laid out as batch rows, set when it becomes ready
     ready: bool = False
+    failures: int = 0                 # its leases that expired untrained and unacknowledged (ref_server.hub.leases)
 
 
 @dataclass
@@ -52,6 +53,7 @@ class HubCounters:
     rejected_full: int = 0
     spool_reloaded: int = 0
     spool_corrupt: int = 0
+    quarantined: int = 0          # failed delivery too often (ref_server.max_deliveries): moved aside, never redelivered
 
 
 class RolloutQueue:
@@ -69,6 +71,8 @@ class RolloutQueue:
         self.groups_per_step: int | None = None   # the learner's global batch in groups, from its version reports
         self.groups: OrderedDict[int, QueuedGroup] = OrderedDict()
         self.reserved = 0            # uploads admitted and still writing their spool file (count against capacity)
+        # seqs of groups to be leased alone (their deliveries failed repeatedly); gone ones are dropped lazily
+        self.suspects: set[int] = set()
         # (policy_version, seq) of queued groups, oldest version on top: staleness drops pop from here
         self._by_version: list[tuple[int, int]] = []
         self.cond = threading.Condition()
@@ -106,7 +110,17 @@ class RolloutQueue:
         self.drop_stale_locked()
 
     def oldest_ready_locked(self, num_groups: int) -> list[QueuedGroup] | None:
-        """The oldest ready groups of one temperature (the oldest group's), or None if there are too few."""
+        """The oldest ready groups of one temperature (the oldest group's), or None if there are too few.
+
+        A queued ``suspects`` group (its deliveries failed repeatedly) that is ready comes first and alone (a batch
+        of one), so that the group that keeps crashing its consumer is told apart from the good groups it was
+        batched with."""
+        for seq in sorted(self.suspects):
+            entry = self.groups.get(seq)
+            if entry is None:   # leased (a new failure adds it again), consumed or dropped
+                self.suspects.discard(seq)
+            elif entry.ready:
+                return [entry]
         chosen: list[QueuedGroup] = []
         for entry in self.groups.values():
             if entry.ready and (not chosen or entry.group.sampling.temperature ==
@@ -122,6 +136,27 @@ class RolloutQueue:
             entry.rows = rows
             entry.ready = True
             self.cond.notify_all()
+
+    def quarantine_locked(self, entry: QueuedGroup, reason: str) -> None:
+        """Take a group out of delivery for good (it is not queued): its spool file moves to the spool's
+        ``quarantine/`` folder with the reason beside it (kept across restarts, never reloaded); counted."""
+        self.counters.quarantined += 1
+        where = None
+        if entry.spool_path is not None:
+            try:
+                where = self.spool.quarantine(entry.spool_path, reason)
+            except OSError as exc:  # a spool file gone or a full disk must not fail the lease request that expired it
+                log.error("could not move %s to the spool's quarantine folder (%s)", entry.spool_path, exc)
+        log.error("group %s quarantined (%s)%s", entry.group.group_id, reason, f": moved to {where}" if where else "")
+
+    def record_failures_locked(self, entry: QueuedGroup) -> None:
+        """Keep the group's failed deliveries beside its spool file (a restart goes on counting from there)."""
+        if entry.spool_path is None:
+            return
+        try:
+            self.spool.set_failures(entry.spool_path, entry.failures)
+        except OSError as exc:  # the count then restarts at the last one written: logged, not fatal
+            log.error("could not record the failed deliveries of %s (%s)", entry.spool_path.name, exc)
 
     def unspool(self, entry: QueuedGroup) -> None:
         """Delete the group's spool file (it was consumed or dropped)."""

@@ -30,14 +30,17 @@ class RolloutHub:
         spool_dir: str | Path | None = None,
         temperature: float | None = None,
         lease_timeout_s: float = 300.0,
+        max_deliveries: int = 3,
         published_version: Callable[[], int | None] = lambda: None,
+        max_context: int | None = None,
     ) -> None:
         self.queue = RolloutQueue(capacity=capacity, max_staleness=max_staleness, temperature=temperature,
                                   spool_dir=spool_dir)
-        self.intake = Intake(self.queue, scorer=scorer, vocab_size=vocab_size, published_version=published_version)
-        self.leases = Leases(self.queue, lease_timeout_s=lease_timeout_s)
+        self.intake = Intake(self.queue, scorer=scorer, vocab_size=vocab_size, published_version=published_version,
+                             max_context=max_context)
+        self.leases = Leases(self.queue, lease_timeout_s=lease_timeout_s, max_deliveries=max_deliveries)
         if self.queue.spool is not None:
-            self.intake.reload_spool()
+            self.intake.reload_spool(self.leases.triage)
 
     # -- generators ---------------------------------------------------------------------------------------
     def put(self, data: bytes) -> dict:
@@ -75,8 +78,14 @@ class RolloutHub:
                              groups_per_step=queue.groups_per_step, max_staleness=queue.max_staleness)
 
     # -- learner ------------------------------------------------------------------------------------------
-    def report_version(self, version: int, groups_per_step: int | None = None) -> int:
-        return self.queue.report_version(version, groups_per_step)
+    def report_version(self, version: int, groups_per_step: int | None = None, reset: bool = False) -> int:
+        """The learner's version (never lower than the last, :class:`ValueError`), or with ``reset`` (a learner
+        registering: ref_server/relay/routes.py) any version, also a lower one. Returns the groups made stale."""
+        queue = self.queue
+        if reset:
+            with queue.cond:
+                queue.learner_version = min(queue.learner_version, version)  # report_version takes it from there
+        return queue.report_version(version, groups_per_step)
 
     def take(self, num_groups: int, timeout: float = 0.0, min_version: int | None = None) -> TrainBatch | None:
         return self.leases.take(num_groups, timeout, min_version)
@@ -89,6 +98,10 @@ class RolloutHub:
 
     def renew(self, batch_ids: list[str], trained: bool = False) -> dict[str, str]:
         return self.leases.renew(batch_ids, trained)
+
+    def close(self) -> None:
+        """A clean shutdown: leases still held untrained count as failed deliveries (ref_server/hub/leases.py)."""
+        self.leases.close()
 
     # -- state --------------------------------------------------------------------------------------------
     def depth(self) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict
 
 from fastapi import APIRouter, HTTPException, Query, Request
@@ -11,9 +12,11 @@ from starlette.concurrency import run_in_threadpool
 
 from ref_server.http import OCTET, State, binary_body, read_body
 from ref_server.hub.intake import HubFull
+from ref_server.relay.routes import check_learner
 from shared.protocol.records import MAX_VERSION
 from shared.protocol.wire import WireError, decode_messages
 
+LONG_POLL_SLICE_S = 0.5  # a long-polling GET /v1/batch checks this often whether its client is still there
 MAX_GROUPS_PER_UPLOAD = 4096  # one request's groups (the request's size is bounded by ref_server.max_request_bytes)
 
 router = APIRouter(tags=["hub"])
@@ -61,12 +64,13 @@ async def upload_rollout(request: Request, state: State) -> JSONResponse:
 async def upload_rollouts(request: Request, state: State) -> JSONResponse:
     """Queue several rollout groups (an engine call's worth) in one request: one answer per group, in order.
 
-    Every group is checked before any is queued (400/422 naming the group: none queued). 429 with Retry-After when
-    the queue fills part-way: the groups before are queued, and the same request sent again answers them as
-    duplicates."""
+    A bad group is refused alone: its answer is ``{"accepted": false, "refused": reason, "status": 400 or 422}``
+    and the others are queued (400 for the whole request only when the container itself is malformed). 429 with
+    Retry-After when the queue fills part-way: the groups before are queued, and the same request sent again answers
+    them as duplicates."""
     body = await read_body(request, state.max_request_bytes)
     try:
-        messages = decode_messages(body, MAX_GROUPS_PER_UPLOAD)
+        messages = await run_in_threadpool(decode_messages, body, MAX_GROUPS_PER_UPLOAD)  # big bodies: off the loop
     except WireError as exc:
         raise HTTPException(400, str(exc)) from None
     answers = await _queue(state, state.hub.put_many, messages)
@@ -87,7 +91,8 @@ async def rollout_budget(state: State,
 
 
 @router.get("/v1/batch", responses={200: {"content": {OCTET: {}}}, 204: {"description": "not enough groups"}})
-async def take_batch(state: State, num_groups: int = Query(ge=1, le=4096, description="Groups in the batch."),
+async def take_batch(request: Request, state: State,
+                     num_groups: int = Query(ge=1, le=4096, description="Groups in the batch."),
                      timeout: float = Query(0.0, ge=0, allow_inf_nan=False,
                                             description="Seconds to wait for enough groups."),
                      min_version: int | None = Query(None, ge=0, lt=MAX_VERSION, description=(
@@ -96,8 +101,18 @@ async def take_batch(state: State, num_groups: int = Query(ge=1, le=4096, descri
     """Lease the oldest ready groups as one encoded TrainBatch (reference logprobs attached); 204 if too few.
 
     Acknowledge it with ``POST /v1/batch/ack`` once trained; unacknowledged, its groups return to the queue after
-    the hub's lease timeout."""
-    batch = await run_in_threadpool(state.hub.take, num_groups, min(timeout, state.max_long_poll_s), min_version)
+    the hub's lease timeout. A long poll waits in slices and stops when its client has gone: a batch leased for a
+    client that disconnected is handed back at once (front of the queue), not after the lease timeout."""
+    deadline = time.monotonic() + min(timeout, state.max_long_poll_s)
+    while True:
+        wait = min(max(deadline - time.monotonic(), 0.0), LONG_POLL_SLICE_S)
+        batch = await run_in_threadpool(state.hub.take, num_groups, wait, min_version)
+        if await request.is_disconnected():
+            if batch is not None:
+                await run_in_threadpool(state.hub.release, [batch.batch_id])
+            return Response(status_code=204)  # nobody reads it; the metrics count the request as the client's
+        if batch is not None or time.monotonic() >= deadline:
+            break
     headers = {"X-Queue-Depth": str(state.hub.depth())}
     if batch is None:
         return Response(status_code=204, headers=headers)
@@ -125,12 +140,15 @@ async def renew_leases(body: RenewedBatches, state: State) -> dict:
 
 
 @router.post("/v1/learner/version")
-async def learner_version(report: VersionReport, state: State) -> dict:
-    """The learner's current policy version; groups it makes stale are dropped (and counted)."""
+async def learner_version(report: VersionReport, request: Request, state: State) -> dict:
+    """The learner's current policy version; groups it makes stale are dropped (and counted). 409 when it is older
+    than the last, more than ``ref_server.max_version_ahead`` ahead, or not from the registered learner session."""
+    check_learner(request, state, report.version, "version report")
     try:
         dropped = await run_in_threadpool(state.hub.report_version, report.version, report.groups_per_step)
     except ValueError as exc:
         raise HTTPException(409, str(exc)) from None
+    await run_in_threadpool(state.weights.note_version, report.version)  # kept across hub restarts
     return {"version": report.version, "dropped_stale": dropped, "queue_depth": state.hub.depth()}
 
 

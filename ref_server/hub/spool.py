@@ -5,6 +5,10 @@
   renames the file to ``{seq:012d}-{group_id}.group``, its queue position (under the lock, a cheap rename).
 * Only complete renames count: a half-written file keeps its ``.tmp`` name and is deleted on reload.
 * :meth:`RolloutSpool.remove` deletes a group's file once the learner acknowledged it (or the hub dropped it).
+* :meth:`RolloutSpool.quarantine` moves the file of a group that kept failing delivery to ``quarantine/``, with a
+  ``.reason`` file beside it; reloads never pick it up again (only the spool's top folder is read).
+* :meth:`RolloutSpool.set_failures` keeps a group's failed deliveries in ``<file>.failures`` beside it, so that a
+  restart (a learner that crashes on a group stops ``grpo run``, hub included) does not start the count again.
 * :meth:`RolloutSpool.reload` (at start-up) returns the spooled groups in sequence order, so that a restart, clean
   or not, queues again every group that was accepted and not yet trained on, in the order it had; a file that
   cannot be read or that the hub refuses is moved to ``corrupt/`` and counted, never silently deleted.
@@ -31,6 +35,7 @@ class SpooledGroup:
     seq: int
     group: RolloutGroup
     path: Path
+    failures: int = 0   # failed deliveries recorded before the restart (RolloutSpool.set_failures)
 
 
 @dataclass
@@ -67,6 +72,23 @@ class RolloutSpool:
 
     def remove(self, path: Path) -> None:
         path.unlink(missing_ok=True)
+        _failures_file(path).unlink(missing_ok=True)
+
+    def quarantine(self, path: Path, reason: str) -> Path:
+        """Move a group's file to ``quarantine/`` (and write ``reason`` beside it, as ``<name>.reason``)."""
+        folder = self.directory / "quarantine"
+        folder.mkdir(exist_ok=True)
+        (folder / f"{path.name}.reason").write_text(reason + "\n")
+        target = folder / path.name
+        os.replace(path, target)
+        _failures_file(path).unlink(missing_ok=True)
+        return target
+
+    def set_failures(self, path: Path, failures: int) -> None:
+        """Record a group's failed deliveries beside its file (replaced whole: a crash leaves the old count)."""
+        tmp = path.with_name(f"{path.name}.failures.tmp")
+        tmp.write_text(f"{failures}\n")
+        os.replace(tmp, _failures_file(path))
 
     def reload(self, check: Callable[[RolloutGroup], None]) -> SpoolContents:
         """The spooled groups in sequence order (temporary files of unfinished writes are deleted).
@@ -75,6 +97,9 @@ class RolloutSpool:
         temperature than the hub now batches); such a file, like an unreadable one, is moved to ``corrupt/``."""
         for tmp in self.directory.glob("*.tmp"):
             tmp.unlink()
+        for counts in self.directory.glob("*.group.failures"):
+            if not counts.with_suffix("").exists():   # its group was consumed just before a crash
+                counts.unlink()
         found = SpoolContents()
         for path in sorted(self.directory.glob("*.group")):
             try:
@@ -89,5 +114,20 @@ class RolloutSpool:
                 os.replace(path, bad / path.name)
                 log.error("spool file %s is unreadable (%s); moved to %s", path.name, exc, bad)
                 continue
-            found.groups.append(SpooledGroup(seq, group, path))
+            found.groups.append(SpooledGroup(seq, group, path, _read_failures(path)))
         return found
+
+
+def _failures_file(path: Path) -> Path:
+    return path.with_name(f"{path.name}.failures")
+
+
+def _read_failures(path: Path) -> int:
+    counts = _failures_file(path)
+    try:
+        return max(0, int(counts.read_text()))
+    except FileNotFoundError:
+        return 0
+    except (OSError, ValueError) as exc:
+        log.error("unreadable failure count %s (%s); counting from 0", counts.name, exc)
+        return 0

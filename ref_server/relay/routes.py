@@ -11,8 +11,12 @@ from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Path, Query, Request
 from fastapi.responses import FileResponse
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from starlette.concurrency import run_in_threadpool
 
 from ref_server.http import OCTET, State, binary_body
+from shared.protocol.client import LEARNER_SESSION_HEADER
+from shared.protocol.records import MAX_VERSION
 from shared.protocol.weight_sync_messages import (
     Announcement,
     JoinRequest,
@@ -23,11 +27,61 @@ from shared.protocol.weight_sync_messages import (
     SenderInfo,
     SenderWork,
 )
-from shared.weight_sync.relay_store import WeightsConflict, WeightsRejected, WeightsTooLarge
+from shared.weight_sync.layout import Layout
+from shared.weight_sync.relay_store import NotTheLearner, WeightsConflict, WeightsRejected, WeightsTooLarge
 from shared.weight_sync.rendezvous import RendezvousError
 
 router = APIRouter(tags=["weights"])
 VersionPath = Annotated[int, Path(ge=0, lt=10**10, description="Weights version (the learner's policy version).")]
+
+
+# -- the learner's registration: versions and weights are scoped to the learner that registered -------------
+class LearnerRegistration(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    version: StrictInt = Field(ge=0, lt=MAX_VERSION, description="The version the learner holds now (it may be "
+                               "lower than the hub's: a registration resets it).")
+    groups_per_step: StrictInt | None = Field(None, ge=1, le=1_000_000, description="The learner's global batch in "
+                                              "groups (paces the generators).")
+    layout: list[tuple[str, str, list[Annotated[int, Field(ge=0)]]]] | None = Field(
+        None, max_length=1_000_000, description="[name, dtype, shape] of each tensor of the model, in order: weights "
+        "uploads must match it. Omitted: the registered layout stays.")
+
+
+def newest_allowed(state) -> int:
+    """The highest version a report, an upload or a registration may name: ``ref_server.max_version_ahead`` past
+    the newest the hub knows (the learner's reported version, the relay's newest weights)."""
+    return max(state.hub.learner_version, state.weights.current or 0) + state.max_version_ahead
+
+
+def check_learner(request: Request, state, version: int, what: str) -> None:
+    """A report or upload of ``version``: from the registered learner session (once one registered), and at most
+    ``max_version_ahead`` past the newest version the hub knows. 409 with the reason otherwise."""
+    try:
+        state.weights.check_session(request.headers.get(LEARNER_SESSION_HEADER))
+    except NotTheLearner as exc:
+        raise HTTPException(409, f"{what} refused: {exc}") from None
+    if version > newest_allowed(state):
+        # a runaway version makes every queued and future group look stale and stalls the run
+        raise HTTPException(409, f"{what} refused: version {version} is more than {state.max_version_ahead} "
+                            f"(ref_server.max_version_ahead) ahead of the hub's {newest_allowed(state) - state.max_version_ahead}")
+
+
+@router.post("/v1/learner/session")
+async def register_learner(body: LearnerRegistration, state: State) -> dict:
+    """A learner starts: a new session (version reports and weights uploads must carry its id in the
+    X-Learner-Session header; an earlier session's are refused), its version (which may move the hub's back: the
+    way to recover from a wrong version without restarting the hub) and its model's layout (uploads that do not
+    match it are refused). The version may be at most ``ref_server.max_version_ahead`` past the hub's newest."""
+    if body.version > newest_allowed(state):
+        raise HTTPException(409, f"registration refused: version {body.version} is more than "
+                            f"{state.max_version_ahead} (ref_server.max_version_ahead) ahead of the hub's newest")
+    try:
+        layout = Layout.from_json(body.layout) if body.layout is not None else None
+    except ValueError as exc:
+        raise HTTPException(422, f"layout: {exc}") from None
+    session = await run_in_threadpool(state.weights.register_learner, body.version, layout)
+    dropped = await run_in_threadpool(state.hub.report_version, body.version, body.groups_per_step, True)
+    return {"session": session, "version": body.version, "dropped_stale": dropped}
 
 
 @router.get("/v1/weights")
@@ -127,12 +181,10 @@ async def leave(member_id: str, state: State) -> dict:
 @router.put("/v1/weights/{version}", openapi_extra=binary_body("a safetensors state dict"))
 async def upload_weights(request: Request, version: VersionPath,
                          state: State) -> dict:
-    """Publish a new weights version, streamed to disk (never held in memory whole)."""
-    newest_allowed = state.hub.learner_version + state.max_version_ahead
-    if version > newest_allowed:
-        # a version far ahead would make every queued and future group look stale and stall the run
-        raise HTTPException(409, f"weights version {version} is more than {state.max_version_ahead} ahead of the "
-                            f"learner's reported version {state.hub.learner_version}")
+    """Publish a new weights version, streamed to disk (never held in memory whole). Refused (409) from anyone but
+    the registered learner session or beyond ``max_version_ahead``; refused (400) when its tensors are not the
+    registered layout's (names, dtypes, shapes), naming the first difference."""
+    check_learner(request, state, version, "weights upload")
     try:
         size = await state.weights.receive(version, request.stream())
     except WeightsTooLarge as exc:

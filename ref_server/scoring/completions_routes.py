@@ -26,6 +26,7 @@ import torch
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from starlette.concurrency import run_in_threadpool
 
 from ref_server.http import State
 from ref_server.scoring.openai_shape import (
@@ -235,12 +236,17 @@ async def completions(request: Request, state: State) -> Response:
         tokenizer = served_tokenizer(state)
         req = await parse_json_body(request, state, CompletionRequest)
         stops = _check(req)
-        prompts = _prompts(req, state, tokenizer)
+        # tokenising and building the answer take long for big prompts: in the thread pool, off the event loop
+        prompts = await run_in_threadpool(_prompts, req, state, tokenizer)
         max_tokens = req.tokens_to_generate
         if max_tokens > 0 or req.logprobs is not None:
             await _run(state, tokenizer, prompts, max_tokens, max(1, req.logprobs or 0), stops, request)
     except OpenAIError as exc:
         return exc.response()
+    return await run_in_threadpool(_answer, req, state, tokenizer, prompts)
+
+
+def _answer(req: CompletionRequest, state: ServerState, tokenizer: ServedTokenizer, prompts: list[_Prompt]):
     choices = [_choice(i, p, req, tokenizer) for i, p in enumerate(prompts)]
     prompt_tokens = sum(len(p.ids) for p in prompts)
     completion_tokens = sum(len(p.generated) for p in prompts)

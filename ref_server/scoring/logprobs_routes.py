@@ -11,10 +11,13 @@ import torch
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, Field, StrictInt, ValidationError
+from starlette.concurrency import run_in_threadpool
 
 from ref_server.http import OCTET, State, read_body
+from ref_server.scoring.context import row_fits
 from ref_server.scoring.scorer import Row, ScorerBusy, ScoringError
 from ref_server.state import ServerState
+from shared.protocol import strict_json
 from shared.protocol.logprob_messages import decode_logprob_request_tensors, encode_logprob_response
 from shared.protocol.records import MIN_TEMPERATURE
 from shared.protocol.wire import WireError
@@ -65,7 +68,7 @@ def _validate_slowly(state: ServerState, input_ids: list[list[int]], prompt_leng
 def _check_row(state: ServerState, i: int, length: int, plen: int) -> None:
     if not 1 <= plen <= length:
         raise HTTPException(422, f"row {i}: prompt_length {plen} must be between 1 and the row length {length}")
-    if state.max_context is not None and length > state.max_context:
+    if not row_fits(state.max_context, length):  # the hub's intake refuses such groups by the same rule
         raise HTTPException(422, f"row {i}: {length} tokens exceed the model's context of {state.max_context}")
 
 
@@ -109,19 +112,37 @@ def validate_tensor_rows(state: ServerState, flat: torch.Tensor, row_lengths: to
 
 
 def _parse(body: bytes, binary: bool) -> tuple:
-    """Binary: ``(flat, row_lengths, prompt_lengths, temperature)`` tensors; JSON: ``(rows, prompt_lengths,
-    temperature)`` lists."""
+    """Binary: ``(flat, row_lengths, prompt_lengths, temperature)`` tensors; JSON (strict: no NaN/Infinity, bounded
+    nesting): ``(rows, prompt_lengths, temperature)`` lists."""
     if binary:
         try:
             return decode_logprob_request_tensors(body)
         except WireError as exc:
             raise HTTPException(400, str(exc)) from None
     try:
-        parsed = LogprobRequest.model_validate_json(body)
+        parsed = LogprobRequest.model_validate(strict_json.loads(body))
+    except strict_json.StrictJSONError as exc:
+        raise HTTPException(422, f"request body: {exc}") from None
     except ValidationError as exc:
         problems = [{"loc": list(e["loc"]), "msg": e["msg"]} for e in exc.errors(include_url=False)]
         raise HTTPException(422, problems) from None
     return parsed.input_ids, parsed.prompt_lengths, parsed.temperature
+
+
+def _rows(state: ServerState, body: bytes, binary: bool) -> tuple[list[Row], float]:
+    """The request's rows and temperature, parsed and checked (run in the thread pool: a big body takes a while)."""
+    if binary:
+        flat, row_lengths, prompt_lengths, temperature = _parse(body, binary)
+        return validate_tensor_rows(state, flat, row_lengths, prompt_lengths), temperature
+    input_ids, prompt_lengths, temperature = _parse(body, binary)
+    return validate_rows(state, input_ids, prompt_lengths), temperature
+
+
+def _encode(result: list[torch.Tensor], binary: bool) -> Response:
+    if binary:
+        return Response(encode_logprob_response(result), media_type=OCTET)
+    # JSON written in Rust (pydantic-core) from the rows' float lists, not through FastAPI's per-value encoder
+    return Response(pydantic_core.to_json({"logprobs": [t.tolist() for t in result]}), media_type="application/json")
 
 
 @router.post("/v1/logprobs", response_model=LogprobResponse, openapi_extra={"requestBody": {"required": True,
@@ -135,12 +156,8 @@ async def logprobs(request: Request, state: State):
         raise HTTPException(503, "no reference model is loaded (beta = 0 mode)")
     body = await read_body(request, state.max_request_bytes)
     binary = request.headers.get("content-type", "").split(";")[0].strip() == OCTET
-    if binary:
-        flat, row_lengths, prompt_lengths, temperature = _parse(body, binary)
-        rows = validate_tensor_rows(state, flat, row_lengths, prompt_lengths)
-    else:
-        input_ids, prompt_lengths, temperature = _parse(body, binary)
-        rows = validate_rows(state, input_ids, prompt_lengths)
+    # parsing, checking and encoding run in the thread pool: the event loop keeps answering (/healthz) meanwhile
+    rows, temperature = await run_in_threadpool(_rows, state, body, binary)
     try:
         future = state.scorer.submit(rows, temperature)
     except ScorerBusy as exc:
@@ -150,7 +167,4 @@ async def logprobs(request: Request, state: State):
     except ScoringError as exc:
         raise HTTPException(503, f"scoring failed: {exc}", {"Retry-After": "5"}) from None
     request.app.state.metrics.tokens_scored.inc(sum(t.numel() for t in result))
-    if binary:
-        return Response(encode_logprob_response(result), media_type=OCTET)
-    # JSON written in Rust (pydantic-core) from the rows' float lists, not through FastAPI's per-value encoder
-    return Response(pydantic_core.to_json({"logprobs": [t.tolist() for t in result]}), media_type="application/json")
+    return await run_in_threadpool(_encode, result, binary)

@@ -10,9 +10,11 @@ import pydantic_core
 from fastapi import HTTPException, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
+from starlette.concurrency import run_in_threadpool
 
-from ref_server.http import read_body
+from ref_server.http import bounded, read_body
 from ref_server.scoring.tokenizer import ServedTokenizer
+from shared.protocol import strict_json
 
 if TYPE_CHECKING:
     from ref_server.state import ServerState
@@ -34,8 +36,8 @@ class OpenAIError(Exception):
         return cls(exc.status_code, str(exc.detail), headers=exc.headers)
 
     def response(self) -> Response:
-        body = {"error": {"message": self.message, "type": self.TYPES.get(self.status, "invalid_request_error"),
-                          "param": self.param, "code": self.code}}
+        body = {"error": {"message": bounded(self.message), "type": self.TYPES.get(self.status, "invalid_request_error"),
+                          "param": bounded(self.param), "code": self.code}}
         return json_response(body, self.status, self.headers)
 
 
@@ -50,13 +52,20 @@ def openapi_body(model: type[BaseModel]) -> dict:
 
 
 async def parse_json_body(request: Request, state: ServerState, model: type[BaseModel]):
-    """The body validated as ``model``; a 413 or 400 :class:`OpenAIError` naming the first problem otherwise."""
+    """The body validated as ``model`` (strict JSON: no NaN/Infinity, bounded nesting; parsed in the thread pool);
+    a 413 or 400 :class:`OpenAIError` naming the first problem otherwise."""
     try:
         body = await read_body(request, state.max_request_bytes)
     except HTTPException as exc:
         raise OpenAIError.from_http(exc) from None
+    return await run_in_threadpool(_validate, body, model)
+
+
+def _validate(body: bytes, model: type[BaseModel]):
     try:
-        return model.model_validate_json(body)
+        return model.model_validate(strict_json.loads(body))
+    except strict_json.StrictJSONError as exc:
+        raise OpenAIError(400, f"body: {exc}", param=str(exc.path[0]) if exc.path else None) from None
     except ValidationError as exc:
         errors = exc.errors(include_url=False)
         first = errors[0]

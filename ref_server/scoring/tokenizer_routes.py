@@ -13,6 +13,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from starlette.concurrency import run_in_threadpool
 
 from ref_server.http import State
 from ref_server.scoring.openai_shape import (
@@ -54,9 +55,17 @@ async def tokenize(request: Request, state: State) -> Response:
     try:
         tokenizer = served_tokenizer(state)
         body = await parse_json_body(request, state, TokenizeRequest)
-        tokens = tokenizer.encode([body.prompt], body.add_special_tokens)[0]
+        # tokenising a long text takes seconds: in the thread pool, so the event loop keeps answering
+        return await run_in_threadpool(_tokenize, state, tokenizer, body)
     except OpenAIError as exc:
         return exc.response()
+
+
+def _tokenize(state, tokenizer, body: TokenizeRequest) -> Response:
+    tokens = tokenizer.encode([body.prompt], body.add_special_tokens)[0]
+    if len(tokens) > state.max_request_tokens:
+        raise OpenAIError(413, f"prompt has {len(tokens)} tokens, more than the {state.max_request_tokens}-token "
+                          "budget of one request", param="prompt")
     return json_response({"tokens": tokens, "count": len(tokens), "max_model_len": state.max_context})
 
 
@@ -66,10 +75,14 @@ async def detokenize(request: Request, state: State) -> Response:
     try:
         tokenizer = served_tokenizer(state)
         body = await parse_json_body(request, state, DetokenizeRequest)
+        if len(body.tokens) > state.max_request_tokens:
+            raise OpenAIError(413, f"{len(body.tokens)} tokens, more than the {state.max_request_tokens}-token "
+                              "budget of one request", param="tokens")
         bad = next((i for i, t in enumerate(body.tokens) if not 0 <= t < tokenizer.vocab_size), None)
         if bad is not None:
             raise OpenAIError(400, f"tokens[{bad}] = {body.tokens[bad]} is outside [0, {tokenizer.vocab_size})",
                               param="tokens")
+        text = await run_in_threadpool(tokenizer.decode, body.tokens)
     except OpenAIError as exc:
         return exc.response()
-    return json_response({"prompt": tokenizer.decode(body.tokens)})
+    return await run_in_threadpool(json_response, {"prompt": text})

@@ -209,7 +209,7 @@ def compute_policy_loss(
     num_tokens: float | torch.Tensor | None = None,
     num_seqs: float | torch.Tensor | None = None,
 ) -> PolicyLossOutput:
-    """The GRPO loss of one (micro-)batch. Shapes: per-token ``[B, L]``, ``advantages`` ``[B]`` or ``[B, L]``.
+    """The GRPO loss of one (micro-)batch. Shapes: per-token ``[B, L]``, ``advantages`` ``[B]`` or ``[B, L]`` (:func:`per_token`).
 
     * ``old_logprobs``: pi_old of the ratio. ``None`` means one update per batch (old = current): the ratio is
       ``exp(logp - logp.detach())``, value 1 with the policy gradient flowing (as simple_GRPO computes it when pi_old = pi_theta).
@@ -225,7 +225,7 @@ def compute_policy_loss(
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be [B, L], got shape {tuple(logprobs.shape)}")
     mask = _completion_mask(completion_lengths, logprobs)
-    advantages = advantages.unsqueeze(-1).expand_as(logprobs) if advantages.dim() == 1 else advantages
+    advantages = per_token(advantages, logprobs)
     if cfg.beta > 0 and ref_logprobs is None:
         raise ValueError("beta > 0 needs ref_logprobs")
 
@@ -257,6 +257,19 @@ def compute_policy_loss(
     loss = aggregate(token_loss, mask)
     metrics.update(surrogate_metrics(terms, mask))
     return PolicyLossOutput(loss=loss, token_loss=token_loss.detach(), metrics=metrics)
+
+
+def per_token(advantages: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
+    """``[B, L]`` advantages: a ``[B]`` one (outcome supervision) broadcast over each completion's tokens, a
+    ``[B, L]`` one (process supervision, KL in the reward: ``A_{i,t}``) as it is. Both policy losses take either:
+    ``grpo`` multiplies each token's ratio by its ``A_{i,t}``, ``gspo`` the sequence ratio ``s_i`` (GSPO-token);
+    a ``[B, L]`` tensor whose rows are constant gives exactly the ``[B]`` loss."""
+    if advantages.dim() == 1 and advantages.shape[0] == logprobs.shape[0]:
+        return advantages.unsqueeze(-1).expand_as(logprobs)
+    if advantages.shape != logprobs.shape:
+        raise ValueError(f"advantages must be [B] = [{logprobs.shape[0]}] or [B, L] = {list(logprobs.shape)} like "
+                         f"the logprobs, got shape {tuple(advantages.shape)}")
+    return advantages
 
 
 def zero_padding(values: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -43,6 +43,8 @@ from shared.protocol.wire import encode_messages
 log = logging.getLogger("grpo.client")
 OCTET = "application/octet-stream"
 RETRY_STATUSES = {429, 500, 502, 503, 504}
+# names the learner session a version report or a weights upload comes from (POST /v1/learner/session)
+LEARNER_SESSION_HEADER = "X-Learner-Session"
 
 
 class HubError(GrpoError):
@@ -55,6 +57,14 @@ class HubError(GrpoError):
 
 class HubUnavailable(ServiceError, ConnectionError):
     """The server could not be reached (or kept answering 429/5xx) for longer than the retry budget."""
+
+
+class LearnerSession:
+    """The learner's registration with the hub, shared by every client of the learner (one per thread): once set,
+    each request names the session, and the hub takes version reports and weights uploads only from it."""
+
+    def __init__(self) -> None:
+        self.id: str | None = None
 
 
 @dataclass
@@ -74,6 +84,7 @@ class HubClient:
         # Set by a service that is shutting down: calls in flight finish, but failures are no longer retried.
         self.abort = threading.Event()
         self._batch_upload = True  # False once the hub answered 404 to POST /v1/rollouts/batch
+        self.learner: LearnerSession | None = None  # set on the learner's clients: requests name its session
         if token:
             self.session.headers["Authorization"] = f"Bearer {token}"
 
@@ -93,6 +104,8 @@ class HubClient:
             wait = backoff
             if rewind is not None:
                 rewind()  # a streamed body must start from its beginning on every attempt
+            if self.learner is not None and self.learner.id is not None:
+                kwargs["headers"] = {**kwargs.get("headers", {}), LEARNER_SESSION_HEADER: self.learner.id}
             try:
                 response = self.session.request(method, url, timeout=timeout_s or self.timeout_s, **kwargs)
             except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError,
@@ -182,6 +195,18 @@ class HubClient:
         body = {"version": version} if groups_per_step is None else {"version": version,
                                                                      "groups_per_step": groups_per_step}
         return self._request("POST", "/v1/learner/version", json=body).json()
+
+    def register_learner(self, version: int, groups_per_step: int | None = None,
+                         layout: list[list] | None = None) -> dict:
+        """Register as the hub's learner at ``version`` (it may move the hub's version back), with the model's
+        layout (weights uploads must match it); the session id goes into ``self.learner`` (created if None), which
+        the learner's other clients share."""
+        body = {"version": version, "groups_per_step": groups_per_step, "layout": layout}
+        answer = self._request("POST", "/v1/learner/session", json=body).json()
+        if self.learner is None:
+            self.learner = LearnerSession()
+        self.learner.id = answer["session"]
+        return answer
 
     def rollout_budget(self, policy_version: int, *, wait_s: float = 0.0) -> dict:
         """``{"wanted": n or None, ...}``: groups at ``policy_version`` the learner can still train (long-polls up to

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from shared.protocol import numbers
 from shared.protocol import steps as step_fields
 from shared.protocol.errors import ProtocolError
 from shared.protocol.errors import require as _require
@@ -40,8 +41,8 @@ def check_temperature(value: object) -> float:
         temperature = float(value)
     except OverflowError:
         raise ProtocolError(f"temperature {value} is out of range") from None
-    _require(math.isfinite(temperature) and temperature >= MIN_TEMPERATURE,
-             f"temperature must be a finite number >= {MIN_TEMPERATURE}, got {value!r}")
+    _require(math.isfinite(temperature) and MIN_TEMPERATURE <= temperature <= numbers.FLOAT32_MAX,
+             f"temperature must be a finite float32 >= {MIN_TEMPERATURE}, got {value!r}")
     return temperature
 
 
@@ -184,11 +185,11 @@ class RolloutGroup:
         _check_ragged("completion_ids", self.completion_ids, self.completion_lengths, g)
         _require(self.behaviour_logprobs.shape == self.completion_ids.shape,
                  "behaviour_logprobs must have the shape of completion_ids")
+        # every float is checked as the float32 the learner computes with (a float64 1e300 is inf there)
         valid = torch.arange(self.completion_ids.shape[1]) < self.completion_lengths.unsqueeze(1)
-        _require(bool(torch.isfinite(self.behaviour_logprobs[valid]).all()),
-                 "behaviour_logprobs must be finite for every completion token")
+        numbers.check_logprobs("behaviour_logprobs", self.behaviour_logprobs, mask=valid)
         _require(self.rewards.shape == (g,), f"rewards must be [{g}]")
-        _require(bool(torch.isfinite(self.rewards).all()), "rewards must be finite")
+        numbers.as_float32("rewards", self.rewards)
         _require(isinstance(self.finish_reasons, list) and len(self.finish_reasons) == g
                  and all(r in FINISH_REASONS for r in self.finish_reasons),
                  f"finish_reasons must be {g} values out of {FINISH_REASONS}")
@@ -200,12 +201,10 @@ class RolloutGroup:
             _require(bool(SAFE_ID.match(name)), f"reward component name {name[:40]!r} is not a safe name")
             _check_dtype(f"reward component {name!r}", values, True)
             _require(values.shape == (g,), f"reward component {name!r} must be [{g}]")
+            numbers.as_float32(f"reward component {name!r}", values)
         step_fields.check_steps(self.step_rewards, self.step_index, self.step_end, self.completion_lengths)
-        if vocab_size is not None:
-            for name, ids in (("prompt_ids", self.prompt_ids), ("completion_ids", self.completion_ids)):
-                if ids.numel():
-                    _require(int(ids.min()) >= 0 and int(ids.max()) < vocab_size,
-                             f"{name}: token ids must be in [0, {vocab_size})")
+        for name, ids in (("prompt_ids", self.prompt_ids), ("completion_ids", self.completion_ids)):
+            numbers.check_token_ids(name, ids, vocab_size)
         return self
 
     def to_bytes(self) -> bytes:

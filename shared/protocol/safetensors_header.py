@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from shared.protocol import strict_json
+
 # the one table: safetensors dtype name <-> torch dtype
 DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
@@ -69,12 +71,15 @@ def read_header(data: bytes | memoryview, allowed: Collection[str]) -> dict[str,
     (header_size,) = struct.unpack("<Q", bytes(data[:8]))
     if header_size > MAX_HEADER_BYTES or header_size > len(data) - 8:
         raise HeaderError(f"body is not safetensors: header size {header_size} does not fit a {len(data)}-byte body")
-    try:
-        header = json.loads(bytes(data[8:8 + header_size]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    try:  # strict: no NaN/Infinity, bounded nesting, numbers in range (json.loads raised RecursionError: a 500)
+        header = strict_json.loads(bytes(data[8:8 + header_size]))
+    except strict_json.StrictJSONError as exc:
         raise HeaderError(f"body is not safetensors: header is not JSON ({exc})") from None
     if not isinstance(header, dict):
         raise HeaderError("body is not safetensors: header is not a JSON object")
+    metadata = header.get(METADATA, {})
+    if not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
+        raise HeaderError(f"body is not safetensors: {METADATA} is not an object of strings")
     for name, spec in header.items():
         if name == METADATA:
             continue

@@ -15,7 +15,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from shared.protocol import safetensors_header
+from shared.protocol import safetensors_header, strict_json
 from shared.protocol.safetensors_header import HeaderError
 
 FORMAT_KEY = "grpo_format"
@@ -30,7 +30,7 @@ class WireError(ValueError):
 
 def encode(kind: str, tensors: dict[str, torch.Tensor], fields: dict[str, Any]) -> bytes:
     """Serialise ``tensors`` (made contiguous, moved to CPU) and JSON-able ``fields`` as one safetensors blob."""
-    metadata = {FORMAT_KEY: kind, JSON_KEY: json.dumps(fields, separators=(",", ":"))}
+    metadata = {FORMAT_KEY: kind, JSON_KEY: json.dumps(fields, separators=(",", ":"), allow_nan=False)}
     return st_save({name: t.detach().cpu().contiguous() for name, t in tensors.items()}, metadata=metadata)
 
 
@@ -48,10 +48,10 @@ def decode(data: bytes, kind: str) -> tuple[dict[str, torch.Tensor], dict[str, A
     metadata = header.get("__metadata__") or {}
     if metadata.get(FORMAT_KEY) != kind:
         raise WireError(f"expected a {kind!r} message, got {metadata.get(FORMAT_KEY)!r}")
-    try:
-        fields = json.loads(metadata.get(JSON_KEY, "{}"))
-    except json.JSONDecodeError as exc:
-        raise WireError(f"metadata field {JSON_KEY!r} is not JSON ({exc})") from None
+    try:  # strict: no NaN/Infinity literals, bounded depth (a deep nesting must be a 4xx, not a RecursionError)
+        fields = strict_json.loads(metadata.get(JSON_KEY, "{}"))
+    except strict_json.StrictJSONError as exc:
+        raise WireError(f"metadata field {JSON_KEY!r}: {exc}") from None
     if not isinstance(fields, dict):
         raise WireError(f"metadata field {JSON_KEY!r} is not a JSON object")
     try:

@@ -10,13 +10,14 @@ the buffer itself. A tensor larger than a bucket spans several buckets; the rece
 from __future__ import annotations
 
 import json
+import math
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
-from shared.protocol.safetensors_header import DTYPES, NAMES, encode_header
+from shared.protocol.safetensors_header import DTYPES, METADATA, NAMES, encode_header
 
 # the weights' allow-list: floats only (names of the one table in shared/protocol/safetensors_header.py)
 WEIGHT_DTYPES = frozenset({"F32", "F16", "BF16", "F64"})
@@ -66,9 +67,13 @@ class Layout:
         specs, offset = [], 0
         for name, code, shape in rows:
             if code not in WEIGHT_DTYPES:
-                raise ValueError(f"tensor {name!r}: unknown dtype {code!r}")
-            size = torch.Size(shape).numel() * DTYPES[code].itemsize
-            specs.append(TensorSpec(str(name), code, tuple(int(d) for d in shape), offset, offset + size))
+                raise ValueError(f"tensor {_short(name)}: unknown dtype {_short(code)}")
+            dims = tuple(int(d) for d in shape)
+            if any(d < 0 for d in dims):
+                raise ValueError(f"tensor {_short(name)}: negative dimension")
+            # math.prod on Python ints: a registered layout comes from the network, and torch.Size overflows
+            size = math.prod(dims) * DTYPES[code].itemsize
+            specs.append(TensorSpec(str(name), code, dims, offset, offset + size))
             offset += size
         return cls(tuple(specs))
 
@@ -76,9 +81,31 @@ class Layout:
         """A 31-bit checksum of the layout, sent with every version so both ends know they agree."""
         return zlib.crc32(json.dumps(self.to_json(), separators=(",", ":")).encode()) & 0x7FFFFFFF
 
+    def mismatch(self, header: dict) -> str | None:
+        """The first way a safetensors ``header`` (parsed JSON) differs from this layout, in layout order, or None:
+        a tensor missing, of another dtype or shape, or one the layout does not have. The relay refuses weights
+        that would not load into the learner's model (ref_server/relay/routes.py)."""
+        tensors = {name: spec for name, spec in header.items() if name != METADATA}
+        for t in self.tensors:
+            spec = tensors.get(t.name)
+            if spec is None:
+                return f"tensor {t.name!r} is missing"
+            if spec.get("dtype") != t.dtype:
+                return f"tensor {t.name!r} is {_short(spec.get('dtype'))}, the model's is {t.dtype}"
+            if spec.get("shape") != list(t.shape):
+                return f"tensor {t.name!r} has shape {_short(spec.get('shape'))}, the model's is {list(t.shape)}"
+        extra = sorted(set(tensors) - {t.name for t in self.tensors})
+        return f"tensor {_short(extra[0])} is not in the model ({len(extra)} such)" if extra else None
+
     def safetensors_header(self, metadata: dict[str, str] | None = None) -> bytes:
         """The 8-byte length + JSON header that, followed by the flat buffer, is a safetensors file."""
         return encode_header(((t.name, t.dtype, t.shape, t.begin, t.end) for t in self.tensors), metadata)
+
+
+def _short(value: object, limit: int = 80) -> str:
+    """A value from an untrusted header, quoted and cut short for an error message."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def bucket_ranges(total_bytes: int, bucket_bytes: int) -> list[tuple[int, int]]:

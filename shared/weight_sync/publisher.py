@@ -19,9 +19,10 @@ from shared.config.schema.weight_sync import WeightSyncConfig
 from shared.protocol.client import HubClient, HubError, HubUnavailable
 from shared.weight_sync.layout import Layout
 from shared.weight_sync.params import full_shape, gathered
-from shared.weight_sync.sender import WeightSender
+from shared.weight_sync.sender import WeightSender, WeightsRefusedError
 
 log = logging.getLogger("grpo.learner.weight_sync")
+_REFUSED = 2  # what rank 0 broadcasts instead of go (1) / skip (0) once the hub refused its weights
 
 
 class WeightPublisher:
@@ -41,18 +42,24 @@ class WeightPublisher:
             buffer.zero_()  # touch every page now, not during the first publish (a stall of its own)
             self.sender = WeightSender(client_factory, cfg, self.layout, buffer, relay_version)
 
-    def _agree(self, flag: bool) -> bool:
+    def _agree(self, flag: bool | int) -> int:
         """Rank 0's decision, on every rank (the ZeRO-3 gather below is a collective)."""
         if self.world == 1:
-            return flag
-        tensor = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.device)
+            return int(flag)
+        tensor = torch.tensor([int(flag)], dtype=torch.int32, device=self.device)
         dist.broadcast(tensor, src=0)
-        return bool(tensor.item())
+        return int(tensor.item())
 
     def publish(self, version: int) -> float:
-        """Copy the weights into the send buffer as ``version`` (unless a transfer still reads it); the stall."""
+        """Copy the weights into the send buffer as ``version`` (unless a transfer still reads it); the stall.
+
+        Raises :class:`WeightsRefusedError` on every rank once the hub refused rank 0's weights."""
         started = time.perf_counter()
-        go = self._agree(self.sender.begin_copy() if self.sender is not None else False)
+        refused = self.sender is not None and self.sender.error is not None
+        go = self._agree(_REFUSED if refused else (self.sender.begin_copy() if self.sender is not None else False))
+        if go == _REFUSED:
+            raise (self.sender.error if self.sender is not None else
+                   WeightsRefusedError("the hub refused the learner's weights (rank 0's log says why)"))
         if not go:
             return time.perf_counter() - started
         self._copy()

@@ -4,20 +4,28 @@ Neither direction holds a state dict in memory: an upload is copied chunk by chu
 renamed into place only once complete and valid (so a half-written version is never served), and a download is a
 file response (``ref_server/relay/routes.py``). The newest ``keep`` versions are kept; older ones are deleted.
 A file is published only when its safetensors header (:mod:`shared.protocol.safetensors_header`) is valid and its
-tensors tile the rest of the file exactly.
+tensors tile the rest of the file exactly, and, once a learner registered its model's layout
+(:meth:`WeightStore.register_learner`), only when its tensor names, dtypes and shapes are that layout's: weights
+that would not load into the model never reach a generator.
+
+The store also keeps the learner's registration (``learner.json`` and ``layout.json`` beside the versions, so a hub restart keeps it):
+the session id that version reports and uploads must carry, the layout, and the learner's last version.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import re
 import threading
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 from shared.protocol.safetensors_header import HeaderError, check_data_offsets, read_header
+from shared.weight_sync.layout import Layout
 
 log = logging.getLogger("grpo.ref_server.weights")
 _NAME = re.compile(r"^v(\d{10})\.safetensors$")
@@ -33,6 +41,14 @@ class WeightsTooLarge(WeightsRejected):
 
 class WeightsConflict(WeightsRejected):
     """The version is not newer than the current one (HTTP 409)."""
+
+
+class NotTheLearner(WeightsConflict):
+    """A version report or upload that does not name the registered learner session (HTTP 409)."""
+
+
+LEARNER_FILE = "learner.json"   # the registered learner's session and last version
+LAYOUT_FILE = "layout.json"     # its model's layout
 
 
 def _flush_to_disk(fh) -> None:
@@ -56,6 +72,80 @@ class WeightStore:
         for tmp in self.directory.glob("*.partial"):
             tmp.unlink()
         self.versions = sorted(int(m.group(1)) for p in self.directory.iterdir() if (m := _NAME.match(p.name)))
+        # the registered learner: its session id, its model's layout, its last version (None: none registered)
+        self.session: str | None = None
+        self.layout: Layout | None = None
+        self.learner_version: int | None = None
+        self._load_learner()
+
+    # -- the registered learner ------------------------------------------------------------------------------
+    def register_learner(self, version: int, layout: Layout | None) -> str:
+        """A learner (re)starts: a new session id (an earlier session's reports and uploads are refused from now
+        on), its version, and its model's layout (``None`` keeps the registered one). Stored versions that do not
+        match the layout are deleted: they would not load into the model."""
+        with self._lock:
+            self.session = uuid.uuid4().hex
+            self.learner_version = version
+            if layout is not None:
+                self.layout = layout
+                for stored in list(self.versions):
+                    problem = self._file_mismatch(self.directory / f"v{stored:010d}.safetensors")
+                    if problem is not None:
+                        log.warning("weights version %d does not match the registered layout (%s): deleted", stored,
+                                    problem)
+                        (self.directory / f"v{stored:010d}.safetensors").unlink(missing_ok=True)
+                        self.versions.remove(stored)
+            self._save_learner(with_layout=True)
+            return self.session
+
+    def check_session(self, session: str | None) -> None:
+        """Refuse (:class:`NotTheLearner`) a report or upload from anyone but the registered learner session, once
+        one is registered (before that, anyone may: a hub used without a learner, by tools and tests)."""
+        if self.session is not None and session != self.session:
+            raise NotTheLearner("not the registered learner session (another learner registered since, or the "
+                                "request did not come from the learner): restart the learner to register again")
+
+    def note_version(self, version: int) -> None:
+        """The registered learner's version report was accepted: kept across hub restarts."""
+        with self._lock:
+            if self.session is not None and version != self.learner_version:
+                self.learner_version = version
+                self._save_learner()
+
+    def _save_learner(self, with_layout: bool = False) -> None:
+        """learner.json (small: rewritten at each version report) and, at a registration, layout.json."""
+        if with_layout:
+            self._write(LAYOUT_FILE, self.layout.to_json() if self.layout is not None else None)
+        self._write(LEARNER_FILE, {"session": self.session, "version": self.learner_version})
+
+    def _write(self, name: str, record: object) -> None:
+        tmp = self.directory / (name + ".tmp")
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, self.directory / name)
+
+    def _load_learner(self) -> None:
+        path = self.directory / LEARNER_FILE
+        if not path.exists():
+            return
+        try:
+            record = json.loads(path.read_text())
+            session, version = record["session"], record["version"]
+            layout_path = self.directory / LAYOUT_FILE
+            rows = json.loads(layout_path.read_text()) if layout_path.exists() else None
+            layout = Layout.from_json(rows) if rows is not None else None
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("%s is unreadable (%s): no learner registered until one registers", path, exc)
+            return
+        self.session, self.learner_version, self.layout = session, version, layout
+
+    def _file_mismatch(self, path: Path) -> str | None:
+        try:
+            with open(path, "rb") as fh:
+                head = fh.read(8)
+                header = read_header(head + fh.read(min(int.from_bytes(head, "little"), 2**27)), RELAY_DTYPES)
+        except (OSError, HeaderError) as exc:
+            return str(exc)
+        return self.layout.mismatch(header) if self.layout is not None else None
 
     @property
     def current(self) -> int | None:
@@ -113,6 +203,8 @@ class WeightStore:
                 end = check_data_offsets(header)
             except HeaderError as exc:
                 raise WeightsRejected(f"weights upload: {exc}") from None
+        if self.layout is not None and (problem := self.layout.mismatch(header)) is not None:
+            raise WeightsRejected(f"weights upload does not match the model's layout: {problem}")
         if 8 + header_size + end != size:
             raise WeightsRejected(f"weights upload is truncated: {size} bytes, header describes {8 + header_size + end}")
 

@@ -30,6 +30,7 @@ from collections.abc import Callable
 import torch
 
 from shared.config.schema.weight_sync import WeightSyncConfig
+from shared.errors import ServiceError
 from shared.protocol.client import HubClient, HubError, HubUnavailable
 from shared.protocol.weight_sync_messages import Announcement, MemberReport, SenderInfo
 from shared.weight_sync.ipc import device_uuid, export_handle
@@ -38,6 +39,11 @@ from shared.weight_sync.members import GroupMembers
 from shared.weight_sync.sender_state import SyncCounters
 
 log = logging.getLogger("grpo.learner.weight_sync")
+
+
+class WeightsRefusedError(ServiceError):
+    """The hub refused the learner's own weights (not its session, a version out of bounds or not newer than the
+    relay's, tensors that are not the registered layout's): the generators would never get them."""
 
 
 class SafetensorsStream:
@@ -99,6 +105,7 @@ class WeightSender:
         self.published_at: dict[int, float] = {}  # the buffer's version -> when it was complete
         self.relay_version = relay_version
         self.announced: int | None = None
+        self.error: WeightsRefusedError | None = None   # the hub refused our weights: raised at the next publish
         self.ready_event: torch.cuda.Event | None = None
         self._ipc_handle: dict | None = None
         self.stopping = threading.Event()
@@ -185,7 +192,8 @@ class WeightSender:
         """Until no transfer reads the buffer and the newest version went where it goes (True), or timeout."""
         deadline = time.monotonic() + timeout_s
         with self.lock:
-            while self.transfers or (self.version is not None and (not self.checked or self._pending(self.version))):
+            while self.transfers or (self.error is None and self.version is not None
+                                     and (not self.checked or self._pending(self.version))):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False
@@ -201,6 +209,8 @@ class WeightSender:
                 return
             self.transfers.add("relay")
         self.upload_relay(version)
+        if self.error is not None:
+            raise self.error
 
     def abort_requests(self) -> None:
         """From now on every hub request is tried once (a service shutting down does not wait out the retry
@@ -277,7 +287,7 @@ class WeightSender:
                 while not self.stopping.is_set() and (self.copying or self.version is None or (
                         self.checked and not self._pending(self.version))):
                     self.lock.wait(0.5)
-                if self.stopping.is_set():
+                if self.stopping.is_set() or self.error is not None:
                     return
                 version, need_check = self.version, not self.checked
                 upload = not need_check and self._relay_wanted() and (self.relay_version is None
@@ -290,6 +300,8 @@ class WeightSender:
             try:
                 if upload:
                     self.upload_relay(version)
+                if self.error is not None:
+                    return
                 if self.groups_enabled and (self.announced is None or version > self.announced):
                     announcement = Announcement(sender_id=self.sender_id, version=version)
                     try:
@@ -302,12 +314,15 @@ class WeightSender:
                     with self.lock:
                         self.announced = version
                         self.lock.notify_all()
+                if self.error is not None:
+                    return
             except (HubError, HubUnavailable) as exc:
                 log.warning("weight sync: version %d not delivered to the hub: %s", version, exc)
                 self.stopping.wait(1.0)
 
     def upload_relay(self, version: int) -> None:
-        """Upload ``version`` from the buffer (the caller added "relay" to the transfers)."""
+        """Upload ``version`` from the buffer (the caller added "relay" to the transfers). A refusal is kept in
+        :attr:`error` (the learner raises it at its next publish), never taken for "already there"."""
         started = time.perf_counter()
         try:
             self.wait_buffer_ready()
@@ -322,8 +337,15 @@ class WeightSender:
                     self.counters.last_transfer_s = time.perf_counter() - self.published_at[version]
             log.info("weight sync: version %d on the relay (%.2fs)", version, time.perf_counter() - started)
         except HubError as exc:
-            if exc.status != 409:  # 409: the relay already holds this or a newer version (a resumed run)
-                raise
+            # the relay holds exactly this version when an earlier attempt of this upload landed (its answer was
+            # lost and the request sent again): that is done. Any other refusal is an error the learner reports.
+            if exc.status != 409 or self.client.weights_version() != version:
+                refused = WeightsRefusedError(f"the hub refused weights version {version}: {exc.detail}")
+                log.error("weight sync: %s", refused)
+                with self.lock:  # raised on the learner's thread at its next publish (every rank stops)
+                    self.error = refused
+                    self.lock.notify_all()
+                return
             with self.lock:
                 self.relay_version = max(self.relay_version or 0, version)
         finally:

@@ -73,6 +73,18 @@ def constant_reward(prompt, completion, example):
     return 0.5
 
 
+def test_a_group_the_hub_refuses_is_counted_and_logged_and_the_loop_goes_on(engine, tmp_path, caplog):
+    with LiveServer(make_config(tmp_path)) as live:
+        loop = make_loop(engine, live.url, tmp_path, wait_for_budget=False)
+        groups = loop.step()
+        groups[0].rewards[1] = float("inf")   # as a reward of 1e39 became before the generator contained it
+        loop.upload(groups)
+        assert loop.stats.groups_uploaded == 1 and loop.stats.groups_refused_invalid == 1
+        assert f"the hub refused group {groups[0].group_id} (422): rewards[1] = inf" in caplog.text
+        stats = loop.run(threading.Event(), max_groups=3)   # and the run goes on
+        assert stats.groups_uploaded == 3 and live.state.hub.depth() == 3
+
+
 def test_new_weights_are_picked_up_between_batches(engine, tmp_path, tiny_model_dir):
     with LiveServer(make_config(tmp_path)) as live:
         loop = make_loop(engine, live.url, tmp_path)
@@ -187,3 +199,31 @@ def test_a_paced_generator_asks_for_enough_prompts_to_fill_what_is_wanted(engine
         assert loop.prompts_wanted() == 8
         loop.step(4)  # every group kept (no dynamic sampling here): the share moves towards 1
         assert loop.kept_fraction == pytest.approx(0.2 + (4 / 64) * 0.8)
+
+
+def line_steps(prompt, completion, example):
+    """A step every 2 characters (reward: its parity), so the tiny model's completions have several."""
+    from generator.rewards import StepScores
+
+    ends = sorted({*range(2, len(completion), 2), len(completion)} - {0})
+    return StepScores([float(j % 2) for j in range(len(ends))], ends=ends)
+
+
+def test_step_rewards_reach_the_batch(engine, tmp_path, tiny_model_dir):
+    """A step reward's groups are accepted by the hub and lease with their steps at the right rows; the loop's
+    counts agree with the batch."""
+    rewards = RewardSet.from_specs([RewardSpec(name="arithmetic"), RewardSpec(name="python", label="steps", args={
+        "function": "tests.generator.test_loop:line_steps"})])
+    with LiveServer(make_config(tmp_path, tiny_model_dir)) as live:
+        loop = make_loop(engine, live.url, tmp_path, rewards=rewards)
+        groups = loop.step()
+        loop.upload(groups)
+        assert loop.stats.groups_uploaded == 2 and loop.stats.groups_with_steps == 2
+        batch = HubClient(live.url).get_batch(2, wait_s=20)
+    sent = torch.cat([g.step_rewards for g in groups])
+    assert loop.stats.steps_uploaded == sent.numel() and loop.stats.step_reward_errors == 0
+    assert sorted(batch.step_rewards.tolist()) == sorted(sent.tolist())
+    # each row's last step ends at its last token (final_step carries the arithmetic outcome there)
+    for row in range(batch.batch_size):
+        ends = batch.step_end[batch.step_index == row]
+        assert int(ends[-1]) == int(batch.completion_lengths[row]) - 1

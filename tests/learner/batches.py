@@ -3,7 +3,7 @@
 import torch
 
 from generator.engines.hf import TransformersEngine
-from learner.step import batch_advantages
+from learner.advantages import batch_advantages
 from shared.config.schema import AdvantageConfig
 from shared.protocol.records import RolloutGroup, SamplingParams, TrainBatch
 

@@ -17,8 +17,9 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
+from learner.advantages import batch_advantages
 from learner.engine import create_engine, ensure_single_process_env, init_distributed
-from learner.step import batch_advantages, grpo_step, split_micro_batches
+from learner.step import grpo_step, split_micro_batches
 from shared.config.schema import AdvantageConfig, LearnerConfig, LossConfig
 from shared.protocol.records import RolloutGroup, TrainBatch
 

@@ -4,13 +4,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from learner.advantages import batch_advantages
 from learner.engine import (
     create_engine,
     deepspeed_config,
     lr_multiplier,
 )
 from learner.step import (
-    batch_advantages,
     grpo_step,
     micro_batch_loss,
     recompute_old_logprobs,
@@ -418,7 +418,7 @@ def test_attn_implementation_is_set_on_the_model_or_refused_by_name(distributed,
 
 
 def test_batch_metrics_count_constant_groups_and_staleness():
-    from learner.step import batch_metrics
+    from learner.metrics import batch_metrics
 
     groups = [make_group(seed=0, rewards=[1.0, 1.0, 1.0, 1.0], version=2),   # constant
               make_group(seed=1, rewards=[0.0, 1.0, 0.0, 0.0], version=3),

@@ -6,7 +6,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from learner.step import batch_advantages, split_micro_batches
+from learner.advantages import batch_advantages
+from learner.step import split_micro_batches
 from shared.config.schema import AdvantageConfig
 from shared.protocol.records import RolloutGroup, TrainBatch
 

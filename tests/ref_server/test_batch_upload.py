@@ -6,7 +6,7 @@ import torch
 from shared.protocol.client import HubClient, HubError
 from shared.protocol.wire import WireError, decode_messages, encode, encode_messages
 
-from .helpers import make_group
+from .helpers import group_bytes, make_group
 
 OCTET = {"Content-Type": "application/octet-stream"}
 
@@ -45,54 +45,30 @@ def test_a_batch_upload_queues_every_group_in_order_with_one_answer_each(server_
 
 
 @pytest.mark.slow
-def test_a_bad_group_in_a_batch_queues_none_and_names_the_group(server_factory, tiny_model):
+def test_a_bad_group_in_a_batch_is_refused_alone_and_the_good_ones_are_queued(server_factory, tiny_model):
     live = server_factory(model=True)
-    groups = [make_group(seed=i) for i in range(3)]
-    groups[1].completion_ids[0, 0] = tiny_model.config.vocab_size + 5
-    response = live.post("/v1/rollouts/batch", data=encode_messages([g.to_bytes() for g in groups]), headers=OCTET)
-    assert response.status_code == 422
-    assert "group 1 of 3 (none queued)" in response.json()["detail"]
-    assert "token ids must be in" in response.json()["detail"]
-    assert live.get("/v1/hub/stats").json()["queue_depth"] == 0
-    hot = make_group(seed=7, temperature=0.5)               # another temperature than the hub batches
-    with pytest.raises(HubError) as info:
-        HubClient(live.url).upload_groups([make_group(seed=8), hot])
-    assert info.value.status == 422 and "group 1 of 2" in str(info.value.detail)
-    assert live.get("/v1/hub/stats").json()["queue_depth"] == 0
-    garbage = live.post("/v1/rollouts/batch", data=b"not a container", headers=OCTET)
-    assert garbage.status_code == 400
-
-
-@pytest.mark.slow
-def test_a_full_queue_takes_the_groups_that_fit_and_a_retry_finishes(server_factory):
-    live = server_factory(model=False, queue_capacity=3)
-    client = HubClient(live.url)
     groups = [make_group(seed=i) for i in range(5)]
-    body = encode_messages([g.to_bytes() for g in groups])
-    full = live.post("/v1/rollouts/batch", data=body, headers=OCTET)
-    assert full.status_code == 429 and full.headers["Retry-After"] == "1"
-    assert live.get("/v1/hub/stats").json()["queue_depth"] == 3   # the first three are queued
-    client.ack_batches([client.get_batch(3).batch_id])
-    retry = live.post("/v1/rollouts/batch", data=body, headers=OCTET).json()["answers"]
-    assert [a.get("duplicate", False) for a in retry] == [True, True, True, False, False]
-    assert client.get_batch(2).group_ids == [groups[3].group_id, groups[4].group_id]
-
-
-@pytest.mark.slow
-def test_the_client_falls_back_to_one_request_per_group_on_an_older_hub(server_factory, monkeypatch):
-    live = server_factory(model=False)
-    client = HubClient(live.url)
-    paths = []
-    original = client._request
-
-    def older_hub(method, path, **kwargs):
-        paths.append(path)
-        if path == "/v1/rollouts/batch":
-            raise HubError(404, "Not Found", live.url + path)
-        return original(method, path, **kwargs)
-
-    monkeypatch.setattr(client, "_request", older_hub)
-    answers = client.upload_groups([make_group(seed=i) for i in range(2)])
-    assert [a["accepted"] for a in answers] == [True, True]
-    client.upload_groups([make_group(seed=5)])
-    assert paths == ["/v1/rollouts/batch", "/v1/rollouts", "/v1/rollouts", "/v1/rollouts"]  # asked once
+    groups[1].completion_ids[0, 0] = tiny_model.config.vocab_size + 5      # outside the model's vocabulary
+    messages = [g.to_bytes() for g in groups]
+    messages[3], _ = group_bytes("rewards", 1e300, torch.float64, group_id="f64")  # inf in the learner's float32
+    messages.insert(2, b"not a group")                                     # not even a message
+    response = live.post("/v1/rollouts/batch", data=encode_messages(messages), headers=OCTET)
+    assert response.status_code == 200
+    answers = response.json()["answers"]
+    assert [a["accepted"] for a in answers] == [True, False, False, True, False, True]
+    assert [a.get("status") for a in answers] == [None, 422, 400, None, 422, None]
+    assert "completion_ids: token ids must be in" in answers[1]["refused"]
+    assert answers[4]["refused"] == "rewards[1] = 1e+300 is not a finite float32 (the dtype the learner uses)"
+    stats = live.get("/v1/hub/stats").json()
+    assert stats["queue_depth"] == 3 and stats["accepted"] == 3 and stats["rejected"] == 3
+    batch = HubClient(live.url).get_batch(3, wait_s=20)
+    assert batch.group_ids == [groups[i].group_id for i in (0, 2, 4)]     # the good ones, in order
+    assert torch.isfinite(batch.rewards).all()
+    hot = make_group(seed=7, temperature=0.5)               # another temperature than the hub batches
+    answers = HubClient(live.url).upload_groups([make_group(seed=8), hot])
+    assert [a["accepted"] for a in answers] == [True, False] and answers[1]["status"] == 422
+    assert "temperature 0.5" in answers[1]["refused"]
+    with pytest.raises(HubError) as info:                   # a single upload is refused with its status
+        HubClient(live.url).upload_group(make_group(seed=9, temperature=0.5))
+    assert info.value.status == 422
+    assert live.get("/v1/hub/stats").json()["rejected"] == 5

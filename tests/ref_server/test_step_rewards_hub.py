@@ -8,7 +8,7 @@ import torch
 
 from ref_server.hub.batching import GroupRows, assemble_batch
 from ref_server.hub.rollout_hub import RolloutHub
-from shared.protocol.client import HubClient, HubError
+from shared.protocol.client import HubClient
 from shared.protocol.records import RolloutGroup, TrainBatch
 from shared.protocol.wire import decode, encode, encode_messages
 
@@ -101,22 +101,23 @@ def test_a_group_with_bad_steps_is_refused_alone_naming_the_step(server_factory)
     client = HubClient(live.url)
     good = [with_steps(A, seed=10), with_steps(None, seed=11)]
     client.upload_group(good[0])
+    b12 = with_steps(B, seed=12)
     for data, message in bad_groups():
         response = live.post("/v1/rollouts", data=data, headers=OCTET)
         assert response.status_code == 422, message
         assert message in response.json()["detail"]
         batch_upload = live.post("/v1/rollouts/batch", headers=OCTET,
-                                 data=encode_messages([with_steps(B, seed=12).to_bytes(), data]))
-        assert batch_upload.status_code == 422
-        assert "group 1 of 2 (none queued)" in batch_upload.json()["detail"]
-        assert message in batch_upload.json()["detail"]
-        assert live.get("/v1/hub/stats").json()["queue_depth"] == 1      # only the good group, nothing else
-    with pytest.raises(HubError) as info:
-        client.upload_groups([good[1], replace(with_steps(A, seed=13), step_end=torch.tensor([0, 2, 4, 0, 1]))])
-    assert info.value.status == 422 and "step_end" in str(info.value.detail)
-    client.upload_group(good[1])
-    batch = client.get_batch(2)
-    assert batch.group_ids == [g.group_id for g in good] and steps_of(batch) == expected(good)
+                                 data=encode_messages([b12.to_bytes(), data]))
+        assert batch_upload.status_code == 200                            # the bad group is refused alone
+        first, second = batch_upload.json()["answers"]
+        assert first["accepted"] and not second["accepted"] and second["status"] == 422  # first: once, then duplicate
+        assert message in second["refused"]
+        assert live.get("/v1/hub/stats").json()["queue_depth"] == 2      # the good groups only, each once
+    answers = client.upload_groups([good[1], replace(with_steps(A, seed=13), step_end=torch.tensor([0, 2, 4, 0, 1]))])
+    assert answers[0]["accepted"] and answers[1]["status"] == 422 and "step_end" in answers[1]["refused"]
+    queued = [good[0], b12, good[1]]
+    batch = client.get_batch(3)
+    assert batch.group_ids == [g.group_id for g in queued] and steps_of(batch) == expected(queued)
 
 
 def test_the_spool_keeps_the_steps_across_a_restart(server_factory, tmp_path):

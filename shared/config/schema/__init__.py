@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from shared.config.schema.algorithm import AdvantageConfig, AlgorithmConfig, LossConfig
+from shared.config.schema.algorithm import AdvantageConfig, AlgorithmConfig, KLConfig, LossConfig
 from shared.config.schema.base import StrictModel
 from shared.config.schema.demo import DemoConfig
 from shared.config.schema.evaluate import EvalConfig
@@ -14,7 +14,7 @@ from shared.config.schema.ref_server import RefServerConfig
 from shared.config.schema.run import PlacementConfig, RunConfig
 from shared.config.schema.weight_sync import WeightSyncConfig
 
-__all__ = ["AdvantageConfig", "AlgorithmConfig", "DatasetConfig", "DemoConfig", "EvalConfig", "GRPOConfig", "GeneratorConfig", "LearnerConfig", "LossConfig",
+__all__ = ["AdvantageConfig", "AlgorithmConfig", "DatasetConfig", "DemoConfig", "EvalConfig", "GRPOConfig", "GeneratorConfig", "KLConfig", "LearnerConfig", "LossConfig",
            "PlacementConfig", "RunConfig",
            "RefServerConfig", "RewardSpec", "SamplingConfig", "StrictModel", "WeightSyncConfig"]
 

@@ -12,14 +12,25 @@ from shared.config.schema.base import StrictModel, check_registered
 class AdvantageConfig(StrictModel):
     """How rewards become advantages (shared/grpo/advantages.py)."""
 
+    supervision: Literal["outcome", "process"] = Field(
+        "outcome",
+        description="What the advantages come from. 'outcome': one reward per completion, normalised by "
+        "'estimator', the same advantage on every token. 'process' (DeepSeekMath 4.1.3): the step rewards the "
+        "rewards attach to each completion; each step reward is normalised over its group's step rewards ('scale', "
+        "'eps'; 'scale: batch' = the std of every step reward of the global batch) and a token's advantage is the "
+        "sum of the normalised rewards of the steps ending at or after it (shared.grpo.advantages."
+        "process_advantages). With 'process' the outcome 'estimator' is not used; a completion without steps gets "
+        "advantage 0 (the learner counts them: rows_without_steps_frac, and warns when a whole batch has none).",
+    )
     estimator: str = Field(
         "grpo",
-        description="Advantage estimator: 'grpo' (group baseline) or 'rloo' (leave-one-out baseline).",
+        description="Advantage estimator of outcome supervision: 'grpo' (group baseline) or 'rloo' (leave-one-out "
+        "baseline). Not used with supervision 'process'.",
     )
     scale: Literal["group", "batch", "none"] = Field(
         "group",
         description="Divide by the group's std ('group', GRPO), the batch's std ('batch'), or not at all "
-        "('none', Dr. GRPO).",
+        "('none', Dr. GRPO). Applies to outcome rewards and, with supervision 'process', to step rewards.",
     )
     eps: float = Field(1e-4, gt=0, description="Added to the std before dividing, so tiny stds stay finite.")
 
@@ -45,7 +56,10 @@ class LossConfig(StrictModel):
         None, gt=1, description="Dual-clip constant c > 1: caps a negative-advantage token's loss at -c*A. Off when null."
     )
     beta: float = Field(
-        0.04, ge=0, description="Weight of the KL(pi_theta || pi_ref) penalty. 0 disables it and the reference model."
+        0.04, ge=0, description="Weight of the KL(pi_theta || pi_ref) penalty in the loss. 0 disables it (and the "
+        "reference model, unless algorithm.kl.in_reward needs it). With algorithm.kl.in_reward true, a beta left at "
+        "its default becomes 0 (the KL is then in the reward, not also in the loss); a beta > 0 set explicitly "
+        "together with algorithm.kl.in_reward is an error."
     )
     kl_estimator: str = Field("k3", description="Per-token KL estimator: 'k1', 'k2' or 'k3' (GRPO uses k3).")
     kl_log_ratio_clamp: float | None = Field(
@@ -91,8 +105,58 @@ class LossConfig(StrictModel):
         return self
 
 
+class KLConfig(StrictModel):
+    """The KL penalty as a per-token reward (shared.grpo.advantages.kl_in_reward_advantages), instead of in the loss."""
+
+    in_reward: bool = Field(
+        False,
+        description="Put the KL penalty into the per-token reward (OpenRLHF's semantics): r_t = -beta * k(t) + p_t, "
+        "where p_t is the completion's normalised outcome advantage at its last token (supervision 'outcome') or "
+        "each step's normalised reward at the step's last token (supervision 'process'), and each token's advantage "
+        "is the return to go sum_{s >= t} r_s. k is computed from the sampler's (behaviour) logprobs and the "
+        "reference logprobs, without gradient, so the ref server must load the reference model. The KL is then not "
+        "also in the loss: algorithm.loss.beta left at its default becomes 0; set explicitly > 0 it is an error.",
+    )
+    beta: float = Field(
+        0.04, ge=0,
+        description="Weight of the per-token KL estimate in the reward when in_reward is true (the same default "
+        "as algorithm.loss.beta; note the return to go sums it over the rest of the completion, so the penalty on "
+        "an early token is beta times the KL of the completion's remainder).",
+    )
+    estimator: Literal["k1", "k3"] = Field(
+        "k1",
+        description="Per-token KL estimate in the reward: 'k1' = log pi_old - log pi_ref (DeepSeekMath's formula "
+        "for the KL in the reward) or 'k3' = r - 1 - log r with log r = log pi_ref - log pi_old.",
+    )
+
+
 class AlgorithmConfig(StrictModel):
-    """The GRPO algorithm: advantages and loss."""
+    """The GRPO algorithm: advantages, loss, and where the KL penalty goes."""
 
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig, description="Advantage estimation.")
     loss: LossConfig = Field(default_factory=LossConfig, description="Policy loss.")
+    kl: KLConfig = Field(default_factory=KLConfig, description="The KL penalty in the reward (kl.in_reward) "
+                         "instead of in the loss (loss.beta).")
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether reference logprobs are needed: the one place the ref server, the launcher and the learner ask."""
+        return self.loss.beta > 0 or self.kl.in_reward
+
+    @property
+    def token_advantages(self) -> bool:
+        """Whether the advantages are per token (``[B, T]``) rather than per completion (``[B]``)."""
+        return self.advantage.supervision == "process" or self.kl.in_reward
+
+    @model_validator(mode="after")
+    def _kl_in_one_place(self) -> AlgorithmConfig:
+        if not self.kl.in_reward or self.loss.beta == 0:
+            return self
+        if "beta" in self.loss.model_fields_set:
+            raise ValueError(f"algorithm.kl.in_reward is true and algorithm.loss.beta is {self.loss.beta}: the KL "
+                             "penalty goes either in the reward or in the loss; set algorithm.loss.beta to 0 or "
+                             "algorithm.kl.in_reward to false")
+        # the loss's beta was left at its default: the KL moves into the reward. A copy, so that a LossConfig the
+        # caller passed in is not changed under them.
+        self.loss = self.loss.model_copy(update={"beta": 0.0})
+        return self

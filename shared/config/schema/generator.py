@@ -94,6 +94,27 @@ class DatasetConfig(StrictModel):
         return self
 
 
+# -- step rewards (process supervision, issue 23) -------------------------------------------------------------------
+class StepRewardsConfig(StrictModel):
+    """How a group whose rewards scored steps is uploaded (generator/step_tokens.py, generator/rewards/).
+
+    A reward returns per completion a float (an outcome score) or step scores (generator.rewards.steps.StepScores).
+    The outcome total (the weighted sum of the outcome scores) always travels as the group's rewards, for metrics
+    and outcome-supervised training. Groups whose rewards scored no steps are uploaded outcome-only, whatever this
+    says. For the others each completion carries its steps (end token, weighted step reward summed over the step
+    rewards) and ``outcome`` says whether the outcome total joins them."""
+
+    outcome: Literal["final_step", "none"] = Field(
+        "final_step", description="'final_step': outcome_weight x the completion's outcome total is added to the "
+        "reward of the step ending at its last token (a step is appended there when none ends there, so a "
+        "completion without steps gets one); the process advantage then credits every token with the outcome as "
+        "well as the steps after it. 'none': the steps carry only step rewards, DeepSeekMath's process supervision "
+        "(4.1.3); the outcome total still travels as the rewards, so a learner estimator that adds outcome "
+        "advantages to process advantages can use both.")
+    outcome_weight: float = Field(1.0, allow_inf_nan=False, description="Weight of the outcome total in its final "
+                                  "step ('final_step' only).")
+
+
 class GeneratorConfig(StrictModel):
     """A generator: samples groups of completions, scores them and uploads them to the hub."""
 
@@ -113,8 +134,10 @@ class GeneratorConfig(StrictModel):
         default_factory=lambda: [RewardSpec(name="arithmetic")],
         description="Rewards, summed with their weights; each is reported separately too.")
     drop_constant_groups: bool = Field(
-        False, description="Dynamic sampling: do not upload groups whose rewards are all equal (no signal); "
-        "they are counted.")
+        False, description="Dynamic sampling: do not upload groups without signal, counted: their outcome totals "
+        "are all equal and, when they carry steps, their step rewards have fewer than two distinct values.")
+    step_rewards: StepRewardsConfig = Field(default_factory=StepRewardsConfig, description="How step rewards "
+                                            "(process supervision) and the outcome are uploaded together.")
     max_groups: int | None = Field(None, ge=1, description="Stop after uploading this many groups (null: run "
                                    "until stopped).")
     wait_for_budget: bool = Field(

@@ -71,6 +71,12 @@ class LearnerConfig(StrictModel):
     keep_checkpoints: int = Field(2, ge=1, description="Complete checkpoints to keep.")
     output_dir: str = Field("runs/learner/final", description="Hugging Face model folder written at the end.")
     metrics_jsonl: str | None = Field("runs/learner/metrics.jsonl", description="One JSON line of metrics per step.")
+    advantages_jsonl: str | None = Field(
+        None, description="Debugging: append one JSON line per pulled batch with the advantages the loss uses: "
+        "{step, rank, batch_id, supervision, scale, kl_in_reward, rows: [{row, group_id, group_index, row_in_group, "
+        "completion_length, reward, truncated, in_loss, step_ends, step_rewards, advantages}]}, where advantages "
+        "holds one rounded float per completion token (the outcome advantage repeated under outcome supervision). "
+        "Rank r > 0 writes to this path + '.rank<r>'. Null: off.")
     tensorboard_dir: str | None = Field("runs/learner/tensorboard", description="TensorBoard logs (null: off).")
     wandb_project: str | None = Field(None, description="Weights & Biases project (null: off).")
     log_entropy: bool = Field(True, description="Compute the policy's per-token entropy for the metrics.")

@@ -14,7 +14,11 @@ class RefServerConfig(StrictModel):
 
     model: str | None = Field(
         None, description="Folder of the reference model (any AutoModelForCausalLM). Not loaded when "
-        "algorithm.loss.beta is 0; the hub and weight relay work without it.")
+        "algorithm.loss.beta is 0 and algorithm.kl.in_reward is false; the hub and weight relay work without it.")
+    prm_model: str | None = Field(
+        None, description="Folder of a process reward model (any AutoModelForTokenClassification with 2 labels whose "
+        "tokenizer has the step tag `<extra_0>` as one token) to serve at POST /pooling in vLLM's schema, a local "
+        "stand-in for `vllm serve Qwen/Qwen2.5-Math-PRM-7B` (the 'prm' reward; docs/process-rewards.md). Off when null.")
     host: str = Field("127.0.0.1", description="Address to bind. Keep 127.0.0.1 unless a token is set.")
     port: int = Field(8470, ge=1, le=65535, description="TCP port; every other process is told this address.")
     token: str | None = Field(
@@ -34,7 +38,23 @@ class RefServerConfig(StrictModel):
         "prompt and the completions on its cached keys/values (exact; shared/forward/prefix_sharing.py). 'auto': when a "
         "micro-batch holds at least two rows per distinct prompt and packing is not 'packed'; 'on': whenever rows "
         "share a prompt; 'off': never.")
-    max_request_bytes: int = Field(64 * 2**20, ge=1024, description="Largest request body accepted (413 above).")
+    max_request_bytes: int = Field(
+        64 * 2**20, ge=1024, description="Largest body of the bulk endpoints (rollout uploads, /v1/logprobs, "
+        "/v1/completions, /tokenize, /detokenize, weight-sync offers); 413 above, refused as soon as it passes the limit.")
+    max_json_body_bytes: int = Field(
+        2**20, ge=1024, description="Largest body of every other endpoint (acknowledgements, renewals, version "
+        "reports, the weight-sync rendezvous); 413 above, refused as soon as it passes the limit.")
+    body_timeout_s: float = Field(
+        30.0, gt=0, allow_inf_nan=False, description="A request body must arrive within this many seconds plus one "
+        "second per min_body_bytes_per_s bytes received, else 408: a client trickling its body cannot hold a "
+        "connection.")
+    header_timeout_s: float = Field(
+        10.0, gt=0, allow_inf_nan=False, description="A request's line and headers must arrive within this many "
+        "seconds of its connection opening (or of the connection's previous answer), else 408 and the connection is "
+        "closed: a client trickling its headers cannot hold a connection (uvicorn itself has no header timeout).")
+    min_body_bytes_per_s: float = Field(
+        256 * 1024, gt=0, allow_inf_nan=False, description="The slowest upload rate a big body may keep up beyond "
+        "body_timeout_s (see there), in bytes per second.")
     max_request_tokens: int = Field(262144, ge=1, description="Most tokens one logprob request may hold (413 above).")
     queue_capacity: int = Field(256, ge=1, description="Rollout groups the hub holds; uploads get 429 when full.")
     max_staleness: int = Field(
@@ -44,8 +64,9 @@ class RefServerConfig(StrictModel):
         "none. Null keeps them in memory only.")
     weights_dir: str = Field("runs/ref_server/weights", description="Where published weight versions are stored.")
     max_version_ahead: int = Field(
-        1000, ge=1, description="Refuse a weights upload whose version is more than this ahead of the learner's "
-        "reported version (a runaway version would make every queued group look stale).")
+        1000, ge=1, description="Refuse a weights upload, a learner version report or a learner registration whose "
+        "version is more than this ahead of the newest the hub knows (the learner's reported version, the relay's "
+        "newest weights): a runaway version would make every queued group look stale.")
     keep_weight_versions: int = Field(2, ge=1, description="How many newest weight versions to keep on disk.")
     max_weight_bytes: int = Field(
         256 * 2**30, ge=1024, description="Largest weights upload accepted (one safetensors file per version).")
@@ -53,4 +74,12 @@ class RefServerConfig(StrictModel):
     lease_timeout_s: float = Field(
         300.0, gt=0, description="A batch handed to the learner and not acknowledged (or renewed) within this many "
         "seconds goes back to the queue, so a learner killed mid-step loses no groups.")
+    max_deliveries: int = Field(
+        3, ge=1, description="Failed deliveries before a group is quarantined: a lease that expires before the learner "
+        "trained or acknowledged it counts against each of its groups (a learner that crashes on a group never "
+        "acknowledges it), and so does a lease still held untrained when the hub shuts down cleanly; the counts are "
+        "kept beside the spool files across restarts. A group one failure short of this is leased alone, so the good groups it was batched with "
+        "train; at this many it moves to the spool's quarantine/ folder with the reason, is counted (quarantined in "
+        "/metrics and /v1/hub/stats) and is never delivered again. 1: the first failure quarantines every group of "
+        "the lease.")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Server log level.")

@@ -1,0 +1,63 @@
+"""What a reward is: the registry, the group-reward signature and the per-completion lift.
+
+A reward is built by a registered factory from its config arguments and scores a group at a time (so a reward
+model over HTTP can score it in one request): ``fn(prompt, completions, example) -> list[float | StepScores]``,
+one value per completion: a float is an outcome score; a :class:`~generator.rewards.steps.StepScores` scores the
+completion step by step (process supervision, issue 23) and may carry an outcome score too.
+
+New rewards are one decorated factory in a module listed in ``generator/rewards/__init__.py``::
+
+    from generator.rewards.base import REWARDS, per_completion
+    from generator.rewards.steps import StepScores
+
+    @REWARDS.register("my_reward")
+    def my_reward(bonus: float = 1.0):
+        def score(prompt, completion, example) -> float | StepScores: ...
+        return per_completion(score)
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from generator.rewards.steps import StepScores
+from shared.errors import UsageError
+from shared.registry import Registry
+
+log = logging.getLogger("grpo.generator.rewards")
+
+Score = float | StepScores
+GroupReward = Callable[[str, Sequence[str], dict[str, Any]], list[Score]]
+REWARDS: Registry = Registry("reward")
+
+
+class RewardConfigError(UsageError, ValueError):
+    """A reward that cannot be built from its config (unknown function, bad arguments, duplicate name)."""
+
+
+def as_score(value: Any) -> Score:
+    """A reward's value for one completion: a StepScores as it is, anything else as a float (``TypeError`` /
+    ``ValueError`` when it is neither)."""
+    return value if isinstance(value, StepScores) else float(value)
+
+
+def per_completion(fn: Callable[[str, str, dict[str, Any]], Score]) -> GroupReward:
+    """Lift ``fn(prompt, completion, example) -> float | StepScores`` to a group reward; an exception on one
+    completion becomes NaN there (scored with the reward's ``on_error``), the others keep their values."""
+
+    def one(prompt: str, completion: str, example: dict[str, Any]) -> Score:
+        try:
+            return as_score(fn(prompt, completion, example))
+        except Exception as exc:  # noqa: BLE001 - contained per completion; NaN marks it for on_error
+            log.warning("reward %s failed on one completion (%s: %s)", getattr(fn, "__name__", "?"),
+                        type(exc).__name__, exc)
+            return math.nan
+
+    def group(prompt: str, completions: Sequence[str], example: dict[str, Any]) -> list[Score]:
+        return [one(prompt, completion, example) for completion in completions]
+
+    group.__name__ = getattr(fn, "__name__", "reward")
+    return group

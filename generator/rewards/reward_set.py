@@ -1,0 +1,204 @@
+"""The configured rewards combined: a weighted outcome total, per-reward components, step rewards; errors contained.
+
+:meth:`RewardSet.score_group` scores a group with every term. Per completion and term the value is a float (an
+outcome score) or a :class:`StepScores`:
+
+* **Outcome total** (``GroupScores.total``): ``sum_terms weight * outcome``, where a StepScores' outcome is its
+  ``outcome`` field, and 0 when it gives none (its steps then carry all its signal). ``components`` keeps each
+  term's unweighted outcome. The total is always present (metrics, outcome-supervised training).
+* **Steps** (``GroupScores.steps``): ``None`` when no term scored steps for the group (an outcome-only group, which
+  pays nothing for steps). Otherwise one entry per completion: a list of ``(character end, reward)`` where the
+  reward is ``weight * r`` summed over the terms that scored that completion's steps; ``[]`` when no term gave it
+  steps; ``None`` when its step reward failed (it then carries no steps at all, counted in ``step_errors``).
+* **Two step terms** on one completion must locate the same steps (the same character ends, e.g. both split on
+  ``"\\n\\n"``); their weighted rewards are then summed step by step. Different boundaries have no meaningful sum:
+  that completion's steps are dropped with a logged error and counted (its outcome scores are kept).
+
+Containment (a reward never stops the generator): an exception for the whole group scores every completion
+``on_error``; a value that is not finite in float32 once weighted (NaN, inf, 1e39: the group carries float32, where
+1e39 is inf) or unconvertible, or a StepScores that does not fit its completion (a separator
+splitting the text into a different number of steps than the rewards, an end past the text), scores that completion
+``on_error``; both are counted in ``errors``. When a term that has scored steps before fails on a completion, that
+completion's steps are dropped too (its process signal is unknown, and a partial sum would be wrong). A total or a
+summed step reward that overflows float32 although each term fitted is scored like a failure of every term there
+(``on_error`` each, counted under ``"total"``; the steps dropped), so that the group can still be uploaded.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from generator.rewards.base import REWARDS, GroupReward, RewardConfigError, Score, as_score
+from generator.rewards.steps import StepScores
+from shared.protocol.numbers import finite_float32
+
+log = logging.getLogger("grpo.generator.rewards")
+
+CharSteps = list[tuple[int, float]]   # (exclusive character end, reward) per step of one completion
+
+
+@dataclass
+class RewardTerm:
+    name: str
+    fn: GroupReward
+    weight: float
+    on_error: float
+    gives_steps: bool = False   # set once the term has returned a StepScores: its failures then drop steps
+
+
+@dataclass
+class GroupScores:
+    total: list[float]                    # weighted outcome sum per completion
+    components: dict[str, list[float]]    # reward name -> unweighted outcome per completion
+    errors: dict[str, int]                # reward name -> completions scored with on_error
+    steps: list[CharSteps | None] | None = None   # see the module docstring; None: an outcome-only group
+    step_errors: int = 0                  # completions whose steps were dropped (a failed step reward, a mismatch)
+
+
+@dataclass
+class _TermSteps:
+    """What the terms gave one group's completions: per completion, term name -> (character ends, weighted
+    rewards); which completions lost their steps; whether any term scored steps."""
+
+    parts: list[dict[str, tuple[list[int], list[float]]]]
+    failed: list[bool]
+    any_steps: bool = False
+
+
+def merge_term_steps(parts: dict[str, tuple[list[int], list[float]]]) -> CharSteps:
+    """One completion's steps from every term that scored them: the same character ends required, rewards summed."""
+    if not parts:
+        return []
+    (first, (ends, rewards)), *others = parts.items()
+    summed = list(rewards)
+    for name, (other_ends, other_rewards) in others:
+        if other_ends != ends:
+            raise ValueError(f"step rewards {first!r} and {name!r} locate different steps (character ends {ends} "
+                             f"vs {other_ends}); two step rewards are summed only when their steps agree")
+        summed = [a + b for a, b in zip(summed, other_rewards)]
+    if not all(finite_float32(r) for r in summed):
+        raise ValueError(f"summed step rewards {summed} are not finite in float32")
+    return list(zip(ends, summed))
+
+
+class RewardSet:
+    """The configured rewards; ``score_group`` gives totals, per-reward values and steps, errors contained."""
+
+    def __init__(self, terms: list[RewardTerm]) -> None:
+        if not terms:
+            raise RewardConfigError("at least one reward is needed")
+        names = [t.name for t in terms]
+        if len(set(names)) != len(names):
+            raise RewardConfigError(f"reward names must be unique, got {names} (use 'label' to tell two apart)")
+        self.terms = terms
+
+    @classmethod
+    def from_specs(cls, specs: Sequence[Any]) -> RewardSet:
+        """From config entries with ``name``, ``label``, ``weight``, ``on_error`` and ``args``."""
+        terms = []
+        for spec in specs:
+            factory = REWARDS.get(spec.name)
+            try:
+                fn = factory(**spec.args)
+            except TypeError as exc:
+                raise RewardConfigError(f"reward {spec.name!r}: bad arguments {spec.args}: {exc}") from None
+            terms.append(RewardTerm(spec.label or spec.name, fn, spec.weight, spec.on_error))
+        return cls(terms)
+
+    def score_group(self, prompt: str, completions: Sequence[str], example: dict[str, Any]) -> GroupScores:
+        n = len(completions)
+        total = [0.0] * n
+        components: dict[str, list[float]] = {}
+        errors: dict[str, int] = {}
+        found = _TermSteps(parts=[{} for _ in range(n)], failed=[False] * n)
+        for term in self.terms:
+            values = self._safe(term, prompt, completions, example, errors)
+            term.gives_steps = term.gives_steps or any(isinstance(v, StepScores) for v in values)
+            outcomes = [self._outcome(term, i, v, completions[i], found, errors) for i, v in enumerate(values)]
+            components[term.name] = outcomes
+            total = [t + term.weight * v for t, v in zip(total, outcomes)]
+        self._contain_overflow(total, found, errors)
+        if not found.any_steps:
+            return GroupScores(total, components, errors)
+        steps: list[CharSteps | None] = []
+        for i in range(n):
+            merged = None
+            if not found.failed[i]:
+                try:
+                    merged = merge_term_steps(found.parts[i])
+                except ValueError as exc:
+                    log.warning("completion %d: %s; it carries no steps", i, exc)
+            steps.append(merged)
+        return GroupScores(total, components, errors, steps, sum(s is None for s in steps))
+
+    def _contain_overflow(self, total: list[float], found: _TermSteps, errors: dict[str, int]) -> None:
+        """Totals that overflow float32 (each term fitted, their sum does not): ``on_error`` of every term, counted
+        under ``"total"``, the completion's steps dropped."""
+        for i, value in enumerate(total):
+            if not finite_float32(value):
+                total[i] = sum(term.weight * term.on_error for term in self.terms)
+                log.warning("completion %d: the weighted total %.6g is not finite in float32; scoring it %s with no "
+                            "steps", i, value, total[i])
+                errors["total"] = errors.get("total", 0) + 1
+                found.failed[i] = True
+
+    @staticmethod
+    def _outcome(term: RewardTerm, i: int, value: Score, text: str, found: _TermSteps,
+                 errors: dict[str, int]) -> float:
+        """The term's outcome for completion ``i``; records its steps (or their failure) in ``found``."""
+        if not isinstance(value, StepScores):
+            if math.isnan(value) and term.gives_steps:
+                found.failed[i] = True   # a step reward that failed here: its steps are unknown
+            found.any_steps = found.any_steps or term.gives_steps
+            return term.on_error if math.isnan(value) else value
+        found.any_steps = True
+        try:
+            ends = value.char_ends(text)
+        except ValueError as exc:
+            log.warning("reward %r: bad step scores for completion %d (%s); scoring it %s with no steps",
+                        term.name, i, exc, term.on_error)
+            errors[term.name] = errors.get(term.name, 0) + 1
+            found.failed[i] = True
+            return term.on_error
+        found.parts[i][term.name] = (ends, [term.weight * r for r in value.rewards])
+        return 0.0 if value.outcome is None else float(value.outcome)
+
+    @staticmethod
+    def _safe(term: RewardTerm, prompt: str, completions: Sequence[str], example: dict[str, Any],
+              errors: dict[str, int]) -> list[Score]:
+        """The term's values, one per completion; a failed one is NaN (already counted in ``errors``)."""
+        try:
+            raw = list(term.fn(prompt, completions, example))
+            if len(raw) != len(completions):
+                raise ValueError(f"returned {len(raw)} values for {len(completions)} completions")
+        except Exception as exc:  # noqa: BLE001 - a reward must never take the generator down
+            log.warning("reward %r failed on a group (%s: %s); scoring it %s", term.name, type(exc).__name__,
+                        exc, term.on_error)
+            errors[term.name] = errors.get(term.name, 0) + len(completions)
+            return [math.nan] * len(completions)
+        values: list[Score] = []
+        for value in raw:
+            try:
+                values.append(as_score(value))
+            except (TypeError, ValueError):
+                values.append(math.nan)
+        bad = [i for i, v in enumerate(values) if not _fits_float32(term.weight, v)]
+        if bad:
+            log.warning("reward %r failed or was not finite in float32 (weighted) for %d completions; scoring them %s",
+                        term.name, len(bad), term.on_error)
+            errors[term.name] = errors.get(term.name, 0) + len(bad)
+            values = [math.nan if i in bad else v for i, v in enumerate(values)]
+        return values
+
+
+def _fits_float32(weight: float, value: Score) -> bool:
+    """Whether a term's value, weighted, is finite in float32 (the dtype of a group's rewards and step rewards): a
+    float, or a StepScores' every step reward and outcome."""
+    if not isinstance(value, StepScores):
+        return finite_float32(value) and finite_float32(weight * value)
+    numbers = [*value.rewards, *([] if value.outcome is None else [float(value.outcome)])]
+    return all(finite_float32(x) and finite_float32(weight * x) for x in numbers)

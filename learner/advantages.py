@@ -1,0 +1,197 @@
+"""The advantages of a pulled batch: one per completion (outcome supervision) or one per token (process
+supervision, the KL penalty in the reward), computed over the whole batch with the pure functions of
+:mod:`shared.grpo.advantages`; their metrics; and the optional JSONL record of what the loss used.
+
+``scale: batch`` means the global batch: the std is taken over every rank's rewards (outcome) or step rewards
+(process), all-reduced as count, sum and sum of squares, so the result does not depend on how the hub split the
+batch over ranks. Every rank makes the same collective calls whatever its batch holds (they are decided by the
+config alone), so a rank whose groups carry no steps still joins the all-reduce.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from learner.step import all_reduce
+from shared.config.schema import AdvantageConfig, AlgorithmConfig, KLConfig
+from shared.grpo.advantages import (
+    compute_advantages,
+    kl_in_reward_advantages,
+    normalised_step_rewards,
+    outcome_token_rewards,
+    process_advantages,
+    step_token_rewards,
+)
+from shared.grpo.kl import kl_penalty
+from shared.grpo.masks import lengths_to_mask, masked_mean, masked_min_max
+from shared.protocol.records import TrainBatch
+
+log = logging.getLogger("grpo.learner")
+
+
+def global_std(values: torch.Tensor) -> float:
+    """The unbiased std of ``values`` over every rank (one all-reduce of count, sum and sum of squares, float64);
+    0 for fewer than two values in all."""
+    values = values.double()
+    n, total, squares = all_reduce(torch.stack([torch.tensor(float(values.numel()), dtype=torch.float64),
+                                                values.sum(), (values * values).sum()])).tolist()
+    return max((squares - total * total / n) / (n - 1), 0.0) ** 0.5 if n > 1 else 0.0
+
+
+def batch_steps(batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(step_rewards, step_index, step_end)`` of the batch; empty tensors when its groups carry no steps."""
+    if batch.step_rewards is None or batch.step_index is None or batch.step_end is None:
+        return torch.zeros(0), torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
+    return batch.step_rewards.float(), batch.step_index.long(), batch.step_end.long()
+
+
+def _outcome(batch: TrainBatch, cfg: AdvantageConfig) -> torch.Tensor:
+    batch_std = global_std(batch.rewards) if cfg.scale == "batch" else None
+    return compute_advantages(batch.rewards, batch.group_index, cfg.estimator, scale=cfg.scale, eps=cfg.eps,
+                              batch_std=batch_std)
+
+
+def batch_advantages(batch: TrainBatch, cfg: AdvantageConfig, kl: KLConfig | None = None) -> torch.Tensor:
+    """The advantages the loss uses: ``[B]`` or ``[B, L]`` (``L`` = the batch's completion width).
+
+    * supervision ``outcome``, no KL in the reward: ``[B]``, one estimator call with the group index (verl's way);
+      the loss broadcasts each over its completion's tokens.
+    * supervision ``process``: ``A_{i,t} = sum_{j: e_ij >= t} r~_ij`` (``process_advantages``); rows without
+      steps get 0 (a warning when the whole batch has none: such a batch teaches nothing).
+    * ``kl.in_reward``: ``r_t = -beta k(t) + p_t`` and ``A_t = sum_{s >= t} r_s`` (``kl_in_reward_advantages``),
+      ``p`` = the outcome advantage at the completion's last token (outcome) or each step's r~ at its end
+      (process); ``k`` from the behaviour (sampler's) logprobs and the reference logprobs.
+    """
+    in_reward = kl is not None and kl.in_reward
+    if cfg.supervision == "outcome" and not in_reward:
+        return _outcome(batch, cfg)
+    lengths = batch.completion_lengths.long()
+    width = batch.behaviour_logprobs.shape[1]
+    if cfg.supervision == "outcome":
+        token_rewards = outcome_token_rewards(_outcome(batch, cfg), lengths, width=width)
+    else:
+        rewards, index, end = batch_steps(batch)
+        if not rewards.numel():
+            log.warning("algorithm.advantage.supervision is 'process' but no completion of batch %r has step "
+                        "rewards: every advantage is 0 and this batch teaches nothing (do the rewards score steps?)",
+                        batch.batch_id)
+        batch_std = global_std(rewards) if cfg.scale == "batch" else None
+        if not in_reward:
+            advantages = process_advantages(rewards, index, end, batch.group_index, lengths, scale=cfg.scale,
+                                            eps=cfg.eps, batch_std=batch_std)
+            return torch.nn.functional.pad(advantages, (0, width - advantages.shape[1]))
+        normalised = normalised_step_rewards(rewards, index, batch.group_index, scale=cfg.scale, eps=cfg.eps,
+                                             batch_std=batch_std)
+        token_rewards = step_token_rewards(normalised, index, end, lengths, width=width)
+    assert kl is not None
+    if batch.ref_logprobs is None:
+        raise ValueError(f"algorithm.kl.in_reward needs reference logprobs, but batch {batch.batch_id!r} has none: "
+                         "the ref server must load the reference model (start it with the same config)")
+    return kl_in_reward_advantages(token_rewards, batch.behaviour_logprobs, batch.ref_logprobs, lengths,
+                                   beta=kl.beta, estimator=kl.estimator)
+
+
+def advantage_metrics(batch: TrainBatch, advantages: torch.Tensor) -> dict[str, float]:
+    """Mean, std, min and max of the advantages: over the completions (``[B]``) or over their real tokens
+    (``[B, L]``, padding left out)."""
+    adv = advantages.float()
+    if adv.dim() == 2:
+        adv = adv[lengths_to_mask(batch.completion_lengths.long(), adv.shape[1])]
+    if not adv.numel():
+        return {"advantage_mean": 0.0, "advantage_std": 0.0, "advantage_min": 0.0, "advantage_max": 0.0}
+    return {"advantage_mean": float(adv.mean()), "advantage_std": float(adv.std()) if adv.numel() > 1 else 0.0,
+            "advantage_min": float(adv.min()), "advantage_max": float(adv.max())}
+
+
+def step_metrics(batch: TrainBatch) -> dict[str, float]:
+    """The batch's step rewards: their mean and std, steps per completion, and the fractions of rows and groups
+    without any step (those get advantage 0 under process supervision)."""
+    rewards, index, _ = batch_steps(batch)
+    rows = batch.batch_size
+    per_row = torch.bincount(index, minlength=rows)
+    groups = int(batch.group_index.max()) + 1 if rows else 0
+    per_group = torch.zeros(groups, dtype=torch.long).index_add_(0, batch.group_index.long(), per_row)
+    return {
+        "step_reward_mean": float(rewards.mean()) if rewards.numel() else 0.0,
+        "step_reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+        "steps_per_completion": rewards.numel() / max(rows, 1),
+        "rows_without_steps_frac": float((per_row == 0).sum()) / max(rows, 1),
+        "groups_without_steps_frac": float((per_group == 0).sum()) / max(groups, 1),
+    }
+
+
+def kl_reward_metrics(batch: TrainBatch, advantages: torch.Tensor, kl: KLConfig) -> dict[str, float]:
+    """With the KL in the reward: the mean per-token KL estimate ``k`` over the real tokens (before beta), and the
+    range of the returns (the token advantages)."""
+    if batch.ref_logprobs is None:
+        return {}
+    mask = lengths_to_mask(batch.completion_lengths.long(), batch.behaviour_logprobs.shape[1])
+    zero = torch.zeros((), dtype=torch.float64)
+    old = torch.where(mask, batch.behaviour_logprobs.double(), zero)
+    ref = torch.where(mask, batch.ref_logprobs.double(), zero)
+    low, high = masked_min_max(advantages.double(), mask)
+    return {"kl_reward_mean": float(masked_mean(kl_penalty(old, ref, kl.estimator), mask)),
+            "return_min": float(low), "return_max": float(high)}
+
+
+def algorithm_metrics(batch: TrainBatch, advantages: torch.Tensor, algorithm: AlgorithmConfig) -> dict[str, float]:
+    """The advantage metrics, plus the step-reward ones (process supervision, or a batch with steps) and the
+    KL-in-reward ones."""
+    metrics = advantage_metrics(batch, advantages)
+    if algorithm.advantage.supervision == "process" or batch.step_rewards is not None:
+        metrics.update(step_metrics(batch))
+    if algorithm.kl.in_reward:
+        metrics.update(kl_reward_metrics(batch, advantages, algorithm.kl))
+    return metrics
+
+
+class AdvantageLog:
+    """``learner.advantages_jsonl``: one JSON line per pulled batch with, per row, what identifies it, its steps
+    and the token advantages the loss used (a debugging and testing aid; off by default).
+
+    Rank 0 appends to ``path``; rank r > 0 to ``path + ".rank<r>"`` (each rank has its own part of the batch)."""
+
+    def __init__(self, path: str, rank: int, algorithm: AlgorithmConfig, *, mask_truncated: bool) -> None:
+        target = Path(path if rank == 0 else f"{path}.rank{rank}")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(target, "a", buffering=1)
+        self._rank, self._algorithm, self._mask_truncated = rank, algorithm, mask_truncated
+
+    def write(self, step: int, batch: TrainBatch, advantages: torch.Tensor) -> None:
+        self._file.write(json.dumps(advantage_record(step, batch, advantages, self._algorithm, rank=self._rank,
+                                                     mask_truncated=self._mask_truncated)) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def advantage_record(step: int, batch: TrainBatch, advantages: torch.Tensor, algorithm: AlgorithmConfig, *,
+                     rank: int = 0, mask_truncated: bool = False, digits: int = 6) -> dict:
+    """The JSON object :class:`AdvantageLog` writes for one batch (see the config field for its keys)."""
+    lengths = batch.completion_lengths.tolist()
+    values = advantages.double().tolist()
+    rewards, index, end = batch_steps(batch)
+    steps: list[list[tuple[int, float]]] = [[] for _ in lengths]
+    for row, e, r in zip(index.tolist(), end.tolist(), rewards.tolist()):
+        steps[row].append((e, r))
+    group_of = batch.group_index.tolist()
+    first_row: dict[int, int] = {}
+    rows = []
+    for row, length in enumerate(lengths):
+        group = group_of[row]
+        first_row.setdefault(group, row)
+        token_values = values[row][:length] if advantages.dim() == 2 else [values[row]] * length
+        rows.append({
+            "row": row, "group_id": batch.group_ids[group], "group_index": group,
+            "row_in_group": row - first_row[group], "completion_length": length, "reward": float(batch.rewards[row]),
+            "truncated": bool(batch.truncated[row]), "in_loss": not (mask_truncated and bool(batch.truncated[row])),
+            "step_ends": [e for e, _ in steps[row]], "step_rewards": [r for _, r in steps[row]],
+            "advantages": [round(v, digits) for v in token_values],
+        })
+    return {"step": step, "rank": rank, "batch_id": batch.batch_id,
+            "supervision": algorithm.advantage.supervision, "scale": algorithm.advantage.scale,
+            "kl_in_reward": algorithm.kl.in_reward, "rows": rows}

@@ -1,0 +1,161 @@
+"""Weights and versions checked against the learner before the hub takes them (issue 22, item 4), on a live hub on
+127.0.0.1 with the tiny model: weights whose tensors are not the registered layout's are refused naming the first
+difference, versions and version reports are bounded and scoped to the registered learner session, a wrong
+version is undone by a registration (no hub restart), and the learner reports a refusal of its own weights."""
+
+from __future__ import annotations
+
+import pytest
+import requests
+import torch
+from safetensors.torch import save
+
+from generator.engines.hf import TransformersEngine
+from shared.config.schema import WeightSyncConfig
+from shared.protocol.client import LEARNER_SESSION_HEADER, HubClient, HubError, LearnerSession, RetryPolicy
+from shared.weight_sync.layout import Layout
+from shared.weight_sync.publisher import WeightPublisher
+from shared.weight_sync.receiver import WeightReceiver
+from shared.weight_sync.sender import WeightsRefusedError
+from tests.live_server import LiveServer, make_config
+from tests.ref_server.helpers import make_group
+
+pytestmark = pytest.mark.slow  # a live hub in every test
+AHEAD = 10
+HTTP = WeightSyncConfig(transport="http", timeout_s=5.0, poll_s=0.2)
+
+
+def client(url: str, session: LearnerSession | None = None) -> HubClient:
+    c = HubClient(url, retry=RetryPolicy(max_retry_s=5, initial_backoff_s=0.05, max_backoff_s=0.2))
+    c.learner = session
+    return c
+
+
+def layout_of(model) -> Layout:
+    return Layout.build([(n, tuple(p.shape)) for n, p in model.named_parameters()], torch.float32)
+
+
+def put(url: str, version: int, body: bytes, session: str | None = None) -> requests.Response:
+    headers = {"Content-Type": "application/octet-stream"}
+    if session is not None:
+        headers[LEARNER_SESSION_HEADER] = session
+    return requests.put(f"{url}/v1/weights/{version}", data=body, headers=headers, timeout=30)
+
+
+@pytest.fixture
+def live(tmp_path):
+    with LiveServer(make_config(tmp_path, max_version_ahead=AHEAD)) as server:
+        yield server
+
+
+def test_hostile_weights_are_refused_and_generators_started_afterwards_load_the_learners(live, tiny_model,
+                                                                                        tiny_model_dir, tmp_path):
+    learner = client(live.url)
+    learner.register_learner(0, 2, layout_of(tiny_model).to_json())
+    session = learner.learner.id
+    params = dict(tiny_model.named_parameters())
+    first = next(iter(params))
+    wrong_names = save({"not.a.weight": torch.zeros(4)})
+    wrong_shape = save({n: (p.detach()[:1] if n == first else p.detach()).contiguous() for n, p in params.items()})
+    wrong_dtype = save({n: p.detach().to(torch.float16 if n == first else torch.float32) for n, p in params.items()})
+    extra = save({**{n: p.detach() for n, p in params.items()}, "extra.weight": torch.zeros(2)})
+    answers = [put(live.url, 5, body, session) for body in (wrong_names, wrong_shape, wrong_dtype, extra)]
+    assert [a.status_code for a in answers] == [400] * 4
+    details = [a.json()["detail"] for a in answers]
+    assert f"tensor '{first}' is missing" in details[0]
+    assert f"tensor '{first}' has shape [1, " in details[1]
+    assert f"tensor '{first}' is 'F16', the model's is F32" in details[2]
+    assert "tensor 'extra.weight' is not in the model (1 such)" in details[3]
+    # the right tensors from anyone but the learner's session, or too far ahead: refused too
+    right = save({n: p.detach() for n, p in params.items()})
+    assert put(live.url, 5, right).status_code == 409
+    assert put(live.url, AHEAD + 1, right, session).status_code == 409
+    assert live.state.weights.current is None and not list((tmp_path / "weights").glob("*.partial"))
+    # the learner's own publish goes through, and a generator started now loads it
+    publisher = WeightPublisher(tiny_model, lambda: client(live.url, learner.learner), HTTP, rank=0, world=1,
+                                device=torch.device("cpu"), relay_version=None)
+    try:
+        publisher.publish(1)
+        assert publisher.sender.wait_idle(30) and publisher.sender.error is None
+    finally:
+        publisher.close()
+    assert live.state.weights.current == 1
+    engine = TransformersEngine(tiny_model_dir)
+    with torch.no_grad():
+        for p in engine.model.parameters():
+            p.zero_()
+    receiver = WeightReceiver(engine, client(live.url), HTTP, "gen-after", tmp_path / "gen")
+    assert receiver.sync(0) == 1
+    loaded = dict(engine.model.named_parameters())
+    assert all(torch.equal(loaded[n].detach(), p.detach()) for n, p in params.items())
+
+
+def test_version_reports_are_bounded_and_scoped_to_the_registered_learner(live, tmp_path):
+    anyone = client(live.url)
+    hub = live.state.hub
+    for version in (2**53 - 1, AHEAD + 1):  # before any learner registered: bounded all the same
+        with pytest.raises(HubError) as refused:
+            anyone.report_version(version)
+        assert refused.value.status == 409 and f"more than {AHEAD}" in str(refused.value.detail)
+    assert anyone.report_version(AHEAD)["version"] == AHEAD and hub.learner_version == AHEAD
+    with pytest.raises(HubError) as refused:  # a registration is bounded too
+        client(live.url).register_learner(2 * AHEAD + 1)
+    assert refused.value.status == 409 and hub.learner_version == AHEAD
+    learner = client(live.url)
+    learner.register_learner(12, groups_per_step=4)
+    assert hub.learner_version == 12 and hub.groups_per_step == 4
+    assert learner.report_version(13)["version"] == 13
+    with pytest.raises(HubError) as refused:  # no session named: not the learner
+        anyone.report_version(14)
+    assert refused.value.status == 409 and "not the registered learner session" in str(refused.value.detail)
+    with pytest.raises(HubError) as refused:
+        learner.report_version(13 + AHEAD + 1)
+    assert refused.value.status == 409 and hub.learner_version == 13
+    # a hub restart keeps the session and the learner's version
+    live.__exit__(None, None, None)
+    with LiveServer(make_config(tmp_path, max_version_ahead=AHEAD)) as again:
+        assert again.state.hub.learner_version == 13
+        learner.base_url = again.url
+        assert learner.report_version(14)["version"] == 14
+        with pytest.raises(HubError):
+            client(again.url).report_version(15)
+
+
+def test_a_wrong_version_is_undone_by_the_learner_registering_again_without_a_hub_restart(live):
+    hub = live.state.hub
+    learner = client(live.url)
+    learner.register_learner(3, groups_per_step=2)
+    intruder = client(live.url)
+    intruder.register_learner(3 + AHEAD)  # a wrong version (a stray process, a misconfigured second learner)
+    assert hub.learner_version == 3 + AHEAD
+    uploader = client(live.url)
+    assert uploader.upload_group(make_group(version=3, seed=1))["accepted"] is False  # stale now
+    with pytest.raises(HubError) as refused:  # the learner hears of it at its next report ...
+        learner.report_version(4)
+    assert refused.value.status == 409 and "restart the learner" in str(refused.value.detail)
+    learner.register_learner(4, groups_per_step=2)  # ... and registering again (a restart) moves the hub back
+    assert hub.learner_version == 4 and learner.report_version(5)["version"] == 5
+    assert uploader.upload_group(make_group(version=4, seed=2))["accepted"] is True
+    with pytest.raises(HubError):
+        intruder.report_version(3 + AHEAD + 1)  # the intruder's session is over
+
+
+def test_the_learner_reports_a_refusal_of_its_own_weights_as_an_error(live, tiny_model):
+    learner = client(live.url)
+    learner.register_learner(0, 2, layout_of(tiny_model).to_json())
+    publisher = WeightPublisher(tiny_model, lambda: client(live.url, learner.learner), HTTP, rank=0, world=1,
+                                device=torch.device("cpu"), relay_version=None)
+    try:
+        publisher.publish(1)
+        assert publisher.sender.wait_idle(30) and publisher.sender.error is None
+        client(live.url).register_learner(1)  # another session takes over: the learner's uploads are refused
+        publisher.publish(2)
+        assert publisher.sender.wait_idle(30)
+        with pytest.raises(WeightsRefusedError) as refused:
+            publisher.publish(3)
+        assert "version 2" in str(refused.value) and "not the registered learner session" in str(refused.value)
+        with pytest.raises(WeightsRefusedError):  # and at the end of the run
+            publisher.finish(3)
+    finally:
+        publisher.close()
+    assert live.state.weights.current == 1
