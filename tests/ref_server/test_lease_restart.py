@@ -174,3 +174,18 @@ def test_a_torn_or_foreign_lease_file_is_ignored_and_its_groups_queued(tmp_path)
         batch = hub.take(1)
         path = tmp_path / f"{batch.batch_id}.lease"
     assert hub.ack([batch.batch_id]) == {batch.batch_id: "acked"}
+
+
+def test_a_lease_write_cut_short_leaves_the_last_whole_lease(tmp_path):
+    hub = open_hub(tmp_path)
+    for i in range(2):
+        hub.put(make_group(seed=i).to_bytes())
+    batch = hub.take(2)
+    # killed while replacing the file at a renewal (trained=True): the half-written copy never took its name
+    (tmp_path / f"{batch.batch_id}.lease.tmp").write_text('{"batch_id": "' + batch.batch_id[:5])
+    again = open_hub(tmp_path)
+    assert not list(tmp_path.glob("*.tmp"))
+    assert (again.leased_depth(), again.depth(), again.leases.held[batch.batch_id].trained) == (2, 0, False)
+    assert again.renew([batch.batch_id], trained=True) == {batch.batch_id: "renewed"}
+    assert json.loads((tmp_path / f"{batch.batch_id}.lease").read_text())["trained"] is True
+    assert again.ack([batch.batch_id]) == {batch.batch_id: "acked"} and again.counters.consumed == 2
