@@ -163,13 +163,17 @@ class Leases:
         return answer
 
     def leased_depth(self) -> int:
-        """Groups handed to the learner and not yet acknowledged."""
+        """Groups handed to the learner and not yet acknowledged (leases past their deadline are expired first:
+        a lease held again at a restart for a learner that is gone has no take or renewal to expire it)."""
         with self.queue.cond:
+            self.expire_locked()
             return sum(len(lease.groups) for lease in self.held.values())
 
     def untrained_locked(self) -> int:
-        """Leased groups the learner has not trained yet: the batch in training and the one it prefetched."""
-        return sum(len(lease.groups) for lease in self.held.values() if not lease.trained)
+        """Leased groups the learner has not trained yet: the batch in training and the one it prefetched. A lease
+        held again at a restart counts once its learner renews it (it may have gone with the hub: until then it must
+        not hold the generators' budget for a whole lease timeout)."""
+        return sum(len(lease.groups) for lease in self.held.values() if not (lease.trained or lease.restored))
 
     def expire_locked(self, reason: str = "") -> None:
         """Requeue the groups of every lease past its deadline (the caller holds the queue's lock)."""
