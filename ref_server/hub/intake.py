@@ -25,6 +25,7 @@ import torch
 
 from ref_server.hub.batching import GroupRows
 from ref_server.hub.queue import QueuedGroup, RolloutQueue
+from ref_server.hub.spool import SpooledLease
 from ref_server.scoring.context import ContextTooLong, check_group
 from ref_server.scoring.scorer import ReferenceScorer, Row
 from shared.protocol.errors import ProtocolError
@@ -193,24 +194,34 @@ class Intake:
         self.queue.mark_ready(entry, rows)
 
     # -- restart ------------------------------------------------------------------------------------------
-    def reload_spool(self, triage: Callable[[QueuedGroup], bool] = lambda entry: True) -> None:
+    def reload_spool(self, triage: Callable[[QueuedGroup], bool] = lambda entry: True,
+                     restore: Callable[[list[SpooledLease], dict[int, QueuedGroup]], set[int]] = lambda *_: set(),
+                     ) -> None:
         """Queue the spooled groups again in their order, each under the sequence number it was spooled with and
-        with the failed deliveries recorded for it; ``triage(entry)`` False: not queued (quarantined)."""
+        with the failed deliveries recorded for it, except those ``restore(leases, entries)`` holds again in the
+        leases found beside them (it returns their sequence numbers; :meth:`ref_server.hub.leases.Leases.restore`);
+        ``triage(entry)`` False: not queued (quarantined). ``spool_reloaded`` counts the groups queued or held."""
         queue = self.queue
         assert queue.spool is not None
         found = queue.spool.reload(self._check_reloaded)
         queue.counters.spool_corrupt += found.corrupt
-        pending: list[QueuedGroup] = []
+        entries: dict[int, QueuedGroup] = {}
         for spooled in found.groups:
             self._next_seq = max(self._next_seq, spooled.seq + 1)
-            entry = QueuedGroup(spooled.seq, spooled.group, spooled.path, failures=spooled.failures)
+            entries[spooled.seq] = QueuedGroup(spooled.seq, spooled.group, spooled.path, failures=spooled.failures)
             self._remember(spooled.group.group_id)
-            if triage(entry):
+        held = restore(found.leases, entries)
+        pending: list[QueuedGroup] = []
+        for seq, entry in entries.items():
+            if seq in held:
+                pending.append(entry)   # leased: its rows are laid out for when the lease expires
+            elif triage(entry):
                 queue.add_locked(entry)
                 pending.append(entry)
         queue.counters.spool_reloaded = len(pending)
         if pending:
-            log.info("reloaded %d spooled groups from %s", len(pending), queue.spool.directory)
+            log.info("reloaded %d spooled groups (%d of them leased) from %s", len(pending), len(held),
+                     queue.spool.directory)
         for entry in pending:
             self._start_scoring(entry)
 

@@ -16,6 +16,15 @@ crashes stops ``grpo run``, hub included): restarts go on counting, so a group t
 restart is quarantined too (:meth:`Leases.triage` at reload). A hub killed outright counts nothing for the leases it
 held (the learner is not to blame).
 
+Restarts: each lease is kept beside the spool files (:meth:`ref_server.hub.spool.RolloutSpool.write_lease`, at
+take, renew and release; deleted at acknowledgement and expiry), and :meth:`Leases.restore` holds them again at
+reload, each for a fresh ``lease_timeout_s`` (the hub's downtime is not the learner's, and a wall clock may jump
+across a restart; the learner renews every third of the timeout anyway). So a batch the learner trained before the
+restart and acknowledges after it is consumed (``acked``), never queued again or dropped as stale, and an untrained
+one the learner goes on training is not handed to it twice. A restored lease that expires without a renewal since
+the restart counts no failed delivery (the learner that held it may have gone with the hub); a clean shutdown keeps
+only the trained leases' files (the untrained ones were counted failed, their groups are triaged at reload).
+
 A take looks only at the groups it takes (and at any not-yet-scored ones ahead of them): their batch rows were laid
 out when they became ready (:mod:`ref_server.hub.batching`).
 """
@@ -30,6 +39,7 @@ from dataclasses import dataclass
 
 from ref_server.hub.batching import assemble_batch
 from ref_server.hub.queue import QueuedGroup, RolloutQueue
+from ref_server.hub.spool import SpooledLease
 from shared.protocol.records import TrainBatch
 
 log = logging.getLogger("grpo.ref_server.hub")
@@ -41,6 +51,7 @@ class Lease:
     deadline: float
     trained: bool = False   # the learner trained it and holds it for its next checkpoint (pacing leaves it out)
     released: bool = False  # handed back by the learner (not a failed delivery)
+    restored: bool = False  # held again at a restart and not renewed since: its expiry is no failed delivery
 
 
 class Leases:
@@ -81,6 +92,7 @@ class Leases:
                 del queue.groups[entry.seq]
             batch_id = uuid.uuid4().hex
             self.held[batch_id] = Lease(chosen, time.monotonic() + self.lease_timeout_s)
+            self._persist_locked(batch_id)
             queue.counters.leased += len(chosen)
             queue.cond.notify_all()  # fewer queued groups: generators waiting for a budget may go on
         return assemble_batch([e.group for e in chosen], [e.rows for e in chosen], batch_id=batch_id)
@@ -109,6 +121,8 @@ class Leases:
                 for entry in done:
                     queue.unspool(entry)
                 queue.counters.consumed += len(done)
+                if lease is not None:   # after its groups' files: a crash in between leaves a lease of none
+                    self._unpersist(batch_id)
                 self._finish(batch_id, None)
             queue.cond.notify_all()
         return answer
@@ -141,19 +155,25 @@ class Leases:
                 if lease is not None:
                     lease.deadline = time.monotonic() + self.lease_timeout_s
                     lease.trained = lease.trained or trained
+                    lease.restored = False
+                    self._persist_locked(batch_id)
                 answer[batch_id] = "renewed" if lease is not None else "unknown"
             if trained:
                 self.queue.cond.notify_all()
         return answer
 
     def leased_depth(self) -> int:
-        """Groups handed to the learner and not yet acknowledged."""
+        """Groups handed to the learner and not yet acknowledged (leases past their deadline are expired first:
+        a lease held again at a restart for a learner that is gone has no take or renewal to expire it)."""
         with self.queue.cond:
+            self.expire_locked()
             return sum(len(lease.groups) for lease in self.held.values())
 
     def untrained_locked(self) -> int:
-        """Leased groups the learner has not trained yet: the batch in training and the one it prefetched."""
-        return sum(len(lease.groups) for lease in self.held.values() if not lease.trained)
+        """Leased groups the learner has not trained yet: the batch in training and the one it prefetched. A lease
+        held again at a restart counts once its learner renews it (it may have gone with the hub: until then it must
+        not hold the generators' budget for a whole lease timeout)."""
+        return sum(len(lease.groups) for lease in self.held.values() if not (lease.trained or lease.restored))
 
     def expire_locked(self, reason: str = "") -> None:
         """Requeue the groups of every lease past its deadline (the caller holds the queue's lock)."""
@@ -164,8 +184,10 @@ class Leases:
         requeued: list[QueuedGroup] = []
         for batch_id in expired:
             lease = self.held.pop(batch_id)
-            back = lease.groups if lease.released or lease.trained else self._failed_delivery(lease)
+            blameless = lease.released or lease.trained or lease.restored
+            back = lease.groups if blameless else self._failed_delivery(lease)
             requeued += back
+            self._unpersist(batch_id)
             self.queue.counters.lease_expired += len(lease.groups)
             self._finish(batch_id, [e.seq for e in back])
             if reason:
@@ -204,12 +226,60 @@ class Leases:
         """A clean shutdown: the leases still held untrained count as failed deliveries (recorded beside the spool
         files; the groups stay spooled and are triaged at the next start)."""
         with self.queue.cond:
-            for lease in self.held.values():
-                if not (lease.trained or lease.released):
+            for batch_id, lease in self.held.items():
+                if lease.trained and not lease.released:
+                    continue   # its file stays: the learner acknowledges it after the restart
+                self._unpersist(batch_id)
+                if not (lease.released or lease.restored):
                     for entry in lease.groups:
                         entry.failures += 1
                         self.queue.record_failures_locked(entry)
             self.held.clear()
+
+    def restore(self, spooled: list[SpooledLease], entries: dict[int, QueuedGroup]) -> set[int]:
+        """At reload (nothing else runs yet): hold again the leases found beside the spool, over the reloaded groups
+        ``entries`` (by sequence number), each for a fresh ``lease_timeout_s``. Returns the sequence numbers now held
+        (the caller queues the others). A group gone (consumed just before a crash, or corrupt) or held by an earlier
+        lease is left out of the lease; a lease left with no group is dropped (its file deleted)."""
+        held: set[int] = set()
+        deadline = time.monotonic() + self.lease_timeout_s
+        for lease in spooled:
+            groups = [entries[seq] for seq in lease.seqs if seq in entries and seq not in held]
+            if len(groups) != len(lease.seqs):
+                log.warning("lease %s names %d groups, %d of them spooled and not held by another lease", lease.batch_id,
+                            len(lease.seqs), len(groups))
+            if not groups:
+                self._unpersist(lease.batch_id)
+                continue
+            held.update(entry.seq for entry in groups)
+            self.held[lease.batch_id] = Lease(groups, deadline, trained=lease.trained, restored=True)
+            self.queue.counters.leased += len(groups)   # per lifetime: leased = consumed + lease_expired + held
+            self._persist_locked(lease.batch_id)   # its groups may be fewer now
+        if self.held:
+            log.info("restored %d leases (%d trained) of %d groups from the spool", len(self.held),
+                     sum(lease.trained for lease in self.held.values()), len(held))
+        return held
+
+    def _persist_locked(self, batch_id: str) -> None:
+        """Keep the lease beside the spool files (failure to write is logged: a restart then requeues its groups,
+        as before leases were kept)."""
+        spool = self.queue.spool
+        lease = self.held[batch_id]
+        if spool is None or not lease.groups or lease.groups[0].spool_path is None:
+            return
+        deadline_unix = time.time() + (lease.deadline - time.monotonic())
+        try:
+            spool.write_lease(SpooledLease(batch_id, [e.seq for e in lease.groups], deadline_unix, lease.trained))
+        except OSError as exc:
+            log.error("could not keep lease %s beside the spool (%s)", batch_id, exc)
+
+    def _unpersist(self, batch_id: str) -> None:
+        if self.queue.spool is None:
+            return
+        try:
+            self.queue.spool.remove_lease(batch_id)
+        except OSError as exc:   # a stale file: its groups are gone (acknowledged) or queued again (expired)
+            log.error("could not delete the file of lease %s (%s)", batch_id, exc)
 
     def _finish(self, batch_id: str, requeued: list[int] | None) -> None:
         self._finished[batch_id] = requeued

@@ -40,7 +40,7 @@ class RolloutHub:
                              max_context=max_context)
         self.leases = Leases(self.queue, lease_timeout_s=lease_timeout_s, max_deliveries=max_deliveries)
         if self.queue.spool is not None:
-            self.intake.reload_spool(self.leases.triage)
+            self.intake.reload_spool(self.leases.triage, self.leases.restore)
 
     # -- generators ---------------------------------------------------------------------------------------
     def put(self, data: bytes) -> dict:

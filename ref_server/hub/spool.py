@@ -12,12 +12,22 @@
 * :meth:`RolloutSpool.reload` (at start-up) returns the spooled groups in sequence order, so that a restart, clean
   or not, queues again every group that was accepted and not yet trained on, in the order it had; a file that
   cannot be read or that the hub refuses is moved to ``corrupt/`` and counted, never silently deleted.
+* Leases: :meth:`RolloutSpool.write_lease` keeps each lease the learner holds as ``<batch id>.lease`` beside the
+  group files (small JSON: the batch id, its groups' sequence numbers, the wall-clock deadline and whether the
+  learner trained it; written whole and renamed, as the failure counts), :meth:`RolloutSpool.remove_lease` deletes
+  it when the lease is acknowledged or expires, and :meth:`RolloutSpool.reload` returns those found, so that a
+  restart, clean or killed, still knows which groups the learner holds (a trained batch acknowledged after the
+  restart is consumed, not queued again). A lease file that cannot be read is deleted with a log line: its groups
+  are queued again like any spooled group. Not fsynced (like the failure counts): they survive a killed process,
+  not a power cut.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,11 +49,23 @@ class SpooledGroup:
 
 
 @dataclass
+class SpooledLease:
+    """A lease file found by :meth:`RolloutSpool.reload`: the batch and its groups' sequence numbers."""
+
+    batch_id: str
+    seqs: list[int]
+    deadline_unix: float   # wall clock; informative only (a reloaded lease gets a fresh lease timeout)
+    trained: bool
+
+
+@dataclass
 class SpoolContents:
-    """What :meth:`RolloutSpool.reload` found: the readable groups in sequence order, and how many were not."""
+    """What :meth:`RolloutSpool.reload` found: the readable groups in sequence order, and how many were not; the
+    readable lease files in batch id order."""
 
     groups: list[SpooledGroup] = field(default_factory=list)
     corrupt: int = 0
+    leases: list[SpooledLease] = field(default_factory=list)
 
 
 class RolloutSpool:
@@ -90,6 +112,23 @@ class RolloutSpool:
         tmp.write_text(f"{failures}\n")
         os.replace(tmp, _failures_file(path))
 
+    def write_lease(self, lease: SpooledLease) -> None:
+        """Keep a lease as ``<batch id>.lease`` (replaced whole by a rename: a killed hub leaves the old one)."""
+        body = {"batch_id": lease.batch_id, "seqs": lease.seqs, "deadline_unix": lease.deadline_unix,
+                "trained": lease.trained}
+        path = self._lease_file(lease.batch_id)
+        tmp = path.with_name(f"{path.name}.tmp")
+        tmp.write_text(json.dumps(body, separators=(",", ":")))
+        os.replace(tmp, path)
+
+    def remove_lease(self, batch_id: str) -> None:
+        self._lease_file(batch_id).unlink(missing_ok=True)
+
+    def _lease_file(self, batch_id: str) -> Path:
+        if not _BATCH_ID.fullmatch(batch_id):   # a batch id becomes a file name: only the hub's own hex ids
+            raise ValueError(f"batch id {batch_id!r} is not 32 lowercase hex digits")
+        return self.directory / f"{batch_id}.lease"
+
     def reload(self, check: Callable[[RolloutGroup], None]) -> SpoolContents:
         """The spooled groups in sequence order (temporary files of unfinished writes are deleted).
 
@@ -115,7 +154,32 @@ class RolloutSpool:
                 log.error("spool file %s is unreadable (%s); moved to %s", path.name, exc, bad)
                 continue
             found.groups.append(SpooledGroup(seq, group, path, _read_failures(path)))
+        for path in sorted(self.directory.glob("*.lease")):
+            lease = _read_lease(path)
+            if lease is None:
+                path.unlink(missing_ok=True)
+            else:
+                found.leases.append(lease)
         return found
+
+
+_BATCH_ID = re.compile(r"[0-9a-f]{32}")
+
+
+def _read_lease(path: Path) -> SpooledLease | None:
+    """The lease in ``path``, or None (logged) when it cannot be read or is not a lease this hub wrote."""
+    try:
+        body = json.loads(path.read_text())
+        lease = SpooledLease(body["batch_id"], body["seqs"], body["deadline_unix"], body["trained"])
+        if not (isinstance(lease.batch_id, str) and _BATCH_ID.fullmatch(lease.batch_id)
+                and path.name == f"{lease.batch_id}.lease" and isinstance(lease.seqs, list)
+                and all(type(seq) is int and seq >= 0 for seq in lease.seqs)
+                and type(lease.deadline_unix) in (int, float) and type(lease.trained) is bool):
+            raise ValueError("fields of the wrong type or a batch id that is not the file's")
+    except (OSError, ValueError, KeyError, TypeError) as exc:   # json's errors are ValueErrors
+        log.error("lease file %s is unreadable (%s); ignored, its groups are queued again", path.name, exc)
+        return None
+    return lease
 
 
 def _failures_file(path: Path) -> Path:

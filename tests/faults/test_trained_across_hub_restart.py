@@ -1,8 +1,8 @@
-"""Found by the chaos run (tests/faults/test_chaos_run.py): a hub restart forgets its leases, so groups the learner
-has trained and will acknowledge at its next checkpoint come back from the spool as untrained queued groups; when
-the learner's version then makes them stale they are dropped and counted in ``dropped_stale``, and the learner's
-acknowledgement of the old batch id is ``unknown``. Nothing is trained twice or lost, but a trained group is counted
-as dropped, not consumed: the run's books say accepted = trained + dropped + queued only up to those groups."""
+"""Found by the chaos run (tests/faults/test_chaos_run.py): a hub restart forgot its leases, so groups the learner
+had trained and would acknowledge at its next checkpoint came back from the spool as untrained queued groups; when
+the learner's version then made them stale they were dropped and counted in ``dropped_stale``, and the learner's
+acknowledgement of the old batch id was ``unknown``. Leases are now kept beside the spool files and held again at
+reload (ref_server/hub/leases.py), so the acknowledgement after the restart is ``acked`` and the groups consumed."""
 
 from __future__ import annotations
 
@@ -13,11 +13,6 @@ from tests.ref_server.helpers import make_group
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: leases (and their 'trained' mark, POST /v1/batch/renew trained=true) are not spooled, so after a hub "
-    "restart an acknowledgement of a batch leased before it is 'unknown', and its trained groups are requeued and "
-    "can be dropped as stale (counted in dropped_stale, not consumed). Needs the lease's batch id and trained mark "
-    "kept beside the spool files (ref_server/hub/spool.py, leases.py) and honoured at reload."))
 def test_groups_trained_before_a_hub_restart_are_counted_consumed_when_acknowledged_after_it(hub):  # noqa: F811
     h = hub(lease_timeout_s=30.0, max_staleness=1)
     hub_client = client(h.url)

@@ -81,13 +81,17 @@ def test_renewing_keeps_a_lease(tmp_path):
     assert h.take(1) is None and h.counters.lease_expired == 0
 
 
-def test_a_restart_redelivers_leased_groups(tmp_path):
-    first = hub(tmp_path)
+def test_a_restart_keeps_leases_and_redelivers_their_groups_once_they_expire(tmp_path):
+    first = hub(tmp_path, lease_timeout_s=0.2)
     group = make_group()
     first.put(group.to_bytes())
-    first.take(1)  # leased, never acknowledged: the hub dies
-    second = hub(tmp_path)
-    assert second.take(1).group_ids == [group.group_id]
+    old = first.take(1)  # leased, never acknowledged: the hub dies
+    second = hub(tmp_path, lease_timeout_s=0.2)
+    assert second.take(1) is None and second.leased_depth() == 1   # still leased to the learner that holds it
+    time.sleep(0.3)
+    again = second.take(1)
+    assert again.group_ids == [group.group_id] and again.batch_id != old.batch_id
+    assert second.ack([old.batch_id, again.batch_id]) == {old.batch_id: "late", again.batch_id: "acked"}
 
 
 @pytest.mark.parametrize("poison, reason", [
