@@ -12,11 +12,11 @@ from ref_server.server import build_state
 from shared.config.schema import GRPOConfig
 
 
-class LiveServer:
-    def __init__(self, config: GRPOConfig, port: int = 0) -> None:
-        self.config = config
-        self.state = build_state(config)
-        self.app = create_app(self.state)
+class AppServer:
+    """uvicorn around any ASGI ``app`` in a thread of the test process, on ``port`` of 127.0.0.1 (0: a free one)."""
+
+    def __init__(self, app, port: int = 0) -> None:
+        self.app = app
         # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that say they are TCP, and without it
         # every keep-alive request waits ~40 ms for a delayed ACK
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
@@ -26,7 +26,7 @@ class LiveServer:
         self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=2))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
-    def __enter__(self) -> "LiveServer":
+    def __enter__(self):
         self.thread.start()
         deadline = time.monotonic() + 30
         while not self.server.started:
@@ -39,6 +39,18 @@ class LiveServer:
         self.server.should_exit = True
         self.thread.join(timeout=15)
         self.sock.close()
+
+
+class LiveServer(AppServer):
+    """The real ref server app (build_state + create_app) from a config."""
+
+    def __init__(self, config: GRPOConfig, port: int = 0) -> None:
+        self.config = config
+        self.state = build_state(config)
+        super().__init__(create_app(self.state), port)
+
+    def __exit__(self, *exc) -> None:
+        super().__exit__(*exc)
         if self.state.scorer is not None:
             self.state.scorer.close()
 

@@ -4,13 +4,10 @@ stand-in (ref_server/scoring/prm_routes.py) and tiny local servers that misbehav
 import json
 import math
 import socket
-import threading
-import time
 
 import numpy as np
 import pytest
 import torch
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from hypothesis import HealthCheck, given, settings
@@ -22,35 +19,11 @@ from generator.rewards.steps import StepScores
 from ref_server.scoring.prm import PRMScorer
 from ref_server.scoring.prm_routes import create_prm_app
 from ref_server.scoring.prm_tiny import build_tiny_prm
+from tests.live_server import AppServer
 
 PROBLEM = "17+25-8=?"
 SYSTEM = "Please reason step by step."
 GROUP = ["17+25=42\n\n42-8=34", "17+25=41\n\n41-8=33\n\n", "", "\n\nanswer 34"]
-
-
-class ThreadServer:
-    """uvicorn around ``app`` in a thread of the test process, on a free 127.0.0.1 port."""
-
-    def __init__(self, app) -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "test server did not start"
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-        self.sock.close()
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +76,7 @@ def test_bad_arguments_are_config_errors():
 def test_client_gets_the_direct_forward_numbers(scorer, chat, per_token):
     """Both response shapes (a row per step tag, a row per token) and both chat modes give the same rewards."""
     served = PRMScorer(scorer.model, scorer.tokenizer, name="tiny", per_token=per_token)
-    with ThreadServer(create_prm_app(served)) as server:
+    with AppServer(create_prm_app(served)) as server:
         reward = prm_reward(url=server.url, model="tiny", system_prompt=SYSTEM, chat=chat, retries=0,
                             prompt_template="<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{problem}"
                                             "<|im_end|>\n<|im_start|>assistant\n{response}<|im_end|>\n")
@@ -118,7 +91,7 @@ def test_client_gets_the_direct_forward_numbers(scorer, chat, per_token):
 
 @pytest.mark.slow
 def test_too_many_steps_scores_that_completion_nan(scorer):
-    with ThreadServer(create_prm_app(scorer)) as server:
+    with AppServer(create_prm_app(scorer)) as server:
         reward = prm_reward(url=server.url, system_prompt=SYSTEM, max_steps=2, retries=0)
         results = reward(PROBLEM, ["a\n\nb\n\nc", "a\n\nb"], {})
     assert math.isnan(results[0])
@@ -145,7 +118,7 @@ def flaky_app(failures: list[int], good_body: dict) -> tuple[FastAPI, list[int]]
 def test_retries_then_success():
     good = {"object": "list", "data": [{"index": 0, "object": "pooling", "data": [[0.25, 0.75], [0.9, 0.1]]}]}
     app, seen = flaky_app([503, 429, 502], good)
-    with ThreadServer(app) as server:
+    with AppServer(app) as server:
         reward = prm_reward(url=server.url, retries=3, backoff_s=0.01)
         (result,) = reward(PROBLEM, ["one\n\ntwo"], {})
     assert result.rewards == (0.75, 0.1)
@@ -155,12 +128,12 @@ def test_retries_then_success():
 @pytest.mark.slow
 def test_retries_exhausted_and_4xx_are_clear_errors():
     app, seen = flaky_app([503] * 10, {})
-    with ThreadServer(app) as server:
+    with AppServer(app) as server:
         with pytest.raises(PRMError, match=r"/pooling failed after 3 attempts; last: HTTP 503"):
             prm_reward(url=server.url, retries=2, backoff_s=0.01)(PROBLEM, ["x"], {})
         assert len(seen) == 3
         app_400, _ = flaky_app([400], {})
-    with ThreadServer(app_400) as server:
+    with AppServer(app_400) as server:
         with pytest.raises(PRMError, match="refused the request: HTTP 400"):
             prm_reward(url=server.url, retries=5, backoff_s=0.01)(PROBLEM, ["x"], {})
 
@@ -224,7 +197,7 @@ def scripted():
     async def pooling() -> Response:
         return Response(holder["body"], media_type="application/json")
 
-    with ThreadServer(app) as server:
+    with AppServer(app) as server:
         yield server, holder
 
 
@@ -263,7 +236,7 @@ def test_prm_from_config_gives_the_reward_set_its_steps(scorer):
     from shared.config.schema.generator import RewardSpec
 
     served = PRMScorer(scorer.model, scorer.tokenizer, name="tiny", per_token=False)
-    with ThreadServer(create_prm_app(served)) as server:
+    with AppServer(create_prm_app(served)) as server:
         spec = RewardSpec(name="prm", weight=2.0, args={"url": server.url, "model": "tiny", "chat": "messages",
                                                           "system_prompt": SYSTEM, "retries": 0})
         scores = RewardSet.from_specs([spec]).score_group(PROBLEM, GROUP, {})
