@@ -37,3 +37,21 @@ def smollm2_dir(tmp_path_factory):
     from deploy.fetch_model import fetch_model
 
     return fetch_model("smollm2-135m-instruct", tmp_path_factory.mktemp("smollm2") / "model", "float32").out
+
+
+# What learner.engine.ensure_single_process_env writes into os.environ when a test builds a learner in-process.
+_PROCESS_GROUP_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_process_group_env():
+    """Put the process-group variables back after each test: a `grpo learner` subprocess started by a later test
+    inherits os.environ, and with a leaked RANK/WORLD_SIZE it would reuse a MASTER_PORT that this process's own
+    store still listens on (EADDRINUSE) instead of picking a free one."""
+    saved = {key: os.environ.get(key) for key in _PROCESS_GROUP_ENV}
+    yield
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value

@@ -155,8 +155,9 @@ async def learner_version(report: VersionReport, request: Request, state: State)
 @router.get("/v1/hub/stats")
 async def hub_stats(state: State) -> dict:
     hub = state.hub
+    leased = hub.leased_depth()  # first: it expires overdue leases, which moves groups and counters read below
     return {**asdict(hub.counters), "queue_depth": hub.depth(), "ready": hub.ready_depth(),
-            "leased_groups": hub.leased_depth(), "capacity": hub.capacity, "learner_version": hub.learner_version,
+            "leased_groups": leased, "capacity": hub.capacity, "learner_version": hub.learner_version,
             "groups_per_step": hub.groups_per_step,
             "max_staleness": hub.max_staleness, "lease_timeout_s": hub.lease_timeout_s,
             "temperature": hub.temperature}

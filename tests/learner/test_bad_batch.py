@@ -28,7 +28,9 @@ def test_a_batch_the_learner_cannot_train_is_set_aside_and_the_others_train(tiny
         assert result.returncode == 0, result.stderr[-3000:]
         assert "cannot be trained (input_ids: token ids must be in [0, 86), got 10000)" in result.stderr
         stats = live.get("/v1/hub/stats").json()
-        assert stats["consumed"] == 2 and stats["leased_groups"] == 1     # the bad one is left to expire
+        # the bad one is left to expire: still leased, or (on a loaded machine, the learner's exit took more than
+        # the 3 s lease) already expired and queued again — never consumed
+        assert stats["consumed"] == 2 and stats["leased_groups"] + stats["queue_depth"] == 1, stats
         time.sleep(3.5)                              # past the lease: the next lease request finds it expired
         again = client.get_batch(1)
         assert again.group_ids == [bad.group_id]
