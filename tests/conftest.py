@@ -4,6 +4,8 @@ import os
 
 import pytest
 
+from tests.process_env import process_group_env_restored
+
 # tests/slow_guard.py fails tests not marked slow that start subprocesses, DeepSpeed engines or live servers, or
 # run longer than slow_guard_limit_s; pytester is for tests/test_slow_guard.py, which tests that guard
 pytest_plugins = ["pytester", "tests.slow_guard"]
@@ -39,19 +41,9 @@ def smollm2_dir(tmp_path_factory):
     return fetch_model("smollm2-135m-instruct", tmp_path_factory.mktemp("smollm2") / "model", "float32").out
 
 
-# What learner.engine.ensure_single_process_env writes into os.environ when a test builds a learner in-process.
-_PROCESS_GROUP_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-
 
 @pytest.fixture(autouse=True)
 def _no_leaked_process_group_env():
-    """Put the process-group variables back after each test: a `grpo learner` subprocess started by a later test
-    inherits os.environ, and with a leaked RANK/WORLD_SIZE it would reuse a MASTER_PORT that this process's own
-    store still listens on (EADDRINUSE) instead of picking a free one."""
-    saved = {key: os.environ.get(key) for key in _PROCESS_GROUP_ENV}
-    yield
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    """Every test puts the process-group variables back (tests/process_env.py says why)."""
+    with process_group_env_restored():
+        yield

@@ -1,9 +1,8 @@
-import os
-
 import pytest
 import torch
 
 from learner.engine import ensure_single_process_env, init_distributed
+from tests.process_env import process_group_env_restored
 
 
 @pytest.fixture(autouse=True)
@@ -19,12 +18,7 @@ def restore_functional_linear():
 def distributed():
     """A process group of one; the RANK/MASTER_PORT variables it needs are removed afterwards, so that learners
     started as subprocesses by later test modules do not inherit a port this process holds."""
-    saved = {name: os.environ.get(name) for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    ensure_single_process_env()
-    init_distributed(torch.device("cpu"))
-    yield
-    for name, value in saved.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
+    with process_group_env_restored():
+        ensure_single_process_env()
+        init_distributed(torch.device("cpu"))
+        yield
