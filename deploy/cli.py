@@ -59,7 +59,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     from deploy.launcher import run
 
     config = load_with_flags(args, {"run_dir": "run.run_dir"})
-    return run(config)
+    if config.run.run_dir is None:  # each config its own run folder by default
+        args.set = [*args.set, f"run.run_dir=runs/{Path(config_path(args.config)).stem}"]
+        config = load_with_flags(args, {"run_dir": "run.run_dir"})
+    return run(config, resume=args.resume, fresh=args.fresh, source=args.config)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -169,7 +172,15 @@ def build_parser() -> argparse.ArgumentParser:
             "Start the ref server, the generators and the learner on this node from one YAML, prefix their logs, "
             "and stop them all when the learner finishes, on Ctrl-C, or when any of them dies.")
     p.add_argument("config", help="YAML config (every field: grpo config-reference).")
-    p.add_argument("--run-dir", help="Where logs and the resolved config go (overrides run.run_dir).")
+    p.add_argument("--run-dir", help="The run's folder: logs, the resolved config and every state folder not set "
+                   "on its own (overrides run.run_dir; default runs/<CONFIG's name>).")
+    again = p.add_mutually_exclusive_group()
+    again.add_argument("--resume", action="store_true",
+                       help="Continue the run in this run folder: the learner from its newest checkpoint (step "
+                       "and weights version), the hub with its queued groups, the generators from its weights.")
+    again.add_argument("--fresh", action="store_true",
+                       help="Delete the state an earlier run left in this run folder (spool, relay, checkpoints, "
+                       "model, metrics, logs) and start over.")
     add_set_arg(p)
 
     p = add("eval", cmd_eval,

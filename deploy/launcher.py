@@ -17,6 +17,9 @@
   server starting fresh: on a small machine the services no longer import the same modules at once on the same
   cores.
 * Every output line is prefixed with the service name on the console and written to ``run_dir/logs/NAME.log``.
+* A run folder that holds an earlier run's state is refused unless the run resumes it or starts over
+  (``--resume``/``--fresh``, deploy/run_state.py); the last lines say where the model, logs, metrics and checkpoint
+  are and how much disk the run uses.
 * The run ends when the learner finishes (exit 0), on Ctrl-C / SIGTERM (exit 130 / 143), or when any service dies
   (its last log lines are shown; exit 1). Every service is then stopped: SIGTERM, then SIGKILL after
   ``stop_grace_s``. Services run in their own process groups, so their children (torchrun ranks) go too.
@@ -37,7 +40,9 @@ from pathlib import Path
 import yaml
 
 from deploy.forked import ForkedProcess, fork_service, preload
+from deploy.run_state import prepare_run_dir, summary_lines
 from shared.config.schema import GRPOConfig
+from shared.errors import UsageError
 from shared.protocol.health import HealthTimeout, ServerExited, wait_healthy
 
 
@@ -153,8 +158,8 @@ def cpu_threads(config: GRPOConfig, cores: int) -> int:
     return max(1, cores // max(on_cpu, 1))
 
 
-def plan(config: GRPOConfig, config_path: Path, run_dir: Path) -> list[Service]:
-    """The services to start, in order (the ref server first)."""
+def plan(config: GRPOConfig, config_path: Path, run_dir: Path, *, resume: bool = False) -> list[Service]:
+    """The services to start, in order (the ref server first); ``resume``: the learner continues its checkpoint."""
     placement = config.run.placement
     # Counting GPUs imports torch (1.5-2 s before the first service could start): only when a service asks for one.
     wants_gpus = bool(placement.ref_server or placement.learner or any(placement.generators))
@@ -183,6 +188,8 @@ def plan(config: GRPOConfig, config_path: Path, run_dir: Path) -> list[Service]:
     else:
         learner_cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
                        "-m", "deploy.cli", "learner", "--config", str(config_path)]
+    if resume:
+        learner_cmd.append("--resume")
     learner_env = {**base_env, **gpu_env(learner_gpus, gpus, "the learner")}
     if not learner_gpus:
         learner_env.update(threads)
@@ -201,10 +208,20 @@ def plan(config: GRPOConfig, config_path: Path, run_dir: Path) -> list[Service]:
 
 def resolve_config(config: GRPOConfig) -> GRPOConfig:
     """Point every service at the one hub address and give them one run directory."""
+    if config.run.run_dir is None:
+        raise UsageError("run.run_dir is not set (`grpo run CONFIG` sets it to runs/<CONFIG's name>)")
     data = config.model_dump(mode="json")
     hub = f"http://{config.ref_server.host}:{config.ref_server.port}"
     data["generator"]["hub_url"] = data["learner"]["hub_url"] = hub
     return GRPOConfig.model_validate(data)
+
+
+def write_config(config: GRPOConfig, run_dir: Path) -> Path:
+    """``run_dir/config.yaml``: the resolved config every service reads."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "config.yaml"
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+    return path
 
 
 def wait_ref_server(url: str, service: Service, timeout_s: float) -> None:
@@ -217,14 +234,15 @@ def wait_ref_server(url: str, service: Service, timeout_s: float) -> None:
         raise LaunchError(f"the ref server did not answer {url}/healthz within {timeout_s:.0f}s") from None
 
 
-def run(config: GRPOConfig) -> int:
+def run(config: GRPOConfig, *, resume: bool = False, fresh: bool = False, source: str | None = None) -> int:
+    """The run; ``resume``/``fresh``: deploy/run_state.py; ``source``: the config as named (the resume hint)."""
     config = resolve_config(config)
     run_dir = Path(config.run.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    config_path = run_dir / "config.yaml"
-    config_path.write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
-    services = plan(config, config_path, run_dir)
+    note = prepare_run_dir(config, resume=resume, fresh=fresh)  # refused here, before anything starts
+    services = plan(config, write_config(config, run_dir), run_dir, resume=resume)
     console_lock = threading.Lock()
+    if note:
+        _say(console_lock, note)
     stop_signal: list[int] = []
 
     def on_signal(signum, frame):
@@ -273,7 +291,8 @@ def run(config: GRPOConfig) -> int:
             service.stop(config.run.stop_grace_s)
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-    _say(console_lock, f"logs: {run_dir / 'logs'}; exit status {status}")
+    for line in summary_lines(config, status, source):
+        _say(console_lock, line)
     return status
 
 

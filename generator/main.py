@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import tempfile
 import threading
 
 import torch
@@ -106,6 +107,11 @@ def build_loop(config: GRPOConfig, engine, client: HubClient, progress: Progress
 def run_generator(config: GRPOConfig, stop: threading.Event | None = None) -> LoopStats:
     """Run until ``max_groups`` are uploaded or a stop is requested (SIGINT/SIGTERM in the main thread)."""
     stop = stop or threading.Event()
+    if config.generator.weights_dir is None:  # no run folder: downloaded weights go to a folder removed at exit
+        with tempfile.TemporaryDirectory(prefix="grpo-generator-weights-") as scratch:
+            config = config.model_copy(deep=True)
+            config.generator.weights_dir = scratch
+            return run_generator(config, stop)
     cfg = config.generator
     # Rewards and prompts first: a config mistake there should not wait for a model to load.
     rewards = RewardSet.from_specs(cfg.rewards)

@@ -6,6 +6,9 @@ checkpoint interrupted mid-write is ignored (and later pruned). Client state hol
 RNG states of torch, Python and NumPy; these files are our own, never network input. Each rank also writes the
 rollout group ids it has trained on (``consumed-rank00000.json``): a resumed learner drops a group it meets again,
 whatever the new world size.
+
+torch and NumPy are imported where a checkpoint is written or read: `grpo run` asks :func:`complete_tags` whether
+there is anything to resume before it imports them.
 """
 
 from __future__ import annotations
@@ -17,21 +20,20 @@ import re
 import shutil
 from pathlib import Path
 
-import numpy as np
-import torch
-import torch.distributed as dist
-
 log = logging.getLogger("grpo.learner")
 _TAG = re.compile(r"^step(\d{8})$")
 MARKER = "COMPLETE"
 
 
 def _barrier() -> None:
+    import torch.distributed as dist
+
     if dist.is_initialized():
         dist.barrier()
 
 
 def complete_tags(directory: str | Path) -> list[str]:
+    """The checkpoints in ``directory`` that every rank finished writing, oldest first."""
     root = Path(directory)
     if not root.is_dir():
         return []
@@ -40,6 +42,9 @@ def complete_tags(directory: str | Path) -> list[str]:
 
 def save_checkpoint(engine, directory: str | Path, *, step: int, version: int, keep: int, rank: int,
                     consumed: list[str] = ()) -> str:
+    import numpy as np
+    import torch
+
     tag = f"step{step:08d}"
     rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
     if torch.cuda.is_available():
@@ -69,6 +74,9 @@ def _prune(root: Path, keep: int) -> None:
 
 def load_latest(engine, directory: str | Path) -> dict | None:
     """Restore the newest complete checkpoint into ``engine``; returns its client state (None if there is none)."""
+    import numpy as np
+    import torch
+
     tags = complete_tags(directory)
     if not tags:
         return None

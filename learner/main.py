@@ -84,6 +84,15 @@ def skip_shared_memory_allreduce() -> None:
     deepspeed.ops.__compatible_ops__ = {"deepspeed_shm_comm": False}
 
 
+def require_state_folders(cfg) -> None:
+    """The learner writes its model and checkpoints somewhere named: no run folder and no path of their own is an
+    error (shared/config/schema/paths.py), never a default folder another run may share."""
+    for key in ("output_dir", "checkpoint_dir"):
+        if getattr(cfg, key) is None:
+            raise UsageError(f"learner.{key} is not set: set run.run_dir (every state folder goes under it) or "
+                             f"learner.{key}")
+
+
 class Learner:
     """One rank of the learner: its engine, its hub client, and where training stands."""
 
@@ -94,6 +103,7 @@ class Learner:
         cfg = self.cfg
         if cfg.model is None:
             raise UsageError("learner.model is not set (pass --model or set it in the config)")
+        require_state_folders(cfg)
         self.stop = stop or threading.Event()
         # the hub takes version reports and weights only from this learner's session (registered below)
         self.session = LearnerSession()
@@ -146,7 +156,6 @@ class Learner:
         self.timed_engine = LappedEngine(self.engine, self.clock)
         self.skipped = self.nonfinite_in_row = 0
         self._said_prefix = False
-        self.staging = os.path.join(cfg.checkpoint_dir, "..", "publish")
 
     def _client(self) -> HubClient:
         """A client of this learner's (one per thread: a requests session is not meant to be shared)."""
@@ -171,8 +180,8 @@ class Learner:
         if hub_version > self.version and not resume:
             raise LearnerSetupError(
                 f"the hub already holds weights version {hub_version} from an earlier run; a fresh learner would "
-                "train against them. Start the ref server with empty ref_server.weights_dir and spool_dir, or pass "
-                "--resume")
+                "train against them. Continue that run (`grpo run --resume`, `grpo learner --resume`) or start over "
+                "(`grpo run --fresh`, or a ref server with empty ref_server.weights_dir and spool_dir)")
         if self.rank == 0:
             log.info("learner: %d rank(s) on %s, ZeRO-%d, %s, step %d, version %d", self.world, self.device.type,
                      self.cfg.zero_stage, dtype, self.step, self.version)
@@ -330,10 +339,13 @@ class Learner:
         self.ledger.checkpointed()
 
     def finish(self) -> None:
-        """A last checkpoint (unless the newest step has one, which acknowledged its batches), and the Hugging Face
-        folder."""
+        """A last checkpoint where one is due, and the Hugging Face folder.
+
+        Stopped by a signal: always (what a resume continues from). Finished: with checkpoint_every set, unless the
+        newest step has one (a checkpoint acknowledges its batches); with it null, none (disk use is what the config
+        asks for: the model folder alone, its batches acknowledged as they trained)."""
         cfg = self.cfg
-        if self.stop.is_set() or not cfg.checkpoint_every or self.step % cfg.checkpoint_every:
+        if self.stop.is_set() or (cfg.checkpoint_every and self.step % cfg.checkpoint_every):
             self.checkpoint()
         self.publisher.finish(self.version, stopping=self.stop.is_set())  # the last version reaches the relay
         export_hf_folder(self.engine, cfg.model, cfg.output_dir, rank=self.rank)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
+import shutil
 import signal
+import tempfile
 from pathlib import Path
 
 import torch
@@ -54,6 +57,14 @@ def model_limits(model_dir: str) -> tuple[int | None, int | None]:
     return config.get("vocab_size"), config.get("max_position_embeddings")
 
 
+def scratch_relay() -> str:
+    """The relay's folder when the config names none (no run folder: a ref server on its own): removed at exit."""
+    folder = tempfile.mkdtemp(prefix="grpo-relay-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    log.info("no ref_server.weights_dir (no run.run_dir): the weight relay uses %s, removed at exit", folder)
+    return folder
+
+
 def build_state(config: GRPOConfig) -> ServerState:
     cfg: RefServerConfig = config.ref_server
     scorer = tokenizer = None
@@ -77,7 +88,10 @@ def build_state(config: GRPOConfig) -> ServerState:
         device = resolve_device(cfg.device)
         prm = PRMScorer.load(cfg.prm_model, device, default_dtype(cfg.dtype, device),
                              max_tokens=cfg.max_request_tokens, max_request_bytes=cfg.max_request_bytes)
-    weights = WeightStore(cfg.weights_dir, keep=cfg.keep_weight_versions, max_bytes=cfg.max_weight_bytes)
+    weights = WeightStore(cfg.weights_dir or scratch_relay(), keep=cfg.keep_weight_versions,
+                          max_bytes=cfg.max_weight_bytes)
+    if cfg.spool_dir is None:
+        log.info("no ref_server.spool_dir (no run.run_dir): queued groups are kept in memory only")
     temperature = config.generator.sampling.temperature
     hub = RolloutHub(capacity=cfg.queue_capacity, max_staleness=cfg.max_staleness, scorer=scorer,
                      vocab_size=vocab_size, spool_dir=cfg.spool_dir, lease_timeout_s=cfg.lease_timeout_s,
@@ -120,5 +134,6 @@ def serve(config: GRPOConfig) -> None:
                     http=header_deadline_protocol(cfg.header_timeout_s))
     finally:
         state.hub.close()  # leases still held untrained count as failed deliveries (poison pills across restarts)
+        state.weights.keep_newest()  # no download in flight any more: one copy of the weights on disk is enough
         if state.scorer is not None:
             state.scorer.close()

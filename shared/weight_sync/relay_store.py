@@ -212,3 +212,11 @@ class WeightStore:
         while len(self.versions) > self.keep:
             old = self.versions.pop(0)
             (self.directory / f"v{old:010d}.safetensors").unlink(missing_ok=True)
+
+    def keep_newest(self) -> None:
+        """At shutdown: only the newest version stays on disk (what a resumed run's generators load first); the
+        others were kept for downloads in flight, and there are none any more."""
+        with self._lock:
+            keep, self.keep = self.keep, 1
+            self._prune()
+            self.keep = keep

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from shared.config.schema.algorithm import AdvantageConfig, AlgorithmConfig, KLConfig, LossConfig
 from shared.config.schema.base import StrictModel
@@ -10,6 +10,7 @@ from shared.config.schema.demo import DemoConfig
 from shared.config.schema.evaluate import EvalConfig
 from shared.config.schema.generator import DatasetConfig, GeneratorConfig, RewardSpec, SamplingConfig
 from shared.config.schema.learner import LearnerConfig
+from shared.config.schema.paths import STATE_PATHS, under_run_dir
 from shared.config.schema.ref_server import RefServerConfig
 from shared.config.schema.run import PlacementConfig, RunConfig
 from shared.config.schema.weight_sync import WeightSyncConfig
@@ -33,3 +34,14 @@ class GRPOConfig(StrictModel):
     eval: EvalConfig = Field(default_factory=EvalConfig, description="`grpo eval`: held-out evaluation.")
     demo: DemoConfig = Field(default_factory=DemoConfig, description="`grpo demo`: how the tiny starting model is "
                              "built.")
+
+    @model_validator(mode="after")
+    def _state_paths_under_run_dir(self) -> GRPOConfig:
+        """Every state path's ``{run_dir}`` replaced here, in one place, so every service agrees on it."""
+        for section, key in STATE_PATHS:
+            part = getattr(self, section)
+            resolved = under_run_dir(getattr(part, key), self.run.run_dir)
+            if resolved != getattr(part, key):
+                # not through validate_assignment: that would run this validator again for each path
+                part.__dict__[key] = resolved
+        return self

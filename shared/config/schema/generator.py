@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from shared.config.schema.base import StrictModel, check_registered
+from shared.config.schema.paths import template_help
 
 
 class SamplingConfig(StrictModel):
@@ -148,6 +149,9 @@ class GeneratorConfig(StrictModel):
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallel size.")
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="vLLM's share of GPU memory.")
     max_model_len: int | None = Field(None, ge=1, description="vLLM context length (default: the model's).")
-    weights_dir: str = Field("runs/generator/weights", description="Where downloaded weight versions are kept.")
+    weights_dir: str | None = Field(
+        "{run_dir}/generator/weights", description=template_help(
+            "Where downloaded weight versions are kept (the newest only)", "{run_dir}/generator/weights",
+            "a temporary folder removed when the generator exits"))
     retry_max_s: float = Field(600.0, gt=0, description="How long to keep retrying an unreachable hub before "
                                "exiting with an error (finished groups are kept meanwhile).")

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from shared.config.schema.base import StrictModel
+from shared.config.schema.paths import template_help
 
 
 class LearnerConfig(StrictModel):
@@ -65,19 +66,30 @@ class LearnerConfig(StrictModel):
         None, description="A raw DeepSpeed JSON file used instead of the one generated from these fields "
         "(batch sizes and accumulation are still set from groups_per_step / micro_batches).")
     publish_every: int = Field(1, ge=1, description="Publish weights to the hub every K optimizer steps.")
-    checkpoint_every: int | None = Field(50, ge=1, description="DeepSpeed checkpoint every N steps (and on "
-                                         "SIGTERM); null: only on SIGTERM and at the end.")
-    checkpoint_dir: str = Field("runs/learner/checkpoints", description="Where checkpoints go.")
+    checkpoint_every: int | None = Field(
+        50, ge=1, description="DeepSpeed checkpoint (weights and optimizer state, what `grpo run --resume` continues "
+        "from) every N steps, at the end, and when stopped by a signal; null: only when stopped by a signal (a run "
+        "that finishes leaves no checkpoint, only the model in output_dir).")
+    checkpoint_dir: str | None = Field(
+        "{run_dir}/checkpoints", description=template_help(
+            "Where checkpoints go", "{run_dir}/checkpoints",
+            "an error when a checkpoint is due (set run.run_dir or this)"))
     keep_checkpoints: int = Field(2, ge=1, description="Complete checkpoints to keep.")
-    output_dir: str = Field("runs/learner/final", description="Hugging Face model folder written at the end.")
-    metrics_jsonl: str | None = Field("runs/learner/metrics.jsonl", description="One JSON line of metrics per step.")
+    output_dir: str | None = Field(
+        "{run_dir}/model", description=template_help(
+            "The trained model, a Hugging Face folder written at the end (and when stopped)", "{run_dir}/model",
+            "an error at start (set run.run_dir or this)"))
+    metrics_jsonl: str | None = Field(
+        "{run_dir}/metrics.jsonl", description=template_help(
+            "One JSON line of metrics per step", "{run_dir}/metrics.jsonl", "off"))
     advantages_jsonl: str | None = Field(
         None, description="Debugging: append one JSON line per pulled batch with the advantages the loss uses: "
         "{step, rank, batch_id, supervision, scale, kl_in_reward, rows: [{row, group_id, group_index, row_in_group, "
         "completion_length, reward, truncated, in_loss, step_ends, step_rewards, advantages}]}, where advantages "
         "holds one rounded float per completion token (the outcome advantage repeated under outcome supervision). "
         "Rank r > 0 writes to this path + '.rank<r>'. Null: off.")
-    tensorboard_dir: str | None = Field("runs/learner/tensorboard", description="TensorBoard logs (null: off).")
+    tensorboard_dir: str | None = Field(
+        "{run_dir}/tensorboard", description=template_help("TensorBoard logs", "{run_dir}/tensorboard", "off"))
     wandb_project: str | None = Field(None, description="Weights & Biases project (null: off).")
     log_entropy: bool = Field(True, description="Compute the policy's per-token entropy for the metrics.")
     max_nonfinite_steps: int = Field(3, ge=1, description="Stop after this many NaN/inf losses in a row.")

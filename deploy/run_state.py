@@ -1,0 +1,168 @@
+"""`grpo run` and its run folder: what an earlier run left there, starting over, resuming, and where things ended up.
+
+A run's state is every state path of the resolved config (shared/config/schema/paths.py: the spool, the relay, the
+generator's weights, checkpoints, the model, metrics, TensorBoard), under ``run.run_dir`` unless set one by one.
+A run never mixes with an earlier one by accident:
+
+* no state there: the run starts;
+* state there, no flag: refused before any service starts, with the two ways on (:func:`prepare_run_dir`);
+* ``--fresh``: that state and the old logs are deleted first (never anything else in the folder: a model built
+  there, a summary, files of the user's);
+* ``--resume``: the learner continues from the newest complete checkpoint (its step, version and trained group
+  ids), the hub from its spool (queued groups), the generators from the relay's newest weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from learner.checkpoint import complete_tags
+from shared.config.schema import GRPOConfig
+from shared.config.schema.paths import STATE_PATHS
+from shared.errors import UsageError
+
+MARKER = "COMPLETE"
+
+
+@dataclass(frozen=True)
+class StatePath:
+    key: str      # the config key, e.g. "ref_server.spool_dir"
+    path: Path
+
+
+def state_paths(config: GRPOConfig) -> list[StatePath]:
+    """Every state path the config sets (null ones are off)."""
+    found = []
+    for section, key in STATE_PATHS:
+        value = getattr(getattr(config, section), key)
+        if value is not None:
+            found.append(StatePath(f"{section}.{key}", Path(value)))
+    return found
+
+
+def _holds_something(path: Path) -> bool:
+    if path.is_dir():
+        return any(p.is_file() for p in path.rglob("*"))
+    return path.exists()
+
+
+def existing_state(config: GRPOConfig) -> list[StatePath]:
+    """The state paths that hold files (an empty folder is no state)."""
+    return [s for s in state_paths(config) if _holds_something(s.path)]
+
+
+def newest_checkpoint(config: GRPOConfig) -> tuple[str, dict] | None:
+    """(tag, its COMPLETE record: step, version) of the newest complete checkpoint, or None."""
+    if config.learner.checkpoint_dir is None:
+        return None
+    tags = complete_tags(config.learner.checkpoint_dir)
+    if not tags:
+        return None
+    record = json.loads((Path(config.learner.checkpoint_dir) / tags[-1] / MARKER).read_text())
+    return tags[-1], record
+
+
+def prepare_run_dir(config: GRPOConfig, *, resume: bool, fresh: bool) -> str | None:
+    """Check the run folder against the flags before anything starts; delete the old state for ``fresh``. Returns a
+    line to show (what is resumed or deleted), or None. A :class:`UsageError` (exit 2) names the flags."""
+    if resume and fresh:
+        raise UsageError("--resume and --fresh exclude each other: continue the earlier run, or start over")
+    run_dir = config.run.run_dir
+    held = existing_state(config)
+    if fresh:
+        return _delete_state(config, held)
+    if resume:
+        newest = newest_checkpoint(config)
+        if newest is None:
+            why = ("it holds no run state" if not held else
+                   f"{config.learner.checkpoint_dir} holds no complete checkpoint (learner.checkpoint_every null "
+                   "writes one only when a run is stopped)")
+            raise UsageError(f"nothing to resume in {run_dir}: {why}; start it without --resume (or with --fresh)")
+        tag, record = newest
+        return (f"resuming {run_dir}: the learner from checkpoint {tag} (step {record['step']}, weights version "
+                f"{record['version']}), the hub from its spool, the generators from the relay's weights")
+    if held:
+        shown = ", ".join(str(s.path) for s in held[:3]) + (", ..." if len(held) > 3 else "")
+        raise UsageError(f"{run_dir} holds an earlier run's state ({shown}): continue it with --resume, or delete "
+                         "it and start over with --fresh (or set another run.run_dir / --run-dir)")
+    return None
+
+
+def _protected(config: GRPOConfig) -> list[Path]:
+    """Folders --fresh never deletes, nor anything holding them: the models, the working and home folders."""
+    models = [config.learner.model, config.generator.model, config.ref_server.model, config.ref_server.prm_model]
+    return [Path(m).resolve() for m in models if m] + [Path.cwd().resolve(), Path.home().resolve()]
+
+
+def _delete_state(config: GRPOConfig, held: list[StatePath]) -> str | None:
+    logs = Path(config.run.run_dir) / "logs"
+    doomed = [*held, *([StatePath("run.run_dir logs", logs)] if logs.exists() else [])]
+    protected = _protected(config)
+    for state in doomed:
+        target = state.path.resolve()
+        for keep in protected:
+            if keep == target or target in keep.parents:
+                raise UsageError(f"--fresh would delete {state.path} ({state.key}), which holds {keep}: point "
+                                 f"{state.key} at a folder of its own")
+    for state in doomed:
+        if state.path.is_dir():
+            shutil.rmtree(state.path)
+        else:
+            state.path.unlink(missing_ok=True)
+    if not held:
+        return None
+    return f"--fresh: deleted the earlier run's {', '.join(str(s.path) for s in held)}"
+
+
+def disk_bytes(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except FileNotFoundError:
+                pass
+    return total
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GB"
+
+
+def summary_lines(config: GRPOConfig, status: int, source: str | None = None) -> list[str]:
+    """Where the run's results are, and their disk use: the run's last lines."""
+    cfg, run_dir = config.learner, Path(config.run.run_dir)
+    model = Path(cfg.output_dir) if cfg.output_dir else None
+    lines = []
+    if model is not None and (model / "config.json").is_file():
+        lines.append(f"model: {model} (Hugging Face folder, {_size(disk_bytes(model))})")
+    else:
+        lines.append("model: none written")
+    lines.append(f"logs: {run_dir / 'logs'}")
+    if cfg.metrics_jsonl and Path(cfg.metrics_jsonl).exists():
+        lines.append(f"metrics: {cfg.metrics_jsonl}" + (f", TensorBoard {cfg.tensorboard_dir}"
+                                                       if cfg.tensorboard_dir and Path(cfg.tensorboard_dir).exists()
+                                                       else ""))
+    newest = newest_checkpoint(config)
+    if newest is not None:
+        again = f"grpo run {source} --resume" if source else "grpo run CONFIG --resume"
+        lines.append(f"checkpoint: {Path(cfg.checkpoint_dir) / newest[0]} (step {newest[1]['step']}); continue "
+                     f"with: {again}")
+    else:
+        lines.append("checkpoint: none")
+    paths = {run_dir.resolve(): run_dir, **{s.path.resolve(): s.path for s in state_paths(config)}}
+    roots = [p for p in paths if not any(q in p.parents for q in paths)]  # each file counted once
+    used = sum(disk_bytes(p) for p in roots if p.exists())
+    lines.append(f"disk: {_size(used)} in {', '.join(str(paths[p]) for p in roots if p.exists())}; "
+                 f"exit status {status}")
+    return lines
