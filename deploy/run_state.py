@@ -108,11 +108,16 @@ def _delete_state(config: GRPOConfig, held: list[StatePath]) -> str | None:
             if keep == target or target in keep.parents:
                 raise UsageError(f"--fresh would delete {state.path} ({state.key}), which holds {keep}: point "
                                  f"{state.key} at a folder of its own")
+    run_dir = Path(config.run.run_dir).resolve()
     for state in doomed:
         if state.path.is_dir():
             shutil.rmtree(state.path)
         else:
             state.path.unlink(missing_ok=True)
+        for parent in state.path.resolve().parents:  # and the folders that held only it (ref_server/, ...)
+            if parent == run_dir or run_dir not in parent.parents or any(parent.iterdir()):
+                break
+            parent.rmdir()
     if not held:
         return None
     return f"--fresh: deleted the earlier run's {', '.join(str(s.path) for s in held)}"
@@ -162,7 +167,7 @@ def summary_lines(config: GRPOConfig, status: int, source: str | None = None) ->
         lines.append("checkpoint: none")
     paths = {run_dir.resolve(): run_dir, **{s.path.resolve(): s.path for s in state_paths(config)}}
     roots = [p for p in paths if not any(q in p.parents for q in paths)]  # each file counted once
-    used = sum(disk_bytes(p) for p in roots if p.exists())
-    lines.append(f"disk: {_size(used)} in {', '.join(str(paths[p]) for p in roots if p.exists())}; "
-                 f"exit status {status}")
+    existing = [p for p in roots if p.exists()]
+    where = f" in {', '.join(str(paths[p]) for p in existing)}" if existing else ""
+    lines.append(f"disk: {_size(sum(disk_bytes(p) for p in existing))}{where}; exit status {status}")
     return lines

@@ -103,14 +103,9 @@ def main(config_path: str = "deploy/configs/tiny-cpu.yaml", overrides: list[str]
     print(f"[demo] before RL: greedy accuracy {before.greedy_accuracy:.1%}, pass@{before.k} "
           f"{before.pass_at_k:.1%} on {before.num_examples} held-out problems", flush=True)
     metrics_path = Path(config.learner.metrics_jsonl)
-    # every run of the demo starts from the warmed-up model, not from what an earlier run left behind
-    for state in (config.ref_server.spool_dir, config.ref_server.weights_dir, config.generator.weights_dir,
-                  config.learner.checkpoint_dir, config.learner.output_dir):
-        if state:
-            shutil.rmtree(state, ignore_errors=True)
-    metrics_path.unlink(missing_ok=True)
     train_started = time.monotonic()
-    status = run(config)
+    # every run of the demo starts from the warmed-up model, not from what an earlier run left behind
+    status = run(config, fresh=True)
     train_seconds = time.monotonic() - train_started
     if status != 0:
         print(f"[demo] training failed (exit status {status}); see {run_dir / 'logs'}", flush=True)

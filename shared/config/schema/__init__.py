@@ -37,7 +37,7 @@ class GRPOConfig(StrictModel):
 
     @model_validator(mode="after")
     def _state_paths_under_run_dir(self) -> GRPOConfig:
-        """Every state path's ``{run_dir}`` replaced here, in one place, so every service agrees on it."""
+        """Every state path's ``<run_dir>`` replaced here, in one place, so every service agrees on it."""
         for section, key in STATE_PATHS:
             part = getattr(self, section)
             resolved = under_run_dir(getattr(part, key), self.run.run_dir)

@@ -150,8 +150,8 @@ class GeneratorConfig(StrictModel):
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="vLLM's share of GPU memory.")
     max_model_len: int | None = Field(None, ge=1, description="vLLM context length (default: the model's).")
     weights_dir: str | None = Field(
-        "{run_dir}/generator/weights", description=template_help(
-            "Where downloaded weight versions are kept (the newest only)", "{run_dir}/generator/weights",
+        "<run_dir>/generator/weights", description=template_help(
+            "Where downloaded weight versions are kept (the newest only)", "<run_dir>/generator/weights",
             "a temporary folder removed when the generator exits"))
     retry_max_s: float = Field(600.0, gt=0, description="How long to keep retrying an unreachable hub before "
                                "exiting with an error (finished groups are kept meanwhile).")

@@ -71,17 +71,17 @@ class LearnerConfig(StrictModel):
         "from) every N steps, at the end, and when stopped by a signal; null: only when stopped by a signal (a run "
         "that finishes leaves no checkpoint, only the model in output_dir).")
     checkpoint_dir: str | None = Field(
-        "{run_dir}/checkpoints", description=template_help(
-            "Where checkpoints go", "{run_dir}/checkpoints",
+        "<run_dir>/checkpoints", description=template_help(
+            "Where checkpoints go", "<run_dir>/checkpoints",
             "an error when a checkpoint is due (set run.run_dir or this)"))
     keep_checkpoints: int = Field(2, ge=1, description="Complete checkpoints to keep.")
     output_dir: str | None = Field(
-        "{run_dir}/model", description=template_help(
-            "The trained model, a Hugging Face folder written at the end (and when stopped)", "{run_dir}/model",
+        "<run_dir>/model", description=template_help(
+            "The trained model, a Hugging Face folder written at the end (and when stopped)", "<run_dir>/model",
             "an error at start (set run.run_dir or this)"))
     metrics_jsonl: str | None = Field(
-        "{run_dir}/metrics.jsonl", description=template_help(
-            "One JSON line of metrics per step", "{run_dir}/metrics.jsonl", "off"))
+        "<run_dir>/metrics.jsonl", description=template_help(
+            "One JSON line of metrics per step", "<run_dir>/metrics.jsonl", "off"))
     advantages_jsonl: str | None = Field(
         None, description="Debugging: append one JSON line per pulled batch with the advantages the loss uses: "
         "{step, rank, batch_id, supervision, scale, kl_in_reward, rows: [{row, group_id, group_index, row_in_group, "
@@ -89,7 +89,7 @@ class LearnerConfig(StrictModel):
         "holds one rounded float per completion token (the outcome advantage repeated under outcome supervision). "
         "Rank r > 0 writes to this path + '.rank<r>'. Null: off.")
     tensorboard_dir: str | None = Field(
-        "{run_dir}/tensorboard", description=template_help("TensorBoard logs", "{run_dir}/tensorboard", "off"))
+        "<run_dir>/tensorboard", description=template_help("TensorBoard logs", "<run_dir>/tensorboard", "off"))
     wandb_project: str | None = Field(None, description="Weights & Biases project (null: off).")
     log_entropy: bool = Field(True, description="Compute the policy's per-token entropy for the metrics.")
     max_nonfinite_steps: int = Field(3, ge=1, description="Stop after this many NaN/inf losses in a row.")

@@ -1,7 +1,7 @@
 """Where a run keeps its state: every state folder defaults to a place under ``run.run_dir``.
 
-A path field's default is a template such as ``{run_dir}/ref_server/spool``; :func:`resolve_state_paths` (called by
-the root config's validator, so every service reading the same YAML agrees) replaces ``{run_dir}`` with the run's
+A path field's default is a template such as ``<run_dir>/ref_server/spool``; :func:`under_run_dir` (called by
+the root config's validator, so every service reading the same YAML agrees) replaces ``<run_dir>`` with the run's
 folder. Without a run folder (``run.run_dir`` null: a service started on its own, e.g. a ref server for scoring
 only) a templated path resolves to null, and each service says what null means for it: no spool, a temporary
 relay, no metrics file; a learner needs ``run.run_dir`` or its own output folders.
@@ -9,7 +9,7 @@ relay, no metrics file; a learner needs ``run.run_dir`` or its own output folder
 
 from __future__ import annotations
 
-RUN_DIR = "{run_dir}"
+RUN_DIR = "<run_dir>"
 
 # (section, field): every state path of a run, in the order the launcher reports them
 STATE_PATHS: tuple[tuple[str, str], ...] = (
@@ -24,7 +24,7 @@ STATE_PATHS: tuple[tuple[str, str], ...] = (
 
 
 def under_run_dir(path: str | None, run_dir: str | None) -> str | None:
-    """``path`` with ``{run_dir}`` replaced by ``run_dir`` (None where the path needs one and there is none)."""
+    """``path`` with ``<run_dir>`` replaced by ``run_dir`` (None where the path needs one and there is none)."""
     if path is None or RUN_DIR not in path:
         return path
     if run_dir is None:

@@ -61,13 +61,13 @@ class RefServerConfig(StrictModel):
     max_staleness: int = Field(
         4, ge=0, description="Drop groups sampled more than this many policy versions before the learner's.")
     spool_dir: str | None = Field(
-        "{run_dir}/ref_server/spool", description=template_help(
+        "<run_dir>/ref_server/spool", description=template_help(
             "Where accepted groups are spooled until consumed, so a restart (`grpo run --resume`) loses none",
-            "{run_dir}/ref_server/spool", "kept in memory only (a ref server started on its own, e.g. for scoring, "
+            "<run_dir>/ref_server/spool", "kept in memory only (a ref server started on its own, e.g. for scoring, "
             "touches no run's spool)"))
     weights_dir: str | None = Field(
-        "{run_dir}/ref_server/relay", description=template_help(
-            "Where the weight relay stores published weight versions", "{run_dir}/ref_server/relay",
+        "<run_dir>/ref_server/relay", description=template_help(
+            "Where the weight relay stores published weight versions", "<run_dir>/ref_server/relay",
             "a temporary folder removed when the server exits"))
     max_version_ahead: int = Field(
         1000, ge=1, description="Refuse a weights upload, a learner version report or a learner registration whose "

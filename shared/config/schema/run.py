@@ -23,7 +23,7 @@ class RunConfig(StrictModel):
 
     run_dir: str | None = Field(
         None, description="The run's folder: logs, the resolved config, and every state folder whose path holds "
-        "{run_dir} (spool, relay, checkpoints, model, metrics; see their keys). Null: `grpo run CONFIG` uses "
+        "<run_dir> (spool, relay, checkpoints, model, metrics; see their keys). Null: `grpo run CONFIG` uses "
         "runs/<CONFIG's file name without .yaml>; a service started on its own keeps no run state (see each path "
         "key). `grpo run` refuses a run_dir that holds an earlier run's state unless given --resume or --fresh.")
     num_generators: int = Field(1, ge=1, description="Generators to start.")

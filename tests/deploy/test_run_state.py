@@ -1,0 +1,155 @@
+"""The run folder: state paths derive from run.run_dir, a second run is refused without --resume/--fresh, --fresh
+deletes the run's state and nothing else, --resume needs a checkpoint, and the last lines say where things are."""
+
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from deploy import cli
+from deploy.run_state import existing_state, prepare_run_dir, summary_lines
+from shared.config.loader import load_config
+from shared.config.schema import GRPOConfig
+from shared.config.schema.paths import under_run_dir
+from shared.errors import UsageError
+
+
+def config_for(run_dir, *overrides: str) -> GRPOConfig:
+    return load_config(None, [f"run.run_dir={run_dir}", "learner.model=some/model", *overrides])
+
+
+def test_every_state_path_derives_from_the_run_dir(tmp_path):
+    config = config_for(tmp_path / "r")
+    assert config.ref_server.spool_dir == str(tmp_path / "r/ref_server/spool")
+    assert config.ref_server.weights_dir == str(tmp_path / "r/ref_server/relay")
+    assert config.generator.weights_dir == str(tmp_path / "r/generator/weights")
+    assert config.learner.checkpoint_dir == str(tmp_path / "r/checkpoints")
+    assert config.learner.output_dir == str(tmp_path / "r/model")
+    assert config.learner.metrics_jsonl == str(tmp_path / "r/metrics.jsonl")
+    assert config.learner.tensorboard_dir == str(tmp_path / "r/tensorboard")
+    # the resolved config (what `grpo run` writes for its services) reads back the same
+    assert GRPOConfig.model_validate(config.model_dump(mode="json")) == config
+
+
+def test_explicit_paths_stay_null_means_off_and_a_template_is_allowed_in_yaml(tmp_path):
+    config = config_for(tmp_path / "r", "ref_server.spool_dir=/elsewhere/spool", "learner.tensorboard_dir=null",
+                        "learner.metrics_jsonl=<run_dir>/m/steps.jsonl")
+    assert config.ref_server.spool_dir == "/elsewhere/spool"
+    assert config.learner.tensorboard_dir is None
+    assert config.learner.metrics_jsonl == str(tmp_path / "r/m/steps.jsonl")
+
+
+def test_without_a_run_dir_a_service_keeps_no_run_state():
+    """A ref server started on its own (e.g. to score) has no spool and a temporary relay: it can never touch the
+    spool of a run."""
+    config = load_config(None, [])
+    assert config.run.run_dir is None
+    assert config.ref_server.spool_dir is None and config.ref_server.weights_dir is None
+    assert config.generator.weights_dir is None and config.learner.output_dir is None
+
+
+@given(st.text(alphabet=st.characters(blacklist_characters="{}\x00", blacklist_categories=("Cs",)), min_size=1,
+               max_size=30).filter(lambda s: s.strip("/")))
+def test_under_run_dir_puts_the_path_under_any_run_dir(run_dir):
+    resolved = under_run_dir("<run_dir>/ref_server/spool", run_dir)
+    assert resolved == run_dir.rstrip("/") + "/ref_server/spool"
+    assert under_run_dir("/abs/spool", run_dir) == "/abs/spool" and under_run_dir(None, run_dir) is None
+
+
+def test_a_run_dir_with_state_is_refused_without_a_flag(tmp_path):
+    config = config_for(tmp_path / "r")
+    assert prepare_run_dir(config, resume=False, fresh=False) is None  # nothing there yet
+    (tmp_path / "r/ref_server/spool/quarantine").mkdir(parents=True)  # empty folders are no state
+    assert existing_state(config) == [] and prepare_run_dir(config, resume=False, fresh=False) is None
+    (tmp_path / "r/ref_server/relay").mkdir(parents=True)
+    (tmp_path / "r/ref_server/relay/learner.json").write_text("{}")
+    with pytest.raises(UsageError) as err:
+        prepare_run_dir(config, resume=False, fresh=False)
+    message = str(err.value)
+    assert message.startswith(f"{tmp_path / 'r'} holds an earlier run's state ({tmp_path / 'r/ref_server/relay'})")
+    assert "--resume" in message and "--fresh" in message and "\n" not in message
+
+
+def test_fresh_deletes_the_runs_state_and_logs_and_nothing_else(tmp_path):
+    run = tmp_path / "r"
+    config = config_for(run, f"learner.model={run / 'tiny-model'}")
+    for path in ("ref_server/spool/g1.json", "ref_server/relay/v0000000003.safetensors", "checkpoints/x",
+                 "model/config.json", "metrics.jsonl", "logs/learner.log", "tiny-model/config.json", "summary.json"):
+        (run / path).parent.mkdir(parents=True, exist_ok=True)
+        (run / path).write_text("x")
+    note = prepare_run_dir(config, resume=False, fresh=True)
+    assert note.startswith("--fresh: deleted the earlier run's ")
+    assert sorted(p.name for p in run.iterdir()) == ["summary.json", "tiny-model"]
+    assert (run / "tiny-model/config.json").read_text() == "x"
+    assert prepare_run_dir(config, resume=False, fresh=False) is None  # now it starts
+
+
+def test_fresh_never_deletes_a_folder_holding_the_model(tmp_path):
+    config = config_for(tmp_path / "r", f"learner.model={tmp_path / 'r/model/base'}")
+    (tmp_path / "r/model/base").mkdir(parents=True)
+    (tmp_path / "r/model/base/config.json").write_text("{}")
+    with pytest.raises(UsageError, match=r"--fresh would delete .*/r/model \(learner.output_dir\), which holds"):
+        prepare_run_dir(config, resume=False, fresh=True)
+    assert (tmp_path / "r/model/base/config.json").exists()
+
+
+def test_resume_needs_a_complete_checkpoint_and_says_what_it_continues(tmp_path):
+    config = config_for(tmp_path / "r")
+    with pytest.raises(UsageError, match="nothing to resume in .*: it holds no run state; start it without --resume"):
+        prepare_run_dir(config, resume=True, fresh=False)
+    (tmp_path / "r/checkpoints/step00000004").mkdir(parents=True)  # written half-way: not complete
+    (tmp_path / "r/checkpoints/step00000004/mp_rank_00_model_states.pt").write_text("x")
+    with pytest.raises(UsageError, match="holds no complete checkpoint"):
+        prepare_run_dir(config, resume=True, fresh=False)
+    (tmp_path / "r/checkpoints/step00000003").mkdir()
+    (tmp_path / "r/checkpoints/step00000003/COMPLETE").write_text(json.dumps({"step": 3, "version": 5}))
+    note = prepare_run_dir(config, resume=True, fresh=False)
+    assert note.startswith(f"resuming {tmp_path / 'r'}: the learner from checkpoint step00000003 (step 3, weights "
+                           "version 5)")
+    with pytest.raises(UsageError, match="exclude each other"):
+        prepare_run_dir(config, resume=True, fresh=True)
+
+
+def test_summary_says_where_the_model_logs_metrics_and_checkpoint_are(tmp_path):
+    run = tmp_path / "r"
+    config = config_for(run)
+    assert summary_lines(config, 1) == ["model: none written", f"logs: {run / 'logs'}", "checkpoint: none",
+                                        "disk: 0 B; exit status 1"]
+    (run / "model").mkdir(parents=True)
+    (run / "model/config.json").write_text("{}")
+    (run / "model/model.safetensors").write_bytes(b"\0" * 3000)
+    (run / "metrics.jsonl").write_text("{}\n")
+    (run / "checkpoints/step00000002").mkdir(parents=True)
+    (run / "checkpoints/step00000002/COMPLETE").write_text(json.dumps({"step": 2, "version": 2}))
+    lines = summary_lines(config, 130, "my.yaml")
+    assert lines == [
+        f"model: {run / 'model'} (Hugging Face folder, 2.9 KB)",
+        f"logs: {run / 'logs'}",
+        f"metrics: {run / 'metrics.jsonl'}",
+        f"checkpoint: {run / 'checkpoints/step00000002'} (step 2); continue with: grpo run my.yaml --resume",
+        f"disk: 3.0 KB in {run}; exit status 130",
+    ]
+
+
+def test_grpo_run_refuses_a_used_run_dir_in_one_line_before_starting(tmp_path, capsys):
+    config = tmp_path / "train.yaml"
+    config.write_text(f"learner: {{model: {tmp_path / 'm'}}}\nrun: {{run_dir: {tmp_path / 'r'}}}\n")
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r/metrics.jsonl").write_text("{}\n")
+    assert cli.main(["run", str(config)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert err.startswith(f"grpo run: error: {tmp_path / 'r'} holds an earlier run's state")
+    assert not (tmp_path / "r/logs").exists() and not (tmp_path / "r/config.yaml").exists()
+
+
+def test_grpo_run_defaults_the_run_dir_to_the_configs_name(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    Path("arith.yaml").write_text("learner: {model: m}\n")
+    Path("runs/arith").mkdir(parents=True)
+    Path("runs/arith/metrics.jsonl").write_text("{}\n")
+    assert cli.main(["run", "arith.yaml"]) == 2
+    assert capsys.readouterr().err.startswith("grpo run: error: runs/arith holds an earlier run's state "
+                                              "(runs/arith/metrics.jsonl)")
