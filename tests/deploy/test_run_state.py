@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from deploy import cli
-from deploy.run_state import existing_state, prepare_run_dir, summary_lines
+from deploy.run_state import existing_state, prepare_run_dir, state_paths, summary_lines
 from shared.config.loader import load_config
 from shared.config.schema import GRPOConfig
 from shared.config.schema.paths import under_run_dir
@@ -153,3 +153,15 @@ def test_grpo_run_defaults_the_run_dir_to_the_configs_name(tmp_path, capsys, mon
     assert cli.main(["run", "arith.yaml"]) == 2
     assert capsys.readouterr().err.startswith("grpo run: error: runs/arith holds an earlier run's state "
                                               "(runs/arith/metrics.jsonl)")
+
+
+def test_every_shipped_config_keeps_its_state_in_a_run_dir_of_its_own():
+    configs = sorted((Path(__file__).resolve().parents[2] / "deploy" / "configs").glob("*.yaml"))
+    run_dirs = set()
+    for path in configs:
+        config = load_config(path)
+        run_dir = Path(config.run.run_dir)
+        run_dirs.add(run_dir)
+        for state in state_paths(config):
+            assert run_dir in state.path.parents, (path.name, state)
+    assert len(run_dirs) == len(configs)
