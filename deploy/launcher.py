@@ -40,7 +40,7 @@ from pathlib import Path
 import yaml
 
 from deploy.forked import ForkedProcess, fork_service, preload
-from deploy.run_state import prepare_run_dir, summary_lines
+from deploy.run_state import finish_run, prepare_run_dir
 from shared.config.schema import GRPOConfig
 from shared.errors import UsageError
 from shared.protocol.health import HealthTimeout, ServerExited, wait_healthy
@@ -291,7 +291,7 @@ def run(config: GRPOConfig, *, resume: bool = False, fresh: bool = False, source
             service.stop(config.run.stop_grace_s)
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-    for line in summary_lines(config, status, source):
+    for line in finish_run(config, status, source):
         _say(console_lock, line)
     return status
 

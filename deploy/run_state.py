@@ -171,3 +171,27 @@ def summary_lines(config: GRPOConfig, status: int, source: str | None = None) ->
     where = f" in {', '.join(str(paths[p]) for p in existing)}" if existing else ""
     lines.append(f"disk: {_size(sum(disk_bytes(p) for p in existing))}{where}; exit status {status}")
     return lines
+
+
+def drop_unneeded_weights(config: GRPOConfig, status: int) -> str | None:
+    """After a run that finished (exit 0) with no checkpoint to resume from, the relay's and the generators' weight
+    copies serve nothing (the model folder is the result): deleted, so disk use is what the config asks for. With a
+    checkpoint they stay: a resumed run's generators start from them."""
+    if status != 0 or newest_checkpoint(config) is not None:
+        return None
+    dropped = 0
+    for folder in (config.ref_server.weights_dir, config.generator.weights_dir):
+        if folder is None or not Path(folder).is_dir():
+            continue
+        for weights in Path(folder).glob("v*.safetensors"):
+            dropped += weights.stat().st_size
+            weights.unlink()
+    if not dropped:
+        return None
+    return f"no checkpoint to resume from: the relay's weight copies are deleted ({_size(dropped)})"
+
+
+def finish_run(config: GRPOConfig, status: int, source: str | None = None) -> list[str]:
+    """Once every service stopped: drop what the config does not keep, then the run's last lines."""
+    note = drop_unneeded_weights(config, status)
+    return [*([note] if note else []), *summary_lines(config, status, source)]

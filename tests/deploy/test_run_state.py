@@ -2,6 +2,7 @@
 deletes the run's state and nothing else, --resume needs a checkpoint, and the last lines say where things are."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from deploy import cli
-from deploy.run_state import existing_state, prepare_run_dir, state_paths, summary_lines
+from deploy.run_state import (
+    drop_unneeded_weights,
+    existing_state,
+    prepare_run_dir,
+    state_paths,
+    summary_lines,
+)
 from shared.config.loader import load_config
 from shared.config.schema import GRPOConfig
 from shared.config.schema.paths import under_run_dir
@@ -165,3 +172,22 @@ def test_every_shipped_config_keeps_its_state_in_a_run_dir_of_its_own():
         for state in state_paths(config):
             assert run_dir in state.path.parents, (path.name, state)
     assert len(run_dirs) == len(configs)
+
+
+def test_weight_copies_go_only_when_nothing_can_resume_from_them(tmp_path):
+    run = tmp_path / "r"
+    config = config_for(run)
+    relay, gen = run / "ref_server/relay", run / "generator/weights"
+    for folder in (relay, gen):
+        folder.mkdir(parents=True)
+        (folder / "v0000000003.safetensors").write_bytes(b"\0" * 2048)
+    (relay / "learner.json").write_text("{}")
+    assert drop_unneeded_weights(config, 130) is None  # stopped: a checkpoint is written, a resume needs them
+    (run / "checkpoints/step00000003").mkdir(parents=True)
+    (run / "checkpoints/step00000003/COMPLETE").write_text(json.dumps({"step": 3, "version": 3}))
+    assert drop_unneeded_weights(config, 0) is None  # finished with a checkpoint: kept for a resume
+    assert len(list(run.rglob("v*.safetensors"))) == 2
+    shutil.rmtree(run / "checkpoints")
+    assert drop_unneeded_weights(config, 0) == ("no checkpoint to resume from: the relay's weight copies are "
+                                                "deleted (4.0 KB)")
+    assert list(run.rglob("v*.safetensors")) == [] and (relay / "learner.json").exists()

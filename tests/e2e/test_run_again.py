@@ -51,9 +51,11 @@ def test_a_second_run_is_refused_until_fresh_and_disk_holds_what_the_config_asks
     first = grpo_run(config)
     assert first.returncode == 0, first.stdout[-3000:]
     assert [m["step"] for m in metrics(run_dir)] == [1, 2]
-    # checkpoint_every null and a run that finished: no checkpoint; the relay keeps its newest version only
+    # checkpoint_every null and a run that finished: no checkpoint, so no weight copies to resume from either;
+    # the model folder is the one copy of the weights
     assert not (run_dir / "checkpoints").exists()
-    assert [p.name for p in (run_dir / "ref_server" / "relay").glob("v*.safetensors")] == ["v0000000002.safetensors"]
+    assert sorted(p.name for p in run_dir.rglob("*.safetensors")) == ["model.safetensors"]
+    assert "[grpo run] no checkpoint to resume from: the relay's weight copies are deleted" in first.stdout
     last = first.stdout.strip().splitlines()[-5:]
     assert last[0].startswith(f"[grpo run] model: {run_dir / 'model'} (Hugging Face folder, ")
     assert (run_dir / "model" / "model.safetensors").is_file()
