@@ -3,7 +3,7 @@
 README.md stays short (<= 200 lines; details live in docs/), every relative link in README.md and docs/*.md
 resolves to a file and, for ``#anchor`` links into Markdown, to a heading; every ``file.py:Name`` hop in
 "Follow one rollout" is a real function or method; the CLI table names every ``grpo`` subcommand; the tested
-versions agree with what is pinned.
+versions agree with what is pinned; every YAML config shown in README.md or docs/ is valid.
 """
 
 from __future__ import annotations
@@ -15,7 +15,11 @@ from pathlib import Path
 
 import pytest
 
+# The schema checks reward names against the generator's registry, whose module imports torch (seconds on a busy
+# machine): imported here, once, at collection, so the config tests time only the validation.
+import generator.rewards.reward_set  # noqa: F401
 from deploy.cli import build_parser
+from shared.config.loader import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -176,6 +180,27 @@ def test_tested_versions_match_the_pins(name):
     pinned = _pins()[name]
     assert pinned == match.group(1) or pinned.startswith(match.group(1) + "."), (
         f"README says {name} {match.group(1)}, the pin is {pinned}")
+
+
+def yaml_blocks(markdown: str) -> list[str]:
+    return re.findall(r"^```ya?ml\n(.*?)^```", markdown, re.M | re.S)
+
+
+@pytest.mark.parametrize("page", [README, *sorted((ROOT / "docs").glob("*.md"))], ids=lambda p: p.name)
+def test_yaml_configs_shown_are_valid(page, tmp_path):
+    """A config a reader copies from the docs passes the schema (model folders need not exist here)."""
+    for i, block in enumerate(yaml_blocks(page.read_text(encoding="utf-8"))):
+        path = tmp_path / f"{page.stem}-{i}.yaml"
+        path.write_text(block)
+        load_config(path)  # raises ConfigError naming the key
+
+
+def test_a_wrong_key_in_a_shown_config_is_caught(tmp_path):
+    (block,) = yaml_blocks("text\n```yaml\nlearner: {no_such_key: 1}\n```\n")
+    path = tmp_path / "bad.yaml"
+    path.write_text(block)
+    with pytest.raises(ConfigError, match="no_such_key"):
+        load_config(path)
 
 
 # -- the checker itself: each check fails on what it is meant to catch --------------------------------------------
