@@ -171,7 +171,8 @@ class RequestGuard:
             await self.app(scope, reader.receive, send)
             return
         body = await reader.read_all()  # a FastAPI-parsed JSON body: small, checked strictly before FastAPI sees it
-        if body or route.body_field.field_info.is_required():  # an empty body is no JSON: 400, not FastAPI's 422 "Field required"
+        # an empty body is no JSON either: 400, not FastAPI's 422 "Field required"
+        if body or route.body_field.field_info.is_required():
             try:
                 if len(body) > _PARSE_INLINE_BYTES:
                     await run_in_threadpool(strict_json.loads, body)
