@@ -13,6 +13,7 @@ each checkpoint, which ``grpo export --merge`` (and ``PeftModel.from_pretrained`
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -128,3 +129,37 @@ def save_adapter(model: torch.nn.Module, cfg: LoraConfig, base_model: str, direc
     save_file(tensors, str(directory / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     # base_model_name_or_path: the folder grpo export --merge loads the base from
     peft_config(cfg, str(Path(base_model).resolve())).save_pretrained(str(directory))
+
+
+def merge_checkpoint(checkpoint: str | Path, out: str | Path, base_model: str | None = None) -> dict:
+    """``grpo export --merge``: the base model with a checkpoint's adapter merged in, as a plain Hugging Face
+    folder in ``out`` (weights, config, tokenizer and generation files). ``checkpoint`` is a checkpoint tag folder
+    (``.../checkpoints/step00000042``) or any peft adapter folder; ``base_model`` overrides the base folder the
+    adapter records. Returns what was written."""
+    import shutil
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    checkpoint = Path(checkpoint)
+    config_file = checkpoint / ADAPTER_CONFIG
+    if not (config_file.is_file() and (checkpoint / ADAPTER_WEIGHTS).is_file()):
+        raise UsageError(f"{checkpoint} holds no LoRA adapter ({ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}); give a "
+                         "checkpoint tag folder of a run with learner.lora, e.g. runs/learner/checkpoints/step00000050")
+    try:
+        recorded = json.loads(config_file.read_text()).get("base_model_name_or_path")
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UsageError(f"cannot read {config_file}: {exc}") from None
+    base = Path(base_model or recorded or "")
+    if not (base / "config.json").is_file():
+        raise UsageError(f"base model folder {str(base)!r} (from {'--base' if base_model else config_file}) has no "
+                         "config.json; pass --base DIR")
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    merged = PeftModel.from_pretrained(model, str(checkpoint)).merge_and_unload()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for item in base.iterdir():  # tokenizer, generation config, chat template: as the base has them
+        if item.is_file() and not item.name.endswith((".safetensors", ".bin", ".pt", ".index.json", ".gguf")):
+            shutil.copy2(item, out / item.name)
+    merged.save_pretrained(str(out))
+    return {"base_model": str(base.resolve()), "adapter": str(checkpoint.resolve()), "out": str(out.resolve())}

@@ -326,7 +326,8 @@ class Learner:
 
     def checkpoint(self) -> None:
         save_checkpoint(self.engine, self.cfg.checkpoint_dir, step=self.step, version=self.version,
-                        keep=self.cfg.keep_checkpoints, rank=self.rank, consumed=self.ledger.consumed_ids())
+                        keep=self.cfg.keep_checkpoints, rank=self.rank, consumed=self.ledger.consumed_ids(),
+                        lora=self.cfg.lora, base_model=self.cfg.model)
         self.ledger.checkpointed()
 
     def finish(self) -> None:
