@@ -163,3 +163,32 @@ def merge_checkpoint(checkpoint: str | Path, out: str | Path, base_model: str | 
             shutil.copy2(item, out / item.name)
     merged.save_pretrained(str(out))
     return {"base_model": str(base.resolve()), "adapter": str(checkpoint.resolve()), "out": str(out.resolve())}
+
+
+@torch.no_grad()
+def reference_logprobs(model: torch.nn.Module, batch, device: torch.device, *, chunk_tokens: int | None = None,
+                       row_tokens: int = 16384) -> torch.Tensor:
+    """``learner.lora.reference: learner``: the batch's reference logprobs from the learner's own model with the
+    adapters switched off (the base policy), in eval mode, at the batch's temperature; ``[B, L]`` float32 on the
+    host like the hub's. Rows go through in chunks of about ``row_tokens`` padded tokens."""
+    from shared.forward.logprobs import sequence_logprobs
+
+    rows, width = batch.behaviour_logprobs.shape
+    out = torch.zeros(rows, width, dtype=torch.float32)
+    step = max(1, row_tokens // max(1, batch.input_ids.shape[1]))
+    training = model.training
+    model.eval()
+    try:
+        with adapters_disabled(model):
+            for start in range(0, rows, step):
+                end = min(rows, start + step)
+                prompt = batch.prompt_lengths[start:end].tolist()
+                completion = batch.completion_lengths[start:end].tolist()
+                longest = max(p + c for p, c in zip(prompt, completion))
+                result = sequence_logprobs(model, batch.input_ids[start:end, :longest].to(device), prompt,
+                                           completion, temperature=batch.temperature, chunk_tokens=chunk_tokens)
+                values = result.logprobs.float().cpu()
+                out[start:end, :values.shape[1]] = values
+    finally:
+        model.train(training)
+    return out

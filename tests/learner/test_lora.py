@@ -134,3 +134,43 @@ def test_a_lora_step_trains_only_the_adapter(distributed, tiny_model_dir, zero_s
     assert len(frozen) == len(base)
     for name, value in frozen.items():
         assert torch.equal(value, base[name.replace(".base_layer.", ".")]), name
+
+
+def test_reference_in_the_learner_is_the_base_model(tiny_model_dir):
+    """learner.lora.reference 'learner': the batch's reference logprobs from the LoRA model with its adapters off
+    are the base model's (what the ref server scores), and the model is left as it was (adapters on, train mode)."""
+    from learner.lora import reference_logprobs
+
+    batch = batch_of(sampled_groups(tiny_model_dir, [[1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 1.0, 1.0]], seed=3))
+    batch.temperature = 0.7
+    model = lora_model(tiny_model_dir, r=4, target_modules="all-linear").train()
+    base = load(tiny_model_dir).eval()
+    # small row chunks: the rows go through in several pieces, each cut to its own longest row
+    ours = reference_logprobs(model, batch, CPU, row_tokens=3 * batch.input_ids.shape[1])
+    assert ours.shape == batch.behaviour_logprobs.shape and ours.dtype == torch.float32
+    with torch.no_grad():
+        expected = naive_sequence_logprobs(base, batch.input_ids, batch.prompt_lengths, batch.completion_lengths,
+                                           temperature=0.7)
+        policy = naive_sequence_logprobs(model, batch.input_ids, batch.prompt_lengths, batch.completion_lengths,
+                                         temperature=0.7)
+    width = expected.shape[1]
+    assert (ours[:, :width] - expected).abs().max() <= 1e-5
+    assert not ours[:, width:].any()
+    for row, length in enumerate(batch.completion_lengths.tolist()):
+        assert not ours[row, length:].any()
+    assert model.training and (policy - expected).abs().max() > 1e-3  # adapters back on
+
+
+def test_ref_server_loads_no_reference_model_when_the_learner_scores_it(tmp_path, monkeypatch):
+    from ref_server.server import build_state
+
+    monkeypatch.chdir(tmp_path)  # its spool and weights folders
+    from shared.config.schema import GRPOConfig
+
+    config = GRPOConfig.model_validate({"algorithm": {"loss": {"beta": 0.04}},
+                                        "learner": {"lora": {"reference": "learner"}}})
+    state = build_state(config)  # no ref_server.model: fine, nothing to load
+    assert state.scorer is None
+    with pytest.raises(Exception, match="needs ref_server.model"):
+        build_state(GRPOConfig.model_validate({"algorithm": {"loss": {"beta": 0.04}},
+                                               "learner": {"lora": {"reference": "hub"}}}))

@@ -118,6 +118,11 @@ class LearnerConfig(StrictModel):
                                              "computation (null: 128 MiB of fp32 logits per chunk on CPU, 512 "
                                              "MiB on a GPU, less when its free memory is short).")
 
+    @property
+    def reference_in_learner(self) -> bool:
+        """Reference logprobs come from the learner's model with the adapters off (learner.lora.reference)."""
+        return self.lora is not None and self.lora.reference == "learner"
+
     @model_validator(mode="after")
     def _checks(self) -> LearnerConfig:
         if self.micro_batches > self.groups_per_step:
