@@ -54,10 +54,6 @@ def is_adapter_parameter(name: str) -> bool:
     return any(part in name for part in _ADAPTER_PARTS)
 
 
-def has_adapters(model: torch.nn.Module) -> bool:
-    return any(is_adapter_parameter(name) for name, _ in model.named_parameters())
-
-
 def policy_tensors(model: torch.nn.Module) -> list[PolicyTensor]:
     """The policy's tensors in ``named_parameters`` order (see the module docstring for adapted layers)."""
     tensors = []
