@@ -162,7 +162,7 @@ def test_reference_in_the_learner_is_the_base_model(tiny_model_dir):
 
 
 def test_ref_server_loads_no_reference_model_when_the_learner_scores_it(tmp_path, monkeypatch):
-    from ref_server.server import build_state
+    from ref_server.server import ModelLoadError, build_state
 
     monkeypatch.chdir(tmp_path)  # its spool and weights folders
     from shared.config.schema import GRPOConfig
@@ -171,6 +171,6 @@ def test_ref_server_loads_no_reference_model_when_the_learner_scores_it(tmp_path
                                         "learner": {"lora": {"reference": "learner"}}})
     state = build_state(config)  # no ref_server.model: fine, nothing to load
     assert state.scorer is None
-    with pytest.raises(Exception, match="needs ref_server.model"):
+    with pytest.raises(ModelLoadError, match="needs ref_server.model"):
         build_state(GRPOConfig.model_validate({"algorithm": {"loss": {"beta": 0.04}},
                                                "learner": {"lora": {"reference": "hub"}}}))
