@@ -212,8 +212,7 @@ def compute_policy_loss(
     behaviour_logprobs: torch.Tensor | None = None,
     ref_logprobs: torch.Tensor | None = None,
     num_tokens: float | torch.Tensor | None = None,
-    num_seqs: float | torch.Tensor | None = None,
-    token_mask: torch.Tensor | None = None,
+    num_seqs: float | torch.Tensor | None = None, token_mask: torch.Tensor | None = None,
 ) -> PolicyLossOutput:
     """The GRPO loss of one (micro-)batch. Shapes: per-token ``[B, L]``, ``advantages`` ``[B]`` or ``[B, L]`` (:func:`per_token`).
 
@@ -227,9 +226,7 @@ def compute_policy_loss(
     * ``num_tokens`` / ``num_seqs``: the global normalisers from :func:`loss_normalizers` (host numbers, or
       device tensors, e.g. all-reduced over ranks: then they are not read back).
     * ``completion_lengths``: which tokens count; a list (host values) is never read back from the device.
-    * ``token_mask``: multi-turn, ``[B, >= L]`` bool, True where the model wrote the token (None: all of them).
-      Environment tokens are zeroed like padding before any arithmetic, so the loss, the KL, the metrics and the
-      gradient do not depend on the logits there; an all-True mask gives bitwise the loss without one.
+    * ``token_mask``: multi-turn ``[B, >= L]`` bool, True where the model wrote the token (else: as padding).
     """
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be [B, L], got shape {tuple(logprobs.shape)}")
