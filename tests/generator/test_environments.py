@@ -78,3 +78,28 @@ def test_environment_names_resolve_or_fail_naming_the_key(tmp_path):
         environment_factory(EnvironmentConfig(name="calculater"))
     with pytest.raises(UsageError, match="generator.environment.name: no such file"):
         environment_factory(EnvironmentConfig(name=f"{tmp_path}/nope.py:Echo"))
+
+
+def test_multi_turn_on_vllm_stops_at_start_up_naming_the_key():
+    from generator.main import GeneratorSetupError, check_environment
+    from shared.config.schema import GRPOConfig
+
+    config = GRPOConfig.model_validate({"generator": {"engine": "vllm", "environment": {"name": "calculator"}}})
+    with pytest.raises(GeneratorSetupError, match="generator.environment: multi-turn rollouts are not supported by "
+                       "the vLLM engine yet"):
+        check_environment(config)
+    with pytest.raises(UsageError, match="unknown environment"):
+        check_environment(GRPOConfig.model_validate({"generator": {"environment": {"name": "nope"}}}))
+    check_environment(GRPOConfig.model_validate({"generator": {"engine": "transformers",
+                                                               "environment": {"name": "calculator"}}}))
+
+
+def test_progress_reports_the_environment():
+    from generator.multiturn import EnvStats
+    from generator.progress import environment_summary
+
+    stats = EnvStats(trajectories=4, turns=10, env_calls=6, env_errors=1, env_time_s=0.26, env_tokens=30,
+                     model_tokens=90)
+    assert environment_summary(stats) == {"turns/traj": 2.5, "env_calls": 6, "env_errors": 1, "env_s": 0.3,
+                                          "env_token_frac": 0.25}
+    assert environment_summary(None) == {}

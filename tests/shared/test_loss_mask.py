@@ -87,6 +87,10 @@ def test_hub_batches_masked_and_plain_groups_like_from_groups():
     assert torch.equal(TrainBatch.from_bytes(batch.to_bytes()).completion_mask, batch.completion_mask)
     assert torch.equal(batch.select_groups([0]).completion_mask, batch.completion_mask[:4, :6])
     assert TrainBatch.from_groups([plain], None).completion_mask is None
+    from learner.metrics import batch_metrics
+
+    assert batch_metrics(batch, torch.zeros(8), 0)["env_token_frac"] == pytest.approx(6 / 28)
+    assert "env_token_frac" not in batch_metrics(TrainBatch.from_groups([plain], None), torch.zeros(4), 0)
 
 
 def _loss(logits, mask, cfg, lengths, advantages, old, ref):
@@ -147,3 +151,14 @@ def test_normalizers_count_model_tokens_and_sequences_with_one():
     mask = torch.tensor([[1, 0, 0, 1], [0, 0, 1, 1], [1, 1, 1, 1]], dtype=torch.bool)
     # row 1 has 2 tokens, both environment's: no model token, not a sequence of the loss
     assert loss_normalizers(torch.tensor([4, 2, 3]), mask) == (2 + 0 + 3, 2)
+
+
+def test_a_spooled_masked_group_comes_back_with_its_mask_after_a_hub_restart(tmp_path):
+    group = masked_group(seed=3)
+    first = RolloutHub(capacity=4, max_staleness=1, scorer=None, spool_dir=tmp_path / "spool")
+    first.put(group.to_bytes())
+    first.close()
+    again = RolloutHub(capacity=4, max_staleness=1, scorer=None, spool_dir=tmp_path / "spool")
+    batch = again.take(1)
+    assert torch.equal(batch.completion_mask, TrainBatch.from_groups([group], None).completion_mask)
+    again.close()
