@@ -225,8 +225,8 @@ def compute_policy_loss(
     * ``ref_logprobs``: required when ``cfg.beta > 0``; the KL term is ``beta * KL_estimator``.
     * ``num_tokens`` / ``num_seqs``: the global normalisers from :func:`loss_normalizers` (host numbers, or
       device tensors, e.g. all-reduced over ranks: then they are not read back).
-    * ``completion_lengths``: which tokens count; a list (host values) is never read back from the device.
-    * ``token_mask``: multi-turn ``[B, >= L]`` bool, True where the model wrote the token (else: as padding).
+    * ``completion_lengths``: which tokens count (a list is never read back from the device); ``token_mask``
+      (multi-turn, ``[B, >= L]`` bool): of those, only where the model wrote the token (the rest: as padding).
     """
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be [B, L], got shape {tuple(logprobs.shape)}")
@@ -234,7 +234,6 @@ def compute_policy_loss(
     advantages = per_token(advantages, logprobs)
     if cfg.beta > 0 and ref_logprobs is None:
         raise ValueError("beta > 0 needs ref_logprobs")
-
     dtype = logprobs.dtype  # padded positions zeroed before any arithmetic (zero_padding)
     logprobs = zero_padding(logprobs, mask, dtype)
     advantages = zero_padding(advantages, mask, dtype).detach()
