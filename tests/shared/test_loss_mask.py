@@ -162,3 +162,32 @@ def test_a_spooled_masked_group_comes_back_with_its_mask_after_a_hub_restart(tmp
     batch = again.take(1)
     assert torch.equal(batch.completion_mask, TrainBatch.from_groups([group], None).completion_mask)
     again.close()
+
+
+@st.composite
+def masked_rows(draw):
+    lengths = draw(st.lists(st.integers(0, 9), min_size=1, max_size=4))
+    masks = []
+    for n in lengths:
+        row = draw(st.lists(st.integers(0, 1), min_size=n, max_size=n))
+        if n and not any(row):
+            row[draw(st.integers(0, n - 1))] = 1  # every non-empty completion has a model token
+        masks.append(row)
+    return lengths, masks
+
+
+@settings(max_examples=40, deadline=None)
+@given(masked_rows(), masked_rows())
+def test_masks_survive_the_wire_the_spool_format_and_both_batch_layouts(first, second):
+    from ref_server.hub.batching import GroupRows, assemble_batch
+
+    groups = [RolloutGroup.from_bytes(masked_group(masks=m, lengths=n, seed=i).to_bytes())
+              for i, (n, m) in enumerate((first, second))]
+    for group, (lengths, masks) in zip(groups, (first, second)):
+        assert [group.completion_mask[i, :n].int().tolist() for i, n in enumerate(lengths)] == masks
+    reference = TrainBatch.from_groups(groups, None)
+    laid_out = assemble_batch(groups, [GroupRows.of(g, None) for g in groups], batch_id="b")
+    assert torch.equal(reference.completion_mask, laid_out.completion_mask)
+    assert torch.equal(TrainBatch.from_bytes(laid_out.to_bytes()).completion_mask, laid_out.completion_mask)
+    counted = loss_normalizers(reference.completion_lengths, reference.completion_mask)
+    assert counted == (sum(map(sum, first[1] + second[1])), sum(any(m) for m in first[1] + second[1]))
