@@ -60,6 +60,11 @@ def test_hub_refuses_a_bad_mask_naming_it(mask, reason):
     with pytest.raises(ProtocolError, match=reason):
         hub.put(_with_mask_tensor(mask))
     assert hub.counters.rejected == 1 and hub.depth() == 0
+    # in a batch upload it is refused alone, with a 4xx status and the reason; the good group is queued
+    good, bad = masked_group(seed=5).to_bytes(), _with_mask_tensor(mask)
+    answers = hub.put_many([bad, good])
+    assert answers[0]["accepted"] is False and answers[0]["status"] == 422 and reason in answers[0]["refused"]
+    assert answers[1]["accepted"] is True and hub.depth() == 1
 
 
 def test_from_samples_refuses_mask_rows_that_do_not_fit():
