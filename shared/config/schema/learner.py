@@ -98,7 +98,8 @@ class LearnerConfig(StrictModel):
         None, description="Debugging: append one JSON line per pulled batch with the advantages the loss uses: "
         "{step, rank, batch_id, supervision, scale, kl_in_reward, rows: [{row, group_id, group_index, row_in_group, "
         "completion_length, reward, truncated, in_loss, step_ends, step_rewards, advantages}]}, where advantages "
-        "holds one rounded float per completion token (the outcome advantage repeated under outcome supervision). "
+        "holds one rounded float per completion token (the outcome advantage repeated under outcome supervision); "
+        "rows of a multi-turn batch add completion_ids and mask (1 = the model wrote the token). "
         "Rank r > 0 writes to this path + '.rank<r>'. Null: off.")
     tensorboard_dir: str | None = Field("runs/learner/tensorboard", description="TensorBoard logs (null: off).")
     wandb_project: str | None = Field(None, description="Weights & Biases project (null: off).")
