@@ -65,7 +65,7 @@ test-vllm: $(VLLM_STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
-# The tiny model learns arithmetic with all three services on 127.0.0.1 (see README: "What the demo shows").
+# The tiny model learns arithmetic with all three services on 127.0.0.1 (see docs/demo.md: "What the demo shows").
 demo: $(STAMP)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} HF_HUB_OFFLINE=1 $(VENV)/bin/grpo demo
 

@@ -143,6 +143,19 @@ def cmd_fetch_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    """A LoRA checkpoint merged into its base model, written as a plain Hugging Face folder."""
+    import json
+
+    from learner.lora import merge_checkpoint
+
+    if not args.merge:
+        raise UsageError("grpo export writes merged folders only: pass --merge (the checkpoint folder itself is "
+                         "already a peft adapter folder: adapter_config.json + adapter_model.safetensors)")
+    print(json.dumps(merge_checkpoint(args.checkpoint, args.out, args.base), indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser, add = root_parser()
 
@@ -207,6 +220,16 @@ def build_parser() -> argparse.ArgumentParser:
             "127.0.0.1, measure again; writes runs/demo/summary.json and runs/demo/curve.png.")
     p.add_argument("--config", default="deploy/configs/tiny-cpu.yaml", help="Demo config.")
     add_set_arg(p)
+
+    p = add("export", cmd_export,
+            "Merge a LoRA run's checkpoint (learner.lora) into its base model and write a plain Hugging Face "
+            "folder that generators, grpo eval and from_pretrained load.")
+    p.add_argument("--merge", action="store_true", help="Merge the adapter into the base weights (required).")
+    p.add_argument("checkpoint", help="A checkpoint tag folder of a LoRA run (learner.checkpoint_dir/stepNNNNNNNN), "
+                   "or any peft adapter folder.")
+    p.add_argument("out", help="Folder to write the merged model to (created if missing).")
+    p.add_argument("--base", help="Base model folder (default: the one recorded in the adapter's "
+                   "adapter_config.json).")
 
     p = add("check-config", cmd_check_config, "Validate a YAML config and print it with every default filled in.")
     p.add_argument("config", help="Path to the YAML config.")

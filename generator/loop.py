@@ -18,11 +18,12 @@ from pathlib import Path
 
 from generator.datasets import Example, PromptStream, render_prompt
 from generator.engines.base import Engine, SampledCompletion
+from generator.multiturn import MultiTurnRollouts
 from generator.progress import Progress
 from generator.rewards import RewardSet
 from generator.stats import LoopStats
 from generator.step_tokens import group_token_steps, tokenizer_decode
-from shared.config.schema.generator import StepRewardsConfig
+from shared.config.schema.generator import EnvironmentConfig, StepRewardsConfig
 from shared.config.schema.weight_sync import WeightSyncConfig
 from shared.protocol.client import HubClient, HubError, HubUnavailable
 from shared.protocol.records import RolloutGroup, SamplingParams
@@ -40,13 +41,25 @@ def carries_signal(outcomes: list[float], steps: list[list[tuple[int, float]]] |
     return steps is not None and len({reward for pairs in steps for _, reward in pairs}) > 1
 
 
+def environment_rewards(scores, samples: list[SampledCompletion], cfg: EnvironmentConfig) -> None:
+    """Multi-turn: the trajectories' rewards, in place in ``scores`` (a RewardSet's group scores). ``reward:
+    environment``: the sum of the environment's step rewards (0 when it gave none), as the one component
+    ``environment``; ``rewards``: the reward functions' scores of the whole trajectory's text, kept. Either way a
+    trajectory its environment failed gets ``on_error``."""
+    if cfg.reward == "environment":
+        scores.total = [s.env_reward or 0.0 for s in samples]
+        scores.components = {"environment": list(scores.total)}
+    scores.total = [cfg.on_error if s.env_failed else total for s, total in zip(samples, scores.total)]
+
+
 class RolloutLoop:
     def __init__(self, *, engine: Engine, tokenizer, client: HubClient, rewards: RewardSet, prompts: PromptStream,
                  sampling: SamplingParams, group_size: int, prompts_per_batch: int, generator_id: str,
                  weights_dir: str | Path, system_prompt: str | None = None, template: str | None = None,
                  drop_constant_groups: bool = False, seed: int = 0, progress: Progress | None = None,
                  wait_for_budget: bool = True, budget_poll_s: float = 2.0,
-                 step_rewards: StepRewardsConfig | None = None) -> None:
+                 step_rewards: StepRewardsConfig | None = None,
+                 environment: EnvironmentConfig | None = None) -> None:
         self.engine, self.tokenizer, self.client = engine, tokenizer, client
         self.rewards, self.prompts, self.sampling = rewards, prompts, sampling
         self.group_size, self.prompts_per_batch = group_size, prompts_per_batch
@@ -64,6 +77,10 @@ class RolloutLoop:
         self._batch_index = 0
         self.kept_fraction = 1.0   # running share of prompts whose group is kept (dynamic sampling drops the rest)
         self.receiver: WeightReceiver | None = None  # generator.main builds it from the weight_sync config
+        # multi-turn rollouts with an environment (generator/multiturn.py); None: one completion per rollout
+        self.environment = environment
+        self.multiturn = MultiTurnRollouts(engine, tokenizer, environment) if environment is not None else None
+        self.stats.environment = self.multiturn.stats if self.multiturn is not None else None
 
     # -- weights --------------------------------------------------------------------------------------------
     def sync_weights(self) -> bool:
@@ -117,6 +134,8 @@ class RolloutLoop:
                     ) -> RolloutGroup | None:
         texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
         scores = self.rewards.score_group(example.question, texts, example.data)
+        if self.environment is not None:
+            environment_rewards(scores, samples, self.environment)
         self.stats.reward_errors += sum(scores.errors.values())
         self.stats.step_reward_errors += scores.step_errors
         steps = None
@@ -135,7 +154,7 @@ class RolloutLoop:
             generator_id=self.generator_id, sampling=self.sampling, reward_components=scores.components,
             task={k: str(v) for k, v in example.data.items() if isinstance(v, (str, int, float))}
                  | {"example_id": example.example_id},
-            steps=steps,
+            steps=steps, masks=[s.mask for s in samples] if any(s.mask is not None for s in samples) else None,
         )
 
     def step(self, num_prompts: int | None = None) -> list[RolloutGroup]:
@@ -146,7 +165,11 @@ class RolloutLoop:
         digest = hashlib.sha256(f"{self.seed}/{self.generator_id}/{self._batch_index}".encode()).digest()
         seed = int.from_bytes(digest[:4], "big") & 0x7FFFFFFF  # reproducible, unlike Python's salted hash()
         self._batch_index += 1
-        samples = self.engine.generate(prompt_ids, self.sampling, self.group_size, seed=seed)
+        if self.multiturn is not None:
+            prompt_ids, samples = self.multiturn.generate([{"question": e.question, **e.data} for e in examples],
+                                                          prompt_ids, self.sampling, self.group_size, seed=seed)
+        else:
+            samples = self.engine.generate(prompt_ids, self.sampling, self.group_size, seed=seed)
         groups = []
         for example, ids, group_samples in zip(examples, prompt_ids, samples):
             group = self.build_group(example, ids, group_samples)

@@ -87,6 +87,20 @@ def build_engine(config: GRPOConfig):
     return TransformersEngine(cfg.model, device=str(device), dtype=default_dtype("auto", device))
 
 
+def check_environment(config: GRPOConfig) -> None:
+    """Multi-turn: the environment class loads (a UsageError naming the key otherwise) and the engine supports it,
+    before any model is loaded."""
+    cfg = config.generator
+    if cfg.environment is None:
+        return
+    from generator.environments.base import environment_factory
+
+    environment_factory(cfg.environment)
+    if resolve_engine_name(cfg.engine) != "transformers":
+        raise GeneratorSetupError("generator.environment: multi-turn rollouts are not supported by the vLLM engine "
+                                  "yet; set generator.engine: transformers")
+
+
 def build_loop(config: GRPOConfig, engine, client: HubClient, progress: Progress, rewards: RewardSet,
                examples: list) -> RolloutLoop:
     cfg = config.generator
@@ -101,7 +115,7 @@ def build_loop(config: GRPOConfig, engine, client: HubClient, progress: Progress
         prompts_per_batch=cfg.prompts_per_batch, generator_id=generator_id, weights_dir=cfg.weights_dir,
         system_prompt=system_prompt_for(cfg.dataset), template=cfg.dataset.template,
         drop_constant_groups=cfg.drop_constant_groups, seed=config.seed, progress=progress,
-        wait_for_budget=cfg.wait_for_budget, step_rewards=cfg.step_rewards)
+        wait_for_budget=cfg.wait_for_budget, step_rewards=cfg.step_rewards, environment=cfg.environment)
 
 
 def run_generator(config: GRPOConfig, stop: threading.Event | None = None) -> LoopStats:
@@ -116,6 +130,7 @@ def run_generator(config: GRPOConfig, stop: threading.Event | None = None) -> Lo
     # Rewards and prompts first: a config mistake there should not wait for a model to load.
     rewards = RewardSet.from_specs(cfg.rewards)
     examples = load_examples(cfg.dataset, config.seed)
+    check_environment(config)
     client = service_client(cfg.hub_url, config.ref_server.token, cfg.retry_max_s)
     stop_on_signals(stop, client, "finishing the current upload, then exiting")
     engine = build_engine(config)

@@ -11,6 +11,16 @@ from generator.stats import LoopStats
 log = logging.getLogger("grpo.generator")
 
 
+def environment_summary(env) -> dict[str, float | int]:
+    """Multi-turn (a generator.multiturn.EnvStats, None for single-turn): turns per trajectory, tool calls answered,
+    trajectories failed by their environment, seconds in the environment, share of completion tokens it wrote."""
+    if env is None:
+        return {}
+    return {"turns/traj": round(env.turns / max(env.trajectories, 1), 2), "env_calls": env.env_calls,
+            "env_errors": env.env_errors, "env_s": round(env.env_time_s, 1),
+            "env_token_frac": round(env.masked_fraction, 3)}
+
+
 class Progress:
     def __init__(self, *, enabled: bool = True, log_every_s: float = 10.0, total: int | None = None) -> None:
         self.enabled = enabled
@@ -31,6 +41,7 @@ class Progress:
             "reward": round(stats.mean_reward, 3),
             "version": version,
             "queue": stats.last_queue_depth,
+            **environment_summary(stats.environment),
         }
 
     def update(self, stats: LoopStats, version: int) -> None:

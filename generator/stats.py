@@ -4,6 +4,7 @@ reports it, ``grpo generator`` returns it)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -25,6 +26,7 @@ class LoopStats:
     reward_count: int = 0
     component_sums: dict[str, float] = field(default_factory=dict)
     last_queue_depth: int | None = None
+    environment: Any = None         # multi-turn: the rollouts' generator.multiturn.EnvStats (None: single-turn)
 
     @property
     def mean_reward(self) -> float:

@@ -91,8 +91,11 @@ def batch_advantages(batch: TrainBatch, cfg: AdvantageConfig, kl: KLConfig | Non
     if batch.ref_logprobs is None:
         raise ValueError(f"algorithm.kl.in_reward needs reference logprobs, but batch {batch.batch_id!r} has none: "
                          "the ref server must load the reference model (start it with the same config)")
-    return kl_in_reward_advantages(token_rewards, batch.behaviour_logprobs, batch.ref_logprobs, lengths,
-                                   beta=kl.beta, estimator=kl.estimator)
+    behaviour, ref = batch.behaviour_logprobs, batch.ref_logprobs
+    if batch.completion_mask is not None:  # multi-turn: equal logprobs at environment tokens, so their KL is 0
+        environment = ~batch.completion_mask.bool()
+        behaviour, ref = behaviour.masked_fill(environment, 0.0), ref.masked_fill(environment, 0.0)
+    return kl_in_reward_advantages(token_rewards, behaviour, ref, lengths, beta=kl.beta, estimator=kl.estimator)
 
 
 def advantage_metrics(batch: TrainBatch, advantages: torch.Tensor) -> dict[str, float]:
@@ -169,6 +172,15 @@ class AdvantageLog:
         self._file.close()
 
 
+def _multi_turn_fields(batch: TrainBatch, row: int, length: int) -> dict:
+    """A multi-turn row's completion tokens and mask (1 = the model wrote it); nothing for a single-turn batch."""
+    if batch.completion_mask is None:
+        return {}
+    start = int(batch.prompt_lengths[row])
+    return {"completion_ids": batch.input_ids[row, start:start + length].tolist(),
+            "mask": batch.completion_mask[row, :length].int().tolist()}
+
+
 def advantage_record(step: int, batch: TrainBatch, advantages: torch.Tensor, algorithm: AlgorithmConfig, *,
                      rank: int = 0, mask_truncated: bool = False, digits: int = 6) -> dict:
     """The JSON object :class:`AdvantageLog` writes for one batch (see the config field for its keys)."""
@@ -191,6 +203,7 @@ def advantage_record(step: int, batch: TrainBatch, advantages: torch.Tensor, alg
             "truncated": bool(batch.truncated[row]), "in_loss": not (mask_truncated and bool(batch.truncated[row])),
             "step_ends": [e for e, _ in steps[row]], "step_rewards": [r for _, r in steps[row]],
             "advantages": [round(v, digits) for v in token_values],
+            **_multi_turn_fields(batch, row, length),
         })
     return {"step": step, "rank": rank, "batch_id": batch.batch_id,
             "supervision": algorithm.advantage.supervision, "scale": algorithm.advantage.scale,

@@ -20,6 +20,8 @@ import re
 import shutil
 from pathlib import Path
 
+from shared.config.schema.learner import LoraConfig
+
 log = logging.getLogger("grpo.learner")
 _TAG = re.compile(r"^step(\d{8})$")
 MARKER = "COMPLETE"
@@ -41,7 +43,10 @@ def complete_tags(directory: str | Path) -> list[str]:
 
 
 def save_checkpoint(engine, directory: str | Path, *, step: int, version: int, keep: int, rank: int,
-                    consumed: list[str] = ()) -> str:
+                    consumed: list[str] = (), lora: LoraConfig | None = None, base_model: str | None = None) -> str:
+    """``lora``: the run trains LoRA adapters on ``base_model``: the DeepSpeed files hold only the trainable (adapter)
+    parameters and their optimizer state, and the tag folder also holds the adapter in peft's format
+    (:func:`learner.lora.save_adapter`, what ``grpo export --merge`` reads)."""
     import numpy as np
     import torch
 
@@ -50,7 +55,11 @@ def save_checkpoint(engine, directory: str | Path, *, step: int, version: int, k
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
     engine.save_checkpoint(str(directory), tag=tag, client_state={"step": step, "version": version, "rng": rng},
-                           save_latest=False)
+                           save_latest=False, exclude_frozen_parameters=lora is not None)
+    if lora is not None:
+        from learner.lora import save_adapter
+
+        save_adapter(engine.module, lora, base_model, Path(directory) / tag, is_writer=rank == 0)
     (Path(directory) / tag / f"consumed-rank{rank:05d}.json").write_text(json.dumps(list(consumed)))
     _barrier()
     if rank == 0:
@@ -80,8 +89,10 @@ def load_latest(engine, directory: str | Path) -> dict | None:
     tags = complete_tags(directory)
     if not tags:
         return None
+    # a LoRA checkpoint holds no frozen (base) weights: those stay as loaded from the model folder
+    frozen = any(not p.requires_grad for p in engine.module.parameters())
     path, state = engine.load_checkpoint(str(directory), tag=tags[-1], load_optimizer_states=True,
-                                         load_lr_scheduler_states=True)
+                                         load_lr_scheduler_states=True, load_module_strict=not frozen)
     if path is None:
         raise RuntimeError(f"DeepSpeed could not load checkpoint {tags[-1]} from {directory}")
     rng = state["rng"]

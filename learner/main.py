@@ -31,6 +31,7 @@ from learner.engine import (
     init_distributed,
     uses_bf16,
 )
+from learner.lora import reference_logprobs
 from learner.metrics import LappedEngine, MetricsLogger, StepClock, batch_metrics
 from learner.prefetch import BatchPrefetcher, HubCalls
 from learner.step import (
@@ -168,7 +169,8 @@ class Learner:
         find the version to start from (registered with the hub once the publisher knows the layout). Returns the hub's
         newest weights version."""
         algorithm = self.config.algorithm
-        if algorithm.needs_reference and not self.client.health()["reference_model_loaded"]:
+        if (algorithm.needs_reference and not self.cfg.reference_in_learner
+                and not self.client.health()["reference_model_loaded"]):
             wants = (f"algorithm.loss.beta is {algorithm.loss.beta}" if algorithm.loss.beta > 0
                      else "algorithm.kl.in_reward is true")
             raise LearnerSetupError(
@@ -246,6 +248,10 @@ class Learner:
         """``updates_per_batch`` GRPO steps on one batch, each followed by publishing and logging; then the batch
         counts as trained (before any checkpoint, so that a checkpoint holding its update also holds its ids)."""
         cfg, algorithm, clock = self.cfg, self.config.algorithm, self.clock
+        if algorithm.needs_reference and cfg.reference_in_learner:  # the base policy: this model, adapters off
+            batch.ref_logprobs = reference_logprobs(self.engine.module, batch, self.device,
+                                                    chunk_tokens=cfg.logprob_chunk_tokens)
+            clock.lap("old_logprobs")  # a scoring forward like the recompute of pi_old: charged with it
         advantages = batch_advantages(batch, algorithm.advantage, algorithm.kl)
         rollout_metrics = batch_metrics(batch, advantages, self.version, algorithm)
         if self.advantage_log is not None:
@@ -335,7 +341,8 @@ class Learner:
 
     def checkpoint(self) -> None:
         save_checkpoint(self.engine, self.cfg.checkpoint_dir, step=self.step, version=self.version,
-                        keep=self.cfg.keep_checkpoints, rank=self.rank, consumed=self.ledger.consumed_ids())
+                        keep=self.cfg.keep_checkpoints, rank=self.rank, consumed=self.ledger.consumed_ids(),
+                        lora=self.cfg.lora, base_model=self.cfg.model)
         self.ledger.checkpointed()
 
     def finish(self) -> None:

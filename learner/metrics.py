@@ -166,6 +166,9 @@ def batch_metrics(batch: TrainBatch, advantages: torch.Tensor, current_version: 
         "zero_variance_group_frac": constant / groups,
         "staleness_mean": float(staleness.mean()), "staleness_max": float(staleness.max()),
     }
+    if batch.completion_mask is not None:  # multi-turn: the share of completion tokens an environment wrote
+        valid = torch.arange(batch.completion_mask.shape[1]) < batch.completion_lengths.unsqueeze(1)
+        metrics["env_token_frac"] = float((valid & ~batch.completion_mask.bool()).sum()) / max(float(lengths.sum()), 1.0)
     for name, values in batch.reward_components.items():
         valid = values[~torch.isnan(values)]
         if valid.numel():

@@ -22,6 +22,7 @@ from shared.forward.packing import PackingMode, split_by_token_budget
 from shared.forward.prefix_sharing import PrefixRows, shared_prefixes
 from shared.forward.row_lengths import to_device
 from shared.grpo.losses import PolicyLossOutput, compute_policy_loss, loss_normalizers
+from shared.protocol.loss_mask import model_token_mask
 from shared.protocol.records import TrainBatch
 
 # How each metric combines over micro-batches and ranks: token-weighted mean, min or max.
@@ -47,6 +48,8 @@ class MicroBatch:
     host_completion_lengths: list[int]    # = completion_lengths
     host_loss_lengths: list[int]          # = loss_lengths
     old_logprobs: torch.Tensor | None = None
+    # multi-turn: [b, width_c] bool, True where the model wrote the token (shared.protocol.loss_mask); None: all
+    loss_mask: torch.Tensor | None = None
     layout: PackingMode = "padded"        # how the forward lays the rows out (shared.forward.packing.choose_layout)
     prefix: PrefixRows | None = None      # rows sharing a prompt: one pass of it (shared.forward.prefix_sharing)
     normalizers: tuple[int, int] = (0, 0)  # (loss tokens, loss sequences), counted on the host before the copy
@@ -121,9 +124,15 @@ def split_micro_batches(batch: TrainBatch, advantages: torch.Tensor, parts: int,
             advantages=take(advantages, width_c),
             behaviour_logprobs=take(batch.behaviour_logprobs, width_c),
             ref_logprobs=take(batch.ref_logprobs, width_c), layout=packing if prefix is None else "padded",
-            prefix=prefix, normalizers=loss_normalizers(loss_lengths[rows]), host_prompt_lengths=batch.prompt_lengths[rows].tolist(), host_completion_lengths=completion.tolist(),
-            host_loss_lengths=loss_lengths[rows].tolist()))
+            prefix=prefix, normalizers=loss_normalizers(loss_lengths[rows], mask_rows(batch, rows, width_c)),
+            host_prompt_lengths=batch.prompt_lengths[rows].tolist(), host_completion_lengths=completion.tolist(),
+            host_loss_lengths=loss_lengths[rows].tolist(), loss_mask=take(batch.completion_mask, width_c)))
     return pieces
+
+
+def mask_rows(batch: TrainBatch, rows: torch.Tensor, width: int) -> torch.Tensor | None:
+    """The batch's model-token mask of ``rows``, ``width`` columns wide, on the host (None for a single-turn batch)."""
+    return None if batch.completion_mask is None else batch.completion_mask[rows, :width]
 
 
 def all_reduce(values: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -165,13 +174,14 @@ def micro_batch_loss(model, mb: MicroBatch, loss_cfg: LossConfig, *, temperature
         old, behaviour = mb.old_logprobs, mb.behaviour_logprobs
     result = compute_policy_loss(logprobs, mb.advantages, mb.host_loss_lengths, loss_cfg, old_logprobs=old,
                                  behaviour_logprobs=behaviour, ref_logprobs=mb.ref_logprobs,
-                                 num_tokens=num_tokens, num_seqs=num_seqs)
-    result.metrics.update(behaviour_logprob_gap(logprobs, mb.behaviour_logprobs, mb.completion_lengths))
+                                 num_tokens=num_tokens, num_seqs=num_seqs, token_mask=mb.loss_mask)
+    result.metrics.update(behaviour_logprob_gap(logprobs, mb.behaviour_logprobs, mb.completion_lengths,
+                                                mb.loss_mask))
     return result, entropy
 
 
-def behaviour_logprob_gap(logprobs: torch.Tensor, behaviour: torch.Tensor,
-                          completion_lengths: torch.Tensor) -> dict[str, torch.Tensor]:
+def behaviour_logprob_gap(logprobs: torch.Tensor, behaviour: torch.Tensor, completion_lengths: torch.Tensor,
+                          token_mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """``|learner logprob - generator logprob|`` of every sampled token (truncated rows included): its sum,
     max and token count, from the logprobs the loss already has (no extra forward).
 
@@ -180,8 +190,10 @@ def behaviour_logprob_gap(logprobs: torch.Tensor, behaviour: torch.Tensor,
     ``logprob_diff_max``. The ``ratio`` metrics show it too, but mixed with the clipping.
 
     Masked arithmetic, no ``gap[mask]``: a boolean index has a data-dependent size, which a GPU must report back
-    to the host (a wait for the device per micro-batch)."""
+    to the host (a wait for the device per micro-batch). ``token_mask`` (multi-turn): the environment's tokens were
+    not sampled and have no behaviour logprob; only the model's count."""
     mask = torch.arange(logprobs.shape[1], device=logprobs.device) < completion_lengths.unsqueeze(1)
+    mask = model_token_mask(token_mask, mask)
     # gaps are >= 0, so zeros in the masked-out places leave the maximum as it is (and make it 0 when empty)
     gap = torch.where(mask, (logprobs.detach() - behaviour).abs(), 0.0)
     largest = gap.amax() if gap.numel() else gap.new_zeros(())
@@ -237,6 +249,7 @@ def grpo_step(engine, micro_batches: list[MicroBatch], loss_cfg: LossConfig, *, 
                 sums[key] = sums.get(key, zero) + value * weight
         if entropy is not None:
             mask = torch.arange(entropy.shape[1], device=device) < mb.completion_lengths.unsqueeze(1)
+            mask = model_token_mask(mb.loss_mask, mask)
             sums["entropy"] = sums.get("entropy", zero) + torch.where(mask, entropy.detach(), 0.0).double().sum()
             sums["entropy_tokens"] = sums.get("entropy_tokens", zero) + mask.sum().double()
     host = _gather_step_numbers(total_loss, nonfinite, sums, mins, maxs)  # the step's one synchronisation

@@ -4,8 +4,10 @@ Each job has its routers: the hub (``ref_server/hub/routes.py``), scoring (``ref
 the weight relay (``ref_server/relay/routes.py``), health and metrics (``ref_server/operations.py``); this module
 adds what they share: the request guard (:mod:`ref_server.limits`: bearer-token auth, body limits and deadlines,
 strict JSON, request metrics with 5xx and disconnects told apart), short error bodies and the lifespan hook. Every
-bad input is answered with a 4xx and a short ``{"detail": ...}`` naming the problem, never echoing the input; the
-server keeps serving.
+bad input is answered with a 4xx and a short ``{"detail": ...}`` naming the problem (OpenAI's ``{"error": ...}`` on
+the OpenAI-style routes: :func:`ref_server.http.error_body`), never echoing the input; the server keeps serving.
+The API docs (``/docs``, ``/redoc``, ``/openapi.json``) open without the token unless ``ref_server.public_docs`` is
+false: a browser cannot send a bearer token to open them, and they describe the API, not its data.
 """
 
 from __future__ import annotations
@@ -46,5 +48,30 @@ def create_app(state: ServerState, on_ready: Callable[[], None] | None = None) -
         app.include_router(prm_routes.router)
 
     install_short_errors(app)
-    app.add_middleware(RequestGuard, state=state, metrics=metrics, router=app.router)
+    open_paths = {"/healthz"}
+    if state.public_docs:
+        open_paths |= {app.docs_url, app.redoc_url, app.openapi_url, app.swagger_ui_oauth2_redirect_url}
+    if state.token is not None:
+        _document_bearer_auth(app, open_paths)
+    app.add_middleware(RequestGuard, state=state, metrics=metrics, router=app.router,
+                       open_paths=frozenset(p for p in open_paths if p))
     return app
+
+
+def _document_bearer_auth(app: FastAPI, open_paths: set[str | None]) -> None:
+    """The schema says every operation but the open ones needs the bearer token, so /docs offers an "Authorize"
+    button and its "Try it out" requests carry the token."""
+    build = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = build()
+            schema.setdefault("components", {})["securitySchemes"] = {
+                "bearer": {"type": "http", "scheme": "bearer", "description": "ref_server.token (or GRPO_TOKEN)"}}
+            for path, operations in schema.get("paths", {}).items():
+                for operation in operations.values():
+                    if path not in open_paths:
+                        operation["security"] = [{"bearer": []}]
+        return app.openapi_schema
+
+    app.openapi = openapi

@@ -1,5 +1,7 @@
 """What every router needs: the server's state (the ``State`` dependency), reading a bounded body, the binary
-media type, short error bodies (:func:`install_short_errors`). No router is imported here: ``ref_server.state`` and what it imports never import a router."""
+media type, short error bodies (:func:`install_short_errors`) in the shape each path's clients read
+(:func:`error_body`: OpenAI's on the OpenAI-style paths, ``{"detail": ...}`` elsewhere). No router is imported here:
+``ref_server.state`` and what it imports never import a router."""
 
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ def binary_body(schema_description: str) -> dict:
         OCTET: {"schema": {"type": "string", "format": "binary", "description": schema_description}}}}}
 
 
-# -- short error bodies ------------------------------------------------------------------------------------------
+# -- short error bodies, in each client's shape ------------------------------------------------------------------------------------------
 MAX_ERROR_TEXT = 300  # characters of any one string in an error body
 MAX_ERROR_ITEMS = 10  # items of any one list or object in an error body
 
@@ -66,25 +68,86 @@ def bounded(value: Any, depth: int = 0) -> Any:
     return bounded(str(value), depth)
 
 
+# The paths whose clients speak OpenAI's API (the openai package, lm-evaluation-harness, vLLM's tools): every
+# error there, from a route, the router (404, 405) or the request guard (401, 408, 413), is answered in OpenAI's
+# shape, which those clients read (they show an empty message for FastAPI's ``{"detail": ...}``).
+OPENAI_PATHS = frozenset({"/v1/completions", "/v1/models", "/v1/chat/completions", "/tokenize", "/detokenize",
+                          "/tokenizer_info", "/pooling"})
+OPENAI_PATH_PREFIXES = ("/v1/models/",)  # GET /v1/models/{model}
+# OpenAI's "type" per status (https://platform.openai.com/docs/guides/error-codes); unlisted 4xx: a bad request
+OPENAI_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                      404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
+                      409: "conflict_error", 413: "invalid_request_error", 422: "invalid_request_error",
+                      429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
+
+
+def is_openai_path(path: str) -> bool:
+    """Whether ``path``'s clients read OpenAI's error shape (see :data:`OPENAI_PATHS`)."""
+    return path in OPENAI_PATHS or path.startswith(OPENAI_PATH_PREFIXES)
+
+
+def openai_error(status: int, message: Any, *, param: Any = None, code: str | None = None) -> dict:
+    """``{"error": {"message", "type", "param", "code"}}``, bounded: what OpenAI answers and its clients read."""
+    text = message if isinstance(message, str) else "; ".join(_problem_text(m) for m in _as_list(message))
+    kind = OPENAI_ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": bounded(text), "type": kind, "param": bounded(param), "code": code}}
+
+
+def error_body(path: str, status: int, message: Any, *, code: str | None = None) -> dict:
+    """The error body for a request to ``path``: OpenAI's shape on the OpenAI-style paths (``code`` goes there),
+    ``{"detail": message}`` elsewhere (what the hub and relay clients read); bounded either way."""
+    if is_openai_path(path):
+        return openai_error(status, message, code=code)
+    return {"detail": bounded(message)}
+
+
+def _as_list(value: Any) -> list:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _problem_text(problem: Any) -> str:
+    """One validation problem (``{"loc", "msg"}``) as ``where: what``."""
+    if isinstance(problem, dict) and "msg" in problem:
+        where = ".".join(str(part) for part in problem.get("loc", ()) if part != "body")
+        return f"{where or 'body'}: {problem['msg']}"
+    return str(problem)
+
+
 async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
     headers = getattr(exc, "headers", None)
     if exc.status_code in (204, 304):
         return Response(status_code=exc.status_code, headers=headers)
-    return JSONResponse({"detail": bounded(exc.detail)}, exc.status_code, headers)
+    path, detail = request.url.path, exc.detail
+    if is_openai_path(path) and detail in ("Not Found", "Method Not Allowed"):  # the router's: say what is served
+        detail = (f"Invalid URL ({request.method} {path}); this server's OpenAI-style routes are POST /v1/completions,"
+                  " GET /v1/models, GET /v1/models/{model}, GET /tokenizer_info, POST /tokenize, POST /detokenize and"
+                  " POST /pooling (with a process reward model)")
+    return JSONResponse(error_body(path, exc.status_code, detail), exc.status_code, headers)
 
 
 async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
-    """422 naming each problem's place and kind, never the ``input`` FastAPI would echo (70 MB of it, once)."""
+    """422 naming each problem's place and kind, never the ``input`` FastAPI would echo (70 MB of it, once); 400
+    when the body is no JSON at all (malformed is 400 on every route, a body of the wrong shape 422)."""
     errors = exc.errors()
+    if any(e.get("type") == "json_invalid" for e in errors):
+        return JSONResponse(error_body(request.url.path, 400, "request body: not JSON"), 400)
     detail = [{"loc": [bounded(part) if isinstance(part, str) else part for part in e.get("loc", ())][:8],
                "msg": bounded(str(e.get("msg", ""))), "type": str(e.get("type", ""))[:64]}
               for e in errors[:MAX_ERROR_ITEMS]]
     if len(errors) > MAX_ERROR_ITEMS:
         detail.append({"loc": [], "msg": f"... and {len(errors) - MAX_ERROR_ITEMS} more problems", "type": "more"})
-    return JSONResponse({"detail": detail}, 422)
+    return JSONResponse(error_body(request.url.path, 422, detail), 422)
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    """The answer to an unhandled exception (Starlette logs it and re-raises after sending this): OpenAI's shape on
+    the OpenAI-style paths, never a traceback or the exception's text."""
+    return JSONResponse(error_body(request.url.path, 500, "internal server error (logged by the server)"), 500)
 
 
 def install_short_errors(app: FastAPI) -> None:
-    """Every ``HTTPException`` and validation error answered with a bounded body (see :func:`bounded`)."""
+    """Every ``HTTPException``, validation error and unhandled exception answered with a bounded body in the shape
+    the path's clients read (see :func:`error_body`)."""
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(Exception, _server_error)

@@ -9,14 +9,17 @@
   byte a second is cut off after ``body_timeout_s``; a big upload at a reasonable rate is not.
 * **Strict JSON**: a route whose body FastAPI parses (a pydantic model parameter: acknowledgements, version
   reports, the weight-sync rendezvous) gets its body checked by :func:`shared.protocol.strict_json.loads` first
-  (NaN/Infinity literals, nesting, numbers out of range: 422, as FastAPI answers JSON it cannot parse). The big
-  JSON routes parse their bodies themselves with the same loader.
+  (no JSON, an empty body, NaN/Infinity literals, nesting, numbers out of range: 400, as on every route; a body
+  of the wrong shape is FastAPI's 422). The big JSON routes parse their bodies themselves with the same loader.
 * **Disconnects**: a client that goes away mid-body is answered 499 (nginx's "client closed request"), without a
   traceback, and counted as such, never as a 500.
-* **Auth and metrics**: the bearer token (every path but /healthz), then every answer counted by endpoint and
+* **Auth and metrics**: the bearer token (every path but ``open_paths``: /healthz, and the API docs unless
+  ``ref_server.public_docs`` is false), then every answer counted by endpoint and
   status (an unhandled error as 500, then re-raised to Starlette's error middleware).
 
 413 and 408 answers carry ``Connection: close``: uvicorn then drops the rest of the body instead of reading it.
+Every answer of the guard has the shape the path's clients read (:func:`ref_server.http.error_body`: OpenAI's on
+the OpenAI-style routes).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Match
 
 from ref_server.body_limits import BodyLimits
+from ref_server.http import error_body
 from shared.protocol import strict_json
 
 if TYPE_CHECKING:
@@ -45,7 +49,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("grpo.ref_server.limits")
 
-OPENAI_SHAPED = frozenset({"/v1/completions", "/tokenize", "/detokenize"})
 CLIENT_CLOSED = 499  # nginx's status for "the client closed the connection before the answer"
 _PARSE_INLINE_BYTES = 64 * 1024  # strict-JSON checks of bigger bodies run in the thread pool
 
@@ -115,10 +118,13 @@ class _Answer:
 
 
 class RequestGuard:
-    """The ASGI middleware (see the module docstring); ``router`` is the app's, to find each request's route."""
+    """The ASGI middleware (see the module docstring); ``router`` is the app's, to find each request's route;
+    ``open_paths`` answer without the token."""
 
-    def __init__(self, app: ASGIApp, state: ServerState, metrics: ServerMetrics, router: Router) -> None:
+    def __init__(self, app: ASGIApp, state: ServerState, metrics: ServerMetrics, router: Router,
+                 open_paths: frozenset[str] = frozenset({"/healthz"})) -> None:
         self.app, self.state, self.metrics, self.router = app, state, metrics, router
+        self.open_paths = open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -148,11 +154,12 @@ class RequestGuard:
     async def _guarded(self, scope: Scope, reader: BodyReader, send: Send) -> None:
         state = self.state
         headers = dict(scope["headers"])
-        if state.token is not None and scope["path"] != "/healthz":
+        path = scope["path"]
+        if state.token is not None and path not in self.open_paths:
             supplied = headers.get(b"authorization", b"")
             if not hmac.compare_digest(supplied, f"Bearer {state.token}".encode()):
-                await JSONResponse({"detail": "missing or wrong bearer token"}, 401,
-                                   {"WWW-Authenticate": "Bearer"})(scope, reader.receive, send)
+                body = error_body(path, 401, "missing or wrong bearer token", code="invalid_api_key")
+                await JSONResponse(body, 401, {"WWW-Authenticate": "Bearer"})(scope, reader.receive, send)
                 return
         route = self._route(scope)
         reader.limit = limit = state.limits.for_route(scope["method"], getattr(route, "path", None))
@@ -164,7 +171,8 @@ class RequestGuard:
             await self.app(scope, reader.receive, send)
             return
         body = await reader.read_all()  # a FastAPI-parsed JSON body: small, checked strictly before FastAPI sees it
-        if body:
+        # an empty body is no JSON either: 400, not FastAPI's 422 "Field required"
+        if body or route.body_field.field_info.is_required():
             try:
                 if len(body) > _PARSE_INLINE_BYTES:
                     await run_in_threadpool(strict_json.loads, body)
@@ -172,8 +180,8 @@ class RequestGuard:
                     strict_json.loads(body)
             except strict_json.StrictJSONError as exc:
                 reader.refused = "bad_json"
-                # 422 as FastAPI answers JSON it cannot parse
-                await JSONResponse({"detail": f"request body: {exc}"}, 422)(scope, reader.receive, send)
+                # 400: malformed JSON is a bad request on every route; a body of the wrong shape stays FastAPI's 422
+                await JSONResponse(error_body(path, 400, f"request body: {exc}"), 400)(scope, reader.receive, send)
                 return
         await self.app(scope, _replay(body, reader), send)
 
@@ -188,10 +196,7 @@ class RequestGuard:
 async def _answer_refusal(exc: BodyRefused, answer: _Answer, path: str) -> None:
     if answer.status is not None or exc.status_code == CLIENT_CLOSED:
         return  # an answer has started (nothing more can be sent), or nobody is there to read one
-    body = {"detail": exc.detail}
-    if path in OPENAI_SHAPED:  # those endpoints' clients read OpenAI's error shape (ref_server/scoring/openai_shape.py)
-        body = {"error": {"message": exc.detail, "type": "invalid_request_error", "param": None, "code": None}}
-    response = JSONResponse(body, exc.status_code, exc.headers)
+    response = JSONResponse(error_body(path, exc.status_code, exc.detail), exc.status_code, exc.headers)
     await response({"type": "http"}, _no_body, answer.send)
 
 

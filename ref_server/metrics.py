@@ -24,7 +24,7 @@ class ServerMetrics:
                                  buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
                                  registry=self.registry)
         self.refused = Counter("grpo_ref_requests_refused", "Requests the guard refused or lost, by reason: too_large "
-                               "(413), body_timeout (408), bad_json (422), disconnected (client left mid-body: 499)",
+                               "(413), body_timeout (408), bad_json (400), disconnected (client left mid-body: 499)",
                                ["reason"], registry=self.registry)
         self.tokens_scored = Counter("grpo_ref_tokens_scored", "Completion tokens given a reference logprob",
                                      registry=self.registry)

@@ -71,7 +71,8 @@ def build_state(config: GRPOConfig) -> ServerState:
     vocab_size = max_context = None
     if cfg.model is not None:
         vocab_size, max_context = model_limits(cfg.model)
-    if config.algorithm.needs_reference:
+    # learner.lora.reference 'learner': the learner scores the reference itself (its model, adapters off)
+    if config.algorithm.needs_reference and not config.learner.reference_in_learner:
         if cfg.model is None:
             raise ModelLoadError("algorithm.loss.beta > 0 or algorithm.kl.in_reward needs ref_server.model (or "
                                  "--model)")
@@ -105,7 +106,8 @@ def build_state(config: GRPOConfig) -> ServerState:
         scorer=scorer, hub=hub, weights=weights, model_name=cfg.model, vocab_size=vocab_size,
         max_context=max_context, max_request_bytes=cfg.max_request_bytes,
         max_request_tokens=cfg.max_request_tokens, max_long_poll_s=cfg.max_long_poll_s,
-        token=cfg.token or os.environ.get("GRPO_TOKEN") or None, max_version_ahead=cfg.max_version_ahead,
+        token=cfg.token or os.environ.get("GRPO_TOKEN") or None, public_docs=cfg.public_docs,
+        max_version_ahead=cfg.max_version_ahead,
         tokenizer=tokenizer, prm=prm, limits=BodyLimits(
             json_bytes=cfg.max_json_body_bytes, request_bytes=cfg.max_request_bytes,
             weight_bytes=cfg.max_weight_bytes, timeout_s=cfg.body_timeout_s,

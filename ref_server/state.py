@@ -25,6 +25,8 @@ class ServerState:
     max_request_tokens: int
     max_long_poll_s: float
     token: str | None = None
+    # the API docs (/docs, /redoc, /openapi.json) answer without the token (ref_server.public_docs)
+    public_docs: bool = True
     max_version_ahead: int = 1000
     # the model folder's tokenizer (text prompts of /v1/completions, /tokenize); None without a model
     tokenizer: ServedTokenizer | None = None

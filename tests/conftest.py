@@ -25,6 +25,14 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def calc_model_dir(tmp_path_factory):
+    """A tiny model that calls the calculator on four memorised problems (tests/calc_model.py; ~15 s)."""
+    from tests.calc_model import build_calc_model_dir
+
+    return build_calc_model_dir(tmp_path_factory.mktemp("calc-model"))
+
+
+@pytest.fixture(scope="session")
 def tiny_model(tiny_model_dir):
     import torch
     from transformers import AutoModelForCausalLM

@@ -14,6 +14,19 @@ class SampledCompletion:
     token_ids: list[int]     # generated tokens, EOS included when the model emitted it
     logprobs: list[float]    # log softmax(logits / temperature) of each sampled token (temperature 1 if greedy)
     finish_reason: str       # "stop" (EOS) or "length" (max_tokens reached)
+    # multi-turn (generator/multiturn.py): 1 = the model wrote the token, 0 = the environment did; None: all model
+    mask: list[int] | None = None
+    env_reward: float | None = None   # the sum of the environment's step rewards (None: it gave none)
+    env_failed: bool = False          # the environment failed this trajectory (it ended there)
+
+
+@dataclass
+class SampledTurn:
+    """One model turn of a multi-turn trajectory (generator/multiturn.py)."""
+
+    token_ids: list[int]     # the turn's tokens, its EOS or the tokens completing its stop string included
+    logprobs: list[float]    # as in SampledCompletion
+    ended: str               # "eos", "stop_string" or "length" (max_tokens reached)
 
 
 class Engine(Protocol):

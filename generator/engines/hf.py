@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from generator.engines.base import SampledCompletion
+from generator.engines.base import SampledCompletion, SampledTurn
 from shared.protocol.records import SamplingParams
 
 log = logging.getLogger("grpo.generator.hf")
@@ -42,7 +43,73 @@ def load_safetensors_into(model: torch.nn.Module, path: str | Path) -> int:
     return len(names)
 
 
-class TransformersEngine:
+def stop_string_end(decode: Callable[[list[int]], str], ids: list[int], stops: list[str], start: int = 0) -> int | None:
+    """The index of the first token (from ``start``) that completes one of ``stops`` in ``decode(ids)``, or None.
+    Only a window of recent tokens is decoded at each position: a token holds at least one character of the text
+    (the character tokenizer, byte-level BPE), so ``len(stop) + 4`` tokens always cover a stop string."""
+    window = max(len(s) for s in stops) + 4
+    for k in range(start, len(ids)):
+        tail = decode(ids[max(0, k + 1 - window):k + 1])
+        if any(s in tail for s in stops):
+            return k
+    return None
+
+
+def _turn_stop_check(decode: Callable[[list[int]], str], stops: list[str]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``stopped`` for :func:`sample_with_logprobs`: rows whose newest token completes a stop string."""
+    def stopped(tokens: torch.Tensor) -> torch.Tensor:
+        last = tokens.shape[1] - 1
+        rows = tokens.cpu().tolist()
+        return torch.tensor([stop_string_end(decode, row, stops, start=last) is not None for row in rows],
+                            dtype=torch.bool)
+    return stopped
+
+
+class TurnSampling:
+    """Multi-turn: one turn of many trajectories (generator/multiturn.py). A mixin of TransformersEngine."""
+
+    def generate_turns(self, contexts: list[list[int]], sampling: SamplingParams, n: int, stops: list[str],
+                       seed: int | None = None) -> list[list[SampledTurn]]:
+        """For each context (a trajectory so far: prompt, model turns and observations as token ids), ``n`` turns,
+        each ending at EOS (included), at the token that completes a stop string (included), or after
+        ``sampling.max_tokens`` tokens; the contexts are decoded together as one batch per chunk."""
+        if seed is not None:
+            torch.manual_seed(seed)
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+        stopped = _turn_stop_check(decode, stops) if stops else None
+        per_call = max(1, self.max_batch_sequences // max(n, 1))
+        results: list[list[SampledTurn]] = []
+        for start in range(0, len(contexts), per_call):
+            chunk = contexts[start:start + per_call]
+            width = max(len(c) for c in chunk)
+            input_ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long)
+            attention = torch.zeros_like(input_ids)
+            for i, context in enumerate(chunk):
+                input_ids[i, width - len(context):] = torch.tensor(context)
+                attention[i, width - len(context):] = 1
+            with torch.no_grad():
+                tokens, logprobs = sample_with_logprobs(self.model, input_ids.to(self.device),
+                                                        attention.to(self.device), n, sampling,
+                                                        sorted(self.eos_ids), self.pad_id, stopped)
+            tokens, logprobs = tokens.cpu(), logprobs.cpu()
+            for i in range(len(chunk)):
+                turns = []
+                for j in range(n):
+                    ids = tokens[i * n + j].tolist()
+                    eos = next((k for k, t in enumerate(ids) if t in self.eos_ids), None)
+                    stop = stop_string_end(decode, ids[:eos], stops) if stops else None
+                    if stop is not None:
+                        end, ended = stop + 1, "stop_string"
+                    elif eos is not None:
+                        end, ended = eos + 1, "eos"
+                    else:
+                        end, ended = len(ids), "length"
+                    turns.append(SampledTurn(ids[:end], logprobs[i * n + j, :end].tolist(), ended))
+                results.append(turns)
+        return results
+
+
+class TransformersEngine(TurnSampling):
     name = "transformers"
 
     def __init__(self, model_dir: str | Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
@@ -160,14 +227,17 @@ def filter_logits(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 
 @torch.no_grad()
 def sample_with_logprobs(model, input_ids: torch.Tensor, attention: torch.Tensor, n: int, sampling: SamplingParams,
-                         eos_ids: list[int], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+                         eos_ids: list[int], pad_id: int, stopped: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode ``n`` completions of each left-padded prompt with the KV cache; returns the tokens [B*n, steps] and
     each sampled token's logprob under log_softmax(logits / T) over the whole vocabulary (T = 1 when greedy).
 
     Memory is bounded by one step's logits ([B*n, V]), never [B*n, steps, V]: the logprob of the sampled token is
     gathered as soon as it is drawn. The prompt is encoded once and its cache repeated n times. Everything stays on
     the model's device; the host is asked whether all rows stopped every :func:`stop_check_interval` steps.
-    Rows past their EOS get ``pad_id`` (logprob 0), as ``generate`` pads them.
+    Rows past their EOS get ``pad_id`` (logprob 0), as ``generate`` pads them. ``stopped`` (multi-turn stop
+    strings): called with the tokens so far ``[B*n, step + 1]`` after every step, True for rows that must stop there
+    (like an EOS; it reads the tokens back to the host at every step).
     """
     greedy = sampling.temperature == 0
     temperature = 1.0 if greedy else sampling.temperature
@@ -202,6 +272,8 @@ def sample_with_logprobs(model, input_ids: torch.Tensor, attention: torch.Tensor
         tokens[:, step] = chosen
         logprobs[:, step] = log_probs.gather(-1, chosen.unsqueeze(-1)).squeeze(-1).masked_fill(finished, 0.0)
         finished |= torch.isin(chosen, eos)
+        if stopped is not None:
+            finished |= stopped(tokens[:, :step + 1]).to(device)
         if step + 1 == steps or ((step + 1) % check_every == 0 and bool(finished.all())):
             break
         attention = torch.cat([attention, torch.ones((rows, 1), dtype=attention.dtype, device=device)], dim=-1)

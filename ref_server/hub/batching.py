@@ -25,6 +25,7 @@ class GroupRows:
     ref: torch.Tensor | None         # float32, None without a reference model
     width: int                       # longest row (prompt + completion) of the group
     completion_width: int            # longest completion of the group
+    mask: torch.Tensor | None = None  # [G, C] bool, the group's completion_mask (None: a single-turn group)
 
     @classmethod
     def of(cls, group: RolloutGroup, ref_logprobs: list[torch.Tensor] | None) -> GroupRows:
@@ -42,7 +43,8 @@ class GroupRows:
         longest = int(lengths.max()) if size else 0
         return cls(input_ids=torch.cat([prompt.expand(size, -1), completion], dim=1),
                    behaviour=group.behaviour_logprobs.float().masked_fill(~valid, 0.0), ref=ref,
-                   width=prompt.numel() + longest, completion_width=longest)
+                   width=prompt.numel() + longest, completion_width=longest,
+                   mask=group.completion_mask.bool() & valid if group.completion_mask is not None else None)
 
 
 def assemble_batch(groups: list[RolloutGroup], rows: list[GroupRows], *, batch_id: str) -> TrainBatch:
@@ -55,6 +57,8 @@ def assemble_batch(groups: list[RolloutGroup], rows: list[GroupRows], *, batch_i
     behaviour = torch.zeros(total, completion_width, dtype=torch.float32)
     with_ref = rows[0].ref is not None
     ref = torch.zeros(total, completion_width, dtype=torch.float32) if with_ref else None
+    any_mask = any(r.mask is not None for r in rows)
+    mask = torch.ones(total, completion_width, dtype=torch.bool) if any_mask else None
     start = 0
     for group, r in zip(groups, rows):
         end = start + group.group_size
@@ -62,6 +66,9 @@ def assemble_batch(groups: list[RolloutGroup], rows: list[GroupRows], *, batch_i
         behaviour[start:end, :r.completion_width] = r.behaviour[:, :r.completion_width]
         if ref is not None:
             ref[start:end, :r.completion_width] = r.ref[:, :r.completion_width]
+        if mask is not None and r.mask is not None:
+            mask[start:end] = False
+            mask[start:end, :r.completion_width] = r.mask[:, :r.completion_width]
         start = end
     return TrainBatch(input_ids=input_ids, behaviour_logprobs=behaviour, ref_logprobs=ref, batch_id=batch_id,
-                      **fields)
+                      completion_mask=mask, **fields)

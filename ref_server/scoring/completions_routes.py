@@ -258,11 +258,25 @@ def _answer(req: CompletionRequest, state: ServerState, tokenizer: ServedTokeniz
     })
 
 
+def _model_cards(state: ServerState) -> list[dict]:
+    if state.scorer is None:
+        return []
+    return [{"id": state.model_name or "reference", "object": "model", "created": 0, "owned_by": "grpo-stack",
+             "max_model_len": state.max_context}]
+
+
 @router.get("/v1/models")
 async def models(state: State) -> Response:
     """The one model this server scores with (none in beta = 0 mode)."""
-    data = []
-    if state.scorer is not None:
-        data.append({"id": state.model_name or "reference", "object": "model", "created": 0,
-                     "owned_by": "grpo-stack", "max_model_len": state.max_context})
-    return json_response({"object": "list", "data": data})
+    return json_response({"object": "list", "data": _model_cards(state)})
+
+
+@router.get("/v1/models/{model:path}")
+async def model(model: str, state: State) -> Response:
+    """One model by id (what ``openai.OpenAI().models.retrieve(id)`` asks); 404 in OpenAI's shape for any other."""
+    card = next((c for c in _model_cards(state) if c["id"] == model), None)
+    if card is None:
+        served = ", ".join(c["id"] for c in _model_cards(state)) or "none (beta = 0 mode)"
+        return OpenAIError(404, f"the model {model!r} does not exist here; served: {served}", param="model",
+                           code="model_not_found").response()
+    return json_response(card)

@@ -121,8 +121,8 @@ def _parse(body: bytes, binary: bool) -> tuple:
             raise HTTPException(400, str(exc)) from None
     try:
         parsed = LogprobRequest.model_validate(strict_json.loads(body))
-    except strict_json.StrictJSONError as exc:
-        raise HTTPException(422, f"request body: {exc}") from None
+    except strict_json.StrictJSONError as exc:  # malformed JSON: 400, as malformed safetensors; a bad shape: 422
+        raise HTTPException(400, f"request body: {exc}") from None
     except ValidationError as exc:
         problems = [{"loc": list(e["loc"]), "msg": e["msg"]} for e in exc.errors(include_url=False)]
         raise HTTPException(422, problems) from None

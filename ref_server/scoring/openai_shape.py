@@ -12,7 +12,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from ref_server.http import bounded, read_body
+from ref_server.http import openai_error, read_body
 from ref_server.scoring.tokenizer import ServedTokenizer
 from shared.protocol import strict_json
 
@@ -21,10 +21,8 @@ if TYPE_CHECKING:
 
 
 class OpenAIError(Exception):
-    """An error answered as ``{"error": {"message", "type", "param", "code"}}`` with a 4xx/5xx status."""
-
-    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-             413: "invalid_request_error", 422: "invalid_request_error", 503: "service_unavailable"}
+    """An error answered as ``{"error": {"message", "type", "param", "code"}}`` with a 4xx/5xx status (the same
+    shape the request guard and the exception handlers give these paths: :func:`ref_server.http.openai_error`)."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
                  headers: dict[str, str] | None = None) -> None:
@@ -36,9 +34,8 @@ class OpenAIError(Exception):
         return cls(exc.status_code, str(exc.detail), headers=exc.headers)
 
     def response(self) -> Response:
-        body = {"error": {"message": bounded(self.message), "type": self.TYPES.get(self.status, "invalid_request_error"),
-                          "param": bounded(self.param), "code": self.code}}
-        return json_response(body, self.status, self.headers)
+        return json_response(openai_error(self.status, self.message, param=self.param, code=self.code), self.status,
+                             self.headers)
 
 
 def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:

@@ -95,6 +95,10 @@ def _nested_model(annotation: Any) -> tuple[type[BaseModel] | None, str]:
         (item,) = get_args(annotation)
         if isinstance(item, type) and issubclass(item, BaseModel):
             return item, "[]"
+    # an optional section (``X | None``, e.g. learner.lora): its default row, then its fields
+    models = [arg for arg in get_args(annotation) if isinstance(arg, type) and issubclass(arg, BaseModel)]
+    if len(models) == 1 and type(None) in get_args(annotation):
+        return models[0], "?"
     return None, ""
 
 
@@ -114,5 +118,5 @@ def config_reference(schema: type[BaseModel] = GRPOConfig, prefix: str = "") -> 
         else:
             rows.append((key, default, field.description or ""))
         if nested is not None:
-            rows.extend(config_reference(nested, prefix=f"{key}{suffix}."))
+            rows.extend(config_reference(nested, prefix=f"{key}{suffix.replace('?', '')}."))
     return rows

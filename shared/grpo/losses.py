@@ -30,6 +30,7 @@ from shared.config.schema import LossConfig
 from shared.forward.row_lengths import to_device
 from shared.grpo.kl import kl_penalty
 from shared.grpo.masks import lengths_to_mask, masked_mean, masked_min_max, masked_sum
+from shared.protocol.loss_mask import model_token_mask
 from shared.registry import Registry
 
 POLICY_LOSSES: Registry = Registry("policy loss")
@@ -167,11 +168,15 @@ def seq_mean_token_sum_norm(
     return per_sequence.sum() / _at_least_one(denominator, values)
 
 
-def loss_normalizers(completion_lengths: torch.Tensor) -> tuple[int, int]:
+def loss_normalizers(completion_lengths: torch.Tensor, token_mask: torch.Tensor | None = None) -> tuple[int, int]:
     """``(num_tokens, num_seqs)`` of a (micro-)batch: the counts to sum over ranks and accumulation steps and
-    pass back to :func:`compute_policy_loss` as the global normalisers."""
+    pass back to :func:`compute_policy_loss` as the global normalisers. ``token_mask`` (``[B, L]``, multi-turn):
+    only the model's tokens count, and a sequence counts when it has one (:mod:`shared.protocol.loss_mask`)."""
     lengths = torch.as_tensor(completion_lengths)
-    return int(lengths.clamp(min=0).sum()), int((lengths > 0).sum())
+    if token_mask is None:
+        return int(lengths.clamp(min=0).sum()), int((lengths > 0).sum())
+    counted = model_token_mask(token_mask, lengths_to_mask(lengths.clamp(min=0), token_mask.shape[1])).sum(dim=1)
+    return int(counted.sum()), int((counted > 0).sum())
 
 
 def _completion_mask(completion_lengths: torch.Tensor | Sequence[int], logprobs: torch.Tensor) -> torch.Tensor:
@@ -207,7 +212,7 @@ def compute_policy_loss(
     behaviour_logprobs: torch.Tensor | None = None,
     ref_logprobs: torch.Tensor | None = None,
     num_tokens: float | torch.Tensor | None = None,
-    num_seqs: float | torch.Tensor | None = None,
+    num_seqs: float | torch.Tensor | None = None, token_mask: torch.Tensor | None = None,
 ) -> PolicyLossOutput:
     """The GRPO loss of one (micro-)batch. Shapes: per-token ``[B, L]``, ``advantages`` ``[B]`` or ``[B, L]`` (:func:`per_token`).
 
@@ -220,15 +225,15 @@ def compute_policy_loss(
     * ``ref_logprobs``: required when ``cfg.beta > 0``; the KL term is ``beta * KL_estimator``.
     * ``num_tokens`` / ``num_seqs``: the global normalisers from :func:`loss_normalizers` (host numbers, or
       device tensors, e.g. all-reduced over ranks: then they are not read back).
-    * ``completion_lengths``: which tokens count; a list (host values) is never read back from the device.
+    * ``completion_lengths``: which tokens count (a list is never read back from the device); ``token_mask``
+      (multi-turn, ``[B, >= L]`` bool): of those, only where the model wrote the token (the rest: as padding).
     """
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be [B, L], got shape {tuple(logprobs.shape)}")
-    mask = _completion_mask(completion_lengths, logprobs)
+    mask = model_token_mask(token_mask, _completion_mask(completion_lengths, logprobs))
     advantages = per_token(advantages, logprobs)
     if cfg.beta > 0 and ref_logprobs is None:
         raise ValueError("beta > 0 needs ref_logprobs")
-
     dtype = logprobs.dtype  # padded positions zeroed before any arithmetic (zero_padding)
     logprobs = zero_padding(logprobs, mask, dtype)
     advantages = zero_padding(advantages, mask, dtype).detach()

@@ -88,6 +88,10 @@ def batch_problem(batch: Any, vocab_size: int | None) -> str | None:
                 as_float32(name, values, mask=valid if valid.shape == values.shape else None)
         if batch.step_rewards is not None:
             as_float32("step_rewards", batch.step_rewards)
+        if batch.completion_mask is not None:  # multi-turn: aligned with the completion tokens
+            from shared.protocol.loss_mask import check_mask
+
+            check_mask(batch.completion_mask, batch.behaviour_logprobs, batch.completion_lengths)
     except ProtocolError as exc:
         return str(exc)
     return None

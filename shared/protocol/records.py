@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from shared.protocol import numbers
+from shared.protocol import loss_mask, numbers
 from shared.protocol import steps as step_fields
 from shared.protocol.errors import ProtocolError
 from shared.protocol.errors import require as _require
@@ -106,6 +106,8 @@ class RolloutGroup:
     step_rewards: torch.Tensor | None = None  # [S] float32, reward of each step
     step_index: torch.Tensor | None = None    # [S] int64, its completion (0..G-1), non-decreasing
     step_end: torch.Tensor | None = None      # [S] int64, its last token among the completion's tokens
+    # multi-turn (shared.protocol.loss_mask): [G, L] bool, True where the model wrote the token; None: all ones
+    completion_mask: torch.Tensor | None = None
 
     @property
     def group_size(self) -> int:
@@ -127,6 +129,7 @@ class RolloutGroup:
         task: Mapping[str, str] | None = None,
         group_id: str | None = None,
         steps: Sequence[Sequence[tuple[int, float]]] | None = None,
+        masks: Sequence[Sequence[int]] | None = None,
     ) -> RolloutGroup:
         """A group from per-sample lists: completion ``i`` is ``completion_ids[i]`` (its token ids, any length),
         ``behaviour_logprobs[i]`` (one sampler logprob per token of it), ``rewards[i]``, ``finish_reasons[i]`` and
@@ -138,7 +141,8 @@ class RolloutGroup:
         length is not its completion's is a :class:`ProtocolError` (padding would hide it); everything else is
         checked by :meth:`validate`, as for any group (this constructor does not call it). ``group_id`` None: a
         fresh one. ``steps[i]``: completion i's ``(step end token, step reward)`` pairs (:mod:`shared.protocol.steps`);
-        None: an outcome-only group.
+        None: an outcome-only group. ``masks[i]``: completion i's 0/1 per token (1 = the model wrote it,
+        :mod:`shared.protocol.loss_mask`); None: every token is the model's (no mask is sent).
         """
         sizes = [len(row) for row in completion_ids]
         _require(len(behaviour_logprobs) == len(sizes),
@@ -150,6 +154,8 @@ class RolloutGroup:
         optional = {"group_id": group_id} if group_id is not None else {}
         if steps is not None:
             optional.update(step_fields.steps_from_lists(steps, sizes))
+        if masks is not None:
+            optional["completion_mask"] = loss_mask.mask_from_lists(masks, sizes, width)
         return cls(
             prompt_ids=torch.as_tensor(prompt_ids, dtype=torch.long),
             completion_ids=_right_padded(completion_ids, torch.long, width),
@@ -203,6 +209,7 @@ class RolloutGroup:
             _require(values.shape == (g,), f"reward component {name!r} must be [{g}]")
             numbers.as_float32(f"reward component {name!r}", values)
         step_fields.check_steps(self.step_rewards, self.step_index, self.step_end, self.completion_lengths)
+        loss_mask.check_mask(self.completion_mask, self.completion_ids, self.completion_lengths)
         for name, ids in (("prompt_ids", self.prompt_ids), ("completion_ids", self.completion_ids)):
             numbers.check_token_ids(name, ids, vocab_size)
         return self
@@ -215,6 +222,7 @@ class RolloutGroup:
         }
         tensors.update({f"reward/{name}": v.float() for name, v in self.reward_components.items()})
         tensors.update(step_fields.step_tensors(self))  # nothing for an outcome-only group
+        tensors.update(loss_mask.mask_tensors(self))    # nothing for a single-turn group
         fields = dict(finish_reasons=self.finish_reasons, policy_version=self.policy_version,
                       generator_id=self.generator_id, sampling=asdict(self.sampling), task=self.task,
                       group_id=self.group_id)
@@ -238,7 +246,7 @@ class RolloutGroup:
                 finish_reasons=fields["finish_reasons"], policy_version=fields["policy_version"],
                 generator_id=fields["generator_id"], sampling=SamplingParams(**sampling),
                 task={str(k): str(v) for k, v in task.items()}, group_id=fields["group_id"],
-                **step_fields.take_steps(tensors),
+                **step_fields.take_steps(tensors), **loss_mask.take_mask(tensors),
             )
         except KeyError as exc:
             raise WireError(f"rollout group is missing {exc}") from None
@@ -273,6 +281,9 @@ class TrainBatch:
     step_rewards: torch.Tensor | None = None  # [S] float32
     step_index: torch.Tensor | None = None    # [S] int64, row in this batch (0..B-1), non-decreasing
     step_end: torch.Tensor | None = None      # [S] int64, the step's last token among the row's completion tokens
+    # multi-turn (shared.protocol.loss_mask): [B, L] bool like behaviour_logprobs, True where the model wrote the
+    # token; present when a group of the batch has one (rows of the others all True), None: all ones
+    completion_mask: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -324,10 +335,11 @@ class TrainBatch:
                 if ref_logprobs is not None:
                     refs.append(ref_logprobs[index][i, :c].float())
         pad = torch.nn.utils.rnn.pad_sequence
+        behaviour_logprobs = pad(behaviour, batch_first=True)
         return cls(
-            input_ids=pad(rows, batch_first=True), behaviour_logprobs=pad(behaviour, batch_first=True),
+            input_ids=pad(rows, batch_first=True), behaviour_logprobs=behaviour_logprobs,
             ref_logprobs=pad(refs, batch_first=True) if ref_logprobs is not None else None, batch_id=batch_id,
-            **fields,
+            completion_mask=loss_mask.batch_mask(groups, behaviour_logprobs.shape[1]), **fields,
         )
 
     def select_groups(self, keep: list[int]) -> TrainBatch:
@@ -347,6 +359,7 @@ class TrainBatch:
             group_index=renumber[self.group_index[rows]], policy_versions=self.policy_versions[rows],
             truncated=self.truncated[rows], reward_components={k: v[rows] for k, v in self.reward_components.items()},
             group_ids=[self.group_ids[i] for i in keep], generator_ids=[self.generator_ids[i] for i in keep],
+            completion_mask=self.completion_mask[rows, :width_c] if self.completion_mask is not None else None,
             **step_fields.select_steps(vars(self), rows, self.batch_size))
 
     def to_bytes(self) -> bytes:
@@ -360,6 +373,7 @@ class TrainBatch:
             tensors["ref_logprobs"] = self.ref_logprobs.float()
         tensors.update({f"reward/{k}": v.float() for k, v in self.reward_components.items()})
         tensors.update(step_fields.step_tensors(self))
+        tensors.update(loss_mask.mask_tensors(self))
         return encode("train_batch/v2", tensors, {"group_ids": self.group_ids, "generator_ids": self.generator_ids,
                                                   "temperature": self.temperature, "batch_id": self.batch_id})
 
@@ -378,6 +392,7 @@ class TrainBatch:
                 group_ids=[str(g) for g in fields["group_ids"]],
                 generator_ids=[str(g) for g in fields["generator_ids"]], temperature=float(fields["temperature"]),
                 batch_id=str(fields.get("batch_id", "")), **step_fields.take_steps(dict(tensors)),
+                **loss_mask.take_mask(dict(tensors)),
             )
         except KeyError as exc:
             raise WireError(f"train batch is missing {exc}") from None

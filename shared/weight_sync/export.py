@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from shared.protocol.safetensors_header import dtype_name, encode_header
-from shared.weight_sync.params import full_shape, iter_parameters
+from shared.weight_sync.params import iter_parameters, policy_tensors
 
 log = logging.getLogger("grpo.learner")
 
@@ -30,14 +30,15 @@ FILE_DTYPES = frozenset({"F32", "F16", "BF16", "F64", "I64", "I32", "I8", "U8", 
 
 def header_for(model: torch.nn.Module, dtype: torch.dtype | None = None,
                metadata: dict[str, str] | None = None) -> tuple[bytes, int]:
-    """The safetensors header for ``model``'s parameters (in ``named_parameters`` order) and the data size."""
+    """The safetensors header for ``model``'s policy tensors (:func:`policy_tensors`: the parameters in
+    ``named_parameters`` order, LoRA layers merged) and the data size."""
     tensors, offset = [], 0
-    for name, param in model.named_parameters():
-        torch_dtype = dtype or param.dtype
+    for tensor in policy_tensors(model):
+        name, shape = tensor.name, tensor.shape
+        torch_dtype = dtype or tensor.dtype
         code = dtype_name(torch_dtype)
         if code not in FILE_DTYPES:
             raise ValueError(f"parameter {name!r}: {torch_dtype} is not written to weight files")
-        shape = full_shape(param)
         size = torch.Size(shape).numel() * torch_dtype.itemsize
         tensors.append((name, code, shape, offset, offset + size))
         offset += size

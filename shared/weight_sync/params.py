@@ -1,12 +1,24 @@
-"""The policy's parameters one at a time, whole: under ZeRO-3 each is gathered from its partitions on every rank
-(a collective, so every rank walks the parameters in the same order) and released again before the next."""
+"""The policy's tensors one at a time, whole: under ZeRO-3 each is gathered from its partitions on every rank
+(a collective, so every rank walks the tensors in the same order) and released again before the next.
+
+"The policy's tensors" are what a generator or a Hugging Face folder holds, under the Hugging Face model's names.
+For a plain model they are its parameters. For a model with LoRA adapters (peft layers injected into it, see
+learner/lora.py) an adapted linear layer's weight is the merged ``W + scale * B @ A`` under the layer's own name
+(``...q_proj.weight``, not ``...q_proj.base_layer.weight``), and the adapter matrices themselves are not listed:
+generators serve the merged policy without knowing about peft.
+"""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
+
+ADAPTER = "default"  # peft's adapter name; the learner injects one adapter
+_BASE = ".base_layer."
+_ADAPTER_PARTS = (".lora_A.", ".lora_B.", ".lora_embedding_A.", ".lora_embedding_B.", ".lora_magnitude_vector.")
 
 
 def full_shape(param: torch.nn.Parameter) -> tuple[int, ...]:
@@ -14,19 +26,69 @@ def full_shape(param: torch.nn.Parameter) -> tuple[int, ...]:
     return tuple(getattr(param, "ds_shape", param.shape))
 
 
-def gathered(param: torch.nn.Parameter):
-    """A context in which ``param`` holds its full tensor on every rank (a no-op unless ZeRO-3 partitioned it)."""
-    if hasattr(param, "ds_id"):  # partitioned by ZeRO-3: gather the full tensor on every rank
+def gathered(params: torch.nn.Parameter | Sequence[torch.nn.Parameter]):
+    """A context in which ``params`` hold their full tensors on every rank (a no-op unless ZeRO-3 partitioned
+    them)."""
+    params = [params] if isinstance(params, torch.nn.Parameter) else list(params)
+    partitioned = [p for p in params if hasattr(p, "ds_id")]
+    if partitioned:  # partitioned by ZeRO-3: gather the full tensors on every rank
         import deepspeed
 
-        return deepspeed.zero.GatheredParameters([param], modifier_rank=None)
+        return deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None)
     return contextlib.nullcontext()
+
+
+@dataclass(frozen=True)
+class PolicyTensor:
+    """One tensor of the policy as generators see it: its Hugging Face name, its full shape, the parameters to
+    gather for it, and how to compute it from them (inside the gather)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    params: tuple[torch.nn.Parameter, ...]
+    compute: Callable[[], torch.Tensor]
+
+
+def is_adapter_parameter(name: str) -> bool:
+    return any(part in name for part in _ADAPTER_PARTS)
+
+
+def policy_tensors(model: torch.nn.Module) -> list[PolicyTensor]:
+    """The policy's tensors in ``named_parameters`` order (see the module docstring for adapted layers)."""
+    tensors = []
+    for name, param in model.named_parameters():
+        if is_adapter_parameter(name):
+            continue
+        if _BASE not in name:
+            tensors.append(PolicyTensor(name, full_shape(param), param.dtype, (param,), param.detach))
+            continue
+        layer_name, leaf = name.split(_BASE, 1)
+        if leaf != "weight":  # a bias is not adapted
+            tensors.append(PolicyTensor(f"{layer_name}.{leaf}", full_shape(param), param.dtype, (param,),
+                                        param.detach))
+            continue
+        layer = model.get_submodule(layer_name)
+        if getattr(layer, "fan_in_fan_out", False) or getattr(layer, "use_dora", {}).get(ADAPTER, False):
+            raise ValueError(f"{layer_name}: only plain LoRA on linear layers is merged (no DoRA, no fan_in_fan_out)")
+        lora_a, lora_b = layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight
+        scale = float(layer.scaling[ADAPTER])
+
+        def merged(base=param, a=lora_a, b=lora_b, scale=scale) -> torch.Tensor:
+            # fp32 for the product: on CPU bf16 matmuls are slow, and the sum rounds once to the base's dtype
+            delta = (b.detach().float() @ a.detach().float()) * scale
+            return (base.detach().float() + delta).to(base.dtype)
+
+        tensors.append(PolicyTensor(f"{layer_name}.weight", full_shape(param), param.dtype,
+                                    (param, lora_a, lora_b), merged))
+    return tensors
 
 
 def iter_parameters(model: torch.nn.Module, dtype: torch.dtype | None = None
                     ) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, full tensor on CPU)`` per parameter, gathering ZeRO-3 partitions one at a time (collective)."""
-    for name, param in model.named_parameters():
-        with gathered(param):
-            tensor = param.detach()
-            yield name, tensor.to(dtype=dtype or tensor.dtype, device="cpu").contiguous()
+    """``(name, full tensor on CPU)`` per policy tensor, gathering ZeRO-3 partitions one tensor at a time
+    (collective)."""
+    for tensor in policy_tensors(model):
+        with gathered(tensor.params):
+            value = tensor.compute()
+            yield tensor.name, value.to(dtype=dtype or value.dtype, device="cpu").contiguous()

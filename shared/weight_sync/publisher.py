@@ -18,7 +18,7 @@ import torch.distributed as dist
 from shared.config.schema.weight_sync import WeightSyncConfig
 from shared.protocol.client import HubClient, HubError, HubUnavailable
 from shared.weight_sync.layout import Layout
-from shared.weight_sync.params import full_shape, gathered
+from shared.weight_sync.params import gathered, policy_tensors
 from shared.weight_sync.sender import WeightSender, WeightsRefusedError
 
 log = logging.getLogger("grpo.learner.weight_sync")
@@ -33,7 +33,8 @@ class WeightPublisher:
                  world: int, device: torch.device, relay_version: int | None) -> None:
         self.module, self.cfg, self.rank, self.world, self.device = module, cfg, rank, world, device
         dtype = next(module.parameters()).dtype
-        self.layout = Layout.build([(n, full_shape(p)) for n, p in module.named_parameters()], dtype)
+        self.tensors = policy_tensors(module)  # LoRA layers merged: generators get plain weights
+        self.layout = Layout.build([(t.name, t.shape) for t in self.tensors], dtype)
         self.sender: WeightSender | None = None
         self.last_copied: int | None = None
         if rank == 0:
@@ -74,10 +75,10 @@ class WeightPublisher:
         """Copy every parameter into the buffer (gathering ZeRO-3 partitions; every rank takes part). The finite
         check runs in the sender's thread afterwards: it is not part of the learner's stall."""
         buffer = self.sender.buffer if self.sender is not None else None
-        for spec, (_, param) in zip(self.layout.tensors, self.module.named_parameters()):
-            with gathered(param):
-                if buffer is not None and param.numel():
-                    buffer[spec.begin:spec.end].view(spec.torch_dtype).copy_(param.detach().reshape(-1),
+        for spec, tensor in zip(self.layout.tensors, self.tensors):
+            with gathered(tensor.params):
+                if buffer is not None and spec.end > spec.begin:
+                    buffer[spec.begin:spec.end].view(spec.torch_dtype).copy_(tensor.compute().reshape(-1),
                                                                              non_blocking=True)
 
     def finish(self, version: int, stopping: bool = False) -> None:

@@ -105,7 +105,7 @@ def test_bad_json_input_gets_4xx_with_reason(shared_server, payload, status, mes
 
 def test_malformed_bodies(shared_server):
     response = shared_server.post("/v1/logprobs", data=b"{not json", headers={"Content-Type": "application/json"})
-    assert response.status_code == 422 and "JSON" in json.dumps(response.json()["detail"])
+    assert response.status_code == 400 and "JSON" in json.dumps(response.json()["detail"])
     response = shared_server.post("/v1/logprobs", data=b"\x05\x00\x00\x00\x00\x00\x00\x00abc", headers=OCTET)
     assert response.status_code == 400 and "not safetensors" in response.json()["detail"]
     response = shared_server.post("/v1/logprobs", data=b"x" * 300_000, headers={"Content-Type": "application/json"})

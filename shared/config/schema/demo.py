@@ -43,7 +43,7 @@ class DemoConfig(StrictModel):
                                "correct. On the chain task the teacher slips so in the intermediate lines only and "
                                "works the last line right from its own previous line.")
     flawed_lr: float = Field(3e-4, gt=0, description="Constant learning rate of the flawed-teacher phase.")
-    # The settings below were measured on the default task and TinyModelSpec (README "The tiny local model"): batch
+    # The settings below were measured on the default task and TinyModelSpec (docs/demo.md "The tiny local model"): batch
     # 128 learned as much per example as batch 32 at less CPU per example; weight decay 0.1 reached the accuracy
     # jump in roughly half the steps; a peak rate of 6e-3 and above learned slower.
     batch_size: int = Field(128, ge=1, description="Problems per supervised step, in both phases.")

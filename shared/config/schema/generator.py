@@ -116,6 +116,33 @@ class StepRewardsConfig(StrictModel):
                                   "step ('final_step' only).")
 
 
+class EnvironmentConfig(StrictModel):
+    """Multi-turn rollouts (generator/multiturn.py, docs/multi-turn.md): the model's turns alternate with an
+    environment's observations, appended as tokens, and only the model's tokens are trained on."""
+
+    name: str = Field(description="The environment: 'calculator' (built-in, generator/environments/calculator.py) "
+                      "or a user class as 'package.module:Class' or 'path/to/file.py:Class' (instantiated once per "
+                      "trajectory with args as keyword arguments).")
+    max_turns: int = Field(4, ge=1, description="Most model turns per trajectory; after the last one the "
+                           "environment is still called (for its reward) but its observation is not appended.")
+    max_turn_tokens: int | None = Field(None, ge=1, description="Most tokens of one model turn (null: "
+                                        "generator.sampling.max_tokens).")
+    max_env_tokens: int = Field(64, ge=1, description="Most tokens of one observation; a longer one fails the "
+                                "trajectory (counted in env_errors).")
+    max_total_tokens: int = Field(256, ge=1, description="Most completion tokens (model and environment together) "
+                                  "of a trajectory; one that reaches it ends with finish reason 'length'.")
+    timeout_s: float = Field(5.0, gt=0, description="Wall-clock limit of one reset() or step() call; a call past "
+                             "it fails the trajectory (counted in env_errors; the call's thread is abandoned).")
+    stop: list[str] | None = Field(None, description="Strings that end a model turn (e.g. ['</calc>']); null: the "
+                                   "environment class's own 'stop' attribute.")
+    reward: Literal["environment", "rewards"] = Field(
+        "rewards", description="'rewards': the configured reward functions score the whole trajectory's text "
+        "(model and environment tokens); 'environment': the sum of the rewards its step() returned.")
+    on_error: float = Field(0.0, allow_inf_nan=False, description="Reward of a trajectory whose environment "
+                            "raised, hung, or returned something other than text (it ends there).")
+    args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the environment's class.")
+
+
 class GeneratorConfig(StrictModel):
     """A generator: samples groups of completions, scores them and uploads them to the hub."""
 
@@ -139,6 +166,8 @@ class GeneratorConfig(StrictModel):
         "are all equal and, when they carry steps, their step rewards have fewer than two distinct values.")
     step_rewards: StepRewardsConfig = Field(default_factory=StepRewardsConfig, description="How step rewards "
                                             "(process supervision) and the outcome are uploaded together.")
+    environment: EnvironmentConfig | None = Field(None, description="Multi-turn rollouts with an environment "
+                                                  "(null: one completion per rollout).")
     max_groups: int | None = Field(None, ge=1, description="Stop after uploading this many groups (null: run "
                                    "until stopped).")
     wait_for_budget: bool = Field(

@@ -10,6 +10,29 @@ from shared.config.schema.base import StrictModel
 from shared.config.schema.paths import template_help
 
 
+class LoraConfig(StrictModel):
+    """LoRA adapters (peft) on the policy: only the adapters are trained; the base weights stay frozen."""
+
+    r: int = Field(16, ge=1, description="Adapter rank (>= 1).")
+    alpha: float = Field(32.0, gt=0, description="LoRA alpha: the adapter's output is scaled by alpha / r.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input during training.")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        description="Linear layers that get adapters, by the last part(s) of their module name (peft's "
+        "target_modules), or 'all-linear' (every linear layer but the LM head). Each name must match a linear "
+        "layer of the model; checked when the learner starts.")
+    reference: Literal["hub", "learner"] = Field(
+        "hub", description="Where reference logprobs (beta > 0 or kl.in_reward) come from: 'hub' (the ref "
+        "server scores with its own copy of the base model), or 'learner' (the learner's own model with the "
+        "adapters switched off: one copy of the weights, one extra no-grad forward per batch in the learner).")
+
+    @model_validator(mode="after")
+    def _checks(self) -> LoraConfig:
+        if isinstance(self.target_modules, list) and not self.target_modules:
+            raise ValueError("target_modules is empty: name at least one linear layer, or 'all-linear'")
+        return self
+
+
 class LearnerConfig(StrictModel):
     """The learner: pulls batches from the hub, applies the GRPO step with DeepSpeed, publishes weights."""
 
@@ -86,7 +109,8 @@ class LearnerConfig(StrictModel):
         None, description="Debugging: append one JSON line per pulled batch with the advantages the loss uses: "
         "{step, rank, batch_id, supervision, scale, kl_in_reward, rows: [{row, group_id, group_index, row_in_group, "
         "completion_length, reward, truncated, in_loss, step_ends, step_rewards, advantages}]}, where advantages "
-        "holds one rounded float per completion token (the outcome advantage repeated under outcome supervision). "
+        "holds one rounded float per completion token (the outcome advantage repeated under outcome supervision); "
+        "rows of a multi-turn batch add completion_ids and mask (1 = the model wrote the token). "
         "Rank r > 0 writes to this path + '.rank<r>'. Null: off.")
     tensorboard_dir: str | None = Field(
         "<run_dir>/tensorboard", description=template_help("TensorBoard logs", "<run_dir>/tensorboard", "off"))
@@ -100,9 +124,17 @@ class LearnerConfig(StrictModel):
         None, description="Attention kernel of the policy, set on the loaded model (transformers' "
         "attn_implementation): 'sdpa', 'eager', 'flash_attention_2' (needs the flash-attn package; variable-length "
         "kernel, so packed rows cost no N^2 mask), 'flex_attention'. Null: transformers' default (sdpa).")
+    lora: LoraConfig | None = Field(
+        None, description="Train LoRA adapters instead of every weight (null: full fine-tuning). Generators and "
+        "the final folder get the merged weights.")
     logprob_chunk_tokens: int | None = Field(None, ge=1, description="Tokens per LM-head chunk in the logprob "
                                              "computation (null: 128 MiB of fp32 logits per chunk on CPU, 512 "
                                              "MiB on a GPU, less when its free memory is short).")
+
+    @property
+    def reference_in_learner(self) -> bool:
+        """Reference logprobs come from the learner's model with the adapters off (learner.lora.reference)."""
+        return self.lora is not None and self.lora.reference == "learner"
 
     @model_validator(mode="after")
     def _checks(self) -> LearnerConfig:

@@ -23,7 +23,11 @@ class RefServerConfig(StrictModel):
     host: str = Field("127.0.0.1", description="Address to bind. Keep 127.0.0.1 unless a token is set.")
     port: int = Field(8470, ge=1, le=65535, description="TCP port; every other process is told this address.")
     token: str | None = Field(
-        None, description="Bearer token required on every endpoint except /healthz (or set GRPO_TOKEN). Off when null.")
+        None, description="Bearer token required on every endpoint except /healthz and the API docs (see "
+        "public_docs) (or set GRPO_TOKEN). Off when null.")
+    public_docs: bool = Field(
+        True, description="Serve the API docs (/docs, /redoc, /openapi.json) without the token, so a browser can "
+        "open them; they describe the endpoints, never the server's data. false: the docs need the token too.")
     device: str = Field("auto", description="'auto' (first visible GPU, else CPU), 'cpu', or 'cuda:N' (N indexes "
                         "the node's visible GPUs).")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(

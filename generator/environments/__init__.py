@@ -1,0 +1,1 @@
+"""Environments for multi-turn rollouts (generator/multiturn.py): the interface and the built-in ones."""

@@ -1,0 +1,72 @@
+"""The environment interface of multi-turn rollouts, and how a config names one.
+
+An environment is a class, instantiated once per trajectory with ``generator.environment.args`` as keyword
+arguments::
+
+    class Guess:
+        stop = ["</guess>"]            # strings that end a model turn (the config's ``stop`` overrides them)
+
+        def reset(self, sample: dict) -> str | None:
+            ...                        # text appended after the prompt, or None
+
+        def step(self, model_turn_text: str) -> str | StepResult | None:
+            ...                        # the observation, appended as tokens; None: the trajectory is done
+
+``sample`` is the prompt's example: ``{"question": ..., **data}`` (``data`` holds e.g. the reference ``answer``).
+``step`` receives the text of the model's latest turn only (decoded with special tokens skipped) and may return a
+:class:`StepResult` to add a reward or end the trajectory after an observation. Everything an environment returns
+is checked by :mod:`generator.multiturn`: an exception, a call past ``timeout_s``, an observation that is not a
+string or is longer than ``max_env_tokens`` fails that trajectory only (counted), never the generator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from shared.config.schema.generator import EnvironmentConfig
+from shared.errors import UsageError
+from shared.user_code import load_object
+
+
+@dataclass
+class StepResult:
+    """What ``step`` may return instead of a bare observation."""
+
+    observation: str | None = None   # appended as tokens; None: nothing to append
+    reward: float | None = None      # added to the trajectory's environment reward
+    done: bool = False               # end the trajectory (after appending the observation, if any)
+
+
+class Environment(Protocol):
+    stop: list[str]
+
+    def reset(self, sample: dict[str, Any]) -> str | None: ...
+
+    def step(self, model_turn_text: str) -> str | StepResult | None: ...
+
+
+BUILT_IN = {"calculator": "generator.environments.calculator:Calculator"}
+
+
+def environment_factory(cfg: EnvironmentConfig, key: str = "generator.environment.name"):
+    """The class the config names (a built-in name or user code), checked to have ``reset`` and ``step``; a
+    UsageError naming ``key`` otherwise. Called once at start-up so a typo stops the run there."""
+    spec = BUILT_IN.get(cfg.name, cfg.name)
+    if ":" not in spec:
+        raise UsageError(f"{key}: unknown environment {cfg.name!r}; built-in: {sorted(BUILT_IN)}, or name a class "
+                         "as 'package.module:Class' or 'path/to/file.py:Class'")
+    cls = load_object(spec, key)
+    missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
+    if not callable(cls) or missing:
+        raise UsageError(f"{key}: {spec} must be a class with reset(sample) and step(model_turn_text) methods"
+                         + (f" (missing {', '.join(missing)})" if missing else ""))
+    return cls
+
+
+def stop_strings(cfg: EnvironmentConfig, env_class) -> list[str]:
+    """The strings that end a model turn: the config's, else the class's ``stop`` attribute (may be empty)."""
+    stop = cfg.stop if cfg.stop is not None else list(getattr(env_class, "stop", []) or [])
+    if not all(isinstance(s, str) and s for s in stop):
+        raise UsageError(f"generator.environment.stop: expected non-empty strings, got {stop!r}")
+    return stop

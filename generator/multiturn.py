@@ -1,0 +1,280 @@
+"""Multi-turn rollouts: the model's turns alternate with an environment's observations, all as tokens.
+
+A trajectory is the prompt's tokens, then model turn 1, observation 1, model turn 2, ... Each observation is
+tokenized on its own and appended (never a re-rendering of the history through a template: the tokens the model is
+trained on are exactly the tokens it saw). The mask marks which completion tokens the model wrote (1) and which the
+environment did (0); observations carry behaviour logprob 0 (never sampled, never trained on).
+
+Batched: turn 1 samples the G trajectories of every prompt together (``n = G``, one prompt encoding each); every
+later turn samples all still-active trajectories of the batch in one engine call. The environment calls of a turn
+run in parallel threads, each bounded by ``timeout_s``.
+
+Ends: EOS (``stop``); ``max_turns`` model turns (``length`` when the last turn asked for more, i.e. ended at a stop
+string); a turn cut at ``max_turn_tokens`` or the trajectory reaching ``max_total_tokens`` (``length``); the
+environment answering None or ``done`` (``stop``); a failure of the environment (``stop``, rewarded ``on_error``,
+counted). The environment is called after every model turn that ended at EOS or a stop string, also after the last
+allowed turn (its reward counts); observations after the trajectory is over are not appended.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from generator.engines.base import SampledCompletion, SampledTurn
+from generator.environments.base import StepResult, environment_factory, stop_strings
+from shared.config.schema.generator import EnvironmentConfig
+from shared.protocol.records import SamplingParams
+
+log = logging.getLogger("grpo.generator.multiturn")
+
+# An observation longer than this many characters per allowed token is refused before it is tokenized (a 10 MB
+# string would otherwise cost a tokenizer pass).
+CHARS_PER_TOKEN_LIMIT = 32
+
+
+class EnvironmentFailure(RuntimeError):
+    """The environment raised, hung or returned something unusable; the message says which."""
+
+
+@dataclass
+class EnvStats:
+    """What the environments did, over all trajectories so far (the loop adds them to its metrics)."""
+
+    trajectories: int = 0
+    turns: int = 0            # model turns
+    env_calls: int = 0        # step() calls that returned an observation (tool calls answered)
+    env_errors: int = 0       # trajectories failed by their environment
+    env_time_s: float = 0.0   # wall-clock time inside reset()/step(), summed over the turn's parallel calls
+    env_tokens: int = 0       # completion tokens written by environments
+    model_tokens: int = 0     # completion tokens written by the model
+
+    @property
+    def masked_fraction(self) -> float:
+        total = self.env_tokens + self.model_tokens
+        return self.env_tokens / total if total else 0.0
+
+
+@dataclass
+class Trajectory:
+    env: Any
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    turns: int = 0
+    env_reward: float | None = None
+    finish: str | None = None    # None while the trajectory goes on
+    error: str | None = None
+
+    def append(self, ids: Sequence[int], logprobs: Sequence[float] | None, model: bool) -> None:
+        self.tokens += list(ids)
+        self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
+        self.mask += [1 if model else 0] * len(ids)
+
+    def completion(self) -> SampledCompletion:
+        return SampledCompletion(self.tokens, self.logprobs, self.finish or "length", mask=self.mask,
+                                 env_reward=self.env_reward, env_failed=self.error is not None)
+
+
+def call_all(calls: list[Callable[[], Any]], timeout_s: float) -> list[tuple[Any, str | None]]:
+    """Run ``calls`` in parallel daemon threads; for each, ``(value, None)`` or ``(None, why it failed)`` (raised,
+    or still running ``timeout_s`` after the start: its thread is abandoned, Python cannot stop it)."""
+    boxes: list[dict] = [{} for _ in calls]
+
+    def run(call, box):
+        try:
+            box["value"] = call()
+        except Exception as exc:  # noqa: BLE001 - any error of user code fails its trajectory only
+            box["error"] = f"raised {type(exc).__name__}: {str(exc)[:200]}"
+
+    threads = [threading.Thread(target=run, args=(c, b), daemon=True, name="grpo-env") for c, b in zip(calls, boxes)]
+    deadline = time.monotonic() + timeout_s
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    results: list[tuple[Any, str | None]] = []
+    for thread, box in zip(threads, boxes):
+        if thread.is_alive():
+            results.append((None, f"took longer than timeout_s = {timeout_s}"))
+        elif "error" in box:
+            results.append((None, box["error"]))
+        elif "value" not in box:
+            results.append((None, "ended without returning"))
+        else:
+            results.append((box["value"], None))
+    return results
+
+
+def parse_step(value: Any) -> StepResult:
+    """``step()``'s answer as a StepResult; EnvironmentFailure for anything but str, StepResult or None."""
+    if value is None:
+        return StepResult(done=True)
+    if isinstance(value, str):
+        return StepResult(observation=value)
+    if not isinstance(value, StepResult):
+        raise EnvironmentFailure(f"step() returned {type(value).__name__}, not str, StepResult or None")
+    if value.observation is not None and not isinstance(value.observation, str):
+        raise EnvironmentFailure(f"step() returned an observation of type {type(value.observation).__name__}")
+    reward = value.reward
+    if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))
+                               or not math.isfinite(reward)):
+        raise EnvironmentFailure(f"step() returned reward {reward!r}, not a finite number")
+    if not isinstance(value.done, bool):
+        raise EnvironmentFailure(f"step() returned done={value.done!r}, not a bool")
+    return value
+
+
+class MultiTurnRollouts:
+    """Multi-turn trajectories with the environment ``cfg`` names, on an engine with ``generate_turns``."""
+
+    def __init__(self, engine, tokenizer, cfg: EnvironmentConfig) -> None:
+        if not hasattr(engine, "generate_turns"):
+            raise NotImplementedError(f"the {engine.name} engine does not support multi-turn rollouts yet "
+                                      "(generator.environment needs generator.engine: transformers)")
+        self.engine, self.tokenizer, self.cfg = engine, tokenizer, cfg
+        self.env_class = environment_factory(cfg)
+        self.stops = stop_strings(cfg, self.env_class)
+        self.stats = EnvStats()
+
+    def encode(self, text: str) -> list[int]:
+        """An observation's tokens: the text tokenized on its own, no special tokens added."""
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def _calls(self, calls: list[Callable[[], Any]]) -> list[tuple[Any, str | None]]:
+        started = time.perf_counter()
+        results = call_all(calls, self.cfg.timeout_s)
+        self.stats.env_time_s += time.perf_counter() - started
+        return results
+
+    def _fail(self, trajectory: Trajectory, why: str) -> None:
+        trajectory.error, trajectory.finish = why, "stop"
+        self.stats.env_errors += 1
+        log.warning("environment failed a trajectory: %s", why)
+
+    def observation_tokens(self, text: str) -> list[int]:
+        limit = self.cfg.max_env_tokens
+        if len(text) > limit * CHARS_PER_TOKEN_LIMIT:
+            raise EnvironmentFailure(f"observation of {len(text)} characters (max_env_tokens = {limit})")
+        ids = self.encode(text)
+        if len(ids) > limit:
+            raise EnvironmentFailure(f"observation of {len(ids)} tokens > max_env_tokens = {limit}")
+        return ids
+
+    # -- the rollout ----------------------------------------------------------------------------------------
+    def generate(self, samples: list[dict[str, Any]], prompts: list[list[int]], sampling: SamplingParams, n: int,
+                 seed: int | None = None) -> tuple[list[list[int]], list[list[SampledCompletion]]]:
+        """``n`` trajectories of each prompt: the prompts (each extended by its environments' reset text when they
+        all gave the same one) and, per prompt, ``n`` completions with their masks."""
+        rows = [Trajectory(env=None) for _ in range(len(prompts) * n)]
+        created = self._calls([lambda: self.env_class(**self.cfg.args) for _ in rows])
+        for row, (env, error) in zip(rows, created):
+            row.env = env
+            if error is not None:
+                self._fail(row, f"creating the environment {error}")
+        live = [i for i, r in enumerate(rows) if r.finish is None]
+        resets = dict(zip(live, self._calls([lambda r=rows[i], s=samples[i // n]: r.env.reset(s) for i in live])))
+        prompts = [list(p) for p in prompts]
+        shared_prompt = True
+        for p in range(len(prompts)):
+            texts = set()
+            for i in range(p * n, (p + 1) * n):
+                value, error = resets.get(i, (None, None))
+                if error is not None:
+                    self._fail(rows[i], f"reset() {error}")
+                elif value is not None and not isinstance(value, str):
+                    self._fail(rows[i], f"reset() returned {type(value).__name__}, not str or None")
+                else:
+                    texts.add(value or "")
+            if len(texts) == 1:   # the usual case: one text for the whole group joins the prompt
+                prompts[p] += self.encode(texts.pop()) if any(texts) else []
+                continue
+            shared_prompt = False  # different texts: each trajectory starts with its own as environment tokens
+            for i in range(p * n, (p + 1) * n):
+                value = resets[i][0] if i in resets else None
+                if rows[i].finish is None and value:
+                    try:
+                        rows[i].append(self.observation_tokens(value), None, model=False)
+                    except EnvironmentFailure as exc:
+                        self._fail(rows[i], f"reset() {exc}")
+        self._run_turns(rows, prompts, sampling, n, seed, first_turn_shared=shared_prompt)
+        self.stats.trajectories += len(rows)
+        for row in rows:
+            self.stats.model_tokens += sum(row.mask)
+            self.stats.env_tokens += len(row.mask) - sum(row.mask)
+        return prompts, [[rows[p * n + j].completion() for j in range(n)] for p in range(len(prompts))]
+
+    def _run_turns(self, rows: list[Trajectory], prompts: list[list[int]], sampling: SamplingParams, n: int,
+                   seed: int | None, first_turn_shared: bool) -> None:
+        cfg = self.cfg
+        turn_cap = cfg.max_turn_tokens or sampling.max_tokens
+        for turn in range(cfg.max_turns):
+            active = [i for i, r in enumerate(rows) if r.finish is None]
+            if not active:
+                return
+            room = max(cfg.max_total_tokens - len(rows[i].tokens) for i in active)
+            turn_sampling = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
+                                           top_k=sampling.top_k, max_tokens=max(1, min(turn_cap, room)))
+            turn_seed = None if seed is None else seed + turn
+            if turn == 0 and first_turn_shared and all(r.finish is None for r in rows):
+                sampled = self.engine.generate_turns(prompts, turn_sampling, n, self.stops, seed=turn_seed)
+                turns = {p * n + j: t for p, group in enumerate(sampled) for j, t in enumerate(group)}
+            else:
+                contexts = [prompts[i // n] + rows[i].tokens for i in active]
+                sampled = self.engine.generate_turns(contexts, turn_sampling, 1, self.stops, seed=turn_seed)
+                turns = {i: group[0] for i, group in zip(active, sampled)}
+            self._after_turn(rows, active, turns)
+
+    def _after_turn(self, rows: list[Trajectory], active: list[int], turns: dict[int, SampledTurn]) -> None:
+        cfg = self.cfg
+        asking = []
+        for i in active:
+            row, sampled = rows[i], turns[i]
+            room = cfg.max_total_tokens - len(row.tokens)
+            ids, logprobs, ended = sampled.token_ids, sampled.logprobs, sampled.ended
+            if len(ids) > room:
+                ids, logprobs, ended = ids[:room], logprobs[:room], "length"
+            row.append(ids, logprobs, model=True)
+            row.turns += 1
+            self.stats.turns += 1
+            if ended == "length":   # cut at max_turn_tokens or at max_total_tokens
+                row.finish = "length"
+            else:
+                asking.append((i, ended))
+        answers = self._calls([lambda r=rows[i], t=turns[i]: r.env.step(self._decode(t.token_ids))
+                               for i, _ in asking])
+        for (i, ended), (value, error) in zip(asking, answers):
+            row = rows[i]
+            try:
+                if error is not None:
+                    raise EnvironmentFailure(f"step() {error}")
+                result = parse_step(value)
+            except EnvironmentFailure as exc:
+                self._fail(row, str(exc))
+                continue
+            if result.reward is not None:
+                row.env_reward = (row.env_reward or 0.0) + float(result.reward)
+            if ended == "eos" or result.done or result.observation is None:
+                row.finish = "stop"
+                continue
+            if row.turns >= cfg.max_turns:
+                row.finish = "length"   # it asked for more than max_turns allows
+                continue
+            try:
+                ids = self.observation_tokens(result.observation)
+            except EnvironmentFailure as exc:
+                self._fail(row, str(exc))
+                continue
+            self.stats.env_calls += 1
+            if len(row.tokens) + len(ids) >= cfg.max_total_tokens:
+                row.finish = "length"   # no room left for the observation and a model turn
+                continue
+            row.append(ids, None, model=False)

