@@ -45,7 +45,7 @@ def grpo_run(config: Path, *flags: str, timeout: float = 300) -> subprocess.Comp
 
 
 @pytest.mark.slow
-def test_a_second_run_is_refused_until_fresh_and_disk_holds_what_the_config_asks(tiny_model_dir, tmp_path):
+def test_a_second_run_is_refused_naming_both_flags_and_disk_holds_what_the_config_asks(tiny_model_dir, tmp_path):
     config = write_config(tmp_path, tiny_model_dir, max_steps=2)
     run_dir = tmp_path / "run"
     first = grpo_run(config)
@@ -71,8 +71,20 @@ def test_a_second_run_is_refused_until_fresh_and_disk_holds_what_the_config_asks
     assert line.startswith(f"grpo run: error: {run_dir} holds an earlier run's state")
     assert "--resume" in line and "--fresh" in line
 
+    assert stray_processes(str(config)) == []
+
+
+@pytest.mark.slow
+def test_fresh_deletes_the_earlier_runs_state_and_starts_over(tiny_model_dir, tmp_path):
+    config = write_config(tmp_path, tiny_model_dir, max_steps=1)
+    run_dir = tmp_path / "run"
+    # what an earlier run of 5 steps left (written here: a real first run is the test above); a hub still holding
+    # its learner at version 5 would make the new learner refuse to start
+    (run_dir / "ref_server" / "relay").mkdir(parents=True)
+    (run_dir / "ref_server" / "relay" / "learner.json").write_text(json.dumps({"session": "old", "version": 5}))
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 6)))
     (run_dir / "notes.txt").write_text("mine")
-    fresh = grpo_run(config, "--fresh", "--set", "learner.max_steps=1")
+    fresh = grpo_run(config, "--fresh")
     assert fresh.returncode == 0, fresh.stdout[-3000:]
     assert "--fresh: deleted the earlier run's" in fresh.stdout
     assert [m["step"] for m in metrics(run_dir)] == [1]  # a new run: the old metrics were deleted, not appended to
