@@ -58,7 +58,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     """All three services on one node from one YAML."""
     from deploy.launcher import run
 
-    config = load_with_flags(args, {"run_dir": "run.run_dir"})
+    config = load_with_flags(args, {"run_dir": "run.run_dir", "console": "run.console"})
     return run(config)
 
 
@@ -170,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
             "and stop them all when the learner finishes, on Ctrl-C, or when any of them dies.")
     p.add_argument("config", help="YAML config (every field: grpo config-reference).")
     p.add_argument("--run-dir", help="Where logs and the resolved config go (overrides run.run_dir).")
+    p.add_argument("--verbose", dest="console", action="store_const", const="full",
+                   help="Show every line of every service on the console (run.console=full); by default it shows "
+                   "a progress line per learner step, warnings and errors (the full output is in run_dir/logs).")
     add_set_arg(p)
 
     p = add("eval", cmd_eval,

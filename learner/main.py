@@ -31,7 +31,7 @@ from learner.engine import (
     init_distributed,
     uses_bf16,
 )
-from learner.metrics import LappedEngine, MetricsLogger, StepClock, batch_metrics
+from learner.metrics import LappedEngine, MetricsLogger, StepClock, accuracy_judge, batch_metrics
 from learner.prefetch import BatchPrefetcher, HubCalls
 from learner.step import (
     all_reduce,
@@ -238,7 +238,7 @@ class Learner:
         counts as trained (before any checkpoint, so that a checkpoint holding its update also holds its ids)."""
         cfg, algorithm, clock = self.cfg, self.config.algorithm, self.clock
         advantages = batch_advantages(batch, algorithm.advantage, algorithm.kl)
-        rollout_metrics = batch_metrics(batch, advantages, self.version, algorithm)
+        rollout_metrics = batch_metrics(batch, advantages, self.version, algorithm, accuracy_judge(self.config))
         if self.advantage_log is not None:
             self.advantage_log.write(self.step + 1, batch, advantages)
         # host numbers from host tensors (the batch is still on the CPU here): no device round trip for them
