@@ -24,6 +24,7 @@ the log files) and the run stops its services as it would have.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import sys
@@ -174,3 +175,18 @@ def _silence(stream: TextIO) -> None:
 
 # The launcher's console: this process's standard output.
 STDOUT = ConsoleWriter()
+
+
+def echo_logs(names: tuple[str, ...], prefix: str, stream: TextIO | None = None) -> None:
+    """Show the INFO lines of the loggers ``names`` as ``PREFIX message`` on ``stream`` (default stdout): the
+    progress of the demo's warm-up (``grpo.demo``) and of evaluation (``grpo.eval``). Once per logger."""
+    for name in names:
+        logger = logging.getLogger(name)
+        if any(getattr(h, "grpo_echo", False) for h in logger.handlers):
+            continue
+        handler = logging.StreamHandler(stream or sys.stdout)
+        handler.setFormatter(logging.Formatter(f"{prefix} %(message)s"))
+        handler.grpo_echo = True
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
