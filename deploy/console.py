@@ -62,6 +62,8 @@ MILESTONES = (
     re.compile(r"^ref-server (ready on|stopped)"),
     re.compile(r"^learner: \d+ rank"),
     re.compile(r"^checkpoint \S+ written"),
+    re.compile(r"^resumed from "),
+    re.compile(r"^SIG[A-Z]+ received: "),
     re.compile(r"^generator \S+: engine "),
     re.compile(r"^done: "),
 )
