@@ -34,8 +34,8 @@ from shared.progress import Ticker
 
 log = logging.getLogger("grpo.demo.warmup")
 
-# How often a warm-up phase says how far it is (it runs for minutes on a small CPU).
-PROGRESS_EVERY_S = 10.0
+# How often a warm-up phase says how far it is: it runs for minutes on a small CPU (about 10 lines in 5 minutes).
+PROGRESS_EVERY_S = 30.0
 
 
 class WarmupTargetMissed(RuntimeError):
