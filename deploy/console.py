@@ -54,7 +54,7 @@ ROUTINE_WARNINGS = (
     re.compile(r"Setting accelerator to CPU"),          # DeepSpeed, in every process of a CPU run
     re.compile(r"answered 429: rollout queue is full"),  # back-pressure: the generator waits for the learner
     re.compile(r"\(not retried: shutting down\)"),       # an upload cut short when the run stops
-    re.compile(r"dropped: the learner stopped"),         # a weight-sync member at the end of the run
+    re.compile(r"the learner stopped"),                  # weight sync at the end of the run
 )
 
 # INFO messages that mark a service starting, becoming ready or stopping (what a person waits for).
