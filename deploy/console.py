@@ -32,10 +32,9 @@ import threading
 from dataclasses import dataclass, field
 from typing import Literal, TextIO
 
-ConsoleMode = Literal["progress", "full"]
+from shared.progress import PROGRESS_MARK
 
-# The learner's per-step line (learner/metrics.py) starts with this.
-PROGRESS_MARK = "progress: "
+ConsoleMode = Literal["progress", "full"]
 
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 SHOWN_LEVELS = frozenset({"WARNING", "ERROR", "CRITICAL"})

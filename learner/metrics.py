@@ -13,15 +13,13 @@ import torch
 
 from learner.advantages import advantage_metrics, algorithm_metrics
 from shared.config.schema import AlgorithmConfig, GRPOConfig
-from shared.progress import eta_seconds, format_duration
+from shared.progress import PROGRESS_MARK, eta_seconds, format_duration
 from shared.protocol.records import TrainBatch
 
 log = logging.getLogger("grpo.learner")
 
 # What the terminal's progress bar shows, in order (the JSONL/TensorBoard get everything).
 CONSOLE_KEYS = ("loss", "reward_mean", "kl_mean", "entropy", "clip_frac_high", "tokens_per_s")
-# Starts the per-step line that `grpo run` shows on its console (deploy/console.py: PROGRESS_MARK).
-PROGRESS_MARK = "progress: "
 
 # Where a learner step's wall time goes, in the order the training thread spends it. ``metrics`` is writing the
 # previous step's record (it cannot time its own write). Compute is what a faster control plane cannot remove.

@@ -10,6 +10,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+# Starts the learner's per-step line (learner/metrics.py), which `grpo run` shows on its console (deploy/console.py).
+PROGRESS_MARK = "progress: "
+
 
 def format_duration(seconds: float) -> str:
     """``45s``, ``3m05s``, ``2h07m``: a short human duration (rounded to the second; negative counts as 0)."""
