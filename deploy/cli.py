@@ -58,7 +58,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     """All three services on one node from one YAML."""
     from deploy.launcher import run
 
-    config = load_with_flags(args, {"run_dir": "run.run_dir"})
+    config = load_with_flags(args, {"run_dir": "run.run_dir", "console": "run.console"})
     return run(config)
 
 
@@ -66,8 +66,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     """Held-out greedy accuracy and pass@k of a model folder, with the training rewards."""
     import json
 
+    from deploy.console import echo_logs
     from generator.evaluate import evaluate
 
+    echo_logs(("grpo.eval",), "[eval]", sys.stderr)  # progress on stderr: stdout is the result's JSON
     result = evaluate(load_with_flags(args, {"split": "eval.split", "num_examples": "eval.num_examples",
                                               "k": "eval.k"}), args.model)
     text = json.dumps(result.as_dict(), indent=2)
@@ -122,9 +124,11 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
     says (the demo's starting model), and save it."""
     import json
 
+    from deploy.console import echo_logs
     from deploy.demo.run import demo_task
     from deploy.demo.tiny_model import TinyModelSpec, build_tiny_model_dir
 
+    echo_logs(("grpo.demo",), "[tiny-model]", sys.stderr)  # warm-up progress on stderr: stdout is the stats' JSON
     config = load_with_flags(args, {"warmup_steps": "demo.warmup_steps", "seed": "seed"})
     stats = build_tiny_model_dir(args.out, task=demo_task(config),
                                  warmup=config.demo, seed=config.seed, spec=TinyModelSpec(seed=config.seed))
@@ -183,6 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
             "and stop them all when the learner finishes, on Ctrl-C, or when any of them dies.")
     p.add_argument("config", help="YAML config (every field: grpo config-reference).")
     p.add_argument("--run-dir", help="Where logs and the resolved config go (overrides run.run_dir).")
+    p.add_argument("--verbose", dest="console", action="store_const", const="full",
+                   help="Show every line of every service on the console (run.console=full); by default it shows "
+                   "a progress line per learner step, warnings and errors (the full output is in run_dir/logs).")
     add_set_arg(p)
 
     p = add("eval", cmd_eval,

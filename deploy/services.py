@@ -58,7 +58,7 @@ def cmd_ref_server(args: argparse.Namespace) -> int:
     from ref_server.server import serve
 
     serve(load_with_flags(args, {"model": "ref_server.model", "host": "ref_server.host", "port": "ref_server.port",
-                                 "token": "ref_server.token"}))
+                                 "token": "ref_server.token", "access_log": "ref_server.access_log"}))
     return 0
 
 
@@ -136,6 +136,8 @@ def add_service_parsers(add: AddCommand) -> None:
     p.add_argument("--host", help="Address to bind (default 127.0.0.1).")
     p.add_argument("--port", type=int, help="Port (default 8470).")
     p.add_argument("--token", help="Require this bearer token (also read from GRPO_TOKEN).")
+    p.add_argument("--access-log", action="store_const", const="true",
+                   help="Log one line per HTTP request (sets ref_server.access_log; off by default).")
     add_config_args(p)
 
     p = add("generator", cmd_generator,

@@ -32,7 +32,7 @@ from learner.engine import (
     uses_bf16,
 )
 from learner.lora import reference_logprobs
-from learner.metrics import LappedEngine, MetricsLogger, StepClock, batch_metrics
+from learner.metrics import LappedEngine, MetricsLogger, StepClock, accuracy_judge, batch_metrics
 from learner.prefetch import BatchPrefetcher, HubCalls
 from learner.step import (
     all_reduce,
@@ -244,7 +244,7 @@ class Learner:
                                                     chunk_tokens=cfg.logprob_chunk_tokens)
             clock.lap("old_logprobs")  # a scoring forward like the recompute of pi_old: charged with it
         advantages = batch_advantages(batch, algorithm.advantage, algorithm.kl)
-        rollout_metrics = batch_metrics(batch, advantages, self.version, algorithm)
+        rollout_metrics = batch_metrics(batch, advantages, self.version, algorithm, accuracy_judge(self.config))
         if self.advantage_log is not None:
             self.advantage_log.write(self.step + 1, batch, advantages)
         # host numbers from host tensors (the batch is still on the CPU here): no device round trip for them

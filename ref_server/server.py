@@ -118,8 +118,8 @@ def serve(config: GRPOConfig) -> None:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda num, frame: log.info("ref-server stopped (%s)", signal.Signals(num).name))
     try:
-        uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, timeout_graceful_shutdown=5,
-                    http=header_deadline_protocol(cfg.header_timeout_s))
+        uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=cfg.access_log,
+                    timeout_graceful_shutdown=5, http=header_deadline_protocol(cfg.header_timeout_s))
     finally:
         state.hub.close()  # leases still held untrained count as failed deliveries (poison pills across restarts)
         if state.scorer is not None:

@@ -60,3 +60,22 @@ def test_shipped_configs_work_from_any_directory(tmp_path):
                              timeout=60, cwd=tmp_path)
     assert missing.returncode == 2 and "no-such.yaml does not exist" in missing.stderr
     assert "tiny-cpu" in missing.stderr and "Traceback" not in missing.stderr
+
+
+@pytest.mark.parametrize(("argv", "module", "read"), [
+    (["run", "CONFIG"], "deploy.launcher.run", lambda c: c.run.console),
+    (["run", "CONFIG", "--verbose"], "deploy.launcher.run", lambda c: c.run.console),
+    (["ref-server", "--config", "CONFIG"], "ref_server.server.serve", lambda c: c.ref_server.access_log),
+    (["ref-server", "--config", "CONFIG", "--access-log"], "ref_server.server.serve",
+     lambda c: c.ref_server.access_log),
+])
+def test_console_flags_reach_the_config(argv, module, read, tmp_path, monkeypatch):
+    """`grpo run --verbose` is run.console=full, `grpo ref-server --access-log` is ref_server.access_log=true; both
+    off by default. (The command's work is replaced by a recorder: what matters here is the config it gets.)"""
+    path = tmp_path / "c.yaml"
+    path.write_text("seed: 1\n")
+    seen = []
+    monkeypatch.setattr(module, lambda config: seen.append(read(config)) or 0)
+    assert main([str(path) if a == "CONFIG" else a for a in argv]) == 0
+    flagged = "--verbose" in argv or "--access-log" in argv
+    assert seen == [("full" if flagged else "progress") if argv[0] == "run" else flagged]

@@ -87,3 +87,6 @@ class RefServerConfig(StrictModel):
         "/metrics and /v1/hub/stats) and is never delivered again. 1: the first failure quarantines every group of "
         "the lease.")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Server log level.")
+    access_log: bool = Field(False, description="Log one line per HTTP request (uvicorn's access log; "
+                             "`grpo ref-server --access-log`). Off by default: a training run makes several "
+                             "requests per step, and they drowned everything else in the log.")
