@@ -44,12 +44,16 @@ def cmd_config_reference(args: argparse.Namespace) -> int:
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
-    """Validate a YAML config (with overrides) and print the resolved values."""
+    """Validate a YAML config (with overrides), check what it names (deploy/preflight.py) unless ``--schema-only``,
+    and print the resolved values."""
     import yaml
 
+    from deploy.preflight import CONFIG_CHECKS, require
     from shared.config.loader import load_config
 
     config = load_config(config_path(args.config), args.set)
+    if not args.schema_only:
+        require(config, CONFIG_CHECKS)
     print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
     return 0
 
@@ -57,8 +61,10 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     """All three services on one node from one YAML."""
     from deploy.launcher import run
+    from deploy.preflight import RUN_CHECKS, require
 
     config = load_with_flags(args, {"run_dir": "run.run_dir"})
+    require(config, RUN_CHECKS)  # every mistake found before any service starts
     return run(config)
 
 
@@ -66,10 +72,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     """Held-out greedy accuracy and pass@k of a model folder, with the training rewards."""
     import json
 
+    from deploy.preflight import require_models
     from generator.evaluate import evaluate
 
-    result = evaluate(load_with_flags(args, {"split": "eval.split", "num_examples": "eval.num_examples",
-                                              "k": "eval.k"}), args.model)
+    config = load_with_flags(args, {"split": "eval.split", "num_examples": "eval.num_examples", "k": "eval.k"})
+    require_models({"--model": args.model})
+    result = evaluate(config, args.model)
     text = json.dumps(result.as_dict(), indent=2)
     print(text)
     if args.out:
@@ -197,8 +205,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default="deploy/configs/tiny-cpu.yaml", help="Demo config.")
     add_set_arg(p)
 
-    p = add("check-config", cmd_check_config, "Validate a YAML config and print it with every default filled in.")
+    p = add("check-config", cmd_check_config,
+            "Validate a YAML config, check what it names (model folders, the dataset and the fields its rewards "
+            "read, reward functions and their signatures, a reference model when beta > 0), and print it with "
+            "every default filled in. Exit status 2 with one line per problem.")
     p.add_argument("config", help="Path to the YAML config.")
+    p.add_argument("--schema-only", action="store_true",
+                   help="Check keys and values only, not the folders, files and functions they name (a config "
+                   "for another machine).")
     add_set_arg(p)
 
     add("config-reference", cmd_config_reference, "Print every config field, its default and its meaning.")

@@ -69,11 +69,14 @@ def cmd_generator(args: argparse.Namespace) -> int:
     from deploy.startup import import_model_classes
 
     import_model_classes()  # before generator.main: without the optional packages transformers would pull in
+    from deploy.preflight import require_models
     from generator.main import run_generator
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    run_generator(load_with_flags(args, {"model": "generator.model", "hub": "generator.hub_url",
-                                         "id": "generator.id", "max_groups": "generator.max_groups"}))
+    config = load_with_flags(args, {"model": "generator.model", "hub": "generator.hub_url",
+                                    "id": "generator.id", "max_groups": "generator.max_groups"})
+    require_models({"generator.model": config.generator.model})
+    run_generator(config)
     return 0
 
 
@@ -84,11 +87,14 @@ def cmd_learner(args: argparse.Namespace) -> int:
     from deploy.startup import import_model_classes
 
     import_model_classes()  # before learner.main: without the optional packages transformers would pull in
+    from deploy.preflight import require_models
     from learner.main import run_learner
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    run_learner(load_with_flags(args, {"model": "learner.model", "hub": "learner.hub_url",
-                                       "max_steps": "learner.max_steps"}), resume=args.resume)
+    config = load_with_flags(args, {"model": "learner.model", "hub": "learner.hub_url",
+                                    "max_steps": "learner.max_steps"})
+    require_models({"learner.model": config.learner.model})
+    run_learner(config, resume=args.resume)
     return 0
 
 
