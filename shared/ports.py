@@ -45,17 +45,28 @@ def port_owner(port: int, proc: Path = Path("/proc")) -> str | None:
     for pid_dir in proc.iterdir():
         if not pid_dir.name.isdigit():
             continue
-        try:
-            links = {os.readlink(fd) for fd in (pid_dir / "fd").iterdir()}
-        except OSError:  # another user's process, or one that exited meanwhile
-            continue
-        if links & targets:
+        if _holds(pid_dir / "fd", targets):
             try:
                 command = (pid_dir / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
             except OSError:
                 command = "?"
             return f"pid {pid_dir.name} ({command[:120]})"
     return None
+
+
+def _holds(fd_dir: Path, targets: set[str]) -> bool:
+    """Whether a process's ``fd`` folder holds one of the sockets ``targets``."""
+    try:
+        fds = list(fd_dir.iterdir())
+    except OSError:  # another user's process, or one that exited meanwhile
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(fd) in targets:
+                return True
+        except OSError:  # closed since the listing (the listing's own descriptor, for this process)
+            continue
+    return False
 
 
 def _address(host: str, port: int) -> tuple[int, tuple]:
