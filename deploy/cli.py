@@ -73,10 +73,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     import json
 
     from deploy.preflight import require_models
-    from generator.evaluate import evaluate
 
     config = load_with_flags(args, {"split": "eval.split", "num_examples": "eval.num_examples", "k": "eval.k"})
-    require_models({"--model": args.model})
+    require_models({"--model": args.model})  # before the engine's imports, and never a model-hub retry
+    from generator.evaluate import evaluate
+
     result = evaluate(config, args.model)
     text = json.dumps(result.as_dict(), indent=2)
     print(text)

@@ -66,16 +66,16 @@ def cmd_generator(args: argparse.Namespace) -> int:
     """Sample groups of completions, score them, upload them to the hub."""
     import logging
 
+    from deploy.preflight import require_models
     from deploy.startup import import_model_classes
 
+    config = load_with_flags(args, {"model": "generator.model", "hub": "generator.hub_url",
+                                    "id": "generator.id", "max_groups": "generator.max_groups"})
+    require_models({"generator.model": config.generator.model})  # before seconds of imports and hub retries
     import_model_classes()  # before generator.main: without the optional packages transformers would pull in
-    from deploy.preflight import require_models
     from generator.main import run_generator
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    config = load_with_flags(args, {"model": "generator.model", "hub": "generator.hub_url",
-                                    "id": "generator.id", "max_groups": "generator.max_groups"})
-    require_models({"generator.model": config.generator.model})
     run_generator(config)
     return 0
 
@@ -84,16 +84,16 @@ def cmd_learner(args: argparse.Namespace) -> int:
     """Train: pull batches from the hub, GRPO step with DeepSpeed, publish weights."""
     import logging
 
+    from deploy.preflight import require_models
     from deploy.startup import import_model_classes
 
+    config = load_with_flags(args, {"model": "learner.model", "hub": "learner.hub_url",
+                                    "max_steps": "learner.max_steps"})
+    require_models({"learner.model": config.learner.model})  # before seconds of imports and hub retries
     import_model_classes()  # before learner.main: without the optional packages transformers would pull in
-    from deploy.preflight import require_models
     from learner.main import run_learner
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    config = load_with_flags(args, {"model": "learner.model", "hub": "learner.hub_url",
-                                    "max_steps": "learner.max_steps"})
-    require_models({"learner.model": config.learner.model})
     run_learner(config, resume=args.resume)
     return 0
 

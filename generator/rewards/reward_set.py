@@ -39,7 +39,7 @@ from typing import Any
 from generator.rewards.base import REWARDS, GroupReward, RewardConfigError, RewardFailedError, Score, as_score
 from generator.rewards.steps import StepScores
 from shared.errors import UsageError
-from shared.protocol.numbers import finite_float32
+from shared.protocol.float32 import finite_float32
 
 log = logging.getLogger("grpo.generator.rewards")
 
