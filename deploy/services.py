@@ -55,10 +55,14 @@ def load_with_flags(args: argparse.Namespace, flag_keys: dict[str, str]):
 
 def cmd_ref_server(args: argparse.Namespace) -> int:
     """Serve reference logprobs, the rollout hub and the weight relay."""
+    from deploy.preflight import require
+
+    config = load_with_flags(args, {"model": "ref_server.model", "host": "ref_server.host", "port": "ref_server.port",
+                                    "token": "ref_server.token"})
+    require(config, ["port"])  # a port in use: one line at once, not after seconds of imports (serve binds it again)
     from ref_server.server import serve
 
-    serve(load_with_flags(args, {"model": "ref_server.model", "host": "ref_server.host", "port": "ref_server.port",
-                                 "token": "ref_server.token"}))
+    serve(config)
     return 0
 
 
