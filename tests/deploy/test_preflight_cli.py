@@ -1,7 +1,8 @@
 """Each mistake, as the `grpo` command a user types: one line, exit status 2, before any service starts.
 
 The in-process tests (tests/deploy/test_preflight.py) hold each check to 5 s; here the bound on a whole command is
-looser, since on a loaded 2-core machine the interpreter and its imports alone can take several seconds.
+looser (the margin tests/slow_guard.py gives a loaded CI machine): there the interpreter and its imports alone
+can take several seconds.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 
 GRPO = str(Path(sys.executable).parent / "grpo")
-COMMAND_BOUND_S = 30.0
+COMMAND_BOUND_S = 10.0   # measured 2.8-3.9 s per command at a load average of 11 on 2 cores
 
 
 def grpo(*argv: str, cwd: Path) -> tuple[subprocess.CompletedProcess, float]:

@@ -139,3 +139,26 @@ def test_the_generator_stops_after_a_first_batch_its_reward_never_scored(tiny_mo
     with pytest.raises(RewardFailedError, match="failed on all 6 completions of the first batch.*KeyError"):
         loop.step()
     assert loop.stats.prompts == 2 and loop.stats.reward_errors == 6
+
+
+@pytest.mark.slow
+def test_grpo_generator_exits_2_with_the_rewards_error_and_uploads_nothing(tmp_path, tiny_model_dir):
+    """`grpo generator` against a live hub with a reward that raises on every completion: one clear line, exit
+    status 2, and not one group of on_error scores reaches the hub."""
+    import subprocess
+
+    from tests.generator.test_cli import ENV, GRPO, write_config
+    from tests.live_server import LiveServer, make_config
+
+    (tmp_path / "broken.py").write_text("def score(prompt, completion, example):\n    return example['label']\n")
+    with LiveServer(make_config(tmp_path)) as live:
+        config = write_config(tmp_path, live.url, tiny_model_dir,
+                              rewards=f"[{{name: python, args: {{function: {tmp_path}/broken.py:score}}}}]")
+        result = subprocess.run([GRPO, "generator", "--config", str(config)], capture_output=True, text=True,
+                                timeout=300, env=ENV)
+        accepted = live.state.hub.counters.accepted
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        "grpo generator: error: reward 'python' failed on all 6 completions of the first batch, so training would "
+        "learn from its on_error score alone; the first failure: KeyError: 'label'")
+    assert accepted == 0
