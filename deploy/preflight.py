@@ -16,6 +16,7 @@ Every check is meant to take well under 5 s; :func:`run_checks` times each one.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import os
@@ -64,16 +65,24 @@ def looks_like_hub_id(name: str) -> bool:
 
 def _hub_problem(name: str, key: str) -> str | None:
     """None when the Hub id ``name`` is in the local cache or (online) on the Hub; else why not, in one line."""
+    reason = _hub_lookup(name, hub_offline())
+    return None if reason is None else f"{key}: no model folder {name!r}, and {reason}"
+
+
+@functools.lru_cache(maxsize=32)
+def _hub_lookup(name: str, offline: bool) -> str | None:
+    """Why the Hub id ``name`` cannot be had, or None; one request at most per name and process (a run's learner,
+    generator and reference model are usually one id)."""
     from huggingface_hub import try_to_load_from_cache
 
     try:
         if isinstance(try_to_load_from_cache(name, "config.json"), str):
             return None
     except ValueError:  # not a valid repo id after all
-        return f"{key}: no model folder {name!r}"
-    if hub_offline():
-        return (f"{key}: no model folder {name!r}, and {name!r} is not in the local Hugging Face cache "
-                "(HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE is set, so nothing is downloaded)")
+        return "it is not a valid Hugging Face Hub id either"
+    if offline:
+        return (f"{name!r} is not in the local Hugging Face cache (HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE is set, so "
+                "nothing is downloaded)")
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError
 
@@ -82,12 +91,11 @@ def _hub_problem(name: str, key: str) -> str | None:
     except HfHubHTTPError as exc:
         status = getattr(exc.response, "status_code", None)
         if status in (401, 403, 404):
-            return f"{key}: no model folder {name!r}, and no model {name!r} on the Hugging Face Hub ({status})"
-        return f"{key}: no model folder {name!r}, and the Hugging Face Hub answered {status} for it"
+            return f"no model {name!r} on the Hugging Face Hub ({status})"
+        return f"the Hugging Face Hub answered {status} for it"
     except Exception as exc:  # noqa: BLE001 - network libraries raise many kinds; any means "cannot fetch it"
-        return (f"{key}: no model folder {name!r}, and the Hugging Face Hub could not be reached to download it "
-                f"({type(exc).__name__}); build or fetch the model into a folder, or set HF_HUB_OFFLINE=1 with a "
-                "cached copy")
+        return (f"the Hugging Face Hub could not be reached to download it ({type(exc).__name__}); build or fetch "
+                "the model into a folder, or set HF_HUB_OFFLINE=1 with a cached copy")
     return None
 
 
