@@ -44,12 +44,16 @@ def cmd_config_reference(args: argparse.Namespace) -> int:
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
-    """Validate a YAML config (with overrides) and print the resolved values."""
+    """Validate a YAML config (with overrides), check what it names (deploy/preflight.py) unless ``--schema-only``,
+    and print the resolved values."""
     import yaml
 
+    from deploy.preflight import CONFIG_CHECKS, require
     from shared.config.loader import load_config
 
     config = load_config(config_path(args.config), args.set)
+    if not args.schema_only:
+        require(config, CONFIG_CHECKS)
     print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
     return 0
 
@@ -57,8 +61,10 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     """All three services on one node from one YAML."""
     from deploy.launcher import run
+    from deploy.preflight import RUN_CHECKS, require
 
     config = load_with_flags(args, {"run_dir": "run.run_dir", "console": "run.console"})
+    require(config, RUN_CHECKS)  # every mistake found before any service starts
     return run(config)
 
 
@@ -67,11 +73,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
     import json
 
     from deploy.console import echo_logs
+    from deploy.preflight import require_models
+
+    config = load_with_flags(args, {"split": "eval.split", "num_examples": "eval.num_examples", "k": "eval.k"})
+    require_models({"--model": args.model})  # before the engine's imports, and never a model-hub retry
     from generator.evaluate import evaluate
 
     echo_logs(("grpo.eval",), "[eval]", sys.stderr)  # progress on stderr: stdout is the result's JSON
-    result = evaluate(load_with_flags(args, {"split": "eval.split", "num_examples": "eval.num_examples",
-                                              "k": "eval.k"}), args.model)
+    result = evaluate(config, args.model)
     text = json.dumps(result.as_dict(), indent=2)
     print(text)
     if args.out:
@@ -227,8 +236,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base", help="Base model folder (default: the one recorded in the adapter's "
                    "adapter_config.json).")
 
-    p = add("check-config", cmd_check_config, "Validate a YAML config and print it with every default filled in.")
+    p = add("check-config", cmd_check_config,
+            "Validate a YAML config, check what it names (model folders, the dataset and the fields its rewards "
+            "read, reward functions and their signatures, a reference model when beta > 0), and print it with "
+            "every default filled in. Exit status 2 with one line per problem.")
     p.add_argument("config", help="Path to the YAML config.")
+    p.add_argument("--schema-only", action="store_true",
+                   help="Check keys and values only, not the folders, files and functions they name (a config "
+                   "for another machine).")
     add_set_arg(p)
 
     add("config-reference", cmd_config_reference, "Print every config field, its default and its meaning.")

@@ -20,7 +20,8 @@ from ref_server.scoring.tokenizer import ServedTokenizer
 from ref_server.state import ServerState
 from shared.config.schema import GRPOConfig, RefServerConfig
 from shared.devices import default_dtype, resolve_device
-from shared.errors import UsageError
+from shared.errors import ServiceError, UsageError
+from shared.ports import bind_port
 from shared.weight_sync.relay_store import WeightStore
 
 log = logging.getLogger("grpo.ref_server")
@@ -106,7 +107,13 @@ def serve(config: GRPOConfig) -> None:
 
     cfg = config.ref_server
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    state = build_state(config)
+    # bound before the model loads and before "ready" is logged: a port in use fails at once, naming its holder
+    sock = bind_port(cfg.host, cfg.port, "ref_server.port")
+    try:
+        state = build_state(config)
+    except BaseException:
+        sock.close()
+        raise
     if state.token is None and cfg.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("binding %s without a token: anyone who can reach it can read and write the hub", cfg.host)
     app = create_app(state, on_ready=lambda: log.info(
@@ -117,10 +124,15 @@ def serve(config: GRPOConfig) -> None:
     # installed before it; this one turns that into a normal return, so a requested stop exits with status 0.
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda num, frame: log.info("ref-server stopped (%s)", signal.Signals(num).name))
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=cfg.access_log, timeout_graceful_shutdown=5,
+        http=header_deadline_protocol(cfg.header_timeout_s)))
     try:
-        uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=cfg.access_log,
-                    timeout_graceful_shutdown=5, http=header_deadline_protocol(cfg.header_timeout_s))
+        server.run(sockets=[sock])
+        if not server.started:
+            raise ServiceError("the ref server did not start (see the log above)")
     finally:
+        sock.close()
         state.hub.close()  # leases still held untrained count as failed deliveries (poison pills across restarts)
         if state.scorer is not None:
             state.scorer.close()
