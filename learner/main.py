@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from learner.advantages import AdvantageLog, batch_advantages
-from learner.checkpoint import load_latest, load_session, save_checkpoint, save_session
+from learner.checkpoint import load_latest, save_checkpoint
 from learner.delivery import DeliveryLedger
 from learner.engine import (
     LearnerSetupError,
@@ -33,6 +33,7 @@ from learner.engine import (
 )
 from learner.metrics import LappedEngine, MetricsLogger, StepClock, batch_metrics
 from learner.prefetch import BatchPrefetcher, HubCalls
+from learner.session import SessionRefusedError, end_session, register_session
 from learner.step import (
     all_reduce,
     grpo_step,
@@ -42,14 +43,7 @@ from learner.step import (
 from shared.config.schema import GRPOConfig
 from shared.devices import resolve_device
 from shared.errors import ServiceError, UsageError
-from shared.protocol.client import (
-    HubClient,
-    HubError,
-    HubUnavailable,
-    LearnerSession,
-    service_client,
-    stop_on_signals,
-)
+from shared.protocol.client import HubClient, LearnerSession, service_client, stop_on_signals
 from shared.protocol.numbers import batch_problem
 from shared.protocol.records import TrainBatch
 from shared.weight_sync.export import export_hf_folder
@@ -60,10 +54,6 @@ log = logging.getLogger("grpo.learner")
 
 class NonFiniteLossError(ServiceError):
     """Too many NaN/inf losses in a row (learner.max_nonfinite_steps)."""
-
-
-class SessionRefusedError(ServiceError):
-    """The hub refused the learner's registration: another learner's session is live."""
 
 
 @dataclass
@@ -122,11 +112,10 @@ class Learner:
         dtype = torch.bfloat16 if uses_bf16(cfg, self.device) else torch.float32
         self.engine = create_engine(cfg, AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype), self.device)
         self.step = self.version = 0
-        consumed: list[str] = []
-        unacked: list[str] = []   # batches the checkpoint holds whose acknowledgement may not have reached the hub
+        consumed, unacked = [], []   # unacked: batches the checkpoint holds, acknowledgement maybe not arrived
         if resume and (state := load_latest(self.engine, cfg.checkpoint_dir)) is not None:
-            self.step, self.version, consumed = state["step"], state["version"], state["consumed"]
-            unacked = state.get("unacknowledged", [])
+            self.step, self.version, consumed, unacked = (state["step"], state["version"], state["consumed"],
+                                                          state["unacknowledged"])
         self.advantage_log = (AdvantageLog(cfg.advantages_jsonl, self.rank, config.algorithm,
                                            mask_truncated=cfg.mask_truncated) if cfg.advantages_jsonl else None)
         self.metrics = MetricsLogger(jsonl=cfg.metrics_jsonl, tensorboard_dir=cfg.tensorboard_dir,
@@ -137,8 +126,7 @@ class Learner:
         hub_stats = self.client.hub_stats()
         self.ledger = DeliveryLedger(self.client, ack_on_checkpoint=cfg.checkpoint_every is not None,
                                      lease_timeout_s=hub_stats["lease_timeout_s"], consumed=consumed,
-                                     calls=self.hub_calls.submit,
-                                     # the timer also keeps this learner's session live (rank 0 holds it)
+                                     calls=self.hub_calls.submit,  # its timer also keeps rank 0's session live
                                      heartbeat=HubClient.renew_learner_session if self.rank == 0 else None,
                                      session_ttl_s=hub_stats.get("learner_session_ttl_s")).start()
         self.hub_version = self._check_hub(resume, dtype)
@@ -162,39 +150,15 @@ class Learner:
         self.staging = os.path.join(cfg.checkpoint_dir, "..", "publish")
 
     def _register(self, resume: bool, unacked: list[str]) -> None:
-        """Rank 0 registers the learner's session: its version and its model's layout (the relay refuses weights
-        that differ). Resumed, it presents its session id (kept in checkpoint_dir) to take it back, and the batches
-        its checkpoint holds (the hub keeps their leases; they are acknowledged now; every other lease of the earlier
-        session goes back to the queue at once). A refusal (another learner's session is live) stops every rank."""
+        """Rank 0 registers the learner's session (learner/session.py); a refusal stops every rank."""
         refused = None
         if self.rank == 0:
-            session = load_session(self.cfg.checkpoint_dir) if resume else None
-            try:
-                answer = self.client.register_learner(
-                    max(self.version, self.hub_version), self.cfg.groups_per_step * self.world,
-                    self.publisher.layout.to_json(), resume_session=session, trained_batches=unacked)
-            except HubError as exc:
-                if exc.status != 409:
-                    raise
-                refused = str(exc.detail)
-            else:
-                save_session(self.cfg.checkpoint_dir, answer["session"])
-                if answer.get("resumed") and unacked:
-                    self.hub_calls.submit(lambda client, ids=list(unacked): client.ack_batches(ids))
+            refused = register_session(self.client, self.cfg.checkpoint_dir, max(self.version, self.hub_version),
+                                       self.cfg.groups_per_step * self.world, self.publisher.layout.to_json(),
+                                       resume=resume, unacked=unacked, submit=self.hub_calls.submit)
         if _agree(refused is not None, self.device):
             raise SessionRefusedError(f"the hub at {self.cfg.hub_url} refused this learner: {refused}"
                                       if refused else "the hub refused rank 0's registration (its log says why)")
-
-    def _end_session(self) -> None:
-        """Rank 0 at exit: a new learner may register at once (one attempt: a hub that is gone lets the session
-        go quiet instead)."""
-        if self.rank != 0:
-            return
-        self.client.abort.set()
-        try:
-            self.client.end_learner_session()
-        except (HubError, HubUnavailable) as exc:
-            log.info("could not end the learner session on the hub: %s", exc)
 
     def _client(self) -> HubClient:
         """A client of this learner's (one per thread: a requests session is not meant to be shared)."""
@@ -247,7 +211,8 @@ class Learner:
             self.hub_calls.close()
             self.publisher.close()
             self.prefetcher.close()
-            self._end_session()
+            if self.rank == 0:
+                end_session(self.client)
             self.metrics.close()
             if self.advantage_log is not None:
                 self.advantage_log.close()
