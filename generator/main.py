@@ -105,7 +105,8 @@ def run_generator(config: GRPOConfig, stop: threading.Event | None = None) -> Lo
     engine = build_engine(config)
     try:
         loop = build_loop(config, engine, client, Progress(total=cfg.max_groups), rewards, examples)
-        loop.receiver = WeightReceiver(engine, client, config.weight_sync, loop.generator_id, cfg.weights_dir)
+        loop.receiver = WeightReceiver(engine, client, config.weight_sync, loop.generator_id, cfg.weights_dir,
+                                       stats=loop.stats)
         log.info("generator %s: engine %s, G=%d, %d prompts per batch, hub %s", loop.generator_id, engine.name,
                  cfg.group_size, cfg.prompts_per_batch, cfg.hub_url)
         try:

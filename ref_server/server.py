@@ -79,7 +79,8 @@ def build_state(config: GRPOConfig) -> ServerState:
         device = resolve_device(cfg.device)
         prm = PRMScorer.load(cfg.prm_model, device, default_dtype(cfg.dtype, device),
                              max_tokens=cfg.max_request_tokens, max_request_bytes=cfg.max_request_bytes)
-    weights = WeightStore(cfg.weights_dir, keep=cfg.keep_weight_versions, max_bytes=cfg.max_weight_bytes)
+    weights = WeightStore(cfg.weights_dir, keep=cfg.keep_weight_versions, max_bytes=cfg.max_weight_bytes,
+                          session_ttl_s=cfg.learner_session_ttl_s)
     temperature = config.generator.sampling.temperature
     hub = RolloutHub(capacity=cfg.queue_capacity, max_staleness=cfg.max_staleness, scorer=scorer,
                      vocab_size=vocab_size, spool_dir=cfg.spool_dir, lease_timeout_s=cfg.lease_timeout_s,
