@@ -44,12 +44,16 @@ def cmd_config_reference(args: argparse.Namespace) -> int:
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
-    """Validate a YAML config (with overrides) and print the resolved values."""
+    """Validate a YAML config (with overrides), check what it names (deploy/preflight.py) unless ``--schema-only``,
+    and print the resolved values."""
     import yaml
 
+    from deploy.preflight import CONFIG_CHECKS, require
     from shared.config.loader import load_config
 
     config = load_config(config_path(args.config), args.set)
+    if not args.schema_only:
+        require(config, CONFIG_CHECKS)
     print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
     return 0
 
@@ -57,11 +61,13 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     """All three services on one node from one YAML."""
     from deploy.launcher import run
+    from deploy.preflight import RUN_CHECKS, require
 
-    config = load_with_flags(args, {"run_dir": "run.run_dir"})
+    config = load_with_flags(args, {"run_dir": "run.run_dir", "console": "run.console"})
     if config.run.run_dir is None:  # each config its own run folder by default
         args.set = [*args.set, f"run.run_dir=runs/{Path(config_path(args.config)).stem}"]
-        config = load_with_flags(args, {"run_dir": "run.run_dir"})
+        config = load_with_flags(args, {"run_dir": "run.run_dir", "console": "run.console"})
+    require(config, RUN_CHECKS)  # every mistake found before any service starts
     return run(config, resume=args.resume, fresh=args.fresh, source=args.config)
 
 
@@ -69,10 +75,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
     """Held-out greedy accuracy and pass@k of a model folder, with the training rewards."""
     import json
 
+    from deploy.console import echo_logs
+    from deploy.preflight import require_models
+
+    config = load_with_flags(args, {"split": "eval.split", "num_examples": "eval.num_examples", "k": "eval.k"})
+    require_models({"--model": args.model})  # before the engine's imports, and never a model-hub retry
     from generator.evaluate import evaluate
 
-    result = evaluate(load_with_flags(args, {"split": "eval.split", "num_examples": "eval.num_examples",
-                                              "k": "eval.k"}), args.model)
+    echo_logs(("grpo.eval",), "[eval]", sys.stderr)  # progress on stderr: stdout is the result's JSON
+    result = evaluate(config, args.model)
     text = json.dumps(result.as_dict(), indent=2)
     print(text)
     if args.out:
@@ -125,9 +136,11 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
     says (the demo's starting model), and save it."""
     import json
 
+    from deploy.console import echo_logs
     from deploy.demo.run import demo_task
     from deploy.demo.tiny_model import TinyModelSpec, build_tiny_model_dir
 
+    echo_logs(("grpo.demo",), "[tiny-model]", sys.stderr)  # warm-up progress on stderr: stdout is the stats' JSON
     config = load_with_flags(args, {"warmup_steps": "demo.warmup_steps", "seed": "seed"})
     stats = build_tiny_model_dir(args.out, task=demo_task(config),
                                  warmup=config.demo, seed=config.seed, spec=TinyModelSpec(seed=config.seed))
@@ -194,6 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
     again.add_argument("--fresh", action="store_true",
                        help="Delete the state an earlier run left in this run folder (spool, relay, checkpoints, "
                        "model, metrics, logs) and start over.")
+    p.add_argument("--verbose", dest="console", action="store_const", const="full",
+                   help="Show every line of every service on the console (run.console=full); by default it shows "
+                   "a progress line per learner step, warnings and errors (the full output is in run_dir/logs).")
     add_set_arg(p)
 
     p = add("eval", cmd_eval,
@@ -231,8 +247,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base", help="Base model folder (default: the one recorded in the adapter's "
                    "adapter_config.json).")
 
-    p = add("check-config", cmd_check_config, "Validate a YAML config and print it with every default filled in.")
+    p = add("check-config", cmd_check_config,
+            "Validate a YAML config, check what it names (model folders, the dataset and the fields its rewards "
+            "read, reward functions and their signatures, a reference model when beta > 0), and print it with "
+            "every default filled in. Exit status 2 with one line per problem.")
     p.add_argument("config", help="Path to the YAML config.")
+    p.add_argument("--schema-only", action="store_true",
+                   help="Check keys and values only, not the folders, files and functions they name (a config "
+                   "for another machine).")
     add_set_arg(p)
 
     add("config-reference", cmd_config_reference, "Print every config field, its default and its meaning.")

@@ -16,7 +16,10 @@
   process after it imported torch and transformers once (``run.fork_services``, deploy/forked.py), beside the ref
   server starting fresh: on a small machine the services no longer import the same modules at once on the same
   cores.
-* Every output line is prefixed with the service name on the console and written to ``run_dir/logs/NAME.log``.
+* Every output line of a service is written to ``run_dir/logs/NAME.log``; the console shows what ``run.console``
+  says (deploy/console.py), prefixed with the service name: by default each learner step's progress line,
+  warnings, errors and the services' start and stop lines. A console that goes away (Ctrl-C under ``| tee``)
+  does not stop the launcher before it has stopped the services.
 * A run folder that holds an earlier run's state is refused unless the run resumes it or starts over
   (``--resume``/``--fresh``, deploy/run_state.py); the last lines say where the model, logs, metrics and checkpoint
   are and how much disk the run uses.
@@ -39,6 +42,7 @@ from pathlib import Path
 
 import yaml
 
+from deploy.console import STDOUT, ConsoleMode, LineFilter
 from deploy.forked import ForkedProcess, fork_service, preload
 from deploy.run_state import finish_run, prepare_run_dir
 from shared.config.schema import GRPOConfig
@@ -60,6 +64,7 @@ class Service:
     process: subprocess.Popen | ForkedProcess | None = None
     tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=200))
     reader: threading.Thread | None = None
+    console: ConsoleMode = "progress"     # what of its output the console shows (run.console)
 
     def start(self, console_lock: threading.Lock, *, read: bool = True) -> None:
         """Start the process, and the thread that copies its output to the console and its log (``read``; else
@@ -71,6 +76,7 @@ class Service:
             self.process = subprocess.Popen(self.command, env=self.env, stdout=subprocess.PIPE,
                                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, bufsize=1,
                                             start_new_session=True)
+        _say(console_lock, f"{self.name} started (pid {self.process.pid}); its full output: {self.log_path}")
         if read:
             self.start_reader(console_lock)
 
@@ -79,13 +85,19 @@ class Service:
         self.reader.start()
 
     def _pump(self, console_lock: threading.Lock) -> None:
+        """Every line to the log file (line-buffered: complete up to the last line even if the run is killed), and
+        what the console shows of it (deploy/console.py). A console that went away (EPIPE under ``| tee``) stops
+        nothing here: the service's pipe is still drained and its log still written."""
+        shown = LineFilter(self.console, str(self.log_path))
         with open(self.log_path, "a", buffering=1) as log:
             for line in self.process.stdout:
                 line = line.rstrip("\n")
                 self.tail.append(line)
                 log.write(line + "\n")
-                with console_lock:
-                    print(f"[{self.name}] {line}", flush=True)
+                text = shown.shown(line)
+                if text is not None:
+                    with console_lock:
+                        STDOUT.write(f"[{self.name}] {text}")
 
     def stop(self, grace_s: float) -> None:
         if self.process is None or self.process.poll() is not None:
@@ -94,6 +106,7 @@ class Service:
             self._signal(signal.SIGTERM)
             self.process.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
+            STDOUT.write(f"[grpo run] {self.name} did not exit within {grace_s:.0f}s of SIGTERM: killing it")
             self._signal(signal.SIGKILL)
             self.process.wait(timeout=30)
         if self.reader is not None:
@@ -178,7 +191,7 @@ def plan(config: GRPOConfig, config_path: Path, run_dir: Path, *, resume: bool =
     if not placement.ref_server:
         ref_env.update(threads)
     services = [Service("ref-server", [*grpo, "ref-server", "--config", str(config_path)], ref_env,
-                        logs / "ref-server.log")]
+                        logs / "ref-server.log", console=config.run.console)]
     learner_gpus = placement.learner
     ranks = config.run.learner_ranks or max(len(learner_gpus), 1)
     if learner_gpus and ranks != len(learner_gpus):
@@ -194,7 +207,7 @@ def plan(config: GRPOConfig, config_path: Path, run_dir: Path, *, resume: bool =
     if not learner_gpus:
         learner_env.update(threads)
     services.append(Service("learner", learner_cmd, learner_env, logs / "learner.log",
-                            fork_argv=learner_cmd[3:] if fork and ranks == 1 else None))
+                            fork_argv=learner_cmd[3:] if fork and ranks == 1 else None, console=config.run.console))
     for i in range(config.run.num_generators):
         indices = placement.generators[i] if placement.generators else []
         gen_env = {**base_env, **gpu_env(indices, gpus, f"generator {i}")}
@@ -202,7 +215,7 @@ def plan(config: GRPOConfig, config_path: Path, run_dir: Path, *, resume: bool =
             gen_env.update(threads)
         gen_cmd = [*grpo, "generator", "--config", str(config_path), "--id", f"gen-{i}"]
         services.append(Service(f"gen-{i}", gen_cmd, gen_env, logs / f"gen-{i}.log",
-                                fork_argv=gen_cmd[3:] if fork_generators else None))
+                                fork_argv=gen_cmd[3:] if fork_generators else None, console=config.run.console))
     return services
 
 
@@ -297,5 +310,6 @@ def run(config: GRPOConfig, *, resume: bool = False, fresh: bool = False, source
 
 
 def _say(lock: threading.Lock, text: str) -> None:
+    """A line of the launcher's own; never fails (the console may be gone: deploy/console.py)."""
     with lock:
-        print(f"[grpo run] {text}", flush=True)
+        STDOUT.write(f"[grpo run] {text}")

@@ -55,10 +55,14 @@ def load_with_flags(args: argparse.Namespace, flag_keys: dict[str, str]):
 
 def cmd_ref_server(args: argparse.Namespace) -> int:
     """Serve reference logprobs, the rollout hub and the weight relay."""
+    from deploy.preflight import require
+
+    config = load_with_flags(args, {"model": "ref_server.model", "host": "ref_server.host", "port": "ref_server.port",
+                                    "token": "ref_server.token", "access_log": "ref_server.access_log"})
+    require(config, ["port"])  # a port in use: one line at once, not after seconds of imports (serve binds it again)
     from ref_server.server import serve
 
-    serve(load_with_flags(args, {"model": "ref_server.model", "host": "ref_server.host", "port": "ref_server.port",
-                                 "token": "ref_server.token"}))
+    serve(config)
     return 0
 
 
@@ -66,14 +70,17 @@ def cmd_generator(args: argparse.Namespace) -> int:
     """Sample groups of completions, score them, upload them to the hub."""
     import logging
 
+    from deploy.preflight import require_models
     from deploy.startup import import_model_classes
 
+    config = load_with_flags(args, {"model": "generator.model", "hub": "generator.hub_url",
+                                    "id": "generator.id", "max_groups": "generator.max_groups"})
+    require_models({"generator.model": config.generator.model})  # before seconds of imports and hub retries
     import_model_classes()  # before generator.main: without the optional packages transformers would pull in
     from generator.main import run_generator
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    run_generator(load_with_flags(args, {"model": "generator.model", "hub": "generator.hub_url",
-                                         "id": "generator.id", "max_groups": "generator.max_groups"}))
+    run_generator(config)
     return 0
 
 
@@ -81,14 +88,17 @@ def cmd_learner(args: argparse.Namespace) -> int:
     """Train: pull batches from the hub, GRPO step with DeepSpeed, publish weights."""
     import logging
 
+    from deploy.preflight import require_models
     from deploy.startup import import_model_classes
 
+    config = load_with_flags(args, {"model": "learner.model", "hub": "learner.hub_url",
+                                    "max_steps": "learner.max_steps"})
+    require_models({"learner.model": config.learner.model})  # before seconds of imports and hub retries
     import_model_classes()  # before learner.main: without the optional packages transformers would pull in
     from learner.main import run_learner
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    run_learner(load_with_flags(args, {"model": "learner.model", "hub": "learner.hub_url",
-                                       "max_steps": "learner.max_steps"}), resume=args.resume)
+    run_learner(config, resume=args.resume)
     return 0
 
 
@@ -136,6 +146,8 @@ def add_service_parsers(add: AddCommand) -> None:
     p.add_argument("--host", help="Address to bind (default 127.0.0.1).")
     p.add_argument("--port", type=int, help="Port (default 8470).")
     p.add_argument("--token", help="Require this bearer token (also read from GRPO_TOKEN).")
+    p.add_argument("--access-log", action="store_const", const="true",
+                   help="Log one line per HTTP request (sets ref_server.access_log; off by default).")
     add_config_args(p)
 
     p = add("generator", cmd_generator,

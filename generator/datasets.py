@@ -18,6 +18,7 @@ from typing import Any
 from generator.tasks.arithmetic import ArithmeticTask
 from generator.tasks.arithmetic_words import WordsArithmeticTask
 from generator.tasks.chain import ChainTask
+from shared.config.schema.generator import DatasetConfig
 from shared.errors import UsageError
 
 # DeepSeek-R1-Zero style system prompt (DeepSeek-R1, Guo et al. 2025; as in simple_GRPO), the default for math datasets.
@@ -118,6 +119,21 @@ def _example(row: Any, question_field: str, answer_field: str | None, example_id
     if answer_field is not None and answer_field != "answer":
         data["answer"] = row[answer_field]
     return Example(str(row[question_field]), data, example_id)
+
+
+def load_examples(cfg: DatasetConfig, seed: int) -> list[Example]:
+    """The examples a dataset config names (the built-in tasks draw ``arithmetic_pool`` of them with ``seed``)."""
+    if cfg.kind == "arithmetic":
+        return arithmetic_examples(ArithmeticTask(**cfg.arithmetic), cfg.split, cfg.arithmetic_pool, seed)
+    if cfg.kind == "arithmetic_words":
+        return arithmetic_words_examples(WordsArithmeticTask(**cfg.arithmetic), cfg.split, cfg.arithmetic_pool,
+                                         seed)
+    if cfg.kind == "chain":
+        return chain_examples(ChainTask(**cfg.chain.model_dump()), cfg.split, cfg.arithmetic_pool, seed)
+    if cfg.kind == "jsonl":
+        return jsonl_examples(cfg.path, cfg.question_field, cfg.answer_field)
+    return hf_examples(cfg.path, split=cfg.split, subset=cfg.subset, question_field=cfg.question_field,
+                       answer_field=cfg.answer_field)
 
 
 def render_prompt(tokenizer, question: str, system_prompt: str | None, template: str | None = None) -> str:

@@ -177,6 +177,8 @@ class RolloutLoop:
             self.stats.completion_tokens += sum(len(s.token_ids) for s in group_samples)
             if group is not None:
                 groups.append(group)
+        if self._batch_index == 1:
+            self.rewards.raise_if_never_scored()  # a reward that failed on every completion: stop, do not train
         # an exponential average over engine calls, weighted by their prompts
         weight = min(1.0, len(examples) / 64)
         self.kept_fraction += weight * (len(groups) / max(len(examples), 1) - self.kept_fraction)

@@ -10,22 +10,11 @@ import threading
 
 import torch
 
-from generator.datasets import (
-    R1_SYSTEM_PROMPT,
-    PromptStream,
-    arithmetic_examples,
-    arithmetic_words_examples,
-    chain_examples,
-    hf_examples,
-    jsonl_examples,
-)
+from generator.datasets import R1_SYSTEM_PROMPT, PromptStream, load_examples
 from generator.loop import RolloutLoop
 from generator.progress import Progress
 from generator.rewards import RewardSet
 from generator.stats import LoopStats
-from generator.tasks.arithmetic import ArithmeticTask
-from generator.tasks.arithmetic_words import WordsArithmeticTask
-from generator.tasks.chain import ChainTask
 from shared.config.schema import DatasetConfig, GRPOConfig
 from shared.devices import default_dtype, resolve_device
 from shared.errors import UsageError
@@ -38,20 +27,6 @@ log = logging.getLogger("grpo.generator")
 
 class GeneratorSetupError(UsageError):
     """The generator cannot start (no model, unknown engine...); the message says which setting."""
-
-
-def load_examples(cfg: DatasetConfig, seed: int):
-    if cfg.kind == "arithmetic":
-        return arithmetic_examples(ArithmeticTask(**cfg.arithmetic), cfg.split, cfg.arithmetic_pool, seed)
-    if cfg.kind == "arithmetic_words":
-        return arithmetic_words_examples(WordsArithmeticTask(**cfg.arithmetic), cfg.split, cfg.arithmetic_pool,
-                                         seed)
-    if cfg.kind == "chain":
-        return chain_examples(ChainTask(**cfg.chain.model_dump()), cfg.split, cfg.arithmetic_pool, seed)
-    if cfg.kind == "jsonl":
-        return jsonl_examples(cfg.path, cfg.question_field, cfg.answer_field)
-    return hf_examples(cfg.path, split=cfg.split, subset=cfg.subset, question_field=cfg.question_field,
-                       answer_field=cfg.answer_field)
 
 
 def system_prompt_for(cfg: DatasetConfig) -> str | None:
@@ -136,7 +111,8 @@ def run_generator(config: GRPOConfig, stop: threading.Event | None = None) -> Lo
     engine = build_engine(config)
     try:
         loop = build_loop(config, engine, client, Progress(total=cfg.max_groups), rewards, examples)
-        loop.receiver = WeightReceiver(engine, client, config.weight_sync, loop.generator_id, cfg.weights_dir)
+        loop.receiver = WeightReceiver(engine, client, config.weight_sync, loop.generator_id, cfg.weights_dir,
+                                       stats=loop.stats)
         log.info("generator %s: engine %s, G=%d, %d prompts per batch, hub %s", loop.generator_id, engine.name,
                  cfg.group_size, cfg.prompts_per_batch, cfg.hub_url)
         try:

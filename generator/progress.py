@@ -66,6 +66,9 @@ class Progress:
                      stats.groups_refused_stale, stats.groups_refused_invalid, stats.reward_errors,
                      stats.budget_waits, stats.budget_wait_s, means,
                      self.summary(stats, version))
+            if stats.weight_versions_vanished:
+                log.info("weight sync: %d versions the hub named were gone from the relay when asked for (the "
+                         "current one was loaded instead)", stats.weight_versions_vanished)
             if stats.groups_with_steps or stats.step_reward_errors:
                 log.info("step rewards: %d groups carried %d steps (%.2f per group); %d completions lost their steps "
                          "to a failed or mismatched step reward", stats.groups_with_steps, stats.steps_uploaded,

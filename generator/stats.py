@@ -20,6 +20,7 @@ class LoopStats:
     steps_uploaded: int = 0         # step rewards in accepted groups
     groups_with_steps: int = 0      # accepted groups that carried steps (process supervision)
     weight_updates: int = 0
+    weight_versions_vanished: int = 0  # versions the hub named that were gone from the relay when asked for
     budget_waits: int = 0           # engine calls put off because the learner could not use more groups yet
     budget_wait_s: float = 0.0
     reward_sum: float = 0.0

@@ -5,7 +5,11 @@ Each checkpoint is a DeepSpeed tag folder ``step00000042``; once every rank has 
 checkpoint interrupted mid-write is ignored (and later pruned). Client state holds the step, the version and the
 RNG states of torch, Python and NumPy; these files are our own, never network input. Each rank also writes the
 rollout group ids it has trained on (``consumed-rank00000.json``): a resumed learner drops a group it meets again,
-whatever the new world size.
+whatever the new world size; and the batch ids whose acknowledgement was to follow the checkpoint
+(``unacked-rank00000.json``): a resumed learner presents them to the hub, which keeps their leases held for it.
+
+Beside the checkpoints, ``learner-session.json`` holds the learner's hub session id (written at each registration):
+a resumed learner presents it to take its session back (the hub refuses a new session while one is live).
 
 torch and NumPy are imported where a checkpoint is written or read: `grpo run` asks :func:`complete_tags` whether
 there is anything to resume before it imports them.
@@ -25,6 +29,7 @@ from shared.config.schema.learner import LoraConfig
 log = logging.getLogger("grpo.learner")
 _TAG = re.compile(r"^step(\d{8})$")
 MARKER = "COMPLETE"
+SESSION_FILE = "learner-session.json"
 
 
 def _barrier() -> None:
@@ -43,7 +48,8 @@ def complete_tags(directory: str | Path) -> list[str]:
 
 
 def save_checkpoint(engine, directory: str | Path, *, step: int, version: int, keep: int, rank: int,
-                    consumed: list[str] = (), lora: LoraConfig | None = None, base_model: str | None = None) -> str:
+                    consumed: list[str] = (), unacknowledged: list[str] = (), lora: LoraConfig | None = None,
+                    base_model: str | None = None) -> str:
     """``lora``: the run trains LoRA adapters on ``base_model``: the DeepSpeed files hold only the trainable (adapter)
     parameters and their optimizer state, and the tag folder also holds the adapter in peft's format
     (:func:`learner.lora.save_adapter`, what ``grpo export --merge`` reads)."""
@@ -61,6 +67,7 @@ def save_checkpoint(engine, directory: str | Path, *, step: int, version: int, k
 
         save_adapter(engine.module, lora, base_model, Path(directory) / tag, is_writer=rank == 0)
     (Path(directory) / tag / f"consumed-rank{rank:05d}.json").write_text(json.dumps(list(consumed)))
+    (Path(directory) / tag / f"unacked-rank{rank:05d}.json").write_text(json.dumps(list(unacknowledged)))
     _barrier()
     if rank == 0:
         (Path(directory) / tag / MARKER).write_text(json.dumps({"step": step, "version": version}) + "\n")
@@ -103,6 +110,30 @@ def load_latest(engine, directory: str | Path) -> dict | None:
         torch.cuda.set_rng_state(rng["cuda"])
     state["consumed"] = [group_id for path in sorted((Path(directory) / tags[-1]).glob("consumed-rank*.json"))
                          for group_id in json.loads(path.read_text())]
+    state["unacknowledged"] = [batch_id for path in sorted((Path(directory) / tags[-1]).glob("unacked-rank*.json"))
+                               for batch_id in json.loads(path.read_text())]
     log.info("resumed from %s (step %d, version %d); %d groups trained on", tags[-1], state["step"],
              state["version"], len(state["consumed"]))
     return state
+
+
+def save_session(directory: str | Path, session: str) -> None:
+    """Keep the learner's hub session id beside its checkpoints (replaced atomically)."""
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / (SESSION_FILE + ".tmp")
+    tmp.write_text(json.dumps({"session": session}) + "\n")
+    tmp.replace(root / SESSION_FILE)
+
+
+def load_session(directory: str | Path) -> str | None:
+    """The session id a resumed learner presents to the hub (None: none kept, or unreadable)."""
+    path = Path(directory) / SESSION_FILE
+    try:
+        session = json.loads(path.read_text())["session"]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("%s is unreadable (%s): registering as a new learner session", path, exc)
+        return None
+    return session if isinstance(session, str) and session else None

@@ -17,6 +17,9 @@ come back in another batch; when that batch holds groups trained since the last 
 trained batch (renewed, acknowledged at the next checkpoint), never acknowledged as a duplicate at once: that would
 make the hub delete groups no checkpoint holds yet, and a crash before the checkpoint would lose them.
 
+The same timer sends the learner's session heartbeat (``heartbeat``), at least every third of the hub's session TTL:
+a live learner's session is never taken for a crashed one and replaced.
+
 Each rank keeps its own ledger (a checkpoint holds every rank's ids, and a resumed rank loads all of them). While
 running, a group re-delivered to a *different* rank than the one that trained it would not be recognised; that
 needs a lease to expire under a live learner, which the renewals prevent.
@@ -44,15 +47,18 @@ log = logging.getLogger("grpo.learner")
 class DeliveryLedger:
     def __init__(self, client: HubClient, *, ack_on_checkpoint: bool, lease_timeout_s: float,
                  consumed: list[str] = (), remember: int = 1_000_000,
-                 calls: Callable[[Callable[[HubClient], None]], None] | None = None) -> None:
+                 calls: Callable[[Callable[[HubClient], None]], None] | None = None,
+                 heartbeat: Callable[[HubClient], None] | None = None, session_ttl_s: float | None = None) -> None:
         """``client``: used for the ledger's hub calls when ``calls`` is None (then serialised under a lock, as
-        the renewal timer makes them from its own thread)."""
+        the renewal timer makes them from its own thread). ``heartbeat``: a hub call the timer makes at each tick
+        (the learner session's), which comes at least every third of ``session_ttl_s``."""
         self.client = client
         self._client_lock = threading.Lock()
         # how a hub call is made: now, with this client; or handed to a background thread (HubCalls.submit)
         self._call = calls or self._call_now
         self.ack_on_checkpoint = ack_on_checkpoint
-        self.renew_every_s = lease_timeout_s / 3
+        self.renew_every_s = min(lease_timeout_s, session_ttl_s or lease_timeout_s) / 3
+        self.heartbeat = heartbeat
         self.remember = remember
         self.consumed: OrderedDict[str, None] = OrderedDict.fromkeys(consumed)
         self.unsaved: set[str] = set()        # group ids trained since the last checkpoint
@@ -117,6 +123,12 @@ class DeliveryLedger:
     def consumed_ids(self) -> list[str]:
         return list(self.consumed)
 
+    def unacknowledged(self) -> list[str]:
+        """Batch ids trained and waiting for the next checkpoint (the checkpoint names them: a resumed learner
+        presents them to the hub, whose leases of them it then acknowledges)."""
+        with self._lock:
+            return list(self.pending)
+
     def held(self) -> list[str]:
         """Batch ids whose leases this ledger keeps: trained ones waiting for a checkpoint, then untrained ones."""
         with self._lock:
@@ -145,6 +157,8 @@ class DeliveryLedger:
                 self._call(lambda client, ids=ids, t=is_trained: _renew(client, ids, trained=t,
                                                                         still_held=self.held))
                 self.renewals += 1
+        if self.heartbeat is not None:
+            self._call(self.heartbeat)
 
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.renew_every_s):

@@ -32,8 +32,9 @@ from learner.engine import (
     uses_bf16,
 )
 from learner.lora import reference_logprobs
-from learner.metrics import LappedEngine, MetricsLogger, StepClock, batch_metrics
+from learner.metrics import LappedEngine, MetricsLogger, StepClock, accuracy_judge, batch_metrics
 from learner.prefetch import BatchPrefetcher, HubCalls
+from learner.session import SessionRefusedError, end_session, register_session
 from learner.step import (
     all_reduce,
     grpo_step,
@@ -122,9 +123,10 @@ class Learner:
         dtype = torch.bfloat16 if uses_bf16(cfg, self.device) else torch.float32
         self.engine = create_engine(cfg, AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype), self.device)
         self.step = self.version = 0
-        consumed: list[str] = []
+        consumed, unacked = [], []   # unacked: batches the checkpoint holds, acknowledgement maybe not arrived
         if resume and (state := load_latest(self.engine, cfg.checkpoint_dir)) is not None:
-            self.step, self.version, consumed = state["step"], state["version"], state["consumed"]
+            self.step, self.version, consumed, unacked = (state["step"], state["version"], state["consumed"],
+                                                          state["unacknowledged"])
         self.advantage_log = (AdvantageLog(cfg.advantages_jsonl, self.rank, config.algorithm,
                                            mask_truncated=cfg.mask_truncated) if cfg.advantages_jsonl else None)
         self.metrics = MetricsLogger(jsonl=cfg.metrics_jsonl, tensorboard_dir=cfg.tensorboard_dir,
@@ -135,16 +137,15 @@ class Learner:
         hub_stats = self.client.hub_stats()
         self.ledger = DeliveryLedger(self.client, ack_on_checkpoint=cfg.checkpoint_every is not None,
                                      lease_timeout_s=hub_stats["lease_timeout_s"], consumed=consumed,
-                                     calls=self.hub_calls.submit).start()  # its timer renews held leases
+                                     calls=self.hub_calls.submit,  # its timer also keeps rank 0's session live
+                                     heartbeat=HubClient.renew_learner_session if self.rank == 0 else None,
+                                     session_ttl_s=hub_stats.get("learner_session_ttl_s")).start()
         self.hub_version = self._check_hub(resume, dtype)
         # weight sync: a send buffer on rank 0 and background transfers (its threads get their own clients)
         self.publisher = WeightPublisher(
             self.engine.module, self._client, config.weight_sync, rank=self.rank, world=self.world,
-            device=self.device, relay_version=self.hub_version or None)
-        if self.rank == 0:
-            # the learner's session: its version and its model's layout (the relay refuses weights that differ)
-            self.client.register_learner(max(self.version, self.hub_version), cfg.groups_per_step * self.world,
-                                         self.publisher.layout.to_json())
+            device=self.device, relay_version=self.relay_at_start)
+        self._register(resume, unacked)
         # the next batch is leased and decoded while this one trains (its own client: sessions are per thread)
         self.prefetcher = BatchPrefetcher(service_client(cfg.hub_url, config.ref_server.token, cfg.retry_max_s),
                                           cfg.groups_per_step, cfg.batch_wait_s, self.stop, self.ledger,
@@ -157,6 +158,17 @@ class Learner:
         self.timed_engine = LappedEngine(self.engine, self.clock)
         self.skipped = self.nonfinite_in_row = 0
         self._said_prefix = False
+
+    def _register(self, resume: bool, unacked: list[str]) -> None:
+        """Rank 0 registers the learner's session (learner/session.py); a refusal stops every rank."""
+        refused = None
+        if self.rank == 0:
+            refused = register_session(self.client, self.cfg.checkpoint_dir, max(self.version, self.hub_version),
+                                       self.cfg.groups_per_step * self.world, self.publisher.layout.to_json(),
+                                       resume=resume, unacked=unacked, submit=self.hub_calls.submit)
+        if _agree(refused is not None, self.device):
+            raise SessionRefusedError(f"the hub at {self.cfg.hub_url} refused this learner: {refused}"
+                                      if refused else "the hub refused rank 0's registration (its log says why)")
 
     def _client(self) -> HubClient:
         """A client of this learner's (one per thread: a requests session is not meant to be shared)."""
@@ -178,7 +190,8 @@ class Learner:
                 "algorithm.loss.beta is 0?): start both with the same config")
         # the newest version the hub knows: on its relay, or reported by a learner (the relay may lag behind the
         # reports: weights reach it only when a generator needs them there)
-        hub_version = max(self.client.weights_version() or 0, self.client.hub_stats()["learner_version"])
+        self.relay_at_start = self.client.weights_version()   # what the relay holds (offers name it to generators)
+        hub_version = max(self.relay_at_start or 0, self.client.hub_stats()["learner_version"])
         if hub_version > self.version and not resume:
             raise LearnerSetupError(
                 f"the hub already holds weights version {hub_version} from an earlier run; a fresh learner would "
@@ -209,6 +222,8 @@ class Learner:
             self.hub_calls.close()
             self.publisher.close()
             self.prefetcher.close()
+            if self.rank == 0:
+                end_session(self.client)
             self.metrics.close()
             if self.advantage_log is not None:
                 self.advantage_log.close()
@@ -253,7 +268,7 @@ class Learner:
                                                     chunk_tokens=cfg.logprob_chunk_tokens)
             clock.lap("old_logprobs")  # a scoring forward like the recompute of pi_old: charged with it
         advantages = batch_advantages(batch, algorithm.advantage, algorithm.kl)
-        rollout_metrics = batch_metrics(batch, advantages, self.version, algorithm)
+        rollout_metrics = batch_metrics(batch, advantages, self.version, algorithm, accuracy_judge(self.config))
         if self.advantage_log is not None:
             self.advantage_log.write(self.step + 1, batch, advantages)
         # host numbers from host tensors (the batch is still on the CPU here): no device round trip for them
@@ -342,7 +357,7 @@ class Learner:
     def checkpoint(self) -> None:
         save_checkpoint(self.engine, self.cfg.checkpoint_dir, step=self.step, version=self.version,
                         keep=self.cfg.keep_checkpoints, rank=self.rank, consumed=self.ledger.consumed_ids(),
-                        lora=self.cfg.lora, base_model=self.cfg.model)
+                        unacknowledged=self.ledger.unacknowledged(), lora=self.cfg.lora, base_model=self.cfg.model)
         self.ledger.checkpointed()
 
     def finish(self) -> None:

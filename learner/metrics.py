@@ -12,12 +12,13 @@ from typing import Any
 import torch
 
 from learner.advantages import advantage_metrics, algorithm_metrics
-from shared.config.schema import AlgorithmConfig
+from shared.config.schema import AlgorithmConfig, GRPOConfig
+from shared.progress import PROGRESS_MARK, eta_seconds, format_duration
 from shared.protocol.records import TrainBatch
 
 log = logging.getLogger("grpo.learner")
 
-# What the console line shows, in order (the JSONL/TensorBoard get everything).
+# What the terminal's progress bar shows, in order (the JSONL/TensorBoard get everything).
 CONSOLE_KEYS = ("loss", "reward_mean", "kl_mean", "entropy", "clip_frac_high", "tokens_per_s")
 
 # Where a learner step's wall time goes, in the order the training thread spends it. ``metrics`` is writing the
@@ -60,6 +61,24 @@ class StepClock:
         return record
 
 
+def progress_line(step: int, total: int | None, metrics: dict[str, float], eta_s: float | None) -> str:
+    """The learner's per-step line: ``progress: step 12/150 (8%) | reward 0.531 | batch accuracy 53.1% | loss
+    0.0123 | 2,345 tokens/s | ETA 3m05s``; a field the metrics lack (accuracy without a judging reward) or that is
+    not known yet (the ETA at the first step, any ETA without ``learner.max_steps``) is left out."""
+    fields = [f"step {step}/{total} ({100 * step / total:.0f}%)" if total else f"step {step}"]
+    if "reward_mean" in metrics:
+        fields.append(f"reward {metrics['reward_mean']:.3f}")
+    if "accuracy" in metrics:
+        fields.append(f"batch accuracy {metrics['accuracy']:.1%}")
+    if "loss" in metrics:
+        fields.append(f"loss {metrics['loss']:.4g}")
+    if "tokens_per_s" in metrics:
+        fields.append(f"{metrics['tokens_per_s']:,.0f} tokens/s")
+    if eta_s is not None and total:
+        fields.append(f"ETA {format_duration(eta_s)}")
+    return PROGRESS_MARK + " | ".join(fields)
+
+
 class MetricsLogger:
     def __init__(self, *, jsonl: str | None, tensorboard_dir: str | None, wandb_project: str | None,
                  enabled: bool, total_steps: int | None, run_config: dict | None = None) -> None:
@@ -68,6 +87,8 @@ class MetricsLogger:
         self._tb = None
         self._wandb = None
         self._bar = None
+        self.total_steps = total_steps
+        self._first: tuple[int, float] | None = None  # (step, time) of the first step logged: the ETA's rate
         if not enabled:
             return
         if jsonl:
@@ -100,12 +121,23 @@ class MetricsLogger:
                 self._tb.add_scalar(key, value, step)
         if self._wandb is not None:
             self._wandb.log(metrics, step=step)
-        shown = {k: round(metrics[k], 4) for k in CONSOLE_KEYS if k in metrics}
         if self._bar is not None:
             self._bar.n = step
-            self._bar.set_postfix(shown, refresh=True)
+            self._bar.set_postfix({k: round(metrics[k], 4) for k in CONSOLE_KEYS if k in metrics}, refresh=True)
         else:
-            log.info("step %d | %s", step, " | ".join(f"{k} {v}" for k, v in shown.items()))
+            log.info("%s", progress_line(step, self.total_steps, metrics, self._eta(step)))
+
+    def _eta(self, step: int) -> float | None:
+        """Seconds to ``total_steps`` at this process's pace since its first logged step (a resumed run's pace
+        starts at its first new step)."""
+        now = time.monotonic()
+        if self._first is None:
+            self._first = (step, now)
+            return None
+        first_step, first_time = self._first
+        if self.total_steps is None:
+            return None
+        return eta_seconds(step - first_step, self.total_steps - first_step, now - first_time)
 
     def message(self, text: str) -> None:
         if not self.enabled:
@@ -144,11 +176,22 @@ class LappedEngine:
         return result
 
 
+def accuracy_judge(config: GRPOConfig) -> tuple[str, float] | None:
+    """(reward name, threshold) that decides whether a completion is correct, as held-out evaluation decides it
+    (``eval.accuracy_reward``, default the first generator reward; ``eval.threshold``); None without rewards."""
+    names = [spec.label or spec.name for spec in config.generator.rewards]
+    name = config.eval.accuracy_reward or (names[0] if names else None)
+    return None if name is None else (name, config.eval.threshold)
+
+
 def batch_metrics(batch: TrainBatch, advantages: torch.Tensor, current_version: int,
-                  algorithm: AlgorithmConfig | None = None) -> dict[str, float]:
+                  algorithm: AlgorithmConfig | None = None,
+                  judge: tuple[str, float] | None = None) -> dict[str, float]:
     """What the pulled batch says about the rollouts (before any update). The advantage metrics are over the
     completions (``[B]``) or their real tokens (``[B, L]``); with ``algorithm`` also the step-reward and
-    KL-in-reward metrics (:func:`learner.advantages.algorithm_metrics`)."""
+    KL-in-reward metrics (:func:`learner.advantages.algorithm_metrics`). With ``judge`` (:func:`accuracy_judge`)
+    and that reward in the batch, ``accuracy``: the fraction of the batch's sampled completions it scores at or
+    above the threshold (training samples, after any dropping of constant groups: not held-out accuracy)."""
     rewards = batch.rewards.float()
     lengths = batch.completion_lengths.float()
     groups = int(batch.group_index.max()) + 1
@@ -173,4 +216,6 @@ def batch_metrics(batch: TrainBatch, advantages: torch.Tensor, current_version: 
         valid = values[~torch.isnan(values)]
         if valid.numel():
             metrics[f"reward/{name}"] = float(valid.mean())
+            if judge is not None and name == judge[0]:
+                metrics["accuracy"] = float((valid >= judge[1]).float().mean())
     return metrics

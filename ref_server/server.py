@@ -23,7 +23,8 @@ from ref_server.scoring.tokenizer import ServedTokenizer
 from ref_server.state import ServerState
 from shared.config.schema import GRPOConfig, RefServerConfig
 from shared.devices import default_dtype, resolve_device
-from shared.errors import UsageError
+from shared.errors import ServiceError, UsageError
+from shared.ports import bind_port
 from shared.weight_sync.relay_store import WeightStore
 
 log = logging.getLogger("grpo.ref_server")
@@ -90,7 +91,7 @@ def build_state(config: GRPOConfig) -> ServerState:
         prm = PRMScorer.load(cfg.prm_model, device, default_dtype(cfg.dtype, device),
                              max_tokens=cfg.max_request_tokens, max_request_bytes=cfg.max_request_bytes)
     weights = WeightStore(cfg.weights_dir or scratch_relay(), keep=cfg.keep_weight_versions,
-                          max_bytes=cfg.max_weight_bytes)
+                          max_bytes=cfg.max_weight_bytes, session_ttl_s=cfg.learner_session_ttl_s)
     if cfg.spool_dir is None:
         log.info("no ref_server.spool_dir (no run.run_dir): queued groups are kept in memory only")
     temperature = config.generator.sampling.temperature
@@ -120,7 +121,13 @@ def serve(config: GRPOConfig) -> None:
 
     cfg = config.ref_server
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    state = build_state(config)
+    # bound before the model loads and before "ready" is logged: a port in use fails at once, naming its holder
+    sock = bind_port(cfg.host, cfg.port, "ref_server.port")
+    try:
+        state = build_state(config)
+    except BaseException:
+        sock.close()
+        raise
     if state.token is None and cfg.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("binding %s without a token: anyone who can reach it can read and write the hub", cfg.host)
     app = create_app(state, on_ready=lambda: log.info(
@@ -131,10 +138,15 @@ def serve(config: GRPOConfig) -> None:
     # installed before it; this one turns that into a normal return, so a requested stop exits with status 0.
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda num, frame: log.info("ref-server stopped (%s)", signal.Signals(num).name))
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=cfg.access_log, timeout_graceful_shutdown=5,
+        http=header_deadline_protocol(cfg.header_timeout_s)))
     try:
-        uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, timeout_graceful_shutdown=5,
-                    http=header_deadline_protocol(cfg.header_timeout_s))
+        server.run(sockets=[sock])
+        if not server.started:
+            raise ServiceError("the ref server did not start (see the log above)")
     finally:
+        sock.close()
         state.hub.close()  # leases still held untrained count as failed deliveries (poison pills across restarts)
         state.weights.keep_newest()  # no download in flight any more: one copy of the weights on disk is enough
         if state.scorer is not None:

@@ -15,6 +15,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from deploy.console import echo_logs
 from deploy.launcher import run
 from generator.evaluate import evaluate
 from shared.config.loader import load_config
@@ -41,6 +42,11 @@ def build_model(config) -> dict:
             return stats
         print(f"[demo] {model_dir} was built with other warm-up or task settings; rebuilding it", flush=True)
         shutil.rmtree(model_dir)
+    demo = config.demo
+    print(f"[demo] building the starting model in {model_dir} (once: later runs reuse it): up to "
+          f"{demo.warmup_max_steps if demo.warmup_target_accuracy is not None else demo.warmup_steps} supervised "
+          f"steps on correct demonstrations, then up to {demo.flawed_steps} on a flawed teacher's; a few minutes "
+          f"on 2 CPU cores, with a progress line every few seconds", flush=True)
     try:
         return build_tiny_model_dir(model_dir, task=task, warmup=config.demo, seed=config.seed,
                                     spec=TinyModelSpec(seed=config.seed))
@@ -91,6 +97,7 @@ def plot(metrics_path: Path, before: float, after: float, out: Path) -> None:
 
 def main(config_path: str = "deploy/configs/tiny-cpu.yaml", overrides: list[str] | None = None) -> int:
     config = load_config(config_path, overrides)
+    echo_logs(("grpo.demo", "grpo.eval"), "[demo]")  # warm-up and evaluation progress
     run_dir = Path(config.run.run_dir)
     model_dir = Path(config.generator.model)
     started = time.monotonic()

@@ -15,6 +15,7 @@ and accuracy in :mod:`deploy.demo.greedy`.
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +30,12 @@ from generator.tasks.arithmetic import ArithmeticTask, Problem
 from generator.tasks.chain import ChainTask
 from learner.schedule import lr_schedule
 from shared.config.schema import DemoConfig
+from shared.progress import Ticker
+
+log = logging.getLogger("grpo.demo.warmup")
+
+# How often a warm-up phase says how far it is: it runs for minutes on a small CPU (about 10 lines in 5 minutes).
+PROGRESS_EVERY_S = 30.0
 
 
 class WarmupTargetMissed(RuntimeError):
@@ -147,7 +154,7 @@ def supervised_warmup(model, tokenizer, task: Task, cfg: DemoConfig, seed: int,
         return problems, [target_text(task, p) for p in problems]
 
     losses = _sft_steps(model, tokenizer, task, optimizer, cfg, cap, correct_batch,
-                        warmup_lr_schedule(optimizer, cfg), stop)
+                        warmup_lr_schedule(optimizer, cfg), stop, phase="correct demonstrations")
     if stop is not None:
         stop.require_reached(cap)
     return PhaseResult(losses, stop.checks if stop is not None else [])
@@ -155,12 +162,15 @@ def supervised_warmup(model, tokenizer, task: Task, cfg: DemoConfig, seed: int,
 
 def _sft_steps(model, tokenizer, task: Task, optimizer, cfg: DemoConfig, steps: int,
                next_batch: Callable[[], tuple[list[Problem], list[str]]], scheduler=None,
-               stop: StopRule | None = None) -> list[float]:
-    """Up to ``steps`` supervised steps on ``next_batch()`` batches (problems and their targets; the rate stepped by ``scheduler`` if given,
-    else the optimizer's own), ending early when ``stop`` says so; returns the per-step losses and leaves the model
-    in eval mode."""
+               stop: StopRule | None = None, phase: str = "supervised") -> list[float]:
+    """Up to ``steps`` supervised steps on ``next_batch()`` batches (problems and their targets; the rate stepped by
+    ``scheduler`` if given, else the optimizer's own), ending early when ``stop`` says so; returns the per-step
+    losses and leaves the model in eval mode. Says how far it is every :data:`PROGRESS_EVERY_S` seconds (logger
+    ``grpo.demo.warmup``): steps of the cap, the loss, the last validation check."""
     model.train()
     losses: list[float] = []
+    ticker = Ticker(f"warm-up ({phase})", steps, log.info, every_s=PROGRESS_EVERY_S, unit="steps",
+                    bounded=stop is not None)
     for step in range(steps):
         problems, targets = next_batch()
         input_ids, labels = build_sft_batch(tokenizer, problems, cfg.max_sequence_tokens, targets)
@@ -173,10 +183,24 @@ def _sft_steps(model, tokenizer, task: Task, optimizer, cfg: DemoConfig, steps: 
         if scheduler is not None:
             scheduler.step()
         losses.append(float(loss.detach()))
-        if stop is not None and stop.done(model, tokenizer, task, step + 1, steps):
+        done = stop is not None and stop.done(model, tokenizer, task, step + 1, steps)
+        ticker.update(step + 1, _phase_detail(losses, stop), finished=done)
+        if done:
             break
     model.eval()
     return losses
+
+
+def _phase_detail(losses: list[float], stop: StopRule | None) -> str:
+    """``loss 0.412, validation accuracy 63.0% at step 400 (target >= 80.0%)``: the mean loss of the last steps and
+    the last accuracy check."""
+    recent = losses[-20:]
+    text = f"loss {sum(recent) / len(recent):.3f}"
+    if stop is not None and stop.checks:
+        at, accuracy = stop.checks[-1]
+        text += (f", validation accuracy {accuracy:.1%} at step {at} (target {'>=' if stop.above else '<='} "
+                 f"{stop.target:.1%})")
+    return text
 
 
 def flawed_teacher_finetune(model, tokenizer, task: Task, cfg: DemoConfig, seed: int,
@@ -197,7 +221,8 @@ def flawed_teacher_finetune(model, tokenizer, task: Task, cfg: DemoConfig, seed:
     next_batch = _flawed_batches(task, cfg, rng, validation)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.flawed_lr, weight_decay=0.0)
     stop = flawed_stop_rule(cfg, validation)
-    losses = _sft_steps(model, tokenizer, task, optimizer, cfg, cfg.flawed_steps, next_batch, stop=stop)
+    losses = _sft_steps(model, tokenizer, task, optimizer, cfg, cfg.flawed_steps, next_batch, stop=stop,
+                        phase="flawed teacher")
     if stop is not None:
         stop.require_reached(cfg.flawed_steps)
     return PhaseResult(losses, stop.checks if stop is not None else [])

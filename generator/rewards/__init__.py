@@ -15,7 +15,15 @@ from __future__ import annotations
 
 import importlib
 
-from generator.rewards.base import REWARDS, GroupReward, RewardConfigError, Score, as_score, per_completion
+from generator.rewards.base import (
+    REWARDS,
+    GroupReward,
+    RewardConfigError,
+    RewardFailedError,
+    Score,
+    as_score,
+    per_completion,
+)
 from generator.rewards.builtin import digit_agreement, gold_answer
 from generator.rewards.reward_set import GroupScores, RewardSet, RewardTerm, merge_term_steps
 from generator.rewards.steps import StepScores
@@ -35,5 +43,5 @@ def _register_builtin() -> None:
 
 _register_builtin()
 
-__all__ = ["REWARDS", "REWARD_MODULES", "GroupReward", "GroupScores", "RewardConfigError", "RewardSet", "RewardTerm",
+__all__ = ["REWARDS", "REWARD_MODULES", "GroupReward", "GroupScores", "RewardConfigError", "RewardFailedError", "RewardSet", "RewardTerm",
            "Score", "StepScores", "as_score", "digit_agreement", "gold_answer", "merge_term_steps", "per_completion"]

@@ -38,6 +38,11 @@ class RewardConfigError(UsageError, ValueError):
     """A reward that cannot be built from its config (unknown function, bad arguments, duplicate name)."""
 
 
+class RewardFailedError(UsageError):
+    """A reward that failed on every completion of the generator's first batch: the run stops with its error
+    instead of training on ``on_error`` scores alone."""
+
+
 def as_score(value: Any) -> Score:
     """A reward's value for one completion: a StepScores as it is, anything else as a float (``TypeError`` /
     ``ValueError`` when it is neither)."""
@@ -46,7 +51,9 @@ def as_score(value: Any) -> Score:
 
 def per_completion(fn: Callable[[str, str, dict[str, Any]], Score]) -> GroupReward:
     """Lift ``fn(prompt, completion, example) -> float | StepScores`` to a group reward; an exception on one
-    completion becomes NaN there (scored with the reward's ``on_error``), the others keep their values."""
+    completion becomes NaN there (scored with the reward's ``on_error``), the others keep their values. The group
+    reward's ``first_error`` attribute keeps the first exception (``"Type: message"``), for the error that stops a
+    run whose reward never succeeds (:meth:`generator.rewards.RewardSet.raise_if_never_scored`)."""
 
     def one(prompt: str, completion: str, example: dict[str, Any]) -> Score:
         try:
@@ -54,10 +61,13 @@ def per_completion(fn: Callable[[str, str, dict[str, Any]], Score]) -> GroupRewa
         except Exception as exc:  # noqa: BLE001 - contained per completion; NaN marks it for on_error
             log.warning("reward %s failed on one completion (%s: %s)", getattr(fn, "__name__", "?"),
                         type(exc).__name__, exc)
+            if group.first_error is None:
+                group.first_error = f"{type(exc).__name__}: {exc}"
             return math.nan
 
     def group(prompt: str, completions: Sequence[str], example: dict[str, Any]) -> list[Score]:
         return [one(prompt, completion, example) for completion in completions]
 
     group.__name__ = getattr(fn, "__name__", "reward")
+    group.first_error = None
     return group

@@ -7,7 +7,6 @@ are floats (outcome scores) or :class:`generator.rewards.steps.StepScores` (step
 
 from __future__ import annotations
 
-import importlib
 import re
 import threading
 from collections.abc import Sequence
@@ -15,7 +14,7 @@ from typing import Any
 
 import requests
 
-from generator.rewards.base import REWARDS, GroupReward, RewardConfigError, per_completion
+from generator.rewards.base import REWARDS, GroupReward, per_completion
 from generator.tasks.arithmetic import check_answer, extract_answer, normalize_int
 from generator.tasks.arithmetic_words import final_number_correct
 
@@ -155,23 +154,43 @@ def http_reward(url: str, timeout_s: float = 30.0, token: str | None = None) -> 
     return group
 
 
+# The calling conventions of a python reward, shown in every error about one.
+PER_COMPLETION_CONTRACT = "fn(prompt: str, completion: str, example: dict, **args) -> float"
+PER_GROUP_CONTRACT = "fn(prompt: str, completions: list[str], example: dict, **args) -> list[float]"
+
+
 @REWARDS.register("python")
 def python_reward(function: str, per_group: bool = False, **kwargs: Any) -> GroupReward:
-    """Any importable function named ``module:function``.
+    """Your own function, named ``path/to/file.py:fn`` or ``package.module:fn``.
 
-    Called as ``fn(prompt=..., completion=..., example=..., **kwargs) -> float`` per completion, or with
-    ``per_group: true`` as ``fn(prompt=..., completions=[...], example=..., **kwargs) -> list[float]``. Either may
-    return :class:`generator.rewards.steps.StepScores` instead of a float to score a completion step by step.
+    A relative file path is taken from the working directory (where ``grpo run`` is started), as every other path
+    in a config is (dataset.path, model folders); a module must be importable (on ``PYTHONPATH``).
+
+    Called with keyword arguments, as ``fn(prompt=..., completion=..., example=..., **kwargs) -> float`` per
+    completion, or with ``per_group: true`` as ``fn(prompt=..., completions=[...], example=..., **kwargs) ->
+    list[float]``, where ``kwargs`` are this reward's other config ``args`` and ``example`` is the dataset row (every
+    field of a JSONL line). Either may return :class:`generator.rewards.steps.StepScores` instead of a float to
+    score a completion step by step. The signature is checked when the reward is built, so a function that cannot
+    be called that way stops the run at start-up with the contract in the error.
     """
-    module_name, sep, attr = function.partition(":")
-    if not sep or not module_name or not attr:
-        raise RewardConfigError(f"python reward needs 'module:function', got {function!r}")
-    try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise RewardConfigError(f"cannot import reward function {function!r}: {exc}") from None
+    from shared.user_code import check_callable, load_object
+
+    key = f"function {function!r}"
+    fn = load_object(function, key)
     if per_group:
-        return lambda prompt, completions, example: list(fn(prompt=prompt, completions=list(completions),
-                                                             example=example, **kwargs))
-    return per_completion(lambda prompt, completion, example: fn(prompt=prompt, completion=completion,
-                                                                 example=example, **kwargs))
+        check_callable(fn, key, keywords=("prompt", "completions", "example"), contract=PER_GROUP_CONTRACT,
+                       extra=kwargs)
+
+        def group(prompt: str, completions: Sequence[str], example: dict[str, Any]) -> list[Any]:
+            return list(fn(prompt=prompt, completions=list(completions), example=example, **kwargs))
+
+        group.__name__ = getattr(fn, "__name__", "python")
+        return group
+    check_callable(fn, key, keywords=("prompt", "completion", "example"), contract=PER_COMPLETION_CONTRACT,
+                   extra=kwargs)
+
+    def score(prompt: str, completion: str, example: dict[str, Any]) -> Any:
+        return fn(prompt=prompt, completion=completion, example=example, **kwargs)
+
+    score.__name__ = getattr(fn, "__name__", "python")
+    return per_completion(score)

@@ -22,6 +22,10 @@ splitting the text into a different number of steps than the rewards, an end pas
 completion's steps are dropped too (its process signal is unknown, and a partial sum would be wrong). A total or a
 summed step reward that overflows float32 although each term fitted is scored like a failure of every term there
 (``on_error`` each, counted under ``"total"``; the steps dropped), so that the group can still be uploaded.
+
+Containment has one limit: a term that has failed on every completion so far (a wrong signature, a missing field,
+a bug) would train the model on ``on_error`` alone. The generator calls :meth:`RewardSet.raise_if_never_scored`
+after its first batch, which stops the run with the term's first error.
 """
 
 from __future__ import annotations
@@ -32,9 +36,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from generator.rewards.base import REWARDS, GroupReward, RewardConfigError, Score, as_score
+from generator.rewards.base import REWARDS, GroupReward, RewardConfigError, RewardFailedError, Score, as_score
 from generator.rewards.steps import StepScores
-from shared.protocol.numbers import finite_float32
+from shared.errors import UsageError
+from shared.protocol.float32 import finite_float32
 
 log = logging.getLogger("grpo.generator.rewards")
 
@@ -48,6 +53,9 @@ class RewardTerm:
     weight: float
     on_error: float
     gives_steps: bool = False   # set once the term has returned a StepScores: its failures then drop steps
+    scored: int = 0             # completions it has scored (a value that fits float32)
+    failed: int = 0             # completions it failed on (an exception, NaN, inf, not a number)
+    first_error: str | None = None   # what went wrong the first time, for RewardSet.raise_if_never_scored
 
 
 @dataclass
@@ -99,15 +107,21 @@ class RewardSet:
     @classmethod
     def from_specs(cls, specs: Sequence[Any]) -> RewardSet:
         """From config entries with ``name``, ``label``, ``weight``, ``on_error`` and ``args``."""
-        terms = []
-        for spec in specs:
-            factory = REWARDS.get(spec.name)
-            try:
-                fn = factory(**spec.args)
-            except TypeError as exc:
-                raise RewardConfigError(f"reward {spec.name!r}: bad arguments {spec.args}: {exc}") from None
-            terms.append(RewardTerm(spec.label or spec.name, fn, spec.weight, spec.on_error))
-        return cls(terms)
+        return cls([cls.build_term(spec, i) for i, spec in enumerate(specs)])
+
+    @staticmethod
+    def build_term(spec: Any, index: int) -> RewardTerm:
+        """The term of config entry ``generator.rewards[index]``; a RewardConfigError naming it when its factory
+        refuses its arguments (or, for a python reward, its function)."""
+        factory = REWARDS.get(spec.name)
+        try:
+            fn = factory(**spec.args)
+        except TypeError as exc:
+            raise RewardConfigError(f"generator.rewards[{index}] ({spec.name}): bad arguments {spec.args}: "
+                                    f"{exc}") from None
+        except UsageError as exc:
+            raise RewardConfigError(f"generator.rewards[{index}] ({spec.name}): {exc}") from None
+        return RewardTerm(spec.label or spec.name, fn, spec.weight, spec.on_error)
 
     def score_group(self, prompt: str, completions: Sequence[str], example: dict[str, Any]) -> GroupScores:
         n = len(completions)
@@ -134,6 +148,16 @@ class RewardSet:
                     log.warning("completion %d: %s; it carries no steps", i, exc)
             steps.append(merged)
         return GroupScores(total, components, errors, steps, sum(s is None for s in steps))
+
+    def raise_if_never_scored(self) -> None:
+        """A :class:`RewardFailedError` naming the first term that has failed on every completion it was given (at
+        least one), with its first error: called after the generator's first batch, so that a broken reward stops
+        the run instead of training it on ``on_error`` alone."""
+        for term in self.terms:
+            if term.failed and not term.scored:
+                raise RewardFailedError(
+                    f"reward {term.name!r} failed on all {term.failed} completions of the first batch, so training "
+                    f"would learn from its on_error score alone; the first failure: {term.first_error}")
 
     def _contain_overflow(self, total: list[float], found: _TermSteps, errors: dict[str, int]) -> None:
         """Totals that overflow float32 (each term fitted, their sum does not): ``on_error`` of every term, counted
@@ -179,6 +203,8 @@ class RewardSet:
             log.warning("reward %r failed on a group (%s: %s); scoring it %s", term.name, type(exc).__name__,
                         exc, term.on_error)
             errors[term.name] = errors.get(term.name, 0) + len(completions)
+            term.failed += len(completions)
+            term.first_error = term.first_error or f"{type(exc).__name__}: {exc}"
             return [math.nan] * len(completions)
         values: list[Score] = []
         for value in raw:
@@ -186,11 +212,17 @@ class RewardSet:
                 values.append(as_score(value))
             except (TypeError, ValueError):
                 values.append(math.nan)
+                term.first_error = term.first_error or f"returned {value!r}, not a number"
         bad = [i for i, v in enumerate(values) if not _fits_float32(term.weight, v)]
+        term.failed += len(bad)
+        term.scored += len(values) - len(bad)
         if bad:
             log.warning("reward %r failed or was not finite in float32 (weighted) for %d completions; scoring them %s",
                         term.name, len(bad), term.on_error)
             errors[term.name] = errors.get(term.name, 0) + len(bad)
+            # per_completion keeps the first exception; else the value itself was the failure
+            term.first_error = (term.first_error or getattr(term.fn, "first_error", None)
+                                or f"returned {raw[bad[0]]!r}, not finite in float32 once weighted by {term.weight}")
             values = [math.nan if i in bad else v for i, v in enumerate(values)]
         return values
 

@@ -25,6 +25,13 @@ one the learner goes on training is not handed to it twice. A restored lease tha
 the restart counts no failed delivery (the learner that held it may have gone with the hub); a clean shutdown keeps
 only the trained leases' files (the untrained ones were counted failed, their groups are triaged at reload).
 
+A new learner session (:meth:`Leases.hand_over`, at ``POST /v1/learner/session``): the leases held then are the
+previous learner process's, and the new one will not train them, so they are not left to run out their timeout:
+each is expired at once under the rules above (an untrained lease counts a failed delivery, so a group that crashes
+the learner on every restart is still quarantined; a trained or restored one does not), and its groups are
+delivered again. Only the leases a resuming learner presents as held by its checkpoint stay held (it acknowledges
+them next). Exactly once still holds: a redelivered group its checkpoint holds is dropped by the learner's ledger.
+
 A take looks only at the groups it takes (and at any not-yet-scored ones ahead of them): their batch rows were laid
 out when they became ready (:mod:`ref_server.hub.batching`).
 """
@@ -161,6 +168,27 @@ class Leases:
             if trained:
                 self.queue.cond.notify_all()
         return answer
+
+    def hand_over(self, keep: list[str] = ()) -> tuple[int, int]:
+        """A new learner session registered: expire every held lease at once except those in ``keep`` (a resumed
+        learner's checkpoint holds their groups; they are renewed, marked trained). Returns (groups released,
+        leases kept)."""
+        keep_ids = set(keep)
+        with self.queue.cond:
+            released = kept = 0
+            now = time.monotonic()
+            for batch_id, lease in self.held.items():
+                if batch_id in keep_ids:
+                    lease.deadline, lease.trained, lease.restored = now + self.lease_timeout_s, True, False
+                    self._persist_locked(batch_id)
+                    kept += 1
+                else:
+                    lease.deadline = float("-inf")
+                    released += len(lease.groups)
+            if released:
+                self.expire_locked(reason="held by an earlier learner session")
+            self.queue.cond.notify_all()
+        return released, kept
 
     def leased_depth(self) -> int:
         """Groups handed to the learner and not yet acknowledged (leases past their deadline are expired first:

@@ -99,6 +99,10 @@ class RolloutHub:
     def renew(self, batch_ids: list[str], trained: bool = False) -> dict[str, str]:
         return self.leases.renew(batch_ids, trained)
 
+    def hand_over(self, keep: list[str] = ()) -> tuple[int, int]:
+        """A new learner session: the leases of the previous one are released at once, but ``keep``."""
+        return self.leases.hand_over(keep)
+
     def close(self) -> None:
         """A clean shutdown: leases still held untrained count as failed deliveries (ref_server/hub/leases.py)."""
         self.leases.close()

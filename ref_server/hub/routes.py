@@ -160,4 +160,5 @@ async def hub_stats(state: State) -> dict:
             "leased_groups": leased, "capacity": hub.capacity, "learner_version": hub.learner_version,
             "groups_per_step": hub.groups_per_step,
             "max_staleness": hub.max_staleness, "lease_timeout_s": hub.lease_timeout_s,
+            "learner_session_ttl_s": state.weights.session_ttl_s,
             "temperature": hub.temperature}

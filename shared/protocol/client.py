@@ -197,16 +197,31 @@ class HubClient:
         return self._request("POST", "/v1/learner/version", json=body).json()
 
     def register_learner(self, version: int, groups_per_step: int | None = None,
-                         layout: list[list] | None = None) -> dict:
+                         layout: list[list] | None = None, *, resume_session: str | None = None,
+                         trained_batches: list[str] = ()) -> dict:
         """Register as the hub's learner at ``version`` (it may move the hub's version back), with the model's
         layout (weights uploads must match it); the session id goes into ``self.learner`` (created if None), which
-        the learner's other clients share."""
+        the learner's other clients share. ``resume_session``: the session a resumed learner takes back (a new
+        registration is refused, 409, while another session is live), with ``trained_batches``, the leases its
+        checkpoint holds (kept; every other lease of the earlier session is released at once)."""
         body = {"version": version, "groups_per_step": groups_per_step, "layout": layout}
+        if resume_session is not None:
+            body |= {"resume_session": resume_session, "trained_batches": list(trained_batches)}
         answer = self._request("POST", "/v1/learner/session", json=body).json()
         if self.learner is None:
             self.learner = LearnerSession()
         self.learner.id = answer["session"]
         return answer
+
+    def renew_learner_session(self) -> None:
+        """The learner's heartbeat: its session stays live (nothing to do before it registered)."""
+        if self.learner is not None and self.learner.id is not None:
+            self._request("POST", "/v1/learner/session/renew")
+
+    def end_learner_session(self) -> None:
+        """The learner exits: another learner may register at once."""
+        if self.learner is not None and self.learner.id is not None:
+            self._request("DELETE", "/v1/learner/session")
 
     def rollout_budget(self, policy_version: int, *, wait_s: float = 0.0) -> dict:
         """``{"wanted": n or None, ...}``: groups at ``policy_version`` the learner can still train (long-polls up to

@@ -17,22 +17,15 @@ from typing import Any
 import torch
 
 from shared.protocol.errors import ProtocolError
+from shared.protocol.float32 import FLOAT32_OVERFLOW, finite_float32  # noqa: F401 - re-exported: one home, torch-free
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
-# A float64 of this magnitude or more becomes inf in float32: the midpoint between FLOAT32_MAX and 2^128 rounds to
-# the even 2^128. Below it, a value rounds to a finite float32 (at most FLOAT32_MAX; tiny ones to 0 or a subnormal).
-FLOAT32_OVERFLOW = 2.0**128 - 2.0**103
 # A sampled token had a probability > 0 in the sampler's dtype: > e^-104 in float32, > e^-745 in float64. Far below
 # that is not a log-probability but garbage (which would overflow the learner's sums); -1e4 leaves room for engines
 # that report logprobs under another temperature than they sampled with.
 MIN_LOGPROB = -1e4
 # log p <= 0, up to rounding: a probability normalised in bfloat16 can come out as 1.0078 (log: 0.0078).
 MAX_LOGPROB = 0.01
-
-
-def finite_float32(value: float) -> bool:
-    """Whether the Python float ``value`` is finite once cast to float32."""
-    return math.isfinite(value) and abs(value) < FLOAT32_OVERFLOW
 
 
 def as_float32(name: str, values: torch.Tensor, *, low: float = -math.inf, high: float = math.inf,

@@ -94,6 +94,9 @@ class SenderWork(_Record):
     joins: list[PendingJoin] = Field(description="Join requests to answer with an offer.")
     silent: list[str] = Field(description="Members that stopped polling: the sender drops them.")
     http_members: int = Field(description="Active members that take every version from the relay.")
+    members: list[str] | None = Field(None, description="Every member the hub holds for this sender (pending, "
+                                      "offered or active): the sender drops its links to any other (members of an "
+                                      "earlier hub instance, members that left). None: the hub does not say.")
 
 
 class SenderSummary(_Record):

@@ -12,6 +12,12 @@ A link serves a version only when its generator asks for it through the group's 
 next :func:`groups.request_key` as it enters the receive, after the hub told it a newer version is announced):
 the link's thread waits on that key, so the transfer starts within a millisecond of the ask, and a generator that
 is in an engine call is never sent anything. The hub only brokers joining, announcements and silent members.
+
+A link's membership ends with the hub's: every answer to the rendezvous poll lists the members the hub holds for
+this sender, and a link whose member is not among them (a hub that restarted and forgot it, a member that left) is
+dropped at once. A link still forming its group waits for its generator in short slices (the generator's connection
+shows in the link's store), so dropping it or closing the sender never waits out a group's timeout on a generator
+that will not come.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from shared.weight_sync.sender_state import SenderState
 
 log = logging.getLogger("grpo.learner.weight_sync")
 REQUEST_WAIT_S = 3600.0  # one store wait; a stopping link is woken at once by wake()
+PEER_POLL_S = 0.05       # how often a link forming its group looks for its generator (and for a stop)
 
 
 class MemberLink:
@@ -71,6 +78,8 @@ class MemberLink:
         if sender.buffer.device.type == "cuda":
             torch.cuda.set_device(sender.buffer.device)  # a new thread starts on GPU 0; NCCL uses the current one
         try:
+            if not self._wait_for_peer():
+                return
             self.group = groups.build_group(self.store, self.address, 0, self.world, self.backend, cfg.timeout_s)
             self.store.set_timeout(timedelta(seconds=cfg.timeout_s))
             with sender.lock:
@@ -93,6 +102,21 @@ class MemberLink:
         finally:
             self._teardown()
             self.alive = False
+
+    def _wait_for_peer(self) -> bool:
+        """Until the generator has connected to the link's store (True), or the link is stopped (False). The
+        group's construction would block in C++ for the whole timeout on a generator that never comes (one told by
+        a restarted hub to rejoin elsewhere), and nothing could wake it; this wait looks at :attr:`stop` every
+        ``PEER_POLL_S``. The offered generator has ``join_timeout_s`` to come (it loads a version over HTTP first)."""
+        deadline = time.monotonic() + self.sender.cfg.join_timeout_s
+        while self.store.num_keys() == 0:   # a client's connection adds the store's first key
+            if self.stop.is_set():
+                return False
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the generator did not connect within {self.sender.cfg.join_timeout_s:.0f}s "
+                                   "(weight_sync.join_timeout_s)")
+            time.sleep(PEER_POLL_S)
+        return not self.stop.is_set()
 
     def _teardown(self) -> None:
         """Shut the group down and drop it, then the store, in this thread (see :func:`groups.close_group`)."""
@@ -229,14 +253,32 @@ class GroupMembers:
                 work = sender.client.sync_work(sender.sender_id, wait_s=sender.cfg.poll_s)
                 self.http_members = work.http_members
                 for member_id in work.silent:
-                    self._drop_silent(member_id)
+                    self._drop_link(member_id, f"silent for more than {sender.cfg.member_idle_s:.0f}s")
+                if work.members is not None:
+                    held = set(work.members)
+                    for member_id in [m for m in self.links if m not in held]:
+                        self._drop_link(member_id, "the hub no longer holds it (the hub restarted, or it left)",
+                                        tell_hub=False)
                 for request in work.joins:
                     self._answer_join(request)
             except (HubError, HubUnavailable) as exc:
                 if sender.stopping.is_set():
                     return
                 log.warning("weight sync: rendezvous with the hub failed: %s", exc)
+                if isinstance(exc, HubError) and exc.status == 409:
+                    self._register_again()
+                    continue
                 sender.stopping.wait(1.0)
+
+    def _register_again(self) -> None:
+        """The hub does not know this sender (it restarted): register again. The members the old hub instance
+        brokered are not the new one's: the next poll's member list drops their links."""
+        try:
+            self.sender.register()
+            log.info("weight sync: registered again with the hub (it had forgotten this sender)")
+        except (HubError, HubUnavailable) as exc:
+            log.warning("weight sync: registering again failed: %s", exc)
+            self.sender.stopping.wait(1.0)
 
     def _answer_join(self, request: PendingJoin) -> None:
         sender, member_id = self.sender, request.member_id
@@ -258,12 +300,15 @@ class GroupMembers:
         if upload:
             sender.upload_relay(version)
         link = MemberLink(sender, member_id, request)
+        if member_id in self.links:   # never expected (ids carry the hub instance): keep the old thread closable
+            self.retired.append(self.links[member_id])
         self.links[member_id] = link
         link.thread.start()
         sender.client.sync_offer(OfferPost(sender_id=sender.sender_id, offer=link.offer(sender.relay_version)))
 
-    def _drop_silent(self, member_id: str) -> None:
-        """A member that stopped polling (died between transfers): close its group, count it, tell the hub."""
+    def _drop_link(self, member_id: str, reason: str, tell_hub: bool = True) -> None:
+        """A member that stopped polling (died between transfers), or that the hub no longer holds: close its
+        group, count it, tell the hub (when it still knows the member)."""
         sender = self.sender
         with sender.lock:
             if member_id in sender.transfers:  # mid-transfer: the transfer's timeout decides
@@ -281,6 +326,6 @@ class GroupMembers:
                 sender.counters.members -= 1
         link.stop.set()
         link.wake()  # its thread closes the group
-        reason = f"silent for more than {sender.cfg.member_idle_s:.0f}s"
         log.warning("weight sync: dropping %s: %s", member_id, reason)
-        sender.member_state(member_id, "dropped", reason=reason)
+        if tell_hub:
+            sender.member_state(member_id, "dropped", reason=reason)

@@ -12,7 +12,15 @@ best transport.
   both are on the same kind of device, else HTTP.
 
 A receive that fails half-way leaves the weights partly updated: the receiver then reloads the relay's version
-over HTTP before the next engine call and rejoins. Weights holding NaN/inf are never loaded from the relay: the
+over HTTP before the next engine call and rejoins.
+
+A version the generator was told about may be gone by the time it asks for it (the relay keeps only its newest
+versions; a learner that registers again may leave the relay older than the version it announced, or a restarted
+learner offers a version its relay never held). The generator never exits over it: it re-reads the hub's current
+version and syncs to that, a bounded number of times per sync (``MAX_VANISHED``), counting each vanished version
+(:attr:`WeightReceiver.vanished_versions`, and ``weight_versions_vanished`` in the generator's stats). A hub whose
+learner moved back below the version the generator serves (its groups would be refused as newer than any the learner
+published) is followed down to the relay's current version (counted in :attr:`WeightReceiver.moved_back`). Weights holding NaN/inf are never loaded from the relay: the
 generator keeps serving its version and logs the refusal.
 
 What an engine provides (``generator/engines/``): ``load_weights(path)``, ``name``, and to join a group
@@ -36,6 +44,7 @@ from shared.protocol.client import HubClient, HubError, HubUnavailable
 from shared.protocol.weight_sync_messages import JoinRequest, MemberPoll, Offer, SenderSummary
 
 log = logging.getLogger("grpo.generator.weights")
+MAX_VANISHED = 3  # versions that vanish in a row within one sync before the generator keeps what it serves
 
 
 class WeightSyncError(ServiceError):
@@ -52,9 +61,15 @@ def nonfinite_tensor(path: str | Path) -> str | None:
     return None
 
 
+class VersionGone(LookupError):
+    """The relay does not hold the version asked for (404): it was pruned, or never there."""
+
+
 class WeightReceiver:
     def __init__(self, engine, client: HubClient, cfg: WeightSyncConfig, generator_id: str,
-                 weights_dir: str | Path) -> None:
+                 weights_dir: str | Path, stats=None) -> None:
+        """``stats``: the loop's :class:`generator.stats.LoopStats` (its ``weight_versions_vanished`` follows
+        :attr:`vanished_versions`)."""
         self.engine, self.client, self.cfg = engine, client, cfg
         self.generator_id = generator_id
         self.weights_dir = Path(weights_dir)
@@ -65,6 +80,9 @@ class WeightReceiver:
         self.refused: set[int] = set()      # relay versions holding NaN/inf (never loaded)
         self.refused_nonfinite = 0
         self.failed_receives = 0
+        self.vanished_versions = 0          # versions named by the hub that were gone when asked for
+        self.moved_back = 0                 # times the hub's versions moved back below ours and we followed
+        self.stats = stats
         self.last_load_s = 0.0
         self.connected = False              # the engine holds a group with the learner
 
@@ -136,7 +154,11 @@ class WeightReceiver:
         loaded = None
         relay = offer.relay_version
         if relay is not None and (relay > have or self.inconsistent):
-            loaded = self._load_relay_version(relay)
+            try:
+                loaded = self._load_relay_version(relay)
+            except VersionGone:  # offered by a sender that believed the relay held it: take what it holds
+                self._vanished(relay)
+                loaded = self._from_relay(have, force=self.inconsistent)
         if self.inconsistent:
             raise WeightSyncError("weights were partly updated by a failed transfer and the relay holds no "
                                   "version to reload")
@@ -179,14 +201,52 @@ class WeightReceiver:
         return version if version != have else None
 
     def _from_relay(self, have: int, force: bool = False) -> int | None:
-        latest = self.client.weights_version()
-        if latest is None or (latest <= have and not force) or latest in self.refused:
-            return None
-        return self._load_relay_version(latest)
+        """The relay's current version if it is newer than ``have`` (or ``force``, or the hub moved back below
+        ``have``); a version that vanishes between the two requests sends us to read the current one again."""
+        for _ in range(MAX_VANISHED):
+            latest = self.client.weights_version()
+            if latest is None or latest in self.refused:
+                return None
+            if latest < have and not force and not self._moved_back(have, latest):
+                return None
+            if latest == have and not force:
+                return None
+            try:
+                return self._load_relay_version(latest)
+            except VersionGone:
+                self._vanished(latest)
+        log.warning("weight sync: %d versions in a row vanished from the relay before they could be downloaded; "
+                    "serving version %d until the next sync", MAX_VANISHED, have)
+        return None
+
+    def _moved_back(self, have: int, latest: int) -> bool:
+        """Has the hub moved back below ``have`` (a learner that registered again at a lower version, a relay that
+        lost its newer versions)? Then groups at ``have`` would be refused as newer than any version the learner
+        published: follow it down to the relay's ``latest``. (A relay behind the learner's reports is normal when
+        versions go through groups: only both behind ``have`` counts.)"""
+        if self.client.hub_stats()["learner_version"] >= have:
+            return False
+        self.moved_back += 1
+        log.warning("weight sync: the hub moved back below our version %d (the learner is at an earlier version, the "
+                    "relay's newest is %d): loading %d", have, latest, latest)
+        return True
+
+    def _vanished(self, version: int) -> None:
+        self.vanished_versions += 1
+        if self.stats is not None:
+            self.stats.weight_versions_vanished = self.vanished_versions
+        log.warning("weight sync: version %d is no longer on the relay (pruned, or the learner restarted): "
+                    "re-reading the hub's current version", version)
 
     def _load_relay_version(self, version: int) -> int | None:
+        """Download and load ``version``; :class:`VersionGone` when the relay does not hold it."""
         self.weights_dir.mkdir(parents=True, exist_ok=True)
-        path = self.client.download_weights(version, self.weights_dir / f"v{version:010d}.safetensors")
+        try:
+            path = self.client.download_weights(version, self.weights_dir / f"v{version:010d}.safetensors")
+        except HubError as exc:
+            if exc.status != 404:
+                raise
+            raise VersionGone(str(exc.detail)) from None
         try:
             bad = nonfinite_tensor(path)
             if bad is not None:

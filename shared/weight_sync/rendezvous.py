@@ -5,6 +5,11 @@ event loop (every endpoint is ``async`` and no method awaits between reading and
 Long polls wait on an ``asyncio.Event`` that every change replaces. Bounded: at most ``max_members`` members; a
 learner registering again (restart) sends every member back to rejoin, since their groups ended with the old
 learner process.
+
+Membership does not outlive the hub instance: member ids carry the instance (a hub restarted on the same spool starts
+counting again, and ``m1-gen-0`` of the new hub must not be taken for the sender's link of the old one), and every
+answer to the sender's long poll lists the members the hub holds for it (:attr:`SenderWork.members`), so the sender
+drops the links of members the hub no longer knows (a hub restart, a member that left) instead of waiting on them.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import asyncio
 import itertools
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 
 from shared.protocol.weight_sync_messages import (
@@ -55,6 +61,7 @@ class SyncRendezvous:
         self.members: dict[str, Member] = {}
         self.dropped_total = 0
         self._ids = itertools.count(1)
+        self.instance = uuid.uuid4().hex[:8]   # in every member id: ids of another hub instance never collide
         self._changed: asyncio.Event | None = None
 
     # -- change notification --------------------------------------------------------------------------------
@@ -116,7 +123,9 @@ class SyncRendezvous:
                       and idle_limit is not None and now - m.last_seen > idle_limit]
             if joins or silent or wait_s <= 0:
                 http = sum(1 for m in self.members.values() if m.state == "active" and m.request.transport == "http")
-                return SenderWork(joins=joins, silent=silent, http_members=http)
+                held = [m.member_id for m in self.members.values()
+                        if m.sender_id == sender_id and m.state in ("pending", "offered", "active")]
+                return SenderWork(joins=joins, silent=silent, http_members=http, members=held)
             started = time.monotonic()
             await self._wait(wait_s)
             wait_s -= time.monotonic() - started
@@ -154,7 +163,7 @@ class SyncRendezvous:
         if len(live) >= self.max_members:
             raise RendezvousError(429, f"{len(live)} weight-sync members already (limit {self.max_members})")
         self._forget_ended()
-        member_id = f"m{next(self._ids)}-{request.generator_id}"
+        member_id = f"m{next(self._ids)}.{self.instance}-{request.generator_id}"
         member = self.members[member_id] = Member(member_id, request, self.sender.sender_id)
         if request.transport == "http":
             member.state = "active"  # no group: it tells the sender to keep the relay current for it

@@ -114,7 +114,7 @@ class WeightSender:
         self.members = GroupMembers(self) if self.groups_enabled else None  # generators holding a group
         self._threads = [threading.Thread(target=self._version_loop, name="weight-sync-versions", daemon=True)]
         if self.groups_enabled:
-            self._register()
+            self.register()
             self._threads.append(threading.Thread(target=self.members.rendezvous_loop, name="weight-sync-rendezvous",
                                                   daemon=True))
         for thread in self._threads:
@@ -131,7 +131,7 @@ class WeightSender:
                     client.abort.set()
         return client
 
-    def _register(self) -> None:
+    def register(self) -> None:
         cfg = self.cfg
         self.client.sync_register_sender(SenderInfo(
             sender_id=self.sender_id, host=cfg.host, backend=self.backend,
@@ -309,7 +309,7 @@ class WeightSender:
                     except HubError as exc:
                         if exc.status != 409:
                             raise
-                        self._register()  # the hub forgot us (restarted): register again, then announce
+                        self.register()  # the hub forgot us (restarted): register again, then announce
                         self.client.sync_announce(announcement)
                     with self.lock:
                         self.announced = version

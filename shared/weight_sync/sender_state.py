@@ -73,5 +73,8 @@ class SenderState(Protocol):
                      version: int | None = None) -> None:
         """Tell the hub what became of a member."""
 
+    def register(self) -> None:
+        """Register the sender with the hub (again, once a restarted hub has forgotten it)."""
+
     def upload_relay(self, version: int) -> None:
         """Upload ``version`` from the buffer to the relay (the caller added "relay" to the transfers)."""

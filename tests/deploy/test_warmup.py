@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import random
+import re
 
 import pytest
 import torch
@@ -266,13 +268,19 @@ def test_stop_rule_checks_every_n_steps_and_at_the_cap(tok, short_warmup) -> Non
         StopRule("empty", 0.5, True, 3, [])
 
 
-def test_clean_phase_stops_at_its_target_and_fails_at_its_cap(tok) -> None:
+def test_clean_phase_stops_at_its_target_and_fails_at_its_cap(tok, caplog) -> None:
     task = ArithmeticTask()
     validation = validation_problems(task, fixed(validation_examples=16))
     cfg = fixed(warmup_steps=12, warmup_max_steps=12, batch_size=8, warmup_lr_ramp_steps=2,
                 warmup_target_accuracy=0.0, warmup_check_every=5)
-    reached = supervised_warmup(build_tiny_model(tok, TinyModelSpec()), tok, task, cfg, 0, validation)
+    with caplog.at_level(logging.INFO, logger="grpo.demo.warmup"):
+        reached = supervised_warmup(build_tiny_model(tok, TinyModelSpec()), tok, task, cfg, 0, validation)
     assert len(reached.losses) == 5 and [s for s, _ in reached.checks] == [5]  # 0% is already >= 0%
+    # the phase's last line says where it stopped, its loss and the check that stopped it
+    last = [r.getMessage() for r in caplog.records if r.name == "grpo.demo.warmup"][-1]
+    loss = sum(reached.losses) / 5
+    assert re.fullmatch(rf"warm-up \(correct demonstrations\): 5/12 steps \(42%\), in \d+s, loss {loss:.3f}, "
+                        r"validation accuracy 0\.0% at step 5 \(target >= 0\.0%\)", last), last
     missed = fixed(warmup_steps=4, warmup_max_steps=6, batch_size=8, warmup_lr_ramp_steps=2,
                    warmup_target_accuracy=0.99, warmup_check_every=5)
     with pytest.raises(WarmupTargetMissed, match="'correct demonstrations' stopped at its cap of 6 steps"):

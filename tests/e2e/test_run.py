@@ -54,11 +54,21 @@ def stray_processes(marker: str) -> list[str]:
 def test_grpo_run_trains_publishes_and_shuts_down(tiny_model_dir, tmp_path):
     port = free_port()
     config = write_config(tmp_path, tiny_model_dir, port)
+    data = json.loads(config.read_text())
+    data["ref_server"]["access_log"] = True
+    config.write_text(json.dumps(data))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run([GRPO, "run", str(config)], capture_output=True, text=True, timeout=900, env=env)
     assert result.returncode == 0, result.stdout[-4000:]
     assert "[grpo run] the learner finished: stopping the other services" in result.stdout
     assert "[ref-server]" in result.stdout and "[gen-0]" in result.stdout and "[learner]" in result.stdout
+    # the console (run.console: progress): one line per step and a bounded rest; the access log only in the file
+    console = result.stdout.splitlines()
+    steps = [line for line in console if line.startswith("[learner] step ")]
+    assert [line.split()[2] for line in steps] == [f"{i}/6" for i in range(1, 7)], console
+    assert len(console) - len(steps) <= 25, console
+    assert "HTTP/1.1" not in result.stdout
+    assert '"GET /healthz HTTP/1.1" 200' in (tmp_path / "run" / "logs" / "ref-server.log").read_text()
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
     assert all(abs(m["loss"]) < 1e6 for m in metrics) and metrics[-1]["version"] == 6

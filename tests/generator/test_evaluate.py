@@ -1,4 +1,5 @@
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -7,7 +8,7 @@ import pytest
 
 from generator.datasets import arithmetic_examples
 from generator.engines.hf import TransformersEngine
-from generator.evaluate import evaluate, pass_at_k
+from generator.evaluate import evaluate, generate_in_chunks, pass_at_k
 from generator.tasks.arithmetic import ArithmeticTask
 from shared.config.schema import GRPOConfig
 from shared.errors import UsageError
@@ -59,3 +60,26 @@ def test_logprobs_command_queries_a_running_server(tiny_model_dir, tmp_path):
         bad = subprocess.run([GRPO, "logprobs", "--server", live.url, "--input-ids", "5", "-6",
                               "--prompt-length", "1"], capture_output=True, text=True, timeout=120)
         assert bad.returncode == 2 and "token id -6" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_chunked_generation_reports_progress_and_samples_what_one_call_samples(tiny_model_dir):
+    engine = TransformersEngine(tiny_model_dir, max_batch_sequences=7)  # 3 samples each: chunks of 2 prompts
+    prompts = [engine.tokenizer(e.question)["input_ids"]
+               for e in arithmetic_examples(ArithmeticTask(), "test", 5, seed=1)]
+    sampling = SamplingParams(temperature=1.0, max_tokens=6)
+    reported = []
+    chunked = generate_in_chunks(engine, prompts, sampling, 3, 7, reported.append)
+    whole = engine.generate(prompts, sampling, 3, seed=7)
+    assert reported == [6, 12, 15]
+    assert [[c.token_ids for c in g] for g in chunked] == [[c.token_ids for c in g] for g in whole]
+    other_seed = engine.generate(prompts, sampling, 3, seed=8)
+    assert [[c.token_ids for c in g] for g in other_seed] != [[c.token_ids for c in g] for g in whole]
+
+
+def test_evaluation_says_how_far_it_is(tiny_model_dir, caplog):
+    config = GRPOConfig.model_validate({"generator": {"sampling": {"max_tokens": 4}},
+                                        "eval": {"num_examples": 3, "k": 2, "engine": "transformers"}})
+    with caplog.at_level(logging.INFO, logger="grpo.eval"):
+        evaluate(config, str(tiny_model_dir))
+    lines = [r.getMessage() for r in caplog.records if r.name == "grpo.eval"]
+    assert lines[-1].startswith(f"evaluating {tiny_model_dir} on 3 test examples: 9/9 sequences (100%), in ")

@@ -148,7 +148,7 @@ def test_python_reward_and_weighted_sum_with_contained_errors():
 def test_reward_config_errors_are_clear():
     with pytest.raises(ValueError, match="unknown reward 'bleu'"):
         RewardSpec(name="bleu")
-    with pytest.raises(ValueError, match="cannot import reward function 'nope.mod:fn'"):
+    with pytest.raises(ValueError, match=r"generator.rewards\[0\] \(python\): function 'nope.mod:fn': cannot import module 'nope.mod'"):
         RewardSet.from_specs([RewardSpec(name="python", args={"function": "nope.mod:fn"})])
     with pytest.raises(ValueError, match="bad arguments"):
         RewardSet.from_specs([RewardSpec(name="format", args={"colour": "red"})])

@@ -31,7 +31,8 @@ class RewardSpec(StrictModel):
     weight: float = Field(1.0, description="Weight in the total reward.")
     on_error: float = Field(0.0, description="Score given when the reward raises or returns a non-finite value.")
     args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the reward's factory, "
-                                 "e.g. {match: 1.25, mismatch: -1} for format or {function: 'mod:fn'} for python.")
+                                 "e.g. {match: 1.25, mismatch: -1} for format or {function: 'my_reward.py:score'} (or "
+                                 "'package.module:score') for python.")
 
     @field_validator("name")
     @classmethod

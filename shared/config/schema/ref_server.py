@@ -77,6 +77,12 @@ class RefServerConfig(StrictModel):
         1000, ge=1, description="Refuse a weights upload, a learner version report or a learner registration whose "
         "version is more than this ahead of the newest the hub knows (the learner's reported version, the relay's "
         "newest weights): a runaway version would make every queued group look stale.")
+    learner_session_ttl_s: float = Field(
+        60.0, gt=0, description="A registered learner session counts as live while the learner was heard from "
+        "(reports, uploads, its heartbeat every third of this or of lease_timeout_s) within this many seconds: "
+        "meanwhile a new learner registration is refused (409) unless it presents the session id (a learner "
+        "started with --resume), so no other local process can take the hub from the running learner. A learner "
+        "that crashed and will not resume can be replaced once its session has been quiet this long.")
     keep_weight_versions: int = Field(2, ge=1, description="How many newest weight versions to keep on disk.")
     max_weight_bytes: int = Field(
         256 * 2**30, ge=1024, description="Largest weights upload accepted (one safetensors file per version).")
@@ -93,3 +99,6 @@ class RefServerConfig(StrictModel):
         "/metrics and /v1/hub/stats) and is never delivered again. 1: the first failure quarantines every group of "
         "the lease.")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Server log level.")
+    access_log: bool = Field(False, description="Log one line per HTTP request (uvicorn's access log; "
+                             "`grpo ref-server --access-log`). Off by default: a training run makes several "
+                             "requests per step, and they drowned everything else in the log.")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
 from shared.config.schema.base import StrictModel
@@ -33,6 +35,11 @@ class RunConfig(StrictModel):
     health_timeout_s: float = Field(300.0, gt=0, description="How long to wait for the ref server's /healthz.")
     stop_grace_s: float = Field(30.0, gt=0, description="After SIGTERM, how long a service may take to exit "
                                 "before it is killed.")
+    console: Literal["progress", "full"] = Field(
+        "progress", description="What the `grpo run` console shows. progress: a line per learner step (step N/M, "
+        "reward, batch accuracy, tokens/s, ETA), warnings and errors, and the services' start and stop lines; "
+        "full: every line of every service (`grpo run --verbose`). Either way each service's whole output is in "
+        "run_dir/logs/NAME.log.")
     tail_lines: int = Field(20, ge=1, description="Log lines of a service that died shown on the console.")
     fork_services: bool = Field(
         True, description="When no service is placed on a GPU: start the learner (one rank) and the generators as "
