@@ -77,7 +77,7 @@ def test_console_flags_reach_the_config(argv, module, read, tmp_path, monkeypatc
     path = tmp_path / "c.yaml"
     path.write_text("seed: 1\n")
     seen = []
-    monkeypatch.setattr(module, lambda config: seen.append(read(config)) or 0)
+    monkeypatch.setattr(module, lambda config, **flags: seen.append(read(config)) or 0)
     # the checks before start (deploy/preflight.py) would refuse this model-less config; they have tests of their own
     monkeypatch.setattr("deploy.preflight.require", lambda config, checks: None)
     assert main([str(path) if a == "CONFIG" else a for a in argv]) == 0

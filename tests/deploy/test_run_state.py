@@ -21,6 +21,7 @@ from shared.config.loader import load_config
 from shared.config.schema import GRPOConfig
 from shared.config.schema.paths import under_run_dir
 from shared.errors import UsageError
+from tests.e2e.test_run import free_port
 
 
 def config_for(run_dir, *overrides: str) -> GRPOConfig:
@@ -140,9 +141,16 @@ def test_summary_says_where_the_model_logs_metrics_and_checkpoint_are(tmp_path):
     ]
 
 
-def test_grpo_run_refuses_a_used_run_dir_in_one_line_before_starting(tmp_path, capsys):
+def valid_config(model_dir) -> str:
+    """A config that passes `grpo run`'s checks (deploy/preflight.py), so that the run folder is what is refused."""
+    return (f"algorithm: {{loss: {{beta: 0.0}}}}\nref_server: {{port: {free_port()}}}\n"
+            f"generator: {{model: {model_dir}}}\n"
+            f"learner: {{model: {model_dir}}}\n")
+
+
+def test_grpo_run_refuses_a_used_run_dir_in_one_line_before_starting(tmp_path, capsys, tiny_model_dir):
     config = tmp_path / "train.yaml"
-    config.write_text(f"learner: {{model: {tmp_path / 'm'}}}\nrun: {{run_dir: {tmp_path / 'r'}}}\n")
+    config.write_text(valid_config(tiny_model_dir) + f"run: {{run_dir: {tmp_path / 'r'}}}\n")
     (tmp_path / "r").mkdir()
     (tmp_path / "r/metrics.jsonl").write_text("{}\n")
     assert cli.main(["run", str(config)]) == 2
@@ -152,9 +160,9 @@ def test_grpo_run_refuses_a_used_run_dir_in_one_line_before_starting(tmp_path, c
     assert not (tmp_path / "r/logs").exists() and not (tmp_path / "r/config.yaml").exists()
 
 
-def test_grpo_run_defaults_the_run_dir_to_the_configs_name(tmp_path, capsys, monkeypatch):
+def test_grpo_run_defaults_the_run_dir_to_the_configs_name(tmp_path, capsys, monkeypatch, tiny_model_dir):
     monkeypatch.chdir(tmp_path)
-    Path("arith.yaml").write_text("learner: {model: m}\n")
+    Path("arith.yaml").write_text(valid_config(tiny_model_dir))
     Path("runs/arith").mkdir(parents=True)
     Path("runs/arith/metrics.jsonl").write_text("{}\n")
     assert cli.main(["run", "arith.yaml"]) == 2
