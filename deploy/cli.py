@@ -52,10 +52,17 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     from shared.config.loader import load_config
 
     config = load_config(config_path(args.config), args.set)
+    if config.run.run_dir is None:  # the state paths shown are the ones `grpo run` of this file would use
+        config = load_config(config_path(args.config), [*args.set, f"run.run_dir={default_run_dir(args.config)}"])
     if not args.schema_only:
         require(config, CONFIG_CHECKS)
     print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
     return 0
+
+
+def default_run_dir(config: str) -> str:
+    """Where `grpo run CONFIG` keeps its state when the config sets no ``run.run_dir``: ``runs/<config name>``."""
+    return f"runs/{Path(config_path(config)).stem}"
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -65,7 +72,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     config = load_with_flags(args, {"run_dir": "run.run_dir", "console": "run.console"})
     if config.run.run_dir is None:  # each config its own run folder by default
-        args.set = [*args.set, f"run.run_dir=runs/{Path(config_path(args.config)).stem}"]
+        args.set = [*args.set, f"run.run_dir={default_run_dir(args.config)}"]
         config = load_with_flags(args, {"run_dir": "run.run_dir", "console": "run.console"})
     require(config, RUN_CHECKS)  # every mistake found before any service starts
     return run(config, resume=args.resume, fresh=args.fresh, source=args.config)

@@ -88,10 +88,14 @@ def test_the_readme_section_trains_as_written(tmp_path, tiny_model_dir):
         assert result.returncode == 0, f"{command}: {result.stdout[-3000:]}\n{result.stderr[-3000:]}"
         print(f"{command}: {time.perf_counter() - started:.1f} s")
     steps = config["learner"]["max_steps"]
-    metrics = [json.loads(line) for line in (tmp_path / config["learner"]["metrics_jsonl"]).read_text().splitlines()]
+    # where the section says the run's files land: under the default run folder, runs/<config name>
+    text = section((ROOT / "README.md").read_text())
+    assert all(f"`runs/my-run/{name}`" in text for name in ("model", "metrics.jsonl", "logs/"))
+    run_dir = tmp_path / "runs" / "my-run"
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, steps + 1))
     assert all("reward/python" in m for m in metrics)   # the user's reward scored every batch
-    output = Path(tmp_path / config["learner"]["output_dir"])
+    output = run_dir / "model"
     assert (output / "config.json").exists() and (output / "model.safetensors").exists()
-    logs = tmp_path / config["run"]["run_dir"] / "logs"
+    logs = run_dir / "logs"
     assert "failed on" not in (logs / "gen-0.log").read_text()
