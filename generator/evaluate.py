@@ -3,6 +3,11 @@
 Training rollout rewards are not accuracy (they are sampled, on the training split, and may include shaping terms);
 this evaluates a model folder on the evaluation split with greedy decoding and with k samples per example.
 
+With ``generator.environment`` set, the same environment runs (generator/multiturn.py): every trajectory is scored
+as in training (the reward functions on the whole trajectory's text, or the environment's reward with ``reward:
+environment``, whose component is then ``environment``), and the result adds the tool-call rate (greedy
+trajectories with at least one observation appended), turns per trajectory and environment failures.
+
 It says how far it is (logger ``grpo.eval``, a line every :data:`PROGRESS_EVERY_S` seconds with the percentage and
 the time left): on a CPU the demo's 500 examples take a while.
 """
@@ -12,9 +17,10 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from generator.datasets import render_prompt
+from generator.loop import environment_rewards
 from generator.main import build_engine, load_examples, system_prompt_for
 from generator.rewards import RewardSet
 from shared.config.schema import GRPOConfig
@@ -36,11 +42,19 @@ class EvalResult:
     greedy_mean_reward: float
     greedy_rewards: dict[str, float]
     accuracy_reward: str
+    # multi-turn only (None without an environment), over the greedy trajectories
+    tool_call_rate: float | None = None         # share with >= 1 observation appended
+    turns_per_trajectory: float | None = None   # model turns
+    env_errors: int | None = None               # trajectories failed by their environment
 
     def as_dict(self) -> dict:
-        return {"greedy_accuracy": self.greedy_accuracy, f"pass@{self.k}": self.pass_at_k, "k": self.k,
-                "num_examples": self.num_examples, "greedy_mean_reward": self.greedy_mean_reward,
-                "greedy_rewards": self.greedy_rewards, "accuracy_reward": self.accuracy_reward}
+        out = {"greedy_accuracy": self.greedy_accuracy, f"pass@{self.k}": self.pass_at_k, "k": self.k,
+               "num_examples": self.num_examples, "greedy_mean_reward": self.greedy_mean_reward,
+               "greedy_rewards": self.greedy_rewards, "accuracy_reward": self.accuracy_reward}
+        if self.tool_call_rate is not None:
+            out.update(tool_call_rate=self.tool_call_rate, turns_per_trajectory=self.turns_per_trajectory,
+                       env_errors=self.env_errors)
+        return out
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -70,16 +84,33 @@ def generate_in_chunks(engine, prompts: list[list[int]], sampling: SamplingParam
     return results
 
 
+def rollouts_in_chunks(runner, samples: list[dict], prompts: list[list[int]], sampling: SamplingParams, n: int,
+                       seed: int | None, progress: Callable[[int], object], per_call: int = 64) -> list:
+    """Multi-turn: ``runner.generate`` (a MultiTurnRollouts) over ``per_call`` prompts at a time, with
+    ``progress(trajectories done)`` after each chunk; chunk ``c`` is seeded ``seed + c``."""
+    results: list = []
+    for c, start in enumerate(range(0, len(prompts), per_call)):
+        _, groups = runner.generate(samples[start:start + per_call], prompts[start:start + per_call], sampling, n,
+                                    seed=None if seed is None else seed + c)
+        results += groups
+        progress(len(results) * n)
+    return results
+
+
 def evaluate(config: GRPOConfig, model_dir: str) -> EvalResult:
     cfg, gen = config.eval, config.generator
     dataset = gen.dataset.model_copy(update={"split": cfg.split,
                                              "arithmetic_pool": min(gen.dataset.arithmetic_pool, cfg.num_examples)})
     examples = load_examples(dataset, seed=config.seed + 1)[:cfg.num_examples]
     rewards = RewardSet.from_specs(gen.rewards)
-    names = [t.name for t in rewards.terms]
+    environment = gen.environment
+    names = ["environment"] if environment is not None and environment.reward == "environment" else \
+        [t.name for t in rewards.terms]
     judge = cfg.accuracy_reward or names[0]
     if judge not in names:
-        raise UsageError(f"eval.accuracy_reward {judge!r} is not one of the generator's rewards {names}")
+        raise UsageError(f"eval.accuracy_reward {judge!r} is not one of the generator's rewards {names}"
+                         + (" (generator.environment.reward: environment scores with 'environment' only)"
+                            if names == ["environment"] else ""))
     engine_config = config.model_copy(update={"generator": gen.model_copy(update={"model": model_dir,
                                                                                   "engine": cfg.engine})})
     engine = build_engine(engine_config)
@@ -91,13 +122,24 @@ def evaluate(config: GRPOConfig, model_dir: str) -> EvalResult:
                              add_special_tokens=not chat)["input_ids"] for e in examples]
         ticker = Ticker(f"evaluating {model_dir} on {len(prompts)} {cfg.split} examples", len(prompts) * (1 + cfg.k),
                         log.info, every_s=PROGRESS_EVERY_S, unit="sequences")
-        greedy = generate_in_chunks(engine, prompts, SamplingParams(temperature=0.0,
-                                                                    max_tokens=gen.sampling.max_tokens), 1, None,
-                                    lambda done: ticker.update(done, "greedy"))
-        sampled = generate_in_chunks(engine, prompts, SamplingParams(
-            temperature=cfg.temperature, top_p=gen.sampling.top_p, top_k=gen.sampling.top_k,
-            max_tokens=gen.sampling.max_tokens), cfg.k, config.seed,
-            lambda done: ticker.update(len(prompts) + done, f"pass@{cfg.k} samples"))
+        greedy_sampling = SamplingParams(temperature=0.0, max_tokens=gen.sampling.max_tokens)
+        sampling = SamplingParams(temperature=cfg.temperature, top_p=gen.sampling.top_p, top_k=gen.sampling.top_k,
+                                  max_tokens=gen.sampling.max_tokens)
+        if environment is None:
+            greedy = generate_in_chunks(engine, prompts, greedy_sampling, 1, None,
+                                        lambda done: ticker.update(done, "greedy"))
+            sampled = generate_in_chunks(engine, prompts, sampling, cfg.k, config.seed,
+                                         lambda done: ticker.update(len(prompts) + done, f"pass@{cfg.k} samples"))
+        else:
+            from generator.multiturn import MultiTurnRollouts
+
+            samples = [{"question": e.question, **e.data} for e in examples]
+            runner = MultiTurnRollouts(engine, tokenizer, environment)
+            greedy = rollouts_in_chunks(runner, samples, prompts, greedy_sampling, 1, config.seed,
+                                        lambda done: ticker.update(done, "greedy"))
+            greedy_env = replace(runner.stats)
+            sampled = rollouts_in_chunks(runner, samples, prompts, sampling, cfg.k, config.seed,
+                                         lambda done: ticker.update(len(prompts) + done, f"pass@{cfg.k} samples"))
     finally:
         engine.close()
     correct = 0
@@ -105,16 +147,29 @@ def evaluate(config: GRPOConfig, model_dir: str) -> EvalResult:
     total_reward = 0.0
     pass_sum = 0.0
     for example, g, s in zip(examples, greedy, sampled):
-        texts = [tokenizer.decode(g[0].token_ids, skip_special_tokens=True)]
-        scores = rewards.score_group(example.question, texts, example.data)
+        scores = score(rewards, example, g, tokenizer, environment)
         correct += scores.components[judge][0] >= cfg.threshold
         total_reward += scores.total[0]
         for name in names:
             totals[name] += scores.components[name][0]
-        sample_texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in s]
-        sample_scores = rewards.score_group(example.question, sample_texts, example.data)
+        sample_scores = score(rewards, example, s, tokenizer, environment)
         hits = sum(v >= cfg.threshold for v in sample_scores.components[judge])
-        pass_sum += pass_at_k(len(sample_texts), hits, cfg.k)
+        pass_sum += pass_at_k(len(s), hits, cfg.k)
     n = len(examples)
-    return EvalResult(correct / n, pass_sum / n, cfg.k, n, total_reward / n, {k: v / n for k, v in totals.items()},
-                      judge)
+    result = EvalResult(correct / n, pass_sum / n, cfg.k, n, total_reward / n, {k: v / n for k, v in totals.items()},
+                        judge)
+    if environment is not None:
+        result.tool_call_rate = sum(0 in (g[0].mask or []) for g in greedy) / n
+        result.turns_per_trajectory = greedy_env.turns / max(greedy_env.trajectories, 1)
+        result.env_errors = greedy_env.env_errors
+    return result
+
+
+def score(rewards: RewardSet, example, completions: list, tokenizer, environment):
+    """The rewards of one example's completions, as training scores them (multi-turn: the whole trajectory's text;
+    with ``reward: environment`` the environment's, as component ``environment``; ``on_error`` for failures)."""
+    texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
+    scores = rewards.score_group(example.question, texts, example.data)
+    if environment is not None:
+        environment_rewards(scores, completions, environment)
+    return scores

@@ -2,6 +2,7 @@ import json
 import logging
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -83,3 +84,46 @@ def test_evaluation_says_how_far_it_is(tiny_model_dir, caplog):
         evaluate(config, str(tiny_model_dir))
     lines = [r.getMessage() for r in caplog.records if r.name == "grpo.eval"]
     assert lines[-1].startswith(f"evaluating {tiny_model_dir} on 3 test examples: 9/9 sequences (100%), in ")
+
+
+def final_after_result(prompt, completion, example):
+    """The calculator model's answer: the text after the last observation is the reference."""
+    return 1.0 if completion.rsplit("</result>", 1)[-1].strip() == example["answer"] else 0.0
+
+
+@pytest.mark.slow  # three greedy/sampled multi-turn passes of the calculator model (~10-25 s on a busy CPU)
+def test_eval_with_the_calculator_counts_tool_calls_and_scores_whole_trajectories(calc_model_dir, tmp_path):
+    from generator.multiturn import MultiTurnRollouts
+    from generator.rewards import RewardSet
+    from shared.config.schema.generator import EnvironmentConfig
+    from tests.calc_model import PROBLEMS
+
+    questions = [f"{e}=" for e in PROBLEMS] + ["6*7="]   # memorised (calls the calculator) and not
+    data = tmp_path / "problems.jsonl"
+    data.write_text("".join(json.dumps({"question": q, "answer": str(eval(q[:-1]))}) + "\n" for q in questions))
+    config = GRPOConfig.model_validate({
+        "generator": {"dataset": {"kind": "jsonl", "path": str(data), "system_prompt": ""},
+                      "rewards": [{"name": "python", "args": {
+                          "function": "tests.generator.test_evaluate:final_after_result"}}],
+                      "sampling": {"max_tokens": 24},
+                      "environment": {"name": "calculator", "max_turns": 3}},
+        "eval": {"num_examples": len(questions), "k": 1, "engine": "transformers", "split": "train"}})
+    result = evaluate(config, str(calc_model_dir))
+    # an independent count: the same greedy trajectories, scored by the arithmetic reward on their text
+    engine = TransformersEngine(calc_model_dir)
+    runner = MultiTurnRollouts(engine, engine.tokenizer, EnvironmentConfig(name="calculator", max_turns=3))
+    prompts = [engine.tokenizer(q, add_special_tokens=False)["input_ids"] for q in questions]
+    _, groups = runner.generate([{"question": q} for q in questions], prompts,
+                                SamplingParams(temperature=0.0, max_tokens=24), 1)
+    texts = [engine.tokenizer.decode(g[0].token_ids, skip_special_tokens=True) for g in groups]
+    rewards = RewardSet.from_specs(config.generator.rewards)
+    right = [rewards.score_group(q, [t], {"answer": str(eval(q[:-1]))}).components["python"][0] >= 1
+             for q, t in zip(questions, texts)]
+    called = [0 in g[0].mask for g in groups]
+    assert all(right[:4]) and all(called[:4])   # the memorised problems go through the calculator and are right
+    assert result.num_examples == len(questions) and result.env_errors == 0
+    assert result.greedy_accuracy == pytest.approx(sum(right) / len(questions))
+    assert result.tool_call_rate == pytest.approx(sum(called) / len(questions))
+    assert result.turns_per_trajectory == pytest.approx(runner.stats.turns / len(questions)) and result.turns_per_trajectory >= 4 * 2 / len(questions)
+    assert {"tool_call_rate", "turns_per_trajectory", "env_errors"} <= set(result.as_dict())
+    assert "tool_call_rate" not in replace(result, tool_call_rate=None).as_dict()  # single-turn results: absent
