@@ -46,7 +46,8 @@ class Environment(Protocol):
     def step(self, model_turn_text: str) -> str | StepResult | None: ...
 
 
-BUILT_IN = {"calculator": "generator.environments.calculator:Calculator"}
+BUILT_IN = {"calculator": "generator.environments.calculator:Calculator",
+            "guess": "generator.environments.guess:DigitGuess"}
 
 
 def environment_factory(cfg: EnvironmentConfig, key: str = "generator.environment.name"):
