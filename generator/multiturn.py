@@ -49,6 +49,7 @@ class EnvStats:
     trajectories: int = 0
     turns: int = 0            # model turns
     env_calls: int = 0        # step() calls that returned an observation (tool calls answered)
+    trajectories_with_calls: int = 0  # trajectories with at least one observation appended (the tool-call rate)
     env_errors: int = 0       # trajectories failed by their environment
     env_time_s: float = 0.0   # wall-clock time inside reset()/step(), summed over the turn's parallel calls
     env_tokens: int = 0       # completion tokens written by environments
@@ -58,6 +59,10 @@ class EnvStats:
     def masked_fraction(self) -> float:
         total = self.env_tokens + self.model_tokens
         return self.env_tokens / total if total else 0.0
+
+    @property
+    def tool_call_rate(self) -> float:
+        return self.trajectories_with_calls / self.trajectories if self.trajectories else 0.0
 
 
 @dataclass
@@ -210,6 +215,7 @@ class MultiTurnRollouts:
         for row in rows:
             self.stats.model_tokens += sum(row.mask)
             self.stats.env_tokens += len(row.mask) - sum(row.mask)
+            self.stats.trajectories_with_calls += 0 in row.mask
         return prompts, [[rows[p * n + j].completion() for j in range(n)] for p in range(len(prompts))]
 
     def _run_turns(self, rows: list[Trajectory], prompts: list[list[int]], sampling: SamplingParams, n: int,

@@ -13,11 +13,12 @@ log = logging.getLogger("grpo.generator")
 
 def environment_summary(env) -> dict[str, float | int]:
     """Multi-turn (a generator.multiturn.EnvStats, None for single-turn): turns per trajectory, tool calls answered,
-    trajectories failed by their environment, seconds in the environment, share of completion tokens it wrote."""
+    share of trajectories with one or more, trajectories failed by their environment, seconds in the environment,
+    share of completion tokens it wrote."""
     if env is None:
         return {}
     return {"turns/traj": round(env.turns / max(env.trajectories, 1), 2), "env_calls": env.env_calls,
-            "env_errors": env.env_errors, "env_s": round(env.env_time_s, 1),
+            "tool_rate": round(env.tool_call_rate, 3), "env_errors": env.env_errors, "env_s": round(env.env_time_s, 1),
             "env_token_frac": round(env.masked_fraction, 3)}
 
 

@@ -95,8 +95,8 @@ def test_progress_reports_the_environment():
     from generator.multiturn import EnvStats
     from generator.progress import environment_summary
 
-    stats = EnvStats(trajectories=4, turns=10, env_calls=6, env_errors=1, env_time_s=0.26, env_tokens=30,
-                     model_tokens=90)
-    assert environment_summary(stats) == {"turns/traj": 2.5, "env_calls": 6, "env_errors": 1, "env_s": 0.3,
-                                          "env_token_frac": 0.25}
+    stats = EnvStats(trajectories=4, turns=10, env_calls=6, trajectories_with_calls=3, env_errors=1,
+                     env_time_s=0.26, env_tokens=30, model_tokens=90)
+    assert environment_summary(stats) == {"turns/traj": 2.5, "env_calls": 6, "tool_rate": 0.75, "env_errors": 1,
+                                          "env_s": 0.3, "env_token_frac": 0.25}
     assert environment_summary(None) == {}

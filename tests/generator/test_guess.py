@@ -117,6 +117,10 @@ def test_rollouts_of_the_game_win_only_when_the_policy_reads_the_observation_tok
             assert 0 in sample.mask or example["answer"] == "000"
     turns_needed = sum(2 * (max(int(d) for d in e["answer"]) + 1) for e in examples)
     assert stats.turns == turns_needed and stats.env_errors == 0
+    assert stats.trajectories == 12 and stats.trajectories_with_calls == 2 * sum(e["answer"] != "000" for e in examples)
+    assert stats.env_calls == turns_needed - 12   # every guess but the winning one was answered with a hint
+    assert 0 < stats.masked_fraction < 1 and stats.env_time_s > 0
     blind_stats, blind = results[False]
     blind_wins = sum(s.env_reward == 1.0 for g in blind for s in g)
     assert blind_wins == 2 * sum(len(set(e["answer"])) == 1 for e in examples) and blind_stats.turns > stats.turns
+    assert blind_stats.trajectories_with_calls == 2 * sum(e["answer"] != "000" for e in examples)
