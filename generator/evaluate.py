@@ -97,6 +97,28 @@ def rollouts_in_chunks(runner, samples: list[dict], prompts: list[list[int]], sa
     return results
 
 
+def sample(engine, examples: list, prompts: list[list[int]], config: GRPOConfig, ticker: Ticker):
+    """The greedy completions (one per prompt), the k samples of each, and (multi-turn: the EnvStats of the greedy
+    trajectories, else None). With an environment every completion is a trajectory of generator/multiturn.py."""
+    cfg, gen, environment = config.eval, config.generator, config.generator.environment
+    greedy_sampling = SamplingParams(temperature=0.0, max_tokens=gen.sampling.max_tokens)
+    sampling = SamplingParams(temperature=cfg.temperature, top_p=gen.sampling.top_p, top_k=gen.sampling.top_k,
+                              max_tokens=gen.sampling.max_tokens)
+    on_greedy = lambda done: ticker.update(done, "greedy")  # noqa: E731
+    on_sampled = lambda done: ticker.update(len(prompts) + done, f"pass@{cfg.k} samples")  # noqa: E731
+    if environment is None:
+        greedy = generate_in_chunks(engine, prompts, greedy_sampling, 1, None, on_greedy)
+        return greedy, generate_in_chunks(engine, prompts, sampling, cfg.k, config.seed, on_sampled), None
+    from generator.multiturn import MultiTurnRollouts
+
+    samples = [{"question": e.question, **e.data} for e in examples]
+    runner = MultiTurnRollouts(engine, engine.tokenizer, environment)
+    greedy = rollouts_in_chunks(runner, samples, prompts, greedy_sampling, 1, config.seed, on_greedy)
+    greedy_env = replace(runner.stats)
+    sampled = rollouts_in_chunks(runner, samples, prompts, sampling, cfg.k, config.seed, on_sampled)
+    return greedy, sampled, greedy_env
+
+
 def evaluate(config: GRPOConfig, model_dir: str) -> EvalResult:
     cfg, gen = config.eval, config.generator
     dataset = gen.dataset.model_copy(update={"split": cfg.split,
@@ -122,24 +144,7 @@ def evaluate(config: GRPOConfig, model_dir: str) -> EvalResult:
                              add_special_tokens=not chat)["input_ids"] for e in examples]
         ticker = Ticker(f"evaluating {model_dir} on {len(prompts)} {cfg.split} examples", len(prompts) * (1 + cfg.k),
                         log.info, every_s=PROGRESS_EVERY_S, unit="sequences")
-        greedy_sampling = SamplingParams(temperature=0.0, max_tokens=gen.sampling.max_tokens)
-        sampling = SamplingParams(temperature=cfg.temperature, top_p=gen.sampling.top_p, top_k=gen.sampling.top_k,
-                                  max_tokens=gen.sampling.max_tokens)
-        if environment is None:
-            greedy = generate_in_chunks(engine, prompts, greedy_sampling, 1, None,
-                                        lambda done: ticker.update(done, "greedy"))
-            sampled = generate_in_chunks(engine, prompts, sampling, cfg.k, config.seed,
-                                         lambda done: ticker.update(len(prompts) + done, f"pass@{cfg.k} samples"))
-        else:
-            from generator.multiturn import MultiTurnRollouts
-
-            samples = [{"question": e.question, **e.data} for e in examples]
-            runner = MultiTurnRollouts(engine, tokenizer, environment)
-            greedy = rollouts_in_chunks(runner, samples, prompts, greedy_sampling, 1, config.seed,
-                                        lambda done: ticker.update(done, "greedy"))
-            greedy_env = replace(runner.stats)
-            sampled = rollouts_in_chunks(runner, samples, prompts, sampling, cfg.k, config.seed,
-                                         lambda done: ticker.update(len(prompts) + done, f"pass@{cfg.k} samples"))
+        greedy, sampled, greedy_env = sample(engine, examples, prompts, config, ticker)
     finally:
         engine.close()
     correct = 0
@@ -158,7 +163,7 @@ def evaluate(config: GRPOConfig, model_dir: str) -> EvalResult:
     n = len(examples)
     result = EvalResult(correct / n, pass_sum / n, cfg.k, n, total_reward / n, {k: v / n for k, v in totals.items()},
                         judge)
-    if environment is not None:
+    if greedy_env is not None:
         result.tool_call_rate = sum(0 in (g[0].mask or []) for g in greedy) / n
         result.turns_per_trajectory = greedy_env.turns / max(greedy_env.trajectories, 1)
         result.env_errors = greedy_env.env_errors
