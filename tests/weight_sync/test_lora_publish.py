@@ -93,6 +93,8 @@ def test_adapter_publish_over_a_group_transport_is_a_config_error_naming_the_key
         merged = GRPOConfig.model_validate({"learner": {"lora": {"publish": "merged"}},
                                             "weight_sync": {"transport": transport}})
         assert merged.learner.lora.publish == "merged"
+    with pytest.raises(ValidationError, match=r"learner\.lora\.publish: 'adapter' is applied by the transformers"):
+        GRPOConfig.model_validate({"learner": {"lora": {}}, "generator": {"engine": "vllm"}})
     assert GRPOConfig.model_validate({"learner": {"lora": {}}}).learner.lora.publish == "adapter"
 
 

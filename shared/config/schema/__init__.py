@@ -42,6 +42,9 @@ class GRPOConfig(StrictModel):
             raise ValueError(f"learner.lora.publish: 'adapter' is sent over the HTTP relay only; weight_sync.transport "
                              f"{self.weight_sync.transport!r} needs learner.lora.publish: merged (or use transport "
                              "'auto' / 'http')")
+        if lora is not None and lora.publish == "adapter" and self.generator.engine == "vllm":
+            raise ValueError("learner.lora.publish: 'adapter' is applied by the transformers engine only; "
+                             "generator.engine 'vllm' needs learner.lora.publish: merged")
         return self
 
     @model_validator(mode="after")
