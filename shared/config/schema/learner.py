@@ -152,3 +152,8 @@ class LearnerConfig(StrictModel):
         if self.lr_schedule != "constant" and self.max_steps is None:
             raise ValueError(f"lr_schedule {self.lr_schedule!r} needs max_steps")
         return self
+
+    @property
+    def publishes_adapter(self) -> bool:
+        """LoRA with ``publish: adapter``: publishes carry only the adapters (shared/weight_sync/params.py)."""
+        return self.lora is not None and self.lora.publish == "adapter"
