@@ -14,13 +14,22 @@ yet is read from the model folder's safetensors files.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from shared.weight_sync.layout import ADAPTER_SUFFIXES, KIND_ADAPTER, KIND_FULL, KIND_KEY, SCALING_KEY
+from shared.weight_sync.layout import (
+    ADAPTER_SUFFIXES,
+    BASE_SAMPLES_KEY,
+    KIND_ADAPTER,
+    KIND_FULL,
+    KIND_KEY,
+    SCALING_KEY,
+)
+from shared.weight_sync.params import base_samples
 
 
 class AdapterError(ValueError):
@@ -89,6 +98,25 @@ class AdapterApplier:
                     return fh.get_tensor(name)
         raise AdapterError(f"{name}: not in the model folder {self.model_dir} (the base the adapter applies to)")
 
+    def _check_base(self, layers: dict, expected: str | None) -> None:
+        """The learner's base fingerprint (``BASE_SAMPLES_KEY``: a few values per adapted layer) against our kept
+        bases: an adapter trained on another base (``generator.model`` is not ``learner.model``) would serve a
+        policy nobody trained. The tolerance covers either end holding the base in bf16."""
+        if expected is None:
+            return
+        try:
+            samples = json.loads(expected)
+            samples = {str(name): [float(v) for v in values] for name, values in samples.items()}
+        except (ValueError, TypeError, AttributeError):
+            raise AdapterError(f"{BASE_SAMPLES_KEY} metadata is not a JSON object of number lists") from None
+        for name, (layer, _, _) in layers.items():
+            ours = torch.tensor(base_samples(self._base_of(name, layer)), dtype=torch.float64)
+            theirs = torch.tensor(samples.get(name, []), dtype=torch.float64)
+            if ours.shape != theirs.shape or not torch.allclose(ours, theirs, rtol=1e-2, atol=1e-6):
+                raise AdapterError(f"the adapter was trained on another base model: layer {name!r} of the learner's "
+                                   f"base holds {theirs.tolist()} where this generator's ({self.model_dir}) holds "
+                                   f"{ours.tolist()}; generator.model must be the folder of learner.model")
+
     @torch.no_grad()
     def apply(self, path: str | Path) -> int:
         """Apply the adapter file ``path``; returns the number of adapted layers. Nothing changes when it does not
@@ -104,6 +132,7 @@ class AdapterApplier:
             if not math.isfinite(scaling):
                 raise AdapterError(f"{path}: {SCALING_KEY} {scaling} is not finite")
             layers = self._layers(fh)
+            self._check_base(layers, metadata.get(BASE_SAMPLES_KEY))
             for layer_name, (layer, a_key, b_key) in layers.items():
                 base = self._base_of(layer_name, layer)
                 a = fh.get_tensor(a_key).to(device=base.device, dtype=torch.float32)

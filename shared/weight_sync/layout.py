@@ -24,6 +24,7 @@ KIND_KEY = "grpo_weights"
 KIND_FULL = "full"
 KIND_ADAPTER = "lora_adapter"
 SCALING_KEY = "grpo_lora_scaling"
+BASE_SAMPLES_KEY = "grpo_lora_base_samples"  # a few base values per adapted layer: the generator's must match
 ADAPTER_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
 
 # the weights' allow-list: floats only (names of the one table in shared/protocol/safetensors_header.py)

@@ -11,12 +11,13 @@ generators serve the merged policy without knowing about peft.
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from shared.weight_sync.layout import ADAPTER_SUFFIXES, KIND_ADAPTER, KIND_KEY, SCALING_KEY
+from shared.weight_sync.layout import ADAPTER_SUFFIXES, BASE_SAMPLES_KEY, KIND_ADAPTER, KIND_KEY, SCALING_KEY
 
 ADAPTER = "default"  # peft's adapter name; the learner injects one adapter
 _BASE = ".base_layer."
@@ -127,5 +128,23 @@ def adapter_tensors(model: torch.nn.Module) -> tuple[list[PolicyTensor], float]:
     return tensors, scalings.pop()
 
 
-def adapter_metadata(scaling: float) -> dict[str, str]:
-    return {KIND_KEY: KIND_ADAPTER, SCALING_KEY: repr(float(scaling))}
+def base_samples(weight: torch.Tensor) -> list[float]:
+    """Four values of a base weight (first, at 1/3, at 2/3, last of its flat order): a fingerprint of the base an
+    adapter applies to, compared with a bf16-sized tolerance (either end may hold the base in another dtype)."""
+    flat = weight.detach().reshape(-1)
+    n = flat.numel()
+    return [float(flat[i]) for i in sorted({0, n // 3, 2 * n // 3, n - 1})] if n else []
+
+
+def adapted_base_weights(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """Adapted layer name -> its frozen base weight."""
+    return {name.split(_BASE, 1)[0]: param for name, param in model.named_parameters()
+            if name.endswith(_BASE + "weight")}
+
+
+def adapter_metadata(scaling: float, bases: dict[str, torch.Tensor] | None = None) -> dict[str, str]:
+    """The metadata of an adapter publish; ``bases`` (:func:`adapted_base_weights`) adds their fingerprint."""
+    metadata = {KIND_KEY: KIND_ADAPTER, SCALING_KEY: repr(float(scaling))}
+    if bases is not None:
+        metadata[BASE_SAMPLES_KEY] = json.dumps({name: base_samples(w) for name, w in bases.items()})
+    return metadata

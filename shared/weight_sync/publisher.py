@@ -23,7 +23,13 @@ import torch.distributed as dist
 from shared.config.schema.weight_sync import WeightSyncConfig
 from shared.protocol.client import HubClient, HubError, HubUnavailable
 from shared.weight_sync.layout import Layout
-from shared.weight_sync.params import adapter_metadata, adapter_tensors, gathered, policy_tensors
+from shared.weight_sync.params import (
+    adapted_base_weights,
+    adapter_metadata,
+    adapter_tensors,
+    gathered,
+    policy_tensors,
+)
 from shared.weight_sync.sender import WeightSender, WeightsRefusedError
 
 log = logging.getLogger("grpo.learner.weight_sync")
@@ -44,7 +50,8 @@ class WeightPublisher:
         metadata: dict[str, str] = {}
         if adapter_only:  # only the adapters (generators hold the base); no groups: they would load full weights
             self.tensors, scaling = adapter_tensors(module)
-            metadata = adapter_metadata(scaling)
+            # the base is frozen: its fingerprint, computed once, lets generators check they hold the same one
+            metadata = adapter_metadata(scaling, adapted_base_weights(module))
             cfg = self.cfg = cfg.model_copy(update={"transport": "http"})
         else:
             self.tensors = policy_tensors(module)  # LoRA layers merged: generators get plain weights

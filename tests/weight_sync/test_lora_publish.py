@@ -19,7 +19,13 @@ from shared.config.schema.learner import LoraConfig
 from shared.forward.logprobs import naive_sequence_logprobs
 from shared.protocol.client import LEARNER_SESSION_HEADER, HubClient, RetryPolicy
 from shared.weight_sync.layout import Layout
-from shared.weight_sync.params import adapter_metadata, adapter_tensors, iter_parameters, policy_tensors
+from shared.weight_sync.params import (
+    adapted_base_weights,
+    adapter_metadata,
+    adapter_tensors,
+    iter_parameters,
+    policy_tensors,
+)
 from shared.weight_sync.publisher import WeightPublisher
 from shared.weight_sync.receiver import WeightReceiver
 from tests.live_server import LiveServer, make_config
@@ -49,10 +55,11 @@ def adapter_header(model, metadata=None) -> tuple[Layout, dict]:
     return layout, json.loads(raw[8:])
 
 
-def write_adapter(model, path, scaling=None) -> None:
-    tensors, own = adapter_tensors(model)
+def write_adapter(model, path) -> None:
+    """What the learner's publisher sends (its layout's bytes, header metadata included)."""
+    tensors, scaling = adapter_tensors(model)
     save_file({t.name: t.compute().contiguous() for t in tensors}, str(path),
-              metadata=adapter_metadata(own if scaling is None else scaling))
+              metadata=adapter_metadata(scaling, adapted_base_weights(model)))
 
 
 def logprobs(model) -> torch.Tensor:
@@ -145,6 +152,25 @@ def test_after_a_full_load_the_base_of_a_new_layer_comes_from_the_model_folder(t
     for name, param in engine.model.named_parameters():
         if name in adapted:  # base + B @ A, the base read again from the folder, not the loaded +0.5 weights
             assert torch.equal(param, merged[name]), name
+
+
+def test_an_adapter_trained_on_another_base_is_refused_and_changes_nothing(tiny_model_dir, tmp_path):
+    from deploy.demo.tiny_model import TinyModelSpec, build_char_tokenizer, build_tiny_model, save_model_dir
+
+    tokenizer = build_char_tokenizer()
+    other_dir = save_model_dir(build_tiny_model(tokenizer, TinyModelSpec(seed=2)), tokenizer, tmp_path / "other")
+    engine = TransformersEngine(other_dir)  # generator.model is not learner.model
+    before = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+    write_adapter(lora_model(tiny_model_dir, seed=6), tmp_path / "a.safetensors")
+    with pytest.raises(WeightLoadError, match=r"trained on another base model: layer 'model\.layers\.0\.[a-z_.]+' "
+                       r"of the learner's base holds \[.*\] where this generator's \(.*other\) holds \[.*\]; "
+                       r"generator.model must be the folder of learner.model"):
+        engine.apply_adapter(tmp_path / "a.safetensors")
+    for name, param in engine.model.named_parameters():
+        assert torch.equal(param, before[name]), name
+    # the same base held in bfloat16 by the generator passes the check
+    bf16 = TransformersEngine(tiny_model_dir, dtype=torch.bfloat16)
+    bf16.apply_adapter(tmp_path / "a.safetensors")
 
 
 def client(url: str) -> HubClient:
