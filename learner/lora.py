@@ -3,8 +3,9 @@
 The model keeps its own class (``LlamaForCausalLM`` stays one): peft's :func:`inject_adapter_in_model` replaces
 each targeted linear layer by a LoRA layer holding the frozen base layer and the trainable ``lora_A``/``lora_B``.
 So the forward code, gradient checkpointing and attention settings work unchanged; only the adapter parameters
-require gradients, and the DeepSpeed optimizer is built from those alone (learner/engine.py). Publishing and the
-final folder merge the adapters (:func:`shared.weight_sync.params.policy_tensors`).
+require gradients, and the DeepSpeed optimizer is built from those alone (learner/engine.py). Publishes carry only
+the adapters (``learner.lora.publish: adapter``, :func:`shared.weight_sync.params.adapter_tensors`) or the merged
+policy (``merged``); the final folder is always merged (:func:`shared.weight_sync.params.policy_tensors`).
 
 The adapter is also saved in peft's own format (``adapter_model.safetensors`` + ``adapter_config.json``) in
 each checkpoint, which ``grpo export --merge`` (and ``PeftModel.from_pretrained``) read.

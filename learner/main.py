@@ -144,7 +144,7 @@ class Learner:
         # weight sync: a send buffer on rank 0 and background transfers (its threads get their own clients)
         self.publisher = WeightPublisher(
             self.engine.module, self._client, config.weight_sync, rank=self.rank, world=self.world,
-            device=self.device, relay_version=self.relay_at_start)
+            device=self.device, relay_version=self.relay_at_start, adapter_only=cfg.publishes_adapter)
         self._register(resume, unacked)
         # the next batch is leased and decoded while this one trains (its own client: sessions are per thread)
         self.prefetcher = BatchPrefetcher(service_client(cfg.hub_url, config.ref_server.token, cfg.retry_max_s),

@@ -11,6 +11,7 @@ from safetensors import safe_open
 
 from generator.engines.base import SampledCompletion, SampledTurn
 from shared.protocol.records import SamplingParams
+from shared.weight_sync.adapter import AdapterApplier, AdapterError
 
 log = logging.getLogger("grpo.generator.hf")
 
@@ -124,10 +125,20 @@ class TransformersEngine(TurnSampling):
         self.eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None} or {self.tokenizer.eos_token_id}
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else next(iter(self.eos_ids))
+        self._adapters = AdapterApplier(self.model, model_dir)  # learner.lora.publish: adapter
 
     def load_weights(self, path: Path) -> None:
         count = load_safetensors_into(self.model, path)
+        self._adapters.full_weights_loaded()
         log.info("loaded %d tensors from %s", count, path)
+
+    def apply_adapter(self, path: Path) -> None:
+        """A LoRA adapter version: each adapted layer becomes base + scaling * B @ A (shared/weight_sync/adapter.py)."""
+        try:
+            count = self._adapters.apply(path)
+        except AdapterError as exc:
+            raise WeightLoadError(str(exc)) from None
+        log.info("applied a LoRA adapter to %d layers from %s", count, path)
 
     # -- weight sync through a group with the learner (shared/weight_sync/receiver.py) ---------------------
     weight_sync_workers = 1
@@ -155,6 +166,7 @@ class TransformersEngine(TurnSampling):
 
         if self._weight_group is None:
             raise RuntimeError("not connected to a weight-sync group")
+        self._adapters.full_weights_loaded()
         return self._weight_group.receive(lambda tensors: copy_into_module(self.model, tensors))
 
     def disconnect_weight_group(self) -> None:

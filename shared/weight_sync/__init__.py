@@ -13,7 +13,9 @@ The learner's end (imported by ``learner/``):
 The generator's end (imported by ``generator/``; its engines only add engine glue):
 
 * :mod:`~shared.weight_sync.receiver`: between engine calls, take the newest version by the best transport;
-* :mod:`~shared.weight_sync.group_receiver`: the receiving end of one group, for any engine (vLLM's workers too).
+* :mod:`~shared.weight_sync.group_receiver`: the receiving end of one group, for any engine (vLLM's workers too);
+* :mod:`~shared.weight_sync.adapter`: a LoRA adapter version (``learner.lora.publish: adapter``) applied onto the
+  base weights the engine keeps.
 
 The hub's broker (imported by ``ref_server/``, whose ``relay/routes.py`` is only the HTTP side):
 

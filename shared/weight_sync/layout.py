@@ -19,6 +19,14 @@ import torch
 
 from shared.protocol.safetensors_header import DTYPES, METADATA, NAMES, encode_header
 
+# what a published file holds (its safetensors metadata; shared/weight_sync/params.py builds adapter publishes)
+KIND_KEY = "grpo_weights"
+KIND_FULL = "full"
+KIND_ADAPTER = "lora_adapter"
+SCALING_KEY = "grpo_lora_scaling"
+BASE_SAMPLES_KEY = "grpo_lora_base_samples"  # a few base values per adapted layer: the generator's must match
+ADAPTER_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
+
 # the weights' allow-list: floats only (names of the one table in shared/protocol/safetensors_header.py)
 WEIGHT_DTYPES = frozenset({"F32", "F16", "BF16", "F64"})
 
@@ -81,10 +89,22 @@ class Layout:
         """A 31-bit checksum of the layout, sent with every version so both ends know they agree."""
         return zlib.crc32(json.dumps(self.to_json(), separators=(",", ":")).encode()) & 0x7FFFFFFF
 
+    @property
+    def kind(self) -> str:
+        """What a version of this layout holds: ``lora_adapter`` (LoRA matrices only, ``learner.lora.publish:
+        adapter``) or ``full`` (every weight of the policy). See shared/weight_sync/params.py."""
+        adapter = any(t.name.endswith(ADAPTER_SUFFIXES) for t in self.tensors)
+        return KIND_ADAPTER if adapter else KIND_FULL
+
     def mismatch(self, header: dict) -> str | None:
         """The first way a safetensors ``header`` (parsed JSON) differs from this layout, in layout order, or None:
-        a tensor missing, of another dtype or shape, or one the layout does not have. The relay refuses weights
-        that would not load into the learner's model (ref_server/relay/routes.py)."""
+        a tensor missing, of another dtype or shape, or one the layout does not have, or a file whose metadata
+        says it holds another kind (an adapter for a full layout, full weights for an adapter layout, an adapter
+        without a valid scaling). The relay refuses weights that would not load into the learner's model
+        (ref_server/relay/routes.py)."""
+        problem = self._kind_mismatch(header.get(METADATA))
+        if problem is not None:
+            return problem
         tensors = {name: spec for name, spec in header.items() if name != METADATA}
         for t in self.tensors:
             spec = tensors.get(t.name)
@@ -96,6 +116,20 @@ class Layout:
                 return f"tensor {t.name!r} has shape {_short(spec.get('shape'))}, the model's is {list(t.shape)}"
         extra = sorted(set(tensors) - {t.name for t in self.tensors})
         return f"tensor {_short(extra[0])} is not in the model ({len(extra)} such)" if extra else None
+
+    def _kind_mismatch(self, metadata: object) -> str | None:
+        metadata = metadata if isinstance(metadata, dict) else {}
+        kind = metadata.get(KIND_KEY, KIND_FULL)
+        if kind != self.kind:
+            return f"the file holds {_short(kind)} weights ({KIND_KEY} metadata), the learner publishes {self.kind}"
+        if kind == KIND_ADAPTER:
+            try:
+                scaling = float(metadata.get(SCALING_KEY))
+            except (TypeError, ValueError):
+                return f"a LoRA adapter needs its scaling ({SCALING_KEY} metadata), got {_short(metadata.get(SCALING_KEY))}"
+            if not math.isfinite(scaling):
+                return f"a LoRA adapter's scaling must be finite, got {_short(metadata.get(SCALING_KEY))}"
+        return None
 
     def safetensors_header(self, metadata: dict[str, str] | None = None) -> bytes:
         """The 8-byte length + JSON header that, followed by the flat buffer, is a safetensors file."""

@@ -11,10 +11,13 @@ generators serve the merged policy without knowing about peft.
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from shared.weight_sync.layout import ADAPTER_SUFFIXES, BASE_SAMPLES_KEY, KIND_ADAPTER, KIND_KEY, SCALING_KEY
 
 ADAPTER = "default"  # peft's adapter name; the learner injects one adapter
 _BASE = ".base_layer."
@@ -92,3 +95,56 @@ def iter_parameters(model: torch.nn.Module, dtype: torch.dtype | None = None
         with gathered(tensor.params):
             value = tensor.compute()
             yield tensor.name, value.to(dtype=dtype or value.dtype, device="cpu").contiguous()
+
+
+# -- adapter-only publishing (learner.lora.publish: adapter) -------------------------------------------------------
+# The safetensors metadata of a publish says what it holds: absent or "full" is the whole policy, "lora_adapter" is
+# only the adapters (``<layer>.lora_A.weight`` [r, in] and ``<layer>.lora_B.weight`` [out, r] per adapted layer) and
+# their scaling (alpha / r, exact as a decimal string: a bf16 tensor would round it). The receiver computes
+# ``W = W_base + scaling * B @ A`` from the base weights it already holds (shared/weight_sync/adapter.py).
+
+
+def adapter_tensors(model: torch.nn.Module) -> tuple[list[PolicyTensor], float]:
+    """The adapter matrices of every LoRA layer (``named_parameters`` order, peft's adapter name dropped:
+    ``...q_proj.lora_A.weight``) and the one scaling they share. Raises ``ValueError`` for a model without
+    adapters, for DoRA / fan_in_fan_out layers and for per-layer scalings (none of which the learner creates)."""
+    tensors, scalings = [], set()
+    for name, _ in model.named_parameters():
+        if _BASE not in name or not name.endswith(".weight"):
+            continue
+        layer_name = name.split(_BASE, 1)[0]
+        layer = model.get_submodule(layer_name)
+        if getattr(layer, "fan_in_fan_out", False) or getattr(layer, "use_dora", {}).get(ADAPTER, False):
+            raise ValueError(f"{layer_name}: only plain LoRA on linear layers is published as an adapter")
+        scalings.add(float(layer.scaling[ADAPTER]))
+        for part, suffix in (("lora_A", ADAPTER_SUFFIXES[0]), ("lora_B", ADAPTER_SUFFIXES[1])):
+            weight = getattr(layer, part)[ADAPTER].weight
+            tensors.append(PolicyTensor(layer_name + suffix, full_shape(weight), weight.dtype, (weight,),
+                                        weight.detach))
+    if not tensors:
+        raise ValueError("the model has no LoRA adapters to publish")
+    if len(scalings) != 1:
+        raise ValueError(f"adapters with different scalings {sorted(scalings)} are not published as one adapter")
+    return tensors, scalings.pop()
+
+
+def base_samples(weight: torch.Tensor) -> list[float]:
+    """Four values of a base weight (first, at 1/3, at 2/3, last of its flat order): a fingerprint of the base an
+    adapter applies to, compared with a bf16-sized tolerance (either end may hold the base in another dtype)."""
+    flat = weight.detach().reshape(-1)
+    n = flat.numel()
+    return [float(flat[i]) for i in sorted({0, n // 3, 2 * n // 3, n - 1})] if n else []
+
+
+def adapted_base_weights(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """Adapted layer name -> its frozen base weight."""
+    return {name.split(_BASE, 1)[0]: param for name, param in model.named_parameters()
+            if name.endswith(_BASE + "weight")}
+
+
+def adapter_metadata(scaling: float, bases: dict[str, torch.Tensor] | None = None) -> dict[str, str]:
+    """The metadata of an adapter publish; ``bases`` (:func:`adapted_base_weights`) adds their fingerprint."""
+    metadata = {KIND_KEY: KIND_ADAPTER, SCALING_KEY: repr(float(scaling))}
+    if bases is not None:
+        metadata[BASE_SAMPLES_KEY] = json.dumps({name: base_samples(w) for name, w in bases.items()})
+    return metadata

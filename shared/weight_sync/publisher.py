@@ -3,6 +3,11 @@
 :class:`WeightPublisher` copies every parameter into one flat send buffer on rank 0 (gathering ZeRO-3 partitions,
 every rank taking part, one parameter at a time) and returns: the learner's stall per publish is that copy. Rank
 0's :class:`shared.weight_sync.sender.WeightSender` then moves the buffer to the generators in the background.
+
+What the buffer holds: the policy's tensors (LoRA layers merged, :func:`shared.weight_sync.params.policy_tensors`),
+or with ``adapter_only`` (``learner.lora.publish: adapter``) only the LoRA matrices and their scaling
+(:func:`shared.weight_sync.params.adapter_tensors`): generators already hold the base weights (their model folder is
+``learner.model``) and apply each adapter version onto them. Adapter versions go over the HTTP relay only.
 """
 
 from __future__ import annotations
@@ -18,7 +23,13 @@ import torch.distributed as dist
 from shared.config.schema.weight_sync import WeightSyncConfig
 from shared.protocol.client import HubClient, HubError, HubUnavailable
 from shared.weight_sync.layout import Layout
-from shared.weight_sync.params import gathered, policy_tensors
+from shared.weight_sync.params import (
+    adapted_base_weights,
+    adapter_metadata,
+    adapter_tensors,
+    gathered,
+    policy_tensors,
+)
 from shared.weight_sync.sender import WeightSender, WeightsRefusedError
 
 log = logging.getLogger("grpo.learner.weight_sync")
@@ -30,10 +41,20 @@ class WeightPublisher:
 
     def __init__(self, module: torch.nn.Module, client_factory: Callable[[], HubClient], cfg: WeightSyncConfig, *,
                  rank: int,
-                 world: int, device: torch.device, relay_version: int | None) -> None:
+                 world: int, device: torch.device, relay_version: int | None, adapter_only: bool = False) -> None:
+        if adapter_only and cfg.transport in ("collective", "ipc"):
+            raise ValueError(f"learner.lora.publish: 'adapter' is sent over the HTTP relay only, not over "
+                             f"weight_sync.transport {cfg.transport!r}")
         self.module, self.cfg, self.rank, self.world, self.device = module, cfg, rank, world, device
         dtype = next(module.parameters()).dtype
-        self.tensors = policy_tensors(module)  # LoRA layers merged: generators get plain weights
+        metadata: dict[str, str] = {}
+        if adapter_only:  # only the adapters (generators hold the base); no groups: they would load full weights
+            self.tensors, scaling = adapter_tensors(module)
+            # the base is frozen: its fingerprint, computed once, lets generators check they hold the same one
+            metadata = adapter_metadata(scaling, adapted_base_weights(module))
+            cfg = self.cfg = cfg.model_copy(update={"transport": "http"})
+        else:
+            self.tensors = policy_tensors(module)  # LoRA layers merged: generators get plain weights
         self.layout = Layout.build([(t.name, t.shape) for t in self.tensors], dtype)
         self.sender: WeightSender | None = None
         self.last_copied: int | None = None
@@ -41,7 +62,7 @@ class WeightPublisher:
             on_gpu = device.type == "cuda" and cfg.transport != "http"
             buffer = torch.empty(self.layout.total_bytes, dtype=torch.uint8, device=device if on_gpu else "cpu")
             buffer.zero_()  # touch every page now, not during the first publish (a stall of its own)
-            self.sender = WeightSender(client_factory, cfg, self.layout, buffer, relay_version)
+            self.sender = WeightSender(client_factory, cfg, self.layout, buffer, relay_version, metadata=metadata)
 
     def _agree(self, flag: bool | int) -> int:
         """Rank 0's decision, on every rank (the ZeRO-3 gather below is a collective)."""

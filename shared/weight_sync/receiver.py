@@ -23,6 +23,10 @@ learner moved back below the version the generator serves (its groups would be r
 published) is followed down to the relay's current version (counted in :attr:`WeightReceiver.moved_back`). Weights holding NaN/inf are never loaded from the relay: the
 generator keeps serving its version and logs the refusal.
 
+A relay version that is a LoRA adapter (``learner.lora.publish: adapter``; its safetensors metadata says so) goes to
+the engine's ``apply_adapter(path)`` instead of ``load_weights``; an engine without it stops the generator with a
+clear error (shared/weight_sync/adapter.py).
+
 What an engine provides (``generator/engines/``): ``load_weights(path)``, ``name``, and to join a group
 ``connect_weight_group(offer)`` (the :class:`Offer` as its JSON dict: it crosses into vLLM's worker processes),
 ``receive_weight_version()``, ``disconnect_weight_group()``, optionally ``device_uuid()`` and
@@ -42,6 +46,8 @@ from shared.config.schema.weight_sync import WeightSyncConfig
 from shared.errors import ServiceError
 from shared.protocol.client import HubClient, HubError, HubUnavailable
 from shared.protocol.weight_sync_messages import JoinRequest, MemberPoll, Offer, SenderSummary
+from shared.weight_sync.adapter import file_kind
+from shared.weight_sync.layout import KIND_ADAPTER
 
 log = logging.getLogger("grpo.generator.weights")
 MAX_VANISHED = 3  # versions that vanish in a row within one sync before the generator keeps what it serves
@@ -256,7 +262,14 @@ class WeightReceiver:
                             "weights", version, bad)
                 return None
             started = time.perf_counter()
-            self.engine.load_weights(path)
+            if file_kind(path) == KIND_ADAPTER:  # learner.lora.publish: adapter; the engine holds the base
+                if not hasattr(self.engine, "apply_adapter"):
+                    raise WeightSyncError(f"weights version {version} is a LoRA adapter (learner.lora.publish: "
+                                          f"adapter) and the {self.engine.name} engine cannot apply adapters: set "
+                                          "learner.lora.publish: merged")
+                self.engine.apply_adapter(path)
+            else:
+                self.engine.load_weights(path)
             self.last_load_s = time.perf_counter() - started
             self.inconsistent = False
         finally:

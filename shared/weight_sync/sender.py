@@ -89,8 +89,9 @@ class WeightSender:
     :class:`shared.weight_sync.sender_state.SenderState`."""
 
     def __init__(self, client_factory: Callable[[], HubClient], cfg: WeightSyncConfig, layout: Layout,
-                 buffer: torch.Tensor, relay_version: int | None) -> None:
+                 buffer: torch.Tensor, relay_version: int | None, metadata: dict[str, str] | None = None) -> None:
         self.client_factory, self.cfg, self.layout, self.buffer = client_factory, cfg, layout, buffer
+        self.metadata = dict(metadata or {})     # written into each relay upload's header (what the file holds)
         self._local = threading.local()   # one HubClient per thread: a requests session is not thread-safe
         self.aborting = False
         self._clients: list[HubClient] = []
@@ -328,7 +329,7 @@ class WeightSender:
             self.wait_buffer_ready()
             with self.lock:
                 self.version_sent = self.version_sent or version == self.version
-            header = self.layout.safetensors_header({"grpo_version": str(version)})
+            header = self.layout.safetensors_header(self.metadata | {"grpo_version": str(version)})
             self.client.upload_weights_stream(version, SafetensorsStream(header, self.buffer))
             with self.lock:
                 self.relay_version = version

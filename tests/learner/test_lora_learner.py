@@ -1,5 +1,6 @@
 """A LoRA learner end to end (`grpo learner` against a live hub): reference logprobs from the learner itself
-(the hub loads no reference model), merged weights on the relay under the Hugging Face names, a checkpoint that
+(the hub loads no reference model), adapter-only publishes on the relay (learner.lora.publish: adapter, the
+default) that a generator's base + adapter turns into the final folder's merged weights, a checkpoint that
 `grpo export --merge` turns into those same weights, and a resume."""
 
 import json
@@ -7,17 +8,19 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 from deploy.cli import main as grpo
 from shared.config.schema import GRPOConfig
 from shared.protocol.client import HubClient
+from shared.weight_sync.adapter import AdapterApplier
 from tests.live_server import LiveServer
 
 from .test_publish_resume import fill_hub, learner_config, run_learner
 
 
 @pytest.mark.slow
-def test_lora_learner_publishes_merged_weights_scores_its_own_reference_and_resumes(tiny_model_dir, tmp_path):
+def test_lora_learner_publishes_adapters_scores_its_own_reference_and_resumes(tiny_model_dir, tmp_path):
     lora = {"r": 4, "alpha": 16.0, "target_modules": ["q_proj", "v_proj", "gate_proj"], "reference": "learner"}
     hub_config = GRPOConfig.model_validate({
         "algorithm": {"loss": {"beta": 0.04}}, "learner": {"lora": lora},
@@ -33,8 +36,12 @@ def test_lora_learner_publishes_merged_weights_scores_its_own_reference_and_resu
         assert "LoRA rank 4" in result.stderr
         client = HubClient(live.url)
         assert client.weights_version() == 2
-        published = load_file(str(client.download_weights(2, tmp_path / "v2.safetensors")))
+        adapter = client.download_weights(2, tmp_path / "v2.safetensors")
+        assert all(n.endswith((".lora_A.weight", ".lora_B.weight")) for n in load_file(str(adapter)))
         final = load_file(str(tmp_path / "final" / "model.safetensors"))
+        generator = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        AdapterApplier(generator, tiny_model_dir).apply(adapter)  # what the transformers engine does with it
+        published = {n: p.detach() for n, p in generator.named_parameters() if n in final}
         assert set(published) == set(final) and not any("lora" in n or "base_layer" in n for n in published)
         assert all(torch.equal(published[n], final[n]) for n in final)
         base = load_file(str(tiny_model_dir / "model.safetensors"))

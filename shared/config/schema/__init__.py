@@ -36,6 +36,18 @@ class GRPOConfig(StrictModel):
                              "built.")
 
     @model_validator(mode="after")
+    def _adapter_publish_over_the_relay(self) -> GRPOConfig:
+        lora = self.learner.lora
+        if lora is not None and lora.publish == "adapter" and self.weight_sync.transport in ("collective", "ipc"):
+            raise ValueError(f"learner.lora.publish: 'adapter' is sent over the HTTP relay only; weight_sync.transport "
+                             f"{self.weight_sync.transport!r} needs learner.lora.publish: merged (or use transport "
+                             "'auto' / 'http')")
+        if lora is not None and lora.publish == "adapter" and self.generator.engine == "vllm":
+            raise ValueError("learner.lora.publish: 'adapter' is applied by the transformers engine only; "
+                             "generator.engine 'vllm' needs learner.lora.publish: merged")
+        return self
+
+    @model_validator(mode="after")
     def _state_paths_under_run_dir(self) -> GRPOConfig:
         """Every state path's ``<run_dir>`` replaced here, in one place, so every service agrees on it."""
         for section, key in STATE_PATHS:

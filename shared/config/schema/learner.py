@@ -25,6 +25,11 @@ class LoraConfig(StrictModel):
         "hub", description="Where reference logprobs (beta > 0 or kl.in_reward) come from: 'hub' (the ref "
         "server scores with its own copy of the base model), or 'learner' (the learner's own model with the "
         "adapters switched off: one copy of the weights, one extra no-grad forward per batch in the learner).")
+    publish: Literal["adapter", "merged"] = Field(
+        "adapter", description="What each weights publish sends: 'adapter' (only lora_A/lora_B and the scaling; "
+        "generators apply them onto the base weights of their model folder, which must be learner.model; HTTP "
+        "relay only, and the transformers engine only), or 'merged' (the whole policy with the adapters merged "
+        "in, on every transport and engine). docs/lora.md.")
 
     @model_validator(mode="after")
     def _checks(self) -> LoraConfig:
@@ -147,3 +152,8 @@ class LearnerConfig(StrictModel):
         if self.lr_schedule != "constant" and self.max_steps is None:
             raise ValueError(f"lr_schedule {self.lr_schedule!r} needs max_steps")
         return self
+
+    @property
+    def publishes_adapter(self) -> bool:
+        """LoRA with ``publish: adapter``: publishes carry only the adapters (shared/weight_sync/params.py)."""
+        return self.lora is not None and self.lora.publish == "adapter"
