@@ -82,13 +82,16 @@ def test_grpo_run_trains_publishes_and_shuts_down(tiny_model_dir, tmp_path):
 def test_a_service_that_dies_stops_the_run_with_its_last_lines(tiny_model_dir, tmp_path):
     config = write_config(tmp_path, tiny_model_dir, free_port())
     data = json.loads(config.read_text())
-    data["generator"]["dataset"] = {"kind": "jsonl", "path": str(tmp_path / "missing.jsonl")}
+    # a death the checks before start cannot see (they import the reward and check its signature): a reward that
+    # raises on every completion stops the generator after its first batch
+    (tmp_path / "boom.py").write_text("def score(prompt, completion, example):\n    raise KeyError('label_xyz')\n")
+    data["generator"]["rewards"] = [{"name": "python", "args": {"function": f"{tmp_path}/boom.py:score"}}]
     config.write_text(json.dumps(data))
     result = subprocess.run([GRPO, "run", str(config)], capture_output=True, text=True, timeout=600,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 1
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
     assert "gen-0 exited with status 2; its last lines:" in result.stdout
-    assert "missing.jsonl" in result.stdout
+    assert "label_xyz" in result.stdout
     assert stray_processes(str(config)) == []
 
 

@@ -246,7 +246,10 @@ def test_learner_killed_and_resumed_trains_each_group_exactly_once(hub, tmp_path
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     after = records[len(steps_before):]
     assert [r["step"] for r in after] == [3, 4, 5, 6]  # resumed from the step-2 checkpoint
-    assert all(r["duplicate_groups"] == 0 for r in after)
+    # the step-2 checkpoint's acknowledgement may not have reached the hub before the SIGKILL (it follows the
+    # checkpoint): those leases then expire and come back, and the ledger drops them as duplicates of what the
+    # checkpoint holds. Nothing else may come back twice; exactly-once is the lineage's check below.
+    assert sum(r["duplicate_groups"] for r in after) <= 4, [r["duplicate_groups"] for r in after]
     final = sorted((tmp_path / "ckpt").glob("step*/COMPLETE"))[-1].parent
     trained = [g for p in final.glob("consumed-rank*.json") for g in json.loads(p.read_text())]
     assert len(trained) == len(set(trained)) == 12 and set(trained) == {g.group_id for g in groups}
