@@ -161,12 +161,12 @@ def cpu_threads(config: GRPOConfig, cores: int) -> int:
     """Torch threads for each service that computes on the CPU: the cores split evenly between them (at least 1).
 
     Computing on the CPU: the learner's ranks and every generator without GPUs, and the ref server when it scores
-    reference logprobs there (algorithm.needs_reference). A ref server that only runs the hub is mostly waiting on sockets."""
+    reference logprobs there (GRPOConfig.hub_scores_reference). A ref server that only runs the hub is mostly waiting on sockets."""
     placement = config.run.placement
     on_cpu = (0 if placement.learner else config.run.learner_ranks or 1) + sum(
         1 for i in range(config.run.num_generators)
         if not (placement.generators and placement.generators[i]))
-    if config.algorithm.needs_reference and not placement.ref_server:
+    if config.hub_scores_reference and not placement.ref_server:
         on_cpu += 1
     return max(1, cores // max(on_cpu, 1))
 

@@ -147,7 +147,7 @@ def require_models(models: dict[str, str | None]) -> None:
 # -- the KL penalty needs a reference model -----------------------------------------------------------------------
 def reference_problems(config: GRPOConfig) -> list[str]:
     algorithm = config.algorithm
-    if not algorithm.needs_reference or config.ref_server.model is not None:
+    if not config.hub_scores_reference or config.ref_server.model is not None:
         return []
     why = ("algorithm.kl.in_reward is true" if algorithm.kl.in_reward
            else f"algorithm.loss.beta is {algorithm.loss.beta} (> 0)")

@@ -181,8 +181,7 @@ class Learner:
         find the version to start from (registered with the hub once the publisher knows the layout). Returns the hub's
         newest weights version."""
         algorithm = self.config.algorithm
-        if (algorithm.needs_reference and not self.cfg.reference_in_learner
-                and not self.client.health()["reference_model_loaded"]):
+        if self.config.hub_scores_reference and not self.client.health()["reference_model_loaded"]:
             wants = (f"algorithm.loss.beta is {algorithm.loss.beta}" if algorithm.loss.beta > 0
                      else "algorithm.kl.in_reward is true")
             raise LearnerSetupError(

@@ -72,8 +72,7 @@ def build_state(config: GRPOConfig) -> ServerState:
     vocab_size = max_context = None
     if cfg.model is not None:
         vocab_size, max_context = model_limits(cfg.model)
-    # learner.lora.reference 'learner': the learner scores the reference itself (its model, adapters off)
-    if config.algorithm.needs_reference and not config.learner.reference_in_learner:
+    if config.hub_scores_reference:  # not under learner.lora.reference 'learner': the learner scores it itself
         if cfg.model is None:
             raise ModelLoadError("algorithm.loss.beta > 0 or algorithm.kl.in_reward needs ref_server.model (or "
                                  "--model)")

@@ -187,3 +187,19 @@ def test_schema_only_skips_the_checks_of_what_the_config_names(tmp_path, capsys)
     assert "model: nowhere/at-all" in capsys.readouterr().out
     assert main(["check-config", str(path)]) == 2
     assert "generator.model: no model folder 'nowhere/at-all'" in capsys.readouterr().err
+
+
+def test_a_lora_run_scoring_its_reference_in_the_learner_needs_no_reference_model(tmp_path, tiny_model_dir):
+    """``learner.lora.reference: learner``: the learner scores the base with its adapters off, so beta > 0 without
+    ``ref_server.model`` is a valid run (the same rule the ref server and the launcher follow:
+    ``GRPOConfig.hub_scores_reference``); with the hub scoring it, the same config is refused."""
+    data = good_config(tmp_path, tiny_model_dir)
+    data["algorithm"]["loss"] = {"beta": 0.04}
+    data["ref_server"] = {**data.get("ref_server", {}), "model": None}
+    data["learner"]["lora"] = {"r": 4, "target_modules": ["q_proj"], "reference": "learner"}
+    config = GRPOConfig.model_validate(data)
+    assert not config.hub_scores_reference
+    assert run_checks(config, {"reference": CONFIG_CHECKS["reference"]}).problems == []
+    data["learner"]["lora"]["reference"] = "hub"
+    refused = run_checks(GRPOConfig.model_validate(data), {"reference": CONFIG_CHECKS["reference"]})
+    assert refused.problems and refused.problems[0].startswith("ref_server.model is not set")

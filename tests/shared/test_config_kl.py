@@ -85,3 +85,7 @@ def test_the_ref_server_and_the_launcher_ask_needs_reference():
     off = load_config(None, ["algorithm.loss.beta=0", "run.num_generators=1"])
     on = load_config(None, ["algorithm.kl.in_reward=true", "run.num_generators=1"])
     assert cpu_threads(off, 12) == 6 and cpu_threads(on, 12) == 4
+    # LoRA scoring its reference in the learner: the ref server only runs the hub, no share of the cores
+    in_learner = load_config(None, ["algorithm.kl.in_reward=true", "run.num_generators=1", "learner.lora.r=4",
+                                    "learner.lora.reference=learner"])
+    assert cpu_threads(in_learner, 12) == 6

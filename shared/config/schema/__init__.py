@@ -35,6 +35,12 @@ class GRPOConfig(StrictModel):
     demo: DemoConfig = Field(default_factory=DemoConfig, description="`grpo demo`: how the tiny starting model is "
                              "built.")
 
+    @property
+    def hub_scores_reference(self) -> bool:
+        """The ref server computes the reference logprobs (and so needs ``ref_server.model``): the algorithm needs a
+        reference and the learner does not score it itself (``learner.lora.reference: learner``)."""
+        return self.algorithm.needs_reference and not self.learner.reference_in_learner
+
     @model_validator(mode="after")
     def _adapter_publish_over_the_relay(self) -> GRPOConfig:
         lora = self.learner.lora
