@@ -20,6 +20,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 from learner.checkpoint import complete_tags
 from shared.config.schema import GRPOConfig
 from shared.config.schema.paths import STATE_PATHS
@@ -83,13 +85,55 @@ def prepare_run_dir(config: GRPOConfig, *, resume: bool, fresh: bool) -> str | N
                    "writes one only when a run is stopped)")
             raise UsageError(f"nothing to resume in {run_dir}: {why}; start it without --resume (or with --fresh)")
         tag, record = newest
+        changed = changed_settings(config)
         return (f"resuming {run_dir}: the learner from checkpoint {tag} (step {record['step']}, weights version "
-                f"{record['version']}), the hub from its spool, the generators from the relay's weights")
+                f"{record['version']}), the hub from its spool, the generators from the relay's weights"
+                + (f"; settings changed since the earlier run: {changed}" if changed else ""))
     if held:
         shown = ", ".join(str(s.path) for s in held[:3]) + (", ..." if len(held) > 3 else "")
         raise UsageError(f"{run_dir} holds an earlier run's state ({shown}): continue it with --resume, or delete "
                          "it and start over with --fresh (or set another run.run_dir / --run-dir)")
     return None
+
+
+# A checkpoint holds the weights (or the adapter) of one model trained one way: these settings cannot change under it.
+RESUME_FIXED = ("learner.model", "learner.zero_stage", "learner.lora.r", "learner.lora.alpha",
+                "learner.lora.target_modules")
+
+
+def _flat(tree: object, prefix: str = "") -> dict[str, object]:
+    if isinstance(tree, dict) and tree:
+        out: dict[str, object] = {}
+        for key, value in tree.items():
+            out.update(_flat(value, f"{prefix}{key}."))
+        return out
+    return {prefix.rstrip("."): tree}
+
+
+def changed_settings(config: GRPOConfig, shown: int = 6) -> str | None:
+    """The settings of ``config`` that differ from the earlier run's (``run_dir/config.yaml``, written by every
+    ``grpo run``), as one line (None: none differ, or no earlier config). A :class:`UsageError` when one of
+    :data:`RESUME_FIXED` differs: the checkpoint cannot continue under it."""
+    earlier_path = Path(config.run.run_dir) / "config.yaml"
+    if not earlier_path.is_file():
+        return None
+    try:
+        earlier = yaml.safe_load(earlier_path.read_text())
+    except yaml.YAMLError as exc:
+        raise UsageError(f"--resume: {earlier_path} (the earlier run's config) is not YAML: {exc}") from None
+    before, now = _flat(earlier if isinstance(earlier, dict) else {}), _flat(config.model_dump(mode="json"))
+    diffs = [(key, before.get(key), now.get(key)) for key in sorted(set(before) | set(now))
+             if before.get(key) != now.get(key)]
+    fixed = [d for d in diffs if d[0] in RESUME_FIXED]  # learner.lora set or not shows as learner.lora.r
+    if fixed:
+        key, old, new = fixed[0]
+        raise UsageError(f"--resume: {key} was {old!r} in the earlier run and is {new!r} now; its checkpoint "
+                         f"continues only under the same {key}: put it back, or start over with --fresh (or set "
+                         "another run.run_dir)")
+    if not diffs:
+        return None
+    text = ", ".join(f"{key} {old!r} -> {new!r}" for key, old, new in diffs[:shown])
+    return text + (f" and {len(diffs) - shown} more" if len(diffs) > shown else "")
 
 
 def _protected(config: GRPOConfig) -> list[Path]:

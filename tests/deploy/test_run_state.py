@@ -6,6 +6,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -19,6 +20,7 @@ from deploy.run_state import (
 )
 from shared.config.loader import load_config
 from shared.config.schema import GRPOConfig
+from shared.config.schema.learner import LoraConfig
 from shared.config.schema.paths import under_run_dir
 from shared.errors import UsageError
 from tests.e2e.test_run import free_port
@@ -118,6 +120,34 @@ def test_resume_needs_a_complete_checkpoint_and_says_what_it_continues(tmp_path)
                            "version 5)")
     with pytest.raises(UsageError, match="exclude each other"):
         prepare_run_dir(config, resume=True, fresh=True)
+
+
+def test_resume_lists_changed_settings_and_refuses_those_a_checkpoint_cannot_follow(tmp_path):
+    config = config_for(tmp_path / "r")
+    (tmp_path / "r/checkpoints/step00000003").mkdir(parents=True)
+    (tmp_path / "r/checkpoints/step00000003/COMPLETE").write_text(json.dumps({"step": 3, "version": 3}))
+    note = prepare_run_dir(config, resume=True, fresh=False)
+    assert "settings changed" not in note  # no earlier config.yaml: nothing to compare
+    (tmp_path / "r/config.yaml").write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    assert "settings changed" not in prepare_run_dir(config, resume=True, fresh=False)
+    changed = config.model_copy(deep=True)
+    changed.learner.lr, changed.generator.group_size = 2e-5, config.generator.group_size + 1
+    note = prepare_run_dir(changed, resume=True, fresh=False)
+    assert note.endswith(f"; settings changed since the earlier run: generator.group_size {config.generator.group_size}"
+                         f" -> {config.generator.group_size + 1}, learner.lr {config.learner.lr!r} -> 2e-05")
+    for key, value in (("model", str(tmp_path / "other")), ("zero_stage", 3)):
+        other = config.model_copy(deep=True)
+        setattr(other.learner, key, value)
+        with pytest.raises(UsageError, match=rf"--resume: learner.{key} was .* in the earlier run and is "
+                                             rf".*; its checkpoint continues only under the same learner.{key}"):
+            prepare_run_dir(other, resume=True, fresh=False)
+    lora = config.model_copy(deep=True)
+    lora.learner.lora = LoraConfig(r=8)
+    with pytest.raises(UsageError, match=r"--resume: learner.lora.alpha was None in the earlier run and is 32.0"):
+        prepare_run_dir(lora, resume=True, fresh=False)
+    (tmp_path / "r/config.yaml").write_text("a: [")
+    with pytest.raises(UsageError, match=r"config.yaml \(the earlier run's config\) is not YAML"):
+        prepare_run_dir(config, resume=True, fresh=False)
 
 
 def test_summary_says_where_the_model_logs_metrics_and_checkpoint_are(tmp_path):
