@@ -4,7 +4,7 @@ tool message appended as exactly the text the chat template itself renders after
 
 import json
 import string
-from typing import Literal, Optional
+from typing import Literal
 
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
@@ -158,7 +158,7 @@ def test_a_bad_tool_or_argument_stops_the_start_naming_its_key(tmp_path, args, m
 
 # -- parsing and argument checks -------------------------------------------------------------------------------------
 def typed(text: str, count: int, ratio: float, flag: bool, items: list[int], table: dict[str, str],
-          maybe: Optional[int] = None, mode: Literal["fast", "slow"] = "fast") -> str:
+          maybe: int | None = None, mode: Literal["fast", "slow"] = "fast") -> str:
     """A function with one argument of each kind.
 
     Args:
@@ -183,7 +183,7 @@ ARGUMENTS = st.fixed_dictionaries(
     optional={"maybe": st.none() | st.integers(), "mode": st.sampled_from(["fast", "slow"])})
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(arguments=ARGUMENTS, as_list=st.booleans(), name=st.sampled_from(["typed", "calculate", "a_b"]))
 def test_calls_the_schema_allows_round_trip_through_render_and_parse(arguments, as_list, name):
     # a string holding the closing tag cannot be written in this format: the model's turn ends there
