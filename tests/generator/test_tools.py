@@ -352,3 +352,21 @@ def test_faulty_calls_keep_the_trajectory_going_and_count_in_the_metrics(qwen_st
     assert sample.finish_reason == "stop" and not sample.env_failed
     stats = runner.stats
     assert (stats.turns, stats.env_calls, stats.env_errors, stats.tool_calls, stats.tool_errors) == (3, 2, 0, 2, 1)
+
+
+def test_check_config_reports_a_bad_tool_and_a_format_template(tmp_path):
+    from deploy.preflight import CONFIG_CHECKS, environment_problems
+    from shared.config.loader import load_config
+
+    assert CONFIG_CHECKS["environment"] is environment_problems
+    config = load_config("deploy/configs/smollm2-calculator-cpu.yaml")
+    assert environment_problems(config) == []
+    assert config.generator.environment.name == "tools" and config.generator.dataset.template is None
+    file = tools_file(tmp_path)
+    bad = load_config("deploy/configs/smollm2-calculator-cpu.yaml",
+                      [f"generator.environment.args.tools=[{CALC},{file}:no_docstring]"])
+    [problem] = environment_problems(bad)
+    assert problem.startswith("generator.environment.args.tools[1]: no_docstring cannot be a tool")
+    templated = load_config("deploy/configs/smollm2-calculator-cpu.yaml", ["generator.dataset.template='Q: {question}'"])
+    assert environment_problems(templated) == ["generator.dataset.template: tool calling renders the prompt with the "
+                                               "chat template (and its tools); set it to null"]
