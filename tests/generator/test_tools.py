@@ -28,6 +28,7 @@ from generator.environments.tool_chat import (
 )
 from generator.environments.tools import ToolCalling, check_object, tool_schema
 from generator.multiturn import MultiTurnRollouts
+from generator.progress import environment_summary
 from shared.config.schema.generator import EnvironmentConfig
 from shared.errors import UsageError
 from shared.protocol.records import SamplingParams
@@ -352,6 +353,8 @@ def test_faulty_calls_keep_the_trajectory_going_and_count_in_the_metrics(qwen_st
     assert sample.finish_reason == "stop" and not sample.env_failed
     stats = runner.stats
     assert (stats.turns, stats.env_calls, stats.env_errors, stats.tool_calls, stats.tool_errors) == (3, 2, 0, 2, 1)
+    summary = environment_summary(stats)
+    assert (summary["tool_calls"], summary["tool_errors"], summary["env_errors"]) == (2, 1, 0)
 
 
 def test_check_config_reports_a_bad_tool_and_a_format_template(tmp_path):
