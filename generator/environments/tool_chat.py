@@ -59,7 +59,11 @@ def _render(tokenizer, messages: list[dict], tools: list[dict] | None, generatio
 def template_shows_tools(tokenizer, tools: list[dict]) -> bool:
     """Whether the chat template renders ``tools`` at all (SmolLM2's does not)."""
     probe = [{"role": "user", "content": _PROBE_QUESTION}]
-    return _render(tokenizer, probe, tools, True) != _render(tokenizer, probe, None, True)
+    try:
+        return _render(tokenizer, probe, tools, True) != _render(tokenizer, probe, None, True)
+    except Exception as exc:  # noqa: BLE001 - a template's own error (raise_exception, a missing key) is reported
+        raise UsageError(f"generator.environment: the chat template cannot render a user message with tools "
+                         f"({type(exc).__name__}: {exc})") from exc
 
 
 def tools_system_prompt(tools: list[dict]) -> str:

@@ -373,3 +373,15 @@ def test_check_config_reports_a_bad_tool_and_a_format_template(tmp_path):
     templated = load_config("deploy/configs/smollm2-calculator-cpu.yaml", ["generator.dataset.template='Q: {question}'"])
     assert environment_problems(templated) == ["generator.dataset.template: tool calling renders the prompt with the "
                                                "chat template (and its tools); set it to null"]
+
+
+def test_a_template_that_cannot_render_tool_messages_is_refused_at_start_up():
+    refuses_tools = chat_char_tokenizer("{%- for m in messages %}{%- if m.role == 'tool' %}"
+                                        "{{ raise_exception('no tool role') }}{%- endif %}{{- m.content }}{%- endfor %}")
+    with pytest.raises(UsageError, match="cannot render a tool message after an assistant message .*no tool role"):
+        ToolCalling.with_tokenizer(refuses_tools, {"tools": [CALC]})
+    rewrites_history = chat_char_tokenizer("{%- for m in messages %}{%- if m.role != 'assistant' or "
+                                           "messages[-1].role == 'assistant' %}{{- m.content }}{%- endif %}"
+                                           "{%- endfor %}")
+    with pytest.raises(UsageError, match="renders the conversation differently once a tool message follows"):
+        ToolCalling.with_tokenizer(rewrites_history, {"tools": [CALC]})
