@@ -30,7 +30,8 @@ from shared.config.schema import GRPOConfig
 from shared.errors import UsageError
 
 __all__ = ["CONFIG_CHECKS", "RUN_CHECKS", "PreflightError", "PreflightReport", "dataset_problems",
-           "model_problem", "reference_problems", "require", "require_models", "reward_problems", "run_checks"]
+           "environment_problems", "model_problem", "reference_problems", "require", "require_models",
+           "reward_problems", "run_checks"]
 
 HUB_TIMEOUT_S = 3.0
 # org/name, as the Hub spells ids; anything else that does not exist is a missing local folder
@@ -169,6 +170,25 @@ def reward_problems(config: GRPOConfig) -> list[str]:
     return problems
 
 
+# -- a multi-turn environment ------------------------------------------------------------------------------------
+def environment_problems(config: GRPOConfig) -> list[str]:
+    """The environment class (and, for tool calling, every tool function and its schema) loads as the generator
+    loads it; a prompt format template cannot show a tool-calling environment's tools."""
+    env = config.generator.environment
+    if env is None:
+        return []
+    from generator.environments.base import prompt_tools
+
+    try:
+        tools = prompt_tools(env)
+    except UsageError as exc:
+        return [str(exc)]
+    if tools and config.generator.dataset.template is not None:
+        return ["generator.dataset.template: tool calling renders the prompt with the chat template (and its tools); "
+                "set it to null"]
+    return []
+
+
 # -- the dataset --------------------------------------------------------------------------------------------------
 def _factory_default(reward: str, arg: str) -> str:
     from generator.rewards import REWARDS
@@ -230,7 +250,8 @@ def port_problems(config: GRPOConfig) -> list[str]:
 # -- running them -------------------------------------------------------------------------------------------------
 Check = Callable[[GRPOConfig], list[str]]
 CONFIG_CHECKS: dict[str, Check] = {"models": model_problems, "reference": reference_problems,
-                                   "dataset": dataset_problems, "rewards": reward_problems}
+                                   "dataset": dataset_problems, "rewards": reward_problems,
+                                   "environment": environment_problems}
 RUN_CHECKS: dict[str, Check] = {**CONFIG_CHECKS, "port": port_problems}
 
 

@@ -136,13 +136,22 @@ def load_examples(cfg: DatasetConfig, seed: int) -> list[Example]:
                        answer_field=cfg.answer_field)
 
 
-def render_prompt(tokenizer, question: str, system_prompt: str | None, template: str | None = None) -> str:
+def render_prompt(tokenizer, question: str, system_prompt: str | None, template: str | None = None,
+                  tools: list[dict] | None = None) -> str:
     """The text the model continues.
 
     * ``template`` given: ``template.format(question=..., system=...)`` (no chat template is applied);
-    * else, a tokenizer with a chat template: system + user messages, with the generation prompt;
+    * else, a tokenizer with a chat template: system + user messages, with the generation prompt (and ``tools``,
+      the JSON schemas of a tool-calling environment: generator/environments/tool_chat.py);
     * else: the question itself (after the system prompt and a newline, if there is one).
     """
+    if tools:
+        if template is not None or not getattr(tokenizer, "chat_template", None):
+            raise UsageError("generator.environment: tool calling renders the prompt with the tokenizer's chat "
+                             "template; set generator.dataset.template to null and use a chat model")
+        from generator.environments.tool_chat import render_tool_prompt
+
+        return render_tool_prompt(tokenizer, question, system_prompt, tools)
     if template is not None:
         return template.format(question=question, system=system_prompt or "")
     if getattr(tokenizer, "chat_template", None):

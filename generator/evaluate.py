@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from generator.datasets import render_prompt
+from generator.environments.base import prompt_tools
 from generator.loop import environment_rewards
 from generator.main import build_engine, load_examples, system_prompt_for
 from generator.rewards import RewardSet
@@ -140,7 +141,8 @@ def evaluate(config: GRPOConfig, model_dir: str) -> EvalResult:
         tokenizer = engine.tokenizer
         system = system_prompt_for(gen.dataset)
         chat = gen.dataset.template is None and bool(getattr(tokenizer, "chat_template", None))
-        prompts = [tokenizer(render_prompt(tokenizer, e.question, system, gen.dataset.template),
+        tools = prompt_tools(environment)   # tool calling: the schemas the chat template shows
+        prompts = [tokenizer(render_prompt(tokenizer, e.question, system, gen.dataset.template, tools),
                              add_special_tokens=not chat)["input_ids"] for e in examples]
         ticker = Ticker(f"evaluating {model_dir} on {len(prompts)} {cfg.split} examples", len(prompts) * (1 + cfg.k),
                         log.info, every_s=PROGRESS_EVERY_S, unit="sequences")

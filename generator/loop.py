@@ -18,6 +18,7 @@ from pathlib import Path
 
 from generator.datasets import Example, PromptStream, render_prompt
 from generator.engines.base import Engine, SampledCompletion
+from generator.environments.base import prompt_tools
 from generator.multiturn import MultiTurnRollouts
 from generator.progress import Progress
 from generator.rewards import RewardSet
@@ -81,6 +82,7 @@ class RolloutLoop:
         self.environment = environment
         self.multiturn = MultiTurnRollouts(engine, tokenizer, environment) if environment is not None else None
         self.stats.environment = self.multiturn.stats if self.multiturn is not None else None
+        self.prompt_tools = prompt_tools(environment)   # tool calling: the schemas the chat template shows
 
     # -- weights --------------------------------------------------------------------------------------------
     def sync_weights(self) -> bool:
@@ -125,7 +127,7 @@ class RolloutLoop:
 
     # -- one step -------------------------------------------------------------------------------------------
     def encode_prompt(self, example: Example) -> list[int]:
-        text = render_prompt(self.tokenizer, example.question, self.system_prompt, self.template)
+        text = render_prompt(self.tokenizer, example.question, self.system_prompt, self.template, self.prompt_tools)
         chat = self.template is None and bool(getattr(self.tokenizer, "chat_template", None))
         # a chat template already contains the special tokens it wants
         return self.tokenizer(text, add_special_tokens=not chat)["input_ids"]

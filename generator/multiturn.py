@@ -51,6 +51,8 @@ class EnvStats:
     env_calls: int = 0        # step() calls that returned an observation (tool calls answered)
     trajectories_with_calls: int = 0  # trajectories with at least one observation appended (the tool-call rate)
     env_errors: int = 0       # trajectories failed by their environment
+    tool_calls: int = 0       # chat tool calls the model wrote (environments with a ``tool_calls`` count)
+    tool_errors: int = 0      # of those, answered with an error (malformed, unknown tool, bad arguments, raised)
     env_time_s: float = 0.0   # wall-clock time inside reset()/step(), summed over the turn's parallel calls
     env_tokens: int = 0       # completion tokens written by environments
     model_tokens: int = 0     # completion tokens written by the model
@@ -144,6 +146,10 @@ class MultiTurnRollouts:
                                       "(generator.environment needs generator.engine: transformers)")
         self.engine, self.tokenizer, self.cfg = engine, tokenizer, cfg
         self.env_class = environment_factory(cfg)
+        # an environment that needs the tokenizer (tool calling: its chat template) builds its own factory
+        with_tokenizer = getattr(self.env_class, "with_tokenizer", None)
+        self.make_env = with_tokenizer(tokenizer, cfg.args) if callable(with_tokenizer) else \
+            (lambda: self.env_class(**cfg.args))
         self.stops = stop_strings(cfg, self.env_class)
         self.stats = EnvStats()
 
@@ -180,7 +186,7 @@ class MultiTurnRollouts:
         """``n`` trajectories of each prompt: the prompts (each extended by its environments' reset text when they
         all gave the same one) and, per prompt, ``n`` completions with their masks."""
         rows = [Trajectory(env=None) for _ in range(len(prompts) * n)]
-        created = self._calls([lambda: self.env_class(**self.cfg.args) for _ in rows])
+        created = self._calls([self.make_env for _ in rows])
         for row, (env, error) in zip(rows, created):
             row.env = env
             if error is not None:
@@ -216,6 +222,10 @@ class MultiTurnRollouts:
             self.stats.model_tokens += sum(row.mask)
             self.stats.env_tokens += len(row.mask) - sum(row.mask)
             self.stats.trajectories_with_calls += 0 in row.mask
+            for name in ("tool_calls", "tool_errors"):
+                count = getattr(row.env, name, 0)
+                if isinstance(count, int) and not isinstance(count, bool):
+                    setattr(self.stats, name, getattr(self.stats, name) + count)
         return prompts, [[rows[p * n + j].completion() for j in range(n)] for p in range(len(prompts))]
 
     def _run_turns(self, rows: list[Trajectory], prompts: list[list[int]], sampling: SamplingParams, n: int,

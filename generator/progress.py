@@ -14,12 +14,16 @@ log = logging.getLogger("grpo.generator")
 def environment_summary(env) -> dict[str, float | int]:
     """Multi-turn (a generator.multiturn.EnvStats, None for single-turn): turns per trajectory, tool calls answered,
     share of trajectories with one or more, trajectories failed by their environment, seconds in the environment,
-    share of completion tokens it wrote."""
+    share of completion tokens it wrote; with chat tools (generator/environments/tools.py) the calls the model wrote
+    and how many were answered with an error."""
     if env is None:
         return {}
-    return {"turns/traj": round(env.turns / max(env.trajectories, 1), 2), "env_calls": env.env_calls,
-            "tool_rate": round(env.tool_call_rate, 3), "env_errors": env.env_errors, "env_s": round(env.env_time_s, 1),
-            "env_token_frac": round(env.masked_fraction, 3)}
+    summary = {"turns/traj": round(env.turns / max(env.trajectories, 1), 2), "env_calls": env.env_calls,
+               "tool_rate": round(env.tool_call_rate, 3), "env_errors": env.env_errors,
+               "env_s": round(env.env_time_s, 1), "env_token_frac": round(env.masked_fraction, 3)}
+    if env.tool_calls:
+        summary |= {"tool_calls": env.tool_calls, "tool_errors": env.tool_errors}
+    return summary
 
 
 class Progress:

@@ -17,6 +17,14 @@ arguments::
 :class:`StepResult` to add a reward or end the trajectory after an observation. Everything an environment returns
 is checked by :mod:`generator.multiturn`: an exception, a call past ``timeout_s``, an observation that is not a
 string or is longer than ``max_env_tokens`` fails that trajectory only (counted), never the generator.
+
+Optional class hooks (the built-in ``tools`` environment uses them; generator/environments/tools.py):
+
+* ``check_args(args)``: checks ``generator.environment.args`` at start-up (a UsageError naming the key);
+* ``with_tokenizer(tokenizer, args)``: returns the factory of per-trajectory instances, for an environment that
+  needs the tokenizer (e.g. its chat template) and prepares shared state once;
+* ``chat_tools(args)``: JSON schemas of tools the prompt's chat template shows (``apply_chat_template(tools=)``);
+* instance attributes ``tool_calls`` / ``tool_errors`` (ints): summed into the rollouts' metrics.
 """
 
 from __future__ import annotations
@@ -47,7 +55,8 @@ class Environment(Protocol):
 
 
 BUILT_IN = {"calculator": "generator.environments.calculator:Calculator",
-            "guess": "generator.environments.guess:DigitGuess"}
+            "guess": "generator.environments.guess:DigitGuess",
+            "tools": "generator.environments.tools:ToolCalling"}
 
 
 def environment_factory(cfg: EnvironmentConfig, key: str = "generator.environment.name"):
@@ -62,7 +71,19 @@ def environment_factory(cfg: EnvironmentConfig, key: str = "generator.environmen
     if not callable(cls) or missing:
         raise UsageError(f"{key}: {spec} must be a class with reset(sample) and step(model_turn_text) methods"
                          + (f" (missing {', '.join(missing)})" if missing else ""))
+    check_args = getattr(cls, "check_args", None)
+    if callable(check_args):
+        check_args(cfg.args)
     return cls
+
+
+def prompt_tools(cfg: EnvironmentConfig | None) -> list[dict] | None:
+    """The tool schemas the prompt shows (the environment's ``chat_tools``), or None: no environment, or one
+    without tools."""
+    if cfg is None:
+        return None
+    chat_tools = getattr(environment_factory(cfg), "chat_tools", None)
+    return chat_tools(cfg.args) if callable(chat_tools) else None
 
 
 def stop_strings(cfg: EnvironmentConfig, env_class) -> list[str]:

@@ -4,6 +4,10 @@ Safe by construction: no ``eval``. An expression is integers joined by ``+``, ``
 precedence, an optional leading minus), at most ``max_chars`` characters and ``max_digits`` digits per number, so
 a result is bounded too. Anything else is answered ``<result>error</result>`` (the model sees it; no failure).
 A turn without a ``<calc>`` call is the model's answer: the trajectory is done.
+
+:func:`calculate` is the same calculator as a chat tool (``generator.environment: {name: tools, args: {tools:
+[generator.environments.calculator:calculate]}}``, docs/multi-turn.md); a bad expression raises, which the tools
+environment answers as an error tool message.
 """
 
 from __future__ import annotations
@@ -53,6 +57,15 @@ def evaluate(expression: str, *, max_chars: int = 64, max_digits: int = 12) -> i
             total += term
             term = int(number) if op == "+" else -int(number)
     return total + term
+
+
+def calculate(expression: str) -> str:
+    """Compute an integer arithmetic expression exactly.
+
+    Args:
+        expression: Integers joined by +, - and *, e.g. "347*29" or "12 + 3*4".
+    """
+    return str(evaluate(expression))
 
 
 class Calculator:

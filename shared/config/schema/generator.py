@@ -121,8 +121,9 @@ class EnvironmentConfig(StrictModel):
     """Multi-turn rollouts (generator/multiturn.py, docs/multi-turn.md): the model's turns alternate with an
     environment's observations, appended as tokens, and only the model's tokens are trained on."""
 
-    name: str = Field(description="The environment: 'calculator' or 'guess' (built-in, generator/environments/"
-                      "calculator.py and guess.py) or a user class as 'package.module:Class' or 'path/to/file.py:Class' (instantiated once per "
+    name: str = Field(description="The environment: 'calculator', 'guess' or 'tools' (built-in, generator/"
+                      "environments/calculator.py, guess.py, tools.py: chat tool calling, args.tools naming typed "
+                      "functions) or a user class as 'package.module:Class' or 'path/to/file.py:Class' (instantiated once per "
                       "trajectory with args as keyword arguments).")
     max_turns: int = Field(4, ge=1, description="Most model turns per trajectory; after the last one the "
                            "environment is still called (for its reward) but its observation is not appended.")
