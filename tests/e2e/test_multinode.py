@@ -8,8 +8,8 @@ nodes reach the hub and the learner's weight-sync groups at those addresses.
   balance exactly: accepted = acknowledged + queued + leased + dropped + quarantined, and the acknowledged groups are
   the learner's trained ones, none twice;
 * a 5-node job loses every process of one generator node (SIGKILL to each of its tasks' process groups) mid-run:
-  training goes on with the other generator node to ``max_steps``, the books balance, and every group the dead
-  node got accepted is trained or still queued, never lost.
+  training goes on with the other generator node to ``max_steps``, the books balance, and every group of the dead
+  node's that the hub held when it died is trained afterwards or still spooled, never lost.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import requests
 
 from shared.protocol.records import RolloutGroup
 from tests.faults.services import accounting_gap
+from tests.process_env import PROCESS_GROUP_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = ROOT / "deploy/slurm/grpo-multinode.sbatch"
@@ -45,6 +46,11 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("0.0.0.0", 0))
         return sock.getsockname()[1]
+
+
+def scorer_command_exists() -> bool:
+    return subprocess.run([str(BIN / "grpo"), "scorer", "--help"], capture_output=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}).returncode == 0
 
 
 def write_config(tmp_path: Path, model_dir: Path, max_steps: int) -> Path:
@@ -73,8 +79,10 @@ class Job:
         self.addresses = {name: f"127.0.0.{i + 1}" for i, name in enumerate(self.names, start=1)}
         self.run_dir, self.state = tmp_path / "run", tmp_path / "standin-pids"
         self.port = free_port()
+        inherited = {k: v for k, v in os.environ.items()  # no leaked rank variables, no outer Slurm job's
+                     if not k.startswith("SLURM_") and k not in PROCESS_GROUP_ENV}
         self.env = {
-            **os.environ, "PATH": f"{STANDINS}:{BIN}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT),
+            **inherited, "PATH": f"{STANDINS}:{BIN}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT),
             "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
             "GRPO": str(BIN / "grpo"), "GRPO_TOKEN": TOKEN, "CONFIG": str(write_config(tmp_path, model_dir,
                                                                                       max_steps)),
@@ -83,6 +91,8 @@ class Job:
             "SLURM_JOB_ID": "27", "SLURM_JOB_NODELIST": f"node[1-{nodes}]",
             "GRPO_STANDIN_NODES": ",".join(f"{n}={a}" for n, a in self.addresses.items()),
             "GRPO_STANDIN_STATE": str(self.state), "GRPO_STANDIN_KILL_WAIT_S": "20",
+            # a reference scorer on the hub node where this checkout has `grpo scorer` (issue 27, item 1)
+            "SCORERS_PER_NODE": "1" if scorer_command_exists() else "0",
         }
         self.proc: subprocess.Popen | None = None
 
@@ -164,11 +174,14 @@ def trained_groups(run_dir: Path) -> list[str]:
 def check_books(job: Job, max_steps: int) -> dict:
     """The template's final hub counters balance, and what the hub saw acknowledged is what the learner trained."""
     stats = json.loads((job.run_dir / "hub-stats.json").read_text())
+    print(f"hub's final counters: {stats}")
     trained = trained_groups(job.run_dir)
     assert len(trained) == len(set(trained)) == max_steps * GROUPS_PER_STEP * 2
     assert accounting_gap(stats, inflow=0) == 0, stats
     assert stats["consumed"] == len(trained), stats
-    assert stats["leased_groups"] == 0 and stats["quarantined"] == 0 and stats["spool_corrupt"] == 0, stats
+    # leased_groups may be > 0: a batch the stopping learner's prefetch thread was granted as it closed is held
+    # until its lease expires (still spooled, counted in the books above, queued again then)
+    assert stats["quarantined"] == 0 and stats["spool_corrupt"] == 0, stats
     return stats
 
 
