@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -137,8 +138,42 @@ def match_accelerator(device: torch.device) -> None:
         set_accelerator(CPU_Accelerator())
 
 
-def init_distributed(device: torch.device) -> None:
+def check_rendezvous(timeout_s: float, poll_s: float = 0.5) -> None:
+    """Several ranks: fail with the address instead of hanging where the ranks cannot meet (the most common
+    multi-node hang). Rank 0 hosts the rendezvous, so MASTER_ADDR must be one of its own addresses; every other rank
+    waits up to ``timeout_s`` for MASTER_ADDR:MASTER_PORT to accept a connection (rank 0 may still be loading)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return
+    address, port, rank = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"), os.environ.get("RANK")
+    if not address or not port or not port.isdigit():
+        raise LearnerSetupError(f"WORLD_SIZE is {os.environ['WORLD_SIZE']} but MASTER_ADDR/MASTER_PORT are "
+                                f"{address!r}/{port!r}: the launcher must set the first rank's address and a port")
+    if rank == "0":
+        try:
+            with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as sock:
+                sock.bind((address, 0))
+        except OSError as exc:
+            raise LearnerSetupError(f"rank 0 hosts the rendezvous at MASTER_ADDR {address}, which is not an "
+                                    f"address of this node ({exc.strerror}): set MASTER_ADDR to the first learner "
+                                    "node's address") from None
+        return
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((address, int(port)), timeout=min(5.0, timeout_s)):
+                return
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                raise LearnerSetupError(
+                    f"rank {rank}: no learner rendezvous at MASTER_ADDR:MASTER_PORT {address}:{port} after "
+                    f"{timeout_s:g}s (learner.rendezvous_timeout_s; last error: {exc.strerror or exc}): is rank 0 "
+                    "running there, and is the port open between the nodes?") from None
+            time.sleep(poll_s)
+
+
+def init_distributed(device: torch.device, rendezvous_timeout_s: float = 300.0) -> None:
     import deepspeed
 
     match_accelerator(device)
+    check_rendezvous(rendezvous_timeout_s)
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")

@@ -117,7 +117,7 @@ class Learner:
             torch.cuda.set_device(self.device)
         else:
             skip_shared_memory_allreduce()
-        init_distributed(self.device)
+        init_distributed(self.device, cfg.rendezvous_timeout_s)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         torch.manual_seed(config.seed + self.rank)
         dtype = torch.bfloat16 if uses_bf16(cfg, self.device) else torch.float32

@@ -124,6 +124,11 @@ class LearnerConfig(StrictModel):
     max_nonfinite_steps: int = Field(3, ge=1, description="Stop after this many NaN/inf losses in a row.")
     batch_wait_s: float = Field(10.0, ge=0, description="Long-poll wait of one batch request.")
     retry_max_s: float = Field(300.0, gt=0, description="How long an unreachable hub is retried before failing.")
+    rendezvous_timeout_s: float = Field(
+        300.0, gt=0, allow_inf_nan=False, description="Several ranks (RANK/WORLD_SIZE set by torchrun, deepspeed or "
+        "the Slurm template): how long a rank other than 0 waits for rank 0's rendezvous at MASTER_ADDR:MASTER_PORT "
+        "to accept connections before failing with that address in the error (rank 0 checks at once that "
+        "MASTER_ADDR is one of its own addresses). Collectives after start keep torch's own timeout.")
     device: str = Field("auto", description="'auto', 'cpu' or 'cuda' (each rank uses its LOCAL_RANK GPU).")
     attn_implementation: str | None = Field(
         None, description="Attention kernel of the policy, set on the loaded model (transformers' "
