@@ -108,6 +108,7 @@ class Bench:
     cpu_limit_s: int = 240
     cuda_limit_s: int = 120
     why: str = ""
+    alone: bool = False                # too long to share a command: runs only when named in ``--only``
 
     def args(self, device: str) -> tuple[str, ...] | None:
         return self.cpu if device == "cpu" else self.cuda
@@ -120,23 +121,25 @@ class Bench:
 BENCHMARKS: list[Bench] = [
     Bench("hub_capacity", ("--duration", "15"), None, _hub_capacity, 180,
           why="the hub needs no GPU: its figure is this CPU's"),
-    Bench("logprobs_memory", ("--seq-lens", "1024", "--repeats", "1"), ("--device", "cuda"), _logprobs_memory, 180),
+    Bench("logprobs_memory", ("--seq-lens", "1024", "--repeats", "1"), ("--device", "cuda"), _logprobs_memory,
+          180, 90),
     Bench("learner_throughput", ("--steps", "3"), ("--device", "cuda", "--zero-stages", "0", "--steps", "5"),
-          _learner_throughput, 300, 200),
+          _learner_throughput, 300, 150),
     Bench("packing_layouts", ("--repeats", "3"), ("--device", "cuda", "--preset", "qwen2.5-0.5b"),
-          _flat("packing", ("tokens_per_s", "ratio_vs_padded")), 120, 60),
+          _flat("packing", ("tokens_per_s", "ratio_vs_padded")), 120, 45),
     Bench("ref_server", ("--repeats", "1", "--rows", "32", "--clients", "1", "4"), ("--device", "cuda", "--repeats", "2"),
-          _flat("ref server", ("tokens_per_s", "ratio")), 240, 120),
+          _flat("ref server", ("tokens_per_s", "ratio")), 240, 90),
     Bench("weight_sync", ("--models", "tiny", "--repeats", "2"),
           ("--device", "cuda", "--models", "qwen0.5b-shape", "--transports", "nccl,ipc", "--repeats", "2"),
-          _flat("weight sync", ("median_s", "sync_s", "gb_per_s")), 180, 120),
+          _flat("weight sync", ("median_s", "sync_s", "gb_per_s")), 180, 90),
     Bench("learner_overhead", ("--steps", "12"), None, _flat("learner", ("step_ms", "overhead_ms")), 240,
           why="a CPU figure (the learner's own overhead per step)"),
     Bench("lora_sizes", ("--model", TINY_MODEL, "--rank", "8", "--repeats", "1"), None,
           _generic({"LoRA adapter / full publish bytes (tiny model, rank 8)": (("adapter_bytes",), ("adapter_over_full",))}),
           120, why="bytes do not depend on the device"),
-    Bench("vs_trl", None, ("--device", "cuda"), _flat("vs TRL", ("time_to_target_s", "speedup")), 0, 300,
-          why="needs trl (not installed on this CPU; on the GPU machine: EXTRA_WHEELS=trl) and minutes of training"),
+    Bench("vs_trl", None, ("--device", "cuda"), _flat("vs TRL", ("time_to_target_s", "speedup")), 0, 540,
+          why="needs trl (not installed on this CPU; on the GPU machine: EXTRA_WHEELS=trl) and minutes of training: "
+          "a command of its own there (--device cuda --only vs_trl)", alone=True),
     Bench("process_vs_outcome", None, None, _flat("process vs outcome", ("ratio",)),
           why="a learning-curve comparison over several training runs (~1 h on this CPU): run it alone"),
 ]
@@ -174,11 +177,11 @@ def machine(device: str) -> str:
     return f"{os.cpu_count()}-core {platform.machine()} CPU, no GPU"
 
 
-def run_one(bench: Bench, device: str, out: Path, tiny_model: Callable[[], str]) -> dict:
-    """Run one benchmark; its record: command, status, seconds, rows."""
+def run_one(bench: Bench, device: str, out: Path, tiny_model: Callable[[], str], named: bool = False) -> dict:
+    """Run one benchmark (one that runs ``alone`` only when ``named``); its record: command, status, seconds, rows."""
     args = bench.args(device)
     command = f"python bench/{bench.name}.py"
-    if args is None:
+    if args is None or (bench.alone and not named):
         return {"name": bench.name, "status": "not run", "command": command, "seconds": 0,
                 "rows": [("not run on " + device, "-", bench.why or "-")]}
     args = tuple(tiny_model() if a == TINY_MODEL else a for a in args)
@@ -256,21 +259,23 @@ def run(args: argparse.Namespace) -> int:
     benches = by_name(args.only)
     if args.dry_run:
         for b in benches:
-            bench_args = b.args(args.device)
+            bench_args = None if b.alone and not args.only else b.args(args.device)
             print(f"{b.name}: " + (f"python bench/{b.name}.py {' '.join(bench_args)} (limit {b.limit_s(args.device)} s)"
                                    if bench_args is not None else f"not run ({b.why})"))
-        print(f"total limit {sum(b.limit_s(args.device) for b in benches if b.args(args.device) is not None)} s")
+        print(f"total limit {sum(b.limit_s(args.device) for b in benches if b.args(args.device) is not None and (args.only or not b.alone))} s")
         return 0
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     built: list[str] = []
 
     def tiny_model() -> str:
+        """The demo's tiny model with random weights (no warm-up: sizes and speeds do not need a trained one)."""
         if not built:
-            folder = out / "tiny-model"
-            subprocess.run([sys.executable, "-m", "deploy.demo.tiny_model", str(folder), "--steps", "0"], cwd=REPO,
-                           env={**os.environ, "PYTHONPATH": str(REPO)}, check=True, stdout=subprocess.DEVNULL)
-            built.append(str(folder))
+            from deploy.demo.tiny_model import TinyModelSpec, build_char_tokenizer, build_tiny_model, save_model_dir
+
+            tokenizer = build_char_tokenizer()
+            built.append(str(save_model_dir(build_tiny_model(tokenizer, TinyModelSpec()), tokenizer,
+                                            out / "tiny-model")))
         return built[0]
 
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -278,7 +283,7 @@ def run(args: argparse.Namespace) -> int:
     records = []
     for bench in benches:
         print(f"[bench] {bench.name} ...", flush=True)
-        record = run_one(bench, args.device, out, tiny_model)
+        record = run_one(bench, args.device, out, tiny_model, named=bool(args.only))
         print(f"[bench] {bench.name}: {record['status']} in {record['seconds']} s", flush=True)
         records.append(record)
     body = table(records, args.device, when, where)
