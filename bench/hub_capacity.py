@@ -33,7 +33,6 @@ import json
 import multiprocessing as mp
 import os
 import platform
-import re
 import signal
 import subprocess
 import sys

@@ -271,7 +271,12 @@ def run(args: argparse.Namespace) -> int:
     def tiny_model() -> str:
         """The demo's tiny model with random weights (no warm-up: sizes and speeds do not need a trained one)."""
         if not built:
-            from deploy.demo.tiny_model import TinyModelSpec, build_char_tokenizer, build_tiny_model, save_model_dir
+            from deploy.demo.tiny_model import (
+                TinyModelSpec,
+                build_char_tokenizer,
+                build_tiny_model,
+                save_model_dir,
+            )
 
             tokenizer = build_char_tokenizer()
             built.append(str(save_model_dir(build_tiny_model(tokenizer, TinyModelSpec()), tokenizer,
