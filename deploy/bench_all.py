@@ -201,17 +201,33 @@ def run_one(bench: Bench, device: str, out: Path, tiny_model: Callable[[], str],
     seconds = round(time.monotonic() - start, 1)
     (out / f"{bench.name}.out").write_text(stdout)
     summary = last_json(stdout)
-    rows: list[Row] = []
     if summary is not None:
         (out / f"{bench.name}.json").write_text(json.dumps(summary, indent=1))
+    record = {"name": bench.name, "status": status, "command": command, "seconds": seconds}
+    (out / f"{bench.name}.record.json").write_text(json.dumps(record))
+    return {**record, "rows": figures_of(bench, summary, status, log)}
+
+
+def figures_of(bench: Bench, summary: dict | None, status: str, log: Path) -> list[Row]:
+    rows: list[Row] = []
+    if summary is not None:
         try:
             rows = bench.figures(summary)
         except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
             rows = [("summary not understood", "-", f"{type(exc).__name__}: {exc}"[:120])]
-    if status != "ok" or not rows:
-        rows = rows or [(f"no figures ({status}; see {log.relative_to(REPO) if log.is_relative_to(REPO) else log})",
-                         "-", "-")]
-    return {"name": bench.name, "status": status, "command": command, "seconds": seconds, "rows": rows}
+    return rows or [(f"no figures ({status}; see {log.name})", "-", "-")]
+
+
+def rerender(bench: Bench, out: Path) -> dict:
+    """The record of an earlier run from its files under ``out`` (the figures read again from its JSON)."""
+    saved = out / f"{bench.name}.record.json"
+    if not saved.exists():
+        return {"name": bench.name, "status": "no earlier run", "command": f"python bench/{bench.name}.py",
+                "seconds": 0, "rows": [(f"nothing in {out}", "-", "-")]}
+    record = json.loads(saved.read_text())
+    summary_file = out / f"{bench.name}.json"
+    summary = json.loads(summary_file.read_text()) if summary_file.exists() else None
+    return {**record, "rows": figures_of(bench, summary, record["status"], out / f"{bench.name}.log")}
 
 
 def table(records: list[dict], device: str, when: str, where: str) -> str:
@@ -253,6 +269,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="runs/bench/all", help="Folder for each benchmark's output, log and JSON.")
     p.add_argument("--doc", default="docs/benchmarks.md", help="Markdown file whose table section is replaced.")
     p.add_argument("--dry-run", action="store_true", help="Print the commands and the limits, run nothing.")
+    p.add_argument("--rerender", action="store_true", help="Run nothing: write the table again from the outputs "
+                   "an earlier run left in --out (its date and machine are this call's: say so if they differ).")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -287,6 +305,10 @@ def run(args: argparse.Namespace) -> int:
     where = machine(args.device)
     records = []
     for bench in benches:
+        if args.rerender:
+            runnable = bench.args(args.device) is not None and (bool(args.only) or not bench.alone)
+            records.append(rerender(bench, out) if runnable else run_one(bench, args.device, out, tiny_model))
+            continue
         print(f"[bench] {bench.name} ...", flush=True)
         record = run_one(bench, args.device, out, tiny_model, named=bool(args.only))
         print(f"[bench] {bench.name}: {record['status']} in {record['seconds']} s", flush=True)
