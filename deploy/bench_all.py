@@ -63,15 +63,49 @@ def _hub_capacity(d: dict) -> list[Row]:
 
 
 def _logprobs_memory(d: dict) -> list[Row]:
-    return [(f"chunked logprobs T={r.get('seq_len')}: peak MiB, time s (chunked/naive)",
-             f"{num(r.get('chunked_mib'))} MiB, {num(r.get('chunked_s'))} s",
-             f"mem {num(r.get('mem_ratio'))}, time {num(r.get('time_ratio'))}") for r in d.get("rows", [])]
+    naive = {r["seq_len"]: r for r in d.get("rows", []) if r.get("label") == "naive"}
+    return [(f"chunked logprobs, T={r['seq_len']} ({d.get('mode')}, {d.get('device')}): peak extra MiB, time s",
+             f"{num(r.get('peak_extra_mib'))} MiB, {num(r.get('time_s'))} s (naive {num(dig(naive, r['seq_len'], 'peak_extra_mib'))}"
+             f" MiB, {num(dig(naive, r['seq_len'], 'time_s'))} s)",
+             f"mem {num(r.get('mem_ratio'))}, time {num(r.get('time_ratio'))} of naive")
+            for r in d.get("rows", []) if "mem_ratio" in r]
 
 
 def _learner_throughput(d: dict) -> list[Row]:
-    return [(f"learner ZeRO-{s.get('zero_stage')} tokens/s ({d.get('preset')})", num(s.get("tokens_per_s")),
-             f"{num(s.get('tokens_per_s_ratio'))} of first; MFU {num(s.get('mfu'))}" if s.get("mfu") is not None
-             else f"{num(s.get('tokens_per_s_ratio'))} of first stage") for s in d.get("stages", [])]
+    rows = [r for r in d.get("rows", []) if r.get("ok", True) and "tokens_per_s" in r]
+    first = rows[0]["tokens_per_s"] if rows else None
+    return [(f"learner ZeRO-{r['zero_stage']} tokens/s ({d.get('preset')}, {r.get('dtype')})", num(r["tokens_per_s"]),
+             f"{r['tokens_per_s'] / first:.2f} of ZeRO-{rows[0]['zero_stage']}"
+             + (f"; MFU {r['mfu']:.3f}" if r.get("mfu") is not None else "")) for r in rows]
+
+
+def _packing_layouts(d: dict) -> list[Row]:
+    times = {layout: min(t) for layout, t in d.get("times_s", {}).items() if t}
+    return [(f"learner forward+backward, {layout} layout ({d.get('preset')}, {d.get('device')}): s per batch",
+             num(t), f"{times['padded'] / t:.2f}x padded" if "padded" in times else "") for layout, t in times.items()]
+
+
+def _ref_server(d: dict) -> list[Row]:
+    return [(f"ref server {key.replace('/', ', clients ')} ({d.get('preset')}, {d.get('device')}): tokens/s",
+             num(r.get("tokens_per_s")), f"{num(r.get('ratio_vs_inprocess'))} of in-process")
+            for key, r in d.get("results", {}).items()]
+
+
+def _weight_sync(d: dict) -> list[Row]:
+    rows = []
+    for model, result in d.get("models", {}).items():
+        for transport, r in result.items():
+            if isinstance(r, dict) and "publish_to_serving_s" in r:
+                rows.append((f"weight sync {model} over {transport} ({d.get('device')}): publish to serving, s",
+                             num(r["publish_to_serving_s"]), f"{num(r.get('vs_http'))} of HTTP; learner stall "
+                             f"{num(r.get('stall_s'))} s"))
+    return rows
+
+
+def _learner_overhead(d: dict) -> list[Row]:
+    return [(f"learner step on the tiny model ({Path(tree).name}): step ms, overhead ms", f"{num(r.get('step_ms'))}, "
+             f"{num(r.get('overhead_ms'))}", f"overhead {r['overhead_ms'] / r['step_ms']:.2f} of the step"
+             if r.get("step_ms") else "") for tree, r in d.get("results", {}).items()]
 
 
 def _generic(keys: dict[str, tuple]) -> Callable[[dict], list[Row]]:
@@ -126,18 +160,18 @@ BENCHMARKS: list[Bench] = [
     Bench("learner_throughput", ("--steps", "3"), ("--device", "cuda", "--zero-stages", "0", "--steps", "5"),
           _learner_throughput, 300, 150),
     Bench("packing_layouts", ("--repeats", "3"), ("--device", "cuda", "--preset", "qwen2.5-0.5b"),
-          _flat("packing", ("tokens_per_s", "ratio_vs_padded")), 120, 45),
+          _packing_layouts, 120, 45),
     Bench("ref_server", ("--repeats", "1", "--rows", "32", "--clients", "1", "4"), ("--device", "cuda", "--repeats", "2"),
-          _flat("ref server", ("tokens_per_s", "ratio")), 240, 90),
+          _ref_server, 240, 90),
     Bench("weight_sync", ("--models", "tiny", "--repeats", "2"),
           ("--device", "cuda", "--models", "qwen0.5b-shape", "--transports", "nccl,ipc", "--repeats", "2"),
-          _flat("weight sync", ("median_s", "sync_s", "gb_per_s")), 180, 90),
-    Bench("learner_overhead", ("--steps", "12"), None, _flat("learner", ("step_ms", "overhead_ms")), 240,
+          _weight_sync, 180, 90),
+    Bench("learner_overhead", ("--steps", "12"), None, _learner_overhead, 240,
           why="a CPU figure (the learner's own overhead per step)"),
     Bench("lora_sizes", ("--model", TINY_MODEL, "--rank", "8", "--repeats", "1"), None,
           _generic({"LoRA adapter / full publish bytes (tiny model, rank 8)": (("adapter_bytes",), ("adapter_over_full",))}),
           120, why="bytes do not depend on the device"),
-    Bench("vs_trl", None, ("--device", "cuda"), _flat("vs TRL", ("time_to_target_s", "speedup")), 0, 540,
+    Bench("vs_trl", None, ("--device", "cuda"), _flat("vs TRL", ("ratio_ours_over_trl", "ratio_ours_over_trl_from_model_load")), 0, 540,
           why="needs trl (not installed on this CPU; on the GPU machine: EXTRA_WHEELS=trl) and minutes of training: "
           "a command of its own there (--device cuda --only vs_trl)", alone=True),
     Bench("process_vs_outcome", None, None, _flat("process vs outcome", ("ratio",)),
