@@ -347,6 +347,8 @@ def measure_phase(args, name: str, hub: HubProcess) -> dict:
         "lease_p50_ms": _ms(percentile(learned["latency"], 50)),
         "lease_p99_ms": _ms(percentile(learned["latency"], 99)),
         "hub_cpu_pct": round((proc1 - proc0) / TICKS / wall * 100, 1),
+        # CPU time per group moved through the hub (upload + lease): what a busier machine does not change much
+        "hub_cpu_ms_per_group": round((proc1 - proc0) / TICKS * 1000 / accepted, 2) if accepted else None,
         "hub_event_loop_cpu_pct": round(busy.get(main, 0) * 100, 1),
         "hub_other_threads_cpu_pct": round(sum(v for t, v in busy.items() if t != main) * 100, 1),
         "client_cpu_pct": round(sum(c["cpu"] for c in clients) * 100, 1),
@@ -408,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n[{r['phase']}] accepted {r['accepted_groups_per_s']} groups/s ({r['accepted_tokens_per_s']} tok/s),"
               f" leased {r['leased_groups_per_s']} groups/s; upload p50 {r['upload_p50_ms']} ms p99 "
               f"{r['upload_p99_ms']} ms; lease p50 {r['lease_p50_ms']} ms p99 {r['lease_p99_ms']} ms")
-        print(f"  hub CPU {r['hub_cpu_pct']}% (event loop {r['hub_event_loop_cpu_pct']}%, other threads "
+        print(f"  hub CPU {r['hub_cpu_pct']}% = {r['hub_cpu_ms_per_group']} ms per group (event loop {r['hub_event_loop_cpu_pct']}%, other threads "
               f"{r['hub_other_threads_cpu_pct']}%), generators' CPU {r['client_cpu_pct']}%, failures "
               f"{r['upload_failures']}")
         print("  stage time, % of wall (summed over threads): "

@@ -169,7 +169,7 @@ BENCHMARKS: list[Bench] = [
     Bench("learner_overhead", ("--steps", "12"), None, _learner_overhead, 240,
           why="a CPU figure (the learner's own overhead per step)"),
     Bench("lora_sizes", ("--model", TINY_MODEL, "--rank", "8", "--repeats", "1"), None,
-          _generic({"LoRA adapter / full publish bytes (tiny model, rank 8)": (("adapter_bytes",), ("adapter_over_full",))}),
+          _generic({"LoRA adapter bytes, ratio to a full publish (tiny model, rank 8)": (("adapter_bytes",), ("adapter_over_full",))}),
           120, why="bytes do not depend on the device"),
     Bench("vs_trl", None, ("--device", "cuda"), _flat("vs TRL", ("ratio_ours_over_trl", "ratio_ours_over_trl_from_model_load")), 0, 540,
           why="needs trl (not installed on this CPU; on the GPU machine: EXTRA_WHEELS=trl) and minutes of training: "
