@@ -46,7 +46,7 @@ def test_a_toy_run_accounts_for_every_group(tmp_path, capsys):
     assert phase["lease_p99_ms"] >= phase["lease_p50_ms"] > 0
     assert phase["accepted_groups_per_s"] > 0 and phase["leased_groups_per_s"] > 0
     assert phase["accepted_tokens_per_s"] == pytest.approx(phase["accepted_groups_per_s"] * 4 * 64, rel=0.02)
-    assert phase["hub_cpu_pct"] > 0 and phase["upload_failures"] == {}
+    assert phase["hub_cpu_pct"] > 0 and phase["hub_cpu_ms_per_group"] > 0 and phase["upload_failures"] == {}
     assert {"spool write+fsync", "group decode+validate", "batch serialisation"} <= set(phase["stage_pct_of_wall"])
     # the runner's table row of it
     (hub,) = [b for b in BENCHMARKS if b.name == "hub_capacity"]
