@@ -69,8 +69,11 @@ test-fast: $(STAMP)
 demo: $(STAMP)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} HF_HUB_OFFLINE=1 $(VENV)/bin/grpo demo
 
+# Every benchmark in bench/ at a size fitting this CPU (~15 min on 2 cores): one table in docs/benchmarks.md.
+# BENCH_ARGS="--device cuda" for the GPU figures, "--only NAME ..." for some of them (deploy/bench_all.py).
+BENCH_ARGS ?=
 bench: $(STAMP)
-	$(PY) bench/logprobs_memory.py
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VENV)/bin/grpo bench $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache .hypothesis

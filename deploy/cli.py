@@ -163,6 +163,13 @@ def cmd_fetch_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Every benchmark in bench/ at a size fitting the machine; one table in docs/benchmarks.md."""
+    from deploy.bench_all import run
+
+    return run(args)
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     """A LoRA checkpoint merged into its base model, written as a plain Hugging Face folder."""
     import json
@@ -263,6 +270,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Check keys and values only, not the folders, files and functions they name (a config "
                    "for another machine).")
     add_set_arg(p)
+
+    from deploy.bench_all import add_arguments as add_bench_arguments
+
+    add_bench_arguments(add("bench", cmd_bench, "Run every benchmark in bench/ at a size fitting this machine "
+                            "(--device cuda: the GPU figures, sized for the lent GPU machine) and write one table "
+                            "(figure, value, ratio, machine, date, command) into docs/benchmarks.md."))
 
     add("config-reference", cmd_config_reference, "Print every config field, its default and its meaning.")
     return parser

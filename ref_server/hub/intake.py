@@ -85,7 +85,7 @@ class Intake:
         return answers
 
     def _decode(self, data: bytes) -> RolloutGroup:
-        return RolloutGroup.from_bytes(data).validate(self.vocab_size)
+        return RolloutGroup.from_bytes(data, self.vocab_size)  # validated once (it was twice: ~0.9 ms a group)
 
     def _enqueue(self, group: RolloutGroup, data: bytes) -> dict:
         queue = self.queue

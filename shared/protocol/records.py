@@ -229,8 +229,8 @@ class RolloutGroup:
         return encode("rollout_group/v1", tensors, fields)
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> RolloutGroup:
-        """Decode and validate; every problem is a WireError or ProtocolError (both ValueError) naming it."""
+    def from_bytes(cls, data: bytes, vocab_size: int | None = None) -> RolloutGroup:
+        """Decode and validate (ids < ``vocab_size`` if given); every problem is a WireError or ProtocolError."""
         tensors, fields = decode(data, "rollout_group/v1")
         try:
             sampling = fields["sampling"]
@@ -253,7 +253,7 @@ class RolloutGroup:
         except (TypeError, AttributeError) as exc:
             raise WireError(f"rollout group has a malformed field: {exc}") from None
         _require(not tensors, f"rollout group has unknown tensors: {sorted(tensors)}")
-        return group.validate()
+        return group.validate(vocab_size)
 
 
 @dataclass
@@ -304,13 +304,14 @@ class TrainBatch:
         _require(len(groups) > 0, "a batch needs at least one group")
         temperatures = {g.sampling.temperature for g in groups}
         _require(len(temperatures) == 1, f"groups of one batch were sampled at different temperatures {temperatures}")
-        sizes = torch.tensor([g.group_size for g in groups])
+        def per_row(values: list[int]) -> torch.Tensor:  # each group's value on its rows (repeat_interleave: ms)
+            return torch.tensor([v for g, v in zip(groups, values) for _ in range(g.group_size)], dtype=torch.long)
         return dict(
-            prompt_lengths=torch.tensor([g.prompt_ids.numel() for g in groups]).repeat_interleave(sizes),
+            prompt_lengths=per_row([g.prompt_ids.numel() for g in groups]),
             completion_lengths=torch.cat([g.completion_lengths.long() for g in groups]),
             rewards=torch.cat([g.rewards.float() for g in groups]),
-            group_index=torch.arange(len(groups)).repeat_interleave(sizes),
-            policy_versions=torch.tensor([g.policy_version for g in groups]).repeat_interleave(sizes),
+            group_index=per_row(list(range(len(groups)))),
+            policy_versions=per_row([g.policy_version for g in groups]),
             truncated=torch.tensor([r == "length" for g in groups for r in g.finish_reasons], dtype=torch.bool),
             reward_components={
                 name: torch.cat([g.reward_components.get(name, torch.full((g.group_size,), float("nan")))

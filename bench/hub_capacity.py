@@ -1,0 +1,434 @@
+"""Benchmark: the rollout hub's capacity with many simulated generators and a simulated learner (no model).
+
+A real hub (the ref server's app: ``build_state`` + ``create_app`` under uvicorn, ``beta`` 0 so there is no
+reference model, spool on or off) runs in a child process on 127.0.0.1. ``--client-procs`` processes run
+``--generators`` simulated generators between them (one thread each): each uploads its engine call's groups
+(``--groups-per-upload`` groups of ``--group-size`` completions x ``--completion-len`` tokens with behaviour logprobs,
+after a ``--prompt-len``-token prompt) in one binary ``POST /v1/rollouts/batch``, at ``--rate`` groups/s per generator
+(0: as fast as the hub answers), sampled at the learner version of the hub's last answer. Groups are encoded once per
+generator and version; each upload only stamps fresh group ids into the bytes. A simulated learner (this process,
+:class:`shared.protocol.client.HubClient`) registers, leases ``--batch-groups`` groups at a time (long poll),
+decodes the batch, acknowledges it and reports a new version every ``--groups-per-step`` groups.
+
+Reported per phase (``--phases``: ``spool`` and ``nospool``, each ``--duration`` s after ``--warmup`` s):
+groups/s and completion tokens/s accepted and leased, upload latency p50/p99 (client side, one request),
+lease latency (client side, batches that came back), the hub's CPU% (``/proc``: all threads, the event-loop thread,
+the others) and where its time went: wall time per stage, summed over threads (instrumented in the hub process:
+container decode, group decode + validation, spool write + fsync, spool rename, row layout, batch assembly, batch
+serialisation, acknowledgement), and the generators' own CPU% (a saturated client cannot measure the hub).
+Accounting: groups accepted == leased + still queued + dropped stale (checked, printed).
+
+    .venv/bin/python bench/hub_capacity.py                                   # 80 generators x 2.44 groups/s, ~60 s
+    .venv/bin/python bench/hub_capacity.py --rate 0 --generators 16          # the ceiling: as fast as it answers
+    .venv/bin/python bench/hub_capacity.py --generators 4 --duration 2 --warmup 1 --phases nospool   # toy size
+
+The last line is ``BENCH_JSON {...}``. ``--strict`` exits 1 unless the first phase sustains >= 200 groups/s with
+upload p99 < 100 ms (the issue's target) and the accounting holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import requests  # noqa: E402
+import torch  # noqa: E402
+
+from shared.protocol.client import HubClient  # noqa: E402
+from shared.protocol.health import wait_healthy  # noqa: E402
+from shared.protocol.records import RolloutGroup  # noqa: E402
+from shared.protocol.wire import encode_messages  # noqa: E402
+
+TICKS = os.sysconf("SC_CLK_TCK")
+ID_PLACEHOLDER = "f" * 32  # a group id's width (uuid hex): stamped over with a fresh id per upload
+
+
+# -- the hub, in a child process --------------------------------------------------------------------------------
+class StageClock:
+    """Seconds and calls per stage, summed over the hub's threads (a stage's time includes waiting for the GIL)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+
+    def wrap(self, owner, name: str, stage: str) -> None:
+        inner = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                spent = time.perf_counter() - start
+                with self.lock:
+                    self.seconds[stage] = self.seconds.get(stage, 0.0) + spent
+                    self.calls[stage] = self.calls.get(stage, 0) + 1
+
+        setattr(owner, name, timed)
+
+    def snapshot(self) -> dict:
+        with self.lock:
+            return {stage: {"s": round(s, 4), "calls": self.calls[stage]} for stage, s in self.seconds.items()}
+
+
+def serve_hub(port_file: str, spool_dir: str | None, capacity: int, max_staleness: int) -> None:
+    """The real app (as ``grpo ref-server`` builds it, without a model) with stage clocks; ``GET /bench/stages``
+    answers them. Writes its port to ``port_file`` once bound."""
+    import socket
+
+    import uvicorn
+
+    from ref_server import http as _http  # noqa: F401  (the app's modules, imported before they are patched)
+    from ref_server.app import create_app
+    from ref_server.header_deadline import header_deadline_protocol
+    from ref_server.hub import leases, routes
+    from ref_server.hub.intake import Intake
+    from ref_server.hub.spool import RolloutSpool
+    from ref_server.server import build_state
+    from shared.config.schema import GRPOConfig
+    from shared.protocol.records import TrainBatch
+
+    clock = StageClock()
+    clock.wrap(routes, "decode_messages", "container decode")
+    clock.wrap(Intake, "_decode", "group decode+validate")
+    clock.wrap(Intake, "_spool_write", "spool write+fsync")
+    clock.wrap(RolloutSpool, "commit", "spool rename")
+    clock.wrap(Intake, "_mark_ready", "row layout")
+    clock.wrap(leases, "assemble_batch", "batch assembly")
+    clock.wrap(TrainBatch, "to_bytes", "batch serialisation")
+    clock.wrap(leases.Leases, "ack", "ack (+ spool unlink)")
+    config = GRPOConfig.model_validate({
+        "algorithm": {"loss": {"beta": 0.0}},
+        "ref_server": {"model": None, "spool_dir": spool_dir, "queue_capacity": capacity,
+                       "max_staleness": max_staleness, "max_long_poll_s": 5.0},
+    })
+    state = build_state(config)
+    app = create_app(state)
+
+    @app.get("/bench/stages", include_in_schema=False)
+    def stages() -> dict:
+        return clock.snapshot()
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    Path(port_file + ".tmp").write_text(str(sock.getsockname()[1]))
+    os.replace(port_file + ".tmp", port_file)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=2,
+                                           http=header_deadline_protocol(10.0)))
+    signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))
+    server.run(sockets=[sock])
+
+
+class HubProcess:
+    def __init__(self, spool_dir: str | None, capacity: int, max_staleness: int) -> None:
+        self.tmp = tempfile.TemporaryDirectory(prefix="hubcap-")
+        port_file = os.path.join(self.tmp.name, "port")
+        args = [sys.executable, __file__, "--serve-hub", port_file, "--capacity", str(capacity),
+                "--max-staleness", str(max_staleness)] + (["--spool-dir", spool_dir] if spool_dir else [])
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        self.proc = subprocess.Popen(args, env=env)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(port_file):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the hub did not start")
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{Path(port_file).read_text()}"
+        wait_healthy(self.url, timeout_s=60)
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.tmp.cleanup()
+
+
+def cpu_ticks(pid: int) -> dict[str, int]:
+    """utime + stime of each thread of ``pid`` (clock ticks), by thread id; the main (event-loop) thread is ``pid``."""
+    ticks = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # a thread that ended
+        ticks[tid] = int(fields[11]) + int(fields[12])
+    return ticks
+
+
+def process_ticks(pid: int) -> int:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return sum(int(f) for f in fields[11:15])  # utime stime cutime cstime
+
+
+# -- generators, in client processes ----------------------------------------------------------------------------
+def make_group(args, version: int, generator_id: str) -> bytes:
+    rng = torch.Generator().manual_seed(hash(generator_id) % 2**31)
+    g, length = args.group_size, args.completion_len
+    return RolloutGroup(  # every completion full length: G x L completion tokens per group
+        prompt_ids=torch.randint(3, 30000, (args.prompt_len,), generator=rng),
+        completion_ids=torch.randint(3, 30000, (g, length), generator=rng),
+        completion_lengths=torch.full((g,), length, dtype=torch.long),
+        behaviour_logprobs=-torch.rand(g, length, generator=rng) * 3, rewards=torch.rand(g, generator=rng),
+        finish_reasons=["length"] * g, policy_version=version,
+        generator_id=generator_id, group_id=ID_PLACEHOLDER).to_bytes()
+
+
+def generator_thread(args, url: str, index: int, stop: threading.Event, measure: threading.Event,
+                     out: list, version_box: list) -> None:
+    session = requests.Session()
+    generator_id = f"gen-{index}"
+    version, template = -1, b""
+    interval = args.groups_per_upload / args.rate if args.rate > 0 else 0.0
+    next_at = time.monotonic() + (index % 97) / 97 * interval  # spread the generators' phases
+    while not stop.is_set():
+        if version != version_box[0]:
+            version = version_box[0]
+            template = make_group(args, version, generator_id)
+        if interval:
+            pause = next_at - time.monotonic()
+            if pause > 0 and stop.wait(pause):
+                break
+            next_at = max(next_at + interval, time.monotonic() - interval)  # a late generator does not burst
+        body = encode_messages([template.replace(ID_PLACEHOLDER.encode(), uuid.uuid4().hex.encode(), 1)
+                                for _ in range(args.groups_per_upload)])
+        start = time.monotonic()
+        try:
+            response = session.post(url + "/v1/rollouts/batch", data=body, timeout=60,
+                                    headers={"Content-Type": "application/octet-stream"})
+        except requests.RequestException:
+            out.append(("error", start, time.monotonic() - start, 0))
+            continue
+        took = time.monotonic() - start
+        if response.status_code != 200:
+            out.append((f"http {response.status_code}", start, took, 0))
+            stop.wait(float(response.headers.get("Retry-After", "0.1")))
+            continue
+        answer = response.json()
+        accepted = sum(1 for a in answer["answers"] if a.get("accepted") and not a.get("duplicate"))
+        if measure.is_set():
+            out.append(("ok", start, took, accepted))
+        if answer["answers"]:
+            version_box[0] = max(version_box[0], int(answer["answers"][-1]["learner_version"]))
+
+
+def client_process(args, url: str, indices: list[int], ready, go, end, queue) -> None:
+    """Generators ``indices`` as threads; their uploads between ``go`` and ``end`` are measured."""
+    stop, measure, out, version_box = threading.Event(), threading.Event(), [], [0]
+    threads = [threading.Thread(target=generator_thread, args=(args, url, i, stop, measure, out, version_box),
+                                daemon=True) for i in indices]
+    for t in threads:
+        t.start()
+    ready.release()
+    go.wait()
+    cpu0, wall0 = time.process_time(), time.monotonic()
+    measure.set()
+    end.wait()
+    measure.clear()
+    cpu = (time.process_time() - cpu0) / max(time.monotonic() - wall0, 1e-9)
+    stop.set()
+    for t in threads:
+        t.join(timeout=70)
+    queue.put({"uploads": [o for o in out if o[1] >= wall0], "cpu": cpu})
+
+
+# -- the learner, in this process -------------------------------------------------------------------------------
+def learner_thread(args, url: str, stop: threading.Event, measure: threading.Event, out: dict) -> None:
+    client = HubClient(url, timeout_s=60)
+    client.register_learner(0, groups_per_step=args.groups_per_step)
+    version, since_step = 0, 0
+    while not stop.is_set():
+        start = time.monotonic()
+        batch = client.get_batch(args.batch_groups, wait_s=0.5, min_version=max(0, version - args.max_staleness))
+        if batch is None:
+            continue
+        took = time.monotonic() - start
+        groups = batch.num_groups
+        client.ack_batches([batch.batch_id])
+        out["taken"] += groups
+        if measure.is_set():
+            out["latency"].append(took)
+            out["taken_measured"] += groups
+            out["tokens_measured"] += int(batch.completion_lengths.sum())
+        since_step += groups
+        if since_step >= args.groups_per_step:
+            since_step = 0
+            version += 1
+            client.report_version(version)
+    client.close()
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+
+
+def run_phase(args, name: str) -> dict:
+    spool = tempfile.mkdtemp(prefix="hubcap-spool-") if name == "spool" else None
+    hub = HubProcess(spool, args.capacity, args.max_staleness)
+    try:
+        return measure_phase(args, name, hub)
+    finally:
+        hub.stop()
+        if spool:
+            subprocess.run(["rm", "-rf", spool], check=False)
+
+
+def measure_phase(args, name: str, hub: HubProcess) -> dict:
+    stop, measure = threading.Event(), threading.Event()
+    learned = {"taken": 0, "taken_measured": 0, "tokens_measured": 0, "latency": []}
+    ctx = mp.get_context("fork")  # before this process starts threads; torch is imported already
+    results, ready, go, end = ctx.Queue(), ctx.Semaphore(0), ctx.Event(), ctx.Event()
+    procs = [ctx.Process(target=client_process, daemon=True, args=(
+        args, hub.url, list(range(k, args.generators, args.client_procs)), ready, go, end, results))
+        for k in range(min(args.client_procs, args.generators))]
+    for p in procs:
+        p.start()
+    learner = threading.Thread(target=learner_thread, args=(args, hub.url, stop, measure, learned), daemon=True)
+    learner.start()
+    for _ in procs:
+        if not ready.acquire(timeout=120):
+            raise RuntimeError("the generator processes did not start")
+    time.sleep(args.warmup)
+    go.set()
+    stats0 = requests.get(hub.url + "/v1/hub/stats", timeout=30).json()
+    stages0 = requests.get(hub.url + "/bench/stages", timeout=30).json()
+    ticks0, proc0, wall0 = cpu_ticks(hub.proc.pid), process_ticks(hub.proc.pid), time.monotonic()
+    measure.set()
+    time.sleep(args.duration)
+    end.set()
+    measure.clear()
+    ticks1, proc1, wall = cpu_ticks(hub.proc.pid), process_ticks(hub.proc.pid), time.monotonic() - wall0
+    stats1 = requests.get(hub.url + "/v1/hub/stats", timeout=30).json()
+    stages1 = requests.get(hub.url + "/bench/stages", timeout=30).json()
+    clients = [results.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+    time.sleep(1.0)  # the learner drains what is ready
+    stop.set()
+    learner.join(timeout=15)
+    final = requests.get(hub.url + "/v1/hub/stats", timeout=30).json()
+    uploads = [u for c in clients for u in c["uploads"]]
+    ok = [u[2] for u in uploads if u[0] == "ok"]
+    tokens_per_group = args.group_size * args.completion_len
+    accepted = stats1["accepted"] - stats0["accepted"]
+    main = str(hub.proc.pid)
+    busy = {tid: (t - ticks0.get(tid, 0)) / TICKS / wall for tid, t in ticks1.items()}
+    stages = {s: round((v["s"] - stages0.get(s, {"s": 0})["s"]) / wall * 100, 1) for s, v in stages1.items()}
+    return {
+        "phase": name, "seconds": round(wall, 2), "generators": args.generators,
+        "offered_groups_per_s": round(args.generators * args.rate, 1) if args.rate > 0 else None,
+        "accepted_groups_per_s": round(accepted / wall, 1),
+        "accepted_tokens_per_s": round(accepted * tokens_per_group / wall),
+        "leased_groups_per_s": round(learned["taken_measured"] / wall, 1),
+        "leased_tokens_per_s": round(learned["tokens_measured"] / wall),
+        "upload_requests": len(ok), "upload_failures": {k: sum(1 for u in uploads if u[0] == k)
+                                                        for k in {u[0] for u in uploads} - {"ok"}},
+        "upload_p50_ms": _ms(percentile(ok, 50)), "upload_p99_ms": _ms(percentile(ok, 99)),
+        "lease_p50_ms": _ms(percentile(learned["latency"], 50)),
+        "lease_p99_ms": _ms(percentile(learned["latency"], 99)),
+        "hub_cpu_pct": round((proc1 - proc0) / TICKS / wall * 100, 1),
+        # CPU time per group moved through the hub (upload + lease): what a busier machine does not change much
+        "hub_cpu_ms_per_group": round((proc1 - proc0) / TICKS * 1000 / accepted, 2) if accepted else None,
+        "hub_event_loop_cpu_pct": round(busy.get(main, 0) * 100, 1),
+        "hub_other_threads_cpu_pct": round(sum(v for t, v in busy.items() if t != main) * 100, 1),
+        "client_cpu_pct": round(sum(c["cpu"] for c in clients) * 100, 1),
+        "stage_pct_of_wall": dict(sorted(stages.items(), key=lambda kv: -kv[1])),
+        "accounting": {"accepted": final["accepted"], "leased_acked": learned["taken"],
+                       "consumed": final["consumed"], "queued": final["queue_depth"],
+                       "leased_unacked": final["leased_groups"],
+                       "dropped_stale": final["dropped_stale"], "refused_stale": final["refused_stale"],
+                       "holds": final["accepted"] == final["consumed"] + final["queue_depth"] + final["leased_groups"]
+                       + final["dropped_stale"] + final["dropped_ref_failure"] + final["quarantined"]
+                       and learned["taken"] == final["consumed"]},
+    }
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 1)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--generators", type=int, default=80)
+    p.add_argument("--rate", type=float, default=20000 / (16 * 512),
+                   help="groups/s per generator (default: a 0.5B model at 20k completion tokens/s); 0: unpaced")
+    p.add_argument("--groups-per-upload", type=int, default=4, help="groups per request (one engine call's)")
+    p.add_argument("--group-size", type=int, default=16)
+    p.add_argument("--completion-len", type=int, default=512)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--batch-groups", type=int, default=64, help="groups per lease of the learner")
+    p.add_argument("--groups-per-step", type=int, default=256, help="groups per learner version")
+    p.add_argument("--capacity", type=int, default=1024, help="ref_server.queue_capacity")
+    p.add_argument("--max-staleness", type=int, default=4)
+    p.add_argument("--client-procs", type=int, default=2)
+    p.add_argument("--duration", type=float, default=20.0, help="measured seconds per phase")
+    p.add_argument("--warmup", type=float, default=3.0)
+    p.add_argument("--phases", nargs="+", default=["spool", "nospool"], choices=["spool", "nospool"])
+    p.add_argument("--json-out")
+    p.add_argument("--strict", action="store_true")
+    p.add_argument("--serve-hub", help=argparse.SUPPRESS)
+    p.add_argument("--spool-dir", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    for name in ("generators", "groups_per_upload", "group_size", "completion_len", "prompt_len", "batch_groups",
+                 "groups_per_step", "capacity", "client_procs"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.rate < 0 or args.duration <= 0 or args.warmup < 0:
+        p.error("--rate and --warmup must be >= 0, --duration > 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.serve_hub:
+        serve_hub(args.serve_hub, args.spool_dir, args.capacity, args.max_staleness)
+        return 0
+    phases = [run_phase(args, name) for name in args.phases]
+    print(f"hub capacity: {args.generators} generators x {args.rate:.2f} groups/s, {args.groups_per_upload} groups "
+          f"of {args.group_size} x {args.completion_len} tokens per upload; learner {args.batch_groups} groups/lease")
+    for r in phases:
+        print(f"\n[{r['phase']}] accepted {r['accepted_groups_per_s']} groups/s ({r['accepted_tokens_per_s']} tok/s),"
+              f" leased {r['leased_groups_per_s']} groups/s; upload p50 {r['upload_p50_ms']} ms p99 "
+              f"{r['upload_p99_ms']} ms; lease p50 {r['lease_p50_ms']} ms p99 {r['lease_p99_ms']} ms")
+        print(f"  hub CPU {r['hub_cpu_pct']}% = {r['hub_cpu_ms_per_group']} ms per group (event loop {r['hub_event_loop_cpu_pct']}%, other threads "
+              f"{r['hub_other_threads_cpu_pct']}%), generators' CPU {r['client_cpu_pct']}%, failures "
+              f"{r['upload_failures']}")
+        print("  stage time, % of wall (summed over threads): "
+              + ", ".join(f"{k} {v}" for k, v in r["stage_pct_of_wall"].items()))
+        print(f"  accounting: {r['accounting']}")
+    first = phases[0]
+    target = (first["accepted_groups_per_s"] >= 200 and (first["upload_p99_ms"] or 1e9) < 100)
+    held = all(r["accounting"]["holds"] for r in phases)
+    print(f"\ntarget (>= 200 groups/s, p99 < 100 ms, {first['phase']}): {'PASS' if target else 'FAIL'}; "
+          f"accounting {'holds' if held else 'BROKEN'}")
+    result = {"bench": "hub_capacity", "args": {k: v for k, v in vars(args).items() if v is not None},
+              "machine": f"{platform.machine()} {os.cpu_count()} cores", "phases": phases,
+              "target_pass": target, "accounting_holds": held}
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(result, indent=1))
+    print("BENCH_JSON " + json.dumps(result))
+    return 1 if args.strict and not (target and held) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
