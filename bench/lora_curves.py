@@ -6,7 +6,7 @@ lr 3e-4), both cut to ``--steps`` learner steps of 4 groups x 8 completions, eac
 measured job machine-wide; the lock is released between the runs) with ``OMP_NUM_THREADS=1`` as in
 docs/real-model.md. ``grpo eval`` (greedy accuracy and pass@2 on the held-out split, ``--num-examples``
 problems) scores the base model once and each run's final model folder (for LoRA the merged policy the learner
-writes at the end), at nice 19 outside the lock: accuracies do not depend on the load.
+writes at the end), each under the lock as well.
 
 Writes ``--json`` (the evals, the gains, gain_lora / gain_full, per-step training reward/accuracy/step time, wall
 times and the load before/after each run) and draws ``--png`` (held-out greedy accuracy before/after, and the
@@ -46,10 +46,11 @@ def model_sets(model: str) -> list[str]:
     return [f"--set={key}={model}" for key in ("learner.model", "generator.model", "ref_server.model")]
 
 
-def run_eval(config: str, model: str, out: Path, num_examples: int) -> dict:
+def run_eval(config: str, model: str, out: Path, num_examples: int, lock: str) -> dict:
+    """``grpo eval`` under the lock too: its numbers go into docs/, and at nice 19 on a loaded machine it starves."""
     if not out.exists():
-        subprocess.run(["nice", "-n", "19", *grpo("eval", "--config", config, "--model", model, "--out", str(out),
-                                                   "--num-examples", str(num_examples))],
+        subprocess.run(["flock", lock, *grpo("eval", "--config", config, "--model", model, "--out", str(out),
+                                             "--num-examples", str(num_examples))],
                        env=env(), check=True)
     return json.loads(out.read_text())
 
@@ -137,13 +138,13 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     for arm in args.arms:  # both training runs first: the lock is then free for others during the evals
         train(arm, args.model, work / arm, args.steps, args.lock)
-    base_eval = run_eval(ARMS["full"], args.model, work / "base-eval.json", args.num_examples)
+    base_eval = run_eval(ARMS["full"], args.model, work / "base-eval.json", args.num_examples, args.lock)
     print(f"base: {base_eval['greedy_accuracy']:.3f}", flush=True)
     arms = {}
     for arm in args.arms:
         run_dir = work / arm
         measured = train(arm, args.model, run_dir, args.steps, args.lock)
-        after = run_eval(ARMS[arm], str(run_dir / "model"), work / f"{arm}-eval.json", args.num_examples)
+        after = run_eval(ARMS[arm], str(run_dir / "model"), work / f"{arm}-eval.json", args.num_examples, args.lock)
         rows = step_metrics(run_dir)
         arms[arm] = {"config": ARMS[arm], "run": measured, "eval": after, "steps": rows,
                      "gain": after["greedy_accuracy"] - base_eval["greedy_accuracy"],
