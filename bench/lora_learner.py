@@ -46,7 +46,8 @@ def batch_for(config, model_dir: str):
     import torch
     from transformers import AutoTokenizer
 
-    from generator.main import load_examples
+    from generator.datasets import render_prompt
+    from generator.main import load_examples, system_prompt_for
     from shared.protocol.records import RolloutGroup, SamplingParams, TrainBatch
 
     gen = config.generator
@@ -56,7 +57,9 @@ def batch_for(config, model_dir: str):
     rng = torch.Generator().manual_seed(0)
     groups = []
     for example in examples:
-        prompt = tokenizer(example.question, add_special_tokens=False)["input_ids"]
+        # as the generator encodes it (generator/loop.py: encode_prompt): through the chat template
+        text = render_prompt(tokenizer, example.question, system_prompt_for(gen.dataset), gen.dataset.template)
+        prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
         tokens = torch.randint(0, len(tokenizer), (gen.group_size, gen.sampling.max_tokens), generator=rng)
         groups.append(RolloutGroup.from_samples(
             prompt_ids=prompt, completion_ids=tokens.tolist(),
