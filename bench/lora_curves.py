@@ -46,13 +46,13 @@ def model_sets(model: str) -> list[str]:
     return [f"--set={key}={model}" for key in ("learner.model", "generator.model", "ref_server.model")]
 
 
-def run_eval(config: str, model: str, out: Path, num_examples: int, lock: str) -> dict:
+def run_eval(config: str, model: str, out: Path, num_examples: int, k: int, lock: str | None) -> dict:
     """``grpo eval`` at nice 19 without the lock (``lock`` None, the default) or under it at normal priority: the
     lock is for timings, and greedy accuracy does not depend on the load."""
     if not out.exists():
         prefix = ["flock", lock] if lock else ["nice", "-n", "19"]
         subprocess.run([*prefix, *grpo("eval", "--config", config, "--model", model, "--out", str(out),
-                                        "--num-examples", str(num_examples))],
+                                        "--num-examples", str(num_examples), "--k", str(k))],
                        env=env(), check=True)
     return json.loads(out.read_text())
 
@@ -126,6 +126,7 @@ def main() -> int:
     parser.add_argument("--model", required=True, help="SmolLM2 folder (grpo fetch-model smollm2-135m-instruct)")
     parser.add_argument("--steps", type=int, default=12, help="learner steps per run (4 groups x 8 each)")
     parser.add_argument("--num-examples", type=int, default=200, help="held-out problems per eval")
+    parser.add_argument("--k", type=int, default=1, help="pass@k samples per eval (the target is greedy accuracy)")
     parser.add_argument("--work", default="runs/lora-curves", help="run folders and eval files")
     parser.add_argument("--lock", default="/tmp/measure.lock", help="flock file held during each training run")
     parser.add_argument("--eval-lock", default=None, help="run the evals under this flock file (default: nice 19)")
@@ -141,13 +142,13 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     for arm in args.arms:  # both training runs first: the lock is then free for others during the evals
         train(arm, args.model, work / arm, args.steps, args.lock)
-    base_eval = run_eval(ARMS["full"], args.model, work / "base-eval.json", args.num_examples, args.eval_lock)
+    base_eval = run_eval(ARMS["full"], args.model, work / "base-eval.json", args.num_examples, args.k, args.eval_lock)
     print(f"base: {base_eval['greedy_accuracy']:.3f}", flush=True)
     arms = {}
     for arm in args.arms:
         run_dir = work / arm
         measured = train(arm, args.model, run_dir, args.steps, args.lock)
-        after = run_eval(ARMS[arm], str(run_dir / "model"), work / f"{arm}-eval.json", args.num_examples, args.eval_lock)
+        after = run_eval(ARMS[arm], str(run_dir / "model"), work / f"{arm}-eval.json", args.num_examples, args.k, args.eval_lock)
         rows = step_metrics(run_dir)
         arms[arm] = {"config": ARMS[arm], "run": measured, "eval": after, "steps": rows,
                      "gain": after["greedy_accuracy"] - base_eval["greedy_accuracy"],
