@@ -4,7 +4,7 @@ Runs, one after the other, ``grpo run`` of deploy/configs/smollm2-arithmetic-cpu
 and of deploy/configs/smollm2-arithmetic-lora-cpu.yaml (LoRA r 32, alpha 64, the default seven projections,
 lr 3e-4), both cut to ``--steps`` learner steps of 4 groups x 8 completions, each under ``flock LOCK`` (one
 measured job machine-wide; the lock is released between the runs) with ``OMP_NUM_THREADS=1`` as in
-docs/real-model.md. ``grpo eval`` (greedy accuracy and pass@2 on the held-out split, ``--num-examples``
+docs/real-model.md. ``grpo eval`` (greedy accuracy and pass@k on the held-out split, ``--num-examples``
 problems) scores the base model once and each run's final model folder (for LoRA the merged policy the learner
 writes at the end), at nice 19 outside the lock (``--eval-lock`` to hold it): accuracies do not depend on the load.
 
