@@ -176,6 +176,10 @@ BENCHMARKS: list[Bench] = [
           "a command of its own there (--device cuda --only vs_trl)", alone=True),
     Bench("process_vs_outcome", None, None, _flat("process vs outcome", ("ratio",)),
           why="a learning-curve comparison over several training runs (~1 h on this CPU): run it alone"),
+    Bench("lora_curves", None, None, _flat("LoRA vs full", ("gain_ratio",)),
+          why="two SmolLM2 training runs and their evals (~45 min on this CPU), docs/lora.md: run it alone"),
+    Bench("lora_learner", None, None, _flat("LoRA / full learner", ("ratio",)),
+          why="needs SmolLM2 (grpo fetch-model) and minutes per arm, docs/lora.md: run it alone"),
 ]
 
 
