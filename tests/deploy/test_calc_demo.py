@@ -122,3 +122,40 @@ def test_step_rates_count_tool_calls_by_the_mask_and_accuracy_by_the_reward(tmp_
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text(json.dumps({"step": 1, "time": 1030.0}) + "\n" + json.dumps({"step": 2, "time": 1090.0}) + "\n")
     assert step_minutes(metrics, 1000.0) == {1: 0.5, 2: 1.5}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_calculator_demo_runs_end_to_end_and_reports_tool_call_rates(tmp_path):
+    """`grpo demo` on the calculator config at a toy size: a few warm-up steps, 2 learner steps, 8 held-out
+    problems; summary.json has the before/after fields and the curve is written."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.e2e.test_run import free_port, stray_processes
+
+    port, model, run_dir = free_port(), tmp_path / "model", tmp_path / "run"
+    settings = {"generator.model": model, "ref_server.model": model, "learner.model": model, "run.run_dir": run_dir,
+                "ref_server.port": port, "generator.hub_url": f"http://127.0.0.1:{port}",
+                "learner.hub_url": f"http://127.0.0.1:{port}", "learner.advantages_jsonl": tmp_path / "adv.jsonl",
+                "learner.max_steps": 2, "generator.group_size": 4, "generator.prompts_per_batch": 2,
+                "learner.groups_per_step": 2, "demo.warmup_steps": 3, "demo.batch_size": 8,
+                "demo.heldout_examples": 8, "eval.num_examples": 8, "eval.k": 2, "learner.batch_wait_s": 2.0}
+    grpo = str(Path(sys.executable).parent / "grpo")
+    command = [grpo, "demo", "--config", CONFIG, *(f"--set={k}={v}" for k, v in settings.items())]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=280,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["heldout_examples"] == 8
+    for when in ("before", "after"):
+        assert 0 <= summary[f"accuracy_{when}"] <= 1
+        assert 0 <= summary[f"tool_call_rate_{when}"] <= 1
+        assert summary[f"turns_per_trajectory_{when}"] >= 1
+    assert [row["step"] for row in summary["per_step"]] == [1, 2]
+    assert all(row["samples"] == 8 and 0 <= row["tool_call_rate"] <= 1 for row in summary["per_step"])
+    assert (run_dir / "curve.png").stat().st_size > 10_000
+    assert "tool-call rate" in result.stdout
+    assert stray_processes(str(port)) == []
