@@ -98,7 +98,7 @@ def test_a_string_target_still_trains_on_every_completion_token(tokenizer):
 def test_the_calculator_config_builds_its_task_and_refuses_a_tool_warmup_without_the_calculator():
     config = load_config(CONFIG)
     assert demo_task(config) == TASK
-    assert config.demo.tool_fraction == 0.15 and config.generator.environment.name == "calculator"
+    assert config.demo.tool_fraction == 0.3 and config.generator.environment.name == "calculator"
     with pytest.raises(UsageError, match="generator.environment.name: calculator"):
         demo_task(load_config(CONFIG, ["generator.environment=null"]))
     with pytest.raises(Exception, match="demo.warmup_target_accuracy: null"):
