@@ -62,12 +62,42 @@ def demo_task(config):
     from generator.tasks.chain import ChainTask
 
     dataset = config.generator.dataset
+    environment = config.generator.environment
+    if config.demo.tool_fraction > 0 and (environment is None or environment.name != "calculator"
+                                          or dataset.kind != "arithmetic"):
+        raise UsageError("demo.tool_fraction > 0 demonstrates the calculator: it needs generator.environment.name: "
+                         "calculator and generator.dataset.kind: arithmetic")
     if dataset.kind == "chain":
         return ChainTask(**dataset.chain.model_dump())
     if dataset.kind == "arithmetic":
         return ArithmeticTask(**dataset.arithmetic)
     raise UsageError(f"the tiny model warms up on a built-in task: generator.dataset.kind must be 'arithmetic' or "
                      f"'chain', got {dataset.kind!r}")
+
+
+def tool_text(result) -> str:
+    """``, tool-call rate 12.0%`` for a multi-turn evaluation, nothing otherwise."""
+    return "" if result.tool_call_rate is None else f", tool-call rate {result.tool_call_rate:.1%}"
+
+
+def calculator_summary(config, before, after, metrics_path: Path, advantages_path: Path | None,
+                       train_started_at: float, curve: Path) -> dict:
+    """The multi-turn demo's extra summary fields (held-out tool-call rates; per-step sampled rates when the
+    learner logged its rows in ``learner.advantages_jsonl``) and its curve (:mod:`deploy.demo.calc_curve`)."""
+    from deploy.demo.calc_curve import plot_calculator, step_minutes, step_rates
+
+    rates = step_rates(advantages_path) if advantages_path is not None and advantages_path.exists() else []
+    minutes = step_minutes(metrics_path, train_started_at)
+    for rate in rates:
+        if rate["step"] in minutes:
+            rate["minutes"] = round(minutes[rate["step"]], 2)
+    ends = [{"accuracy": r.greedy_accuracy, "tool_call_rate": r.tool_call_rate} for r in (before, after)]
+    plot_calculator(rates, minutes, *ends, curve)
+    return {"tool_call_rate_before": before.tool_call_rate, "tool_call_rate_after": after.tool_call_rate,
+            "turns_per_trajectory_before": before.turns_per_trajectory,
+            "turns_per_trajectory_after": after.turns_per_trajectory,
+            "environment": config.generator.environment.name,
+            "per_step": [{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()} for r in rates]}
 
 
 def plot(metrics_path: Path, before: float, after: float, out: Path) -> None:
@@ -108,9 +138,12 @@ def main(config_path: str = "deploy/configs/tiny-cpu.yaml", overrides: list[str]
           f"teacher's", flush=True)
     before = evaluate(config, str(model_dir))
     print(f"[demo] before RL: greedy accuracy {before.greedy_accuracy:.1%}, pass@{before.k} "
-          f"{before.pass_at_k:.1%} on {before.num_examples} held-out problems", flush=True)
+          f"{before.pass_at_k:.1%}{tool_text(before)} on {before.num_examples} held-out problems", flush=True)
     metrics_path = Path(config.learner.metrics_jsonl)
-    train_started = time.monotonic()
+    advantages_path = Path(config.learner.advantages_jsonl) if config.learner.advantages_jsonl else None
+    if advantages_path is not None:
+        advantages_path.unlink(missing_ok=True)  # the learner appends; the curve is of this run only
+    train_started, train_started_at = time.monotonic(), time.time()
     # every run of the demo starts from the warmed-up model, not from what an earlier run left behind
     status = run(config, fresh=True)
     train_seconds = time.monotonic() - train_started
@@ -129,9 +162,14 @@ def main(config_path: str = "deploy/configs/tiny-cpu.yaml", overrides: list[str]
                                          "heldout_accuracy_clean_phase", "heldout_accuracy") if k in stats},
     }
     run_dir.mkdir(parents=True, exist_ok=True)
+    if after.tool_call_rate is not None:
+        summary.update(calculator_summary(config, before, after, metrics_path, advantages_path, train_started_at,
+                                          run_dir / "curve.png"))
+    else:
+        plot(metrics_path, before.greedy_accuracy, after.greedy_accuracy, run_dir / "curve.png")
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    plot(metrics_path, before.greedy_accuracy, after.greedy_accuracy, run_dir / "curve.png")
     print(f"[demo] after RL:  greedy accuracy {after.greedy_accuracy:.1%} (before {before.greedy_accuracy:.1%}), "
-          f"pass@{after.k} {after.pass_at_k:.1%}; {steps} steps in {train_seconds:.0f}s", flush=True)
+          f"pass@{after.k} {after.pass_at_k:.1%}{tool_text(after)}; {steps} steps in {train_seconds:.0f}s",
+          flush=True)
     print(f"[demo] wrote {run_dir / 'summary.json'} and {run_dir / 'curve.png'}", flush=True)
     return 0

@@ -29,9 +29,11 @@ def pad_id(tokenizer) -> int:
 
 
 def pad_sft_sequences(
-    pairs: Sequence[tuple[list[int], list[int]]], pad_id: int, max_len: int | None = None
+    pairs: Sequence[tuple[list[int], list[int]]], pad_id: int, max_len: int | None = None,
+    completion_labels: Sequence[list[int]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad ``prompt + completion`` id lists; labels are the completion ids, -100 elsewhere.
+    """Right-pad ``prompt + completion`` id lists; labels are the completion ids (or ``completion_labels``, the
+    same length, -100 on tokens left out of the loss), -100 elsewhere.
 
     The loss mask is built from the lengths, never by comparing ids with ``pad_id``: with ``pad == eos`` an
     id comparison would mask out the EOS the model must learn to emit.
@@ -45,8 +47,12 @@ def pad_sft_sequences(
     pad = torch.nn.utils.rnn.pad_sequence
     input_ids = pad([torch.tensor([*p, *c], dtype=torch.long) for p, c in pairs], batch_first=True,
                     padding_value=pad_id)
-    labels = pad([torch.tensor([-100] * len(p) + list(c), dtype=torch.long) for p, c in pairs], batch_first=True,
-                 padding_value=-100)
+    if completion_labels is None:
+        completion_labels = [c for _, c in pairs]
+    if [len(c) for _, c in pairs] != [len(c) for c in completion_labels]:
+        raise ValueError("completion_labels must match the completions' lengths")
+    labels = pad([torch.tensor([-100] * len(p) + list(c), dtype=torch.long)
+                  for (p, _), c in zip(pairs, completion_labels)], batch_first=True, padding_value=-100)
     return input_ids, labels
 
 
@@ -55,29 +61,40 @@ def target_text(task: Task, problem: Problem) -> str:
     return task.target(problem) if isinstance(task, ChainTask) else format_target(problem)
 
 
+Segment = tuple[str, bool]  # a piece of a target and whether it is in the loss (False: an environment's text)
+
+
 def build_sft_batch(
-    tokenizer, problems: Sequence[Problem], max_len: int | None = None, targets: Sequence[str] | None = None
+    tokenizer, problems: Sequence[Problem], max_len: int | None = None,
+    targets: Sequence[str | Sequence[Segment]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(input_ids [B,T], labels [B,T])`` for prompt + target + EOS, right-padded; the targets are ``targets``
-    (one per problem) or, by default, the arithmetic task's ``format_target``.
+    (one per problem) or, by default, the arithmetic task's ``format_target``. A target is a string, or a list of
+    ``(text, in_loss)`` segments: a multi-turn demonstration whose environment text (``in_loss`` False) the model
+    reads but is not trained to write, as the learner's mask does in RL.
 
-    Prompt and target are tokenized separately (as in RL, where completion tokens follow prompt tokens) and
-    without automatic special tokens; EOS is appended explicitly. Right padding + causal attention means real
-    tokens never attend to padding, so no attention mask is needed for the loss.
+    Prompt and target are tokenized separately (as in RL, where completion tokens follow prompt tokens), and each
+    segment on its own (as multi-turn rollouts append an observation's tokens), without automatic special tokens;
+    EOS is appended explicitly. Right padding + causal attention means real tokens never attend to padding, so no
+    attention mask is needed for the loss.
     """
     eos = eos_id(tokenizer)
     if targets is None:
         targets = [format_target(p) for p in problems]
     if len(targets) != len(problems):
         raise ValueError(f"{len(problems)} problems but {len(targets)} targets")
-    pairs = [
-        (
-            tokenizer.encode(p.prompt, add_special_tokens=False),
-            tokenizer.encode(target, add_special_tokens=False) + [eos],
-        )
-        for p, target in zip(problems, targets)
-    ]
-    return pad_sft_sequences(pairs, pad_id(tokenizer), max_len)
+    pairs, labels = [], []
+    for problem, target in zip(problems, targets):
+        ids, in_loss = [], []
+        for text, trained in ([(target, True)] if isinstance(target, str) else target):
+            piece = tokenizer.encode(text, add_special_tokens=False)
+            ids += piece
+            in_loss += [trained] * len(piece)
+        ids.append(eos)
+        in_loss.append(True)
+        pairs.append((tokenizer.encode(problem.prompt, add_special_tokens=False), ids))
+        labels.append([i if trained else -100 for i, trained in zip(ids, in_loss)])
+    return pad_sft_sequences(pairs, pad_id(tokenizer), max_len, labels)
 
 
 def slipped(problem: Problem) -> Problem:

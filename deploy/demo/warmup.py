@@ -23,6 +23,7 @@ from operator import itemgetter
 
 import torch
 
+from deploy.demo.calc_data import calculator_demonstrations
 from deploy.demo.chain_data import check_flawed_chain_task, flawed_chain_demonstrations
 from deploy.demo.greedy import greedy_accuracy
 from deploy.demo.sft_data import Task, build_sft_batch, flawed_demonstrations, sample_excluding, target_text
@@ -149,7 +150,9 @@ def supervised_warmup(model, tokenizer, task: Task, cfg: DemoConfig, seed: int,
     stop = clean_stop_rule(cfg, validation)
     cap = cfg.warmup_steps if stop is None else cfg.warmup_max_steps
 
-    def correct_batch() -> tuple[list[Problem], list[str]]:
+    def correct_batch() -> tuple[list[Problem], list]:
+        if cfg.tool_fraction > 0:  # the calculator demo (deploy.demo.calc_data)
+            return calculator_demonstrations(task, cfg.batch_size, cfg.tool_fraction, rng, validation)
         problems = sample_excluding(task, cfg.batch_size, rng, validation)
         return problems, [target_text(task, p) for p in problems]
 
@@ -161,9 +164,10 @@ def supervised_warmup(model, tokenizer, task: Task, cfg: DemoConfig, seed: int,
 
 
 def _sft_steps(model, tokenizer, task: Task, optimizer, cfg: DemoConfig, steps: int,
-               next_batch: Callable[[], tuple[list[Problem], list[str]]], scheduler=None,
+               next_batch: Callable[[], tuple[list[Problem], list]], scheduler=None,
                stop: StopRule | None = None, phase: str = "supervised") -> list[float]:
-    """Up to ``steps`` supervised steps on ``next_batch()`` batches (problems and their targets; the rate stepped by
+    """Up to ``steps`` supervised steps on ``next_batch()`` batches (problems and their targets, strings or
+    segments as :func:`deploy.demo.sft_data.build_sft_batch` takes them; the rate stepped by
     ``scheduler`` if given, else the optimizer's own), ending early when ``stop`` says so; returns the per-step
     losses and leaves the model in eval mode. Says how far it is every :data:`PROGRESS_EVERY_S` seconds (logger
     ``grpo.demo.warmup``): steps of the cap, the loss, the last validation check."""

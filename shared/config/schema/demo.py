@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from shared.config.schema.base import StrictModel
 
@@ -67,3 +67,16 @@ class DemoConfig(StrictModel):
     validation_examples: int = Field(500, ge=1, description="Distinct train-split problems of the validation set "
                                      "the accuracy targets are checked on; no supervised batch contains them.")
     validation_seed: int = Field(4321, description="Seed that draws the validation set.")
+    tool_fraction: float = Field(0.0, ge=0, le=1, description="Share of the correct demonstrations that call the "
+                                 "calculator (37*45=<calc>37*45</calc><result>1665</result><answer>1665</answer>; "
+                                 "the <result> text is the environment's and left out of the loss); the rest answer "
+                                 "directly. Above 0 it needs generator.environment.name: calculator, an arithmetic "
+                                 "task, warmup_target_accuracy null and flawed_steps 0 (docs/calculator-demo.md).")
+
+    @model_validator(mode="after")
+    def _tool_demonstrations_run_fixed_steps(self) -> DemoConfig:
+        # the accuracy targets are checked by single-turn greedy answers, which cannot call the calculator
+        if self.tool_fraction > 0 and (self.warmup_target_accuracy is not None or self.flawed_steps):
+            raise ValueError("demo.tool_fraction > 0 runs a fixed number of warm-up steps: set "
+                             "demo.warmup_target_accuracy: null and demo.flawed_steps: 0")
+        return self
