@@ -14,7 +14,6 @@ CONFIGS = sorted((ROOT / "deploy" / "configs").glob("*.yaml"))
 def test_the_shipped_configs_exist():
     assert {p.name for p in CONFIGS} == {"tiny-cpu.yaml", "qwen2.5-0.5b-gsm8k.yaml", "qwen2.5-7b-gsm8k.yaml",
                                          "smollm2-arithmetic.yaml", "smollm2-arithmetic-cpu.yaml",
-                                         "smollm2-arithmetic.yaml", "smollm2-arithmetic-cpu.yaml",
                                          "smollm2-arithmetic-lora-cpu.yaml", "tiny-chain-cpu.yaml",
                                          "smollm2-chain-cpu.yaml", "smollm2-calculator-cpu.yaml",
                                          "tiny-calculator-cpu.yaml"}
