@@ -32,8 +32,8 @@ from pathlib import Path
 
 from generator.engines.base import SampledCompletion, SampledTurn
 from generator.engines.vllm_lora import LoraServing, ModelFolder, read_adapter, write_peft_folder
-from shared.weight_sync.adapter import AdapterError
 from shared.protocol.records import SamplingParams
+from shared.weight_sync.adapter import AdapterError
 
 log = logging.getLogger("grpo.generator.vllm")
 EXTENSION = "generator.engines.vllm_worker.WeightSyncExtension"
