@@ -15,7 +15,7 @@ vllm = pytest.importorskip("vllm")
 from deploy.demo.tiny_model import TinyModelSpec, build_char_tokenizer, build_tiny_model, save_model_dir  # noqa: E402
 from generator.engines.hf import TransformersEngine  # noqa: E402
 from generator.engines.vllm_engine import AdapterLoadError, VLLMEngine  # noqa: E402
-from generator.engines.vllm_lora import LoraServing  # noqa: E402
+from generator.engines.vllm_lora import LoraServing, ModelFolder  # noqa: E402
 from shared.forward.logprobs import sequence_logprobs  # noqa: E402
 from shared.protocol.records import SamplingParams  # noqa: E402
 from tests.generator.test_vllm_lora import TARGETS, relay_adapter  # noqa: E402
@@ -152,5 +152,13 @@ def test_a_bad_adapter_is_refused_naming_the_layer_and_the_served_version_stays(
     with pytest.raises(AdapterLoadError, match=r"layer 'model.layers.0.self_attn.o_proj': rank 16 is above the "
                                                r"engine's max_lora_rank 8"):
         engine.apply_adapter(tmp_path / "r16.safetensors")
+    # fits the model folder's shapes, but vLLM adapts no embeddings: its refusal, naming what the adapter targets
+    vocab, hidden = ModelFolder(model_dir).shapes["model.embed_tokens.weight"]
+    embedding = {"model.embed_tokens.lora_A.weight": torch.full((8, hidden), 0.01),
+                 "model.embed_tokens.lora_B.weight": torch.full((vocab, 8), 0.01)}
+    save_file(embedding, str(tmp_path / "embedding.safetensors"),
+              metadata={k: v for k, v in metadata.items() if k != "grpo_lora_base_samples"})
+    with pytest.raises(AdapterLoadError, match=r"vLLM refused the adapter .* targets \['embed_tokens'\]"):
+        engine.apply_adapter(tmp_path / "embedding.safetensors")
     assert engine.adapter == serving and engine.loaded_adapters() == loaded
     assert served_gaps(engine, [merged[2]], prompts(engine.tokenizer))[0] <= PARITY
