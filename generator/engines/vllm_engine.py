@@ -165,16 +165,18 @@ class VLLMEngine:
         if self._adapter_dir is None:
             self._adapter_dir = tempfile.TemporaryDirectory(prefix="grpo-vllm-lora-")
         adapter_id = self._next_adapter_id
+        self._next_adapter_id += 1  # never reused, even after a refusal
         folder = write_peft_folder(tensors, scaling, rank, Path(self._adapter_dir.name) / f"adapter-{adapter_id}",
                                    self.model_dir)
         request = LoRARequest(f"policy-adapter-{adapter_id}", adapter_id, str(folder))
         try:
             self.llm.llm_engine.add_lora(request)
         except Exception as exc:  # noqa: BLE001 -- vLLM's engine process returns its loader's error as a plain Exception
+            if adapter_id in self.llm.llm_engine.list_loras():  # a refusal after vLLM took it in (its activation)
+                self.llm.llm_engine.remove_lora(adapter_id)
             shutil.rmtree(folder, ignore_errors=True)
             raise AdapterLoadError(f"vLLM refused the adapter {path} (learner.lora: rank {rank}, targets "
                                    f"{sorted({n.rsplit('.', 3)[-3] for n in tensors})}): {exc}") from None
-        self._next_adapter_id += 1
         self._adapters[adapter_id] = request
         self.adapter = request
         while len(self._adapters) > self.lora.max_loras:

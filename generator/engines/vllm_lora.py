@@ -43,9 +43,10 @@ class LoraServing:
     max_loras: int       # adapters one batch may mix: the versions a rollout may still be sampled on
 
     def llm_kwargs(self) -> dict:
-        # max_cpu_loras = max_loras: vLLM's LRU cache never evicts a version the engine still keeps
+        # one spare cache slot: vLLM's LRU cache evicts its oldest adapter when an add would overflow it, before the
+        # add is known to succeed; the engine removes versions itself once the new one is in (vllm_engine.py)
         return dict(enable_lora=True, max_lora_rank=self.max_lora_rank, max_loras=self.max_loras,
-                    max_cpu_loras=self.max_loras)
+                    max_cpu_loras=self.max_loras + 1)
 
 
 def vllm_max_lora_rank(r: int) -> int:

@@ -59,7 +59,7 @@ def test_the_engine_is_sized_from_the_learner_section_of_the_same_config():
                                         "ref_server": {"max_staleness": 3}})
     serving = lora_serving(config)
     assert serving == LoraServing(max_lora_rank=32, max_loras=4)
-    assert serving.llm_kwargs() == dict(enable_lora=True, max_lora_rank=32, max_loras=4, max_cpu_loras=4)
+    assert serving.llm_kwargs() == dict(enable_lora=True, max_lora_rank=32, max_loras=4, max_cpu_loras=5)
     assert lora_serving(GRPOConfig.model_validate({"learner": {"lora": {"publish": "merged"}}})) is None
     assert lora_serving(GRPOConfig()) is None
     with pytest.raises(ValidationError, match=r"learner\.lora\.r: 1024 is above the largest rank the vllm engine"):

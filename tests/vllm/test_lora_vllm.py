@@ -158,7 +158,8 @@ def test_a_bad_adapter_is_refused_naming_the_layer_and_the_served_version_stays(
                  "model.embed_tokens.lora_B.weight": torch.full((vocab, 8), 0.01)}
     save_file(embedding, str(tmp_path / "embedding.safetensors"),
               metadata={k: v for k, v in metadata.items() if k != "grpo_lora_base_samples"})
-    with pytest.raises(AdapterLoadError, match=r"vLLM refused the adapter .* targets \['embed_tokens'\]"):
+    with pytest.raises(AdapterLoadError, match=r"vLLM refused the adapter .* targets \['embed_tokens'\]") as refusal:
         engine.apply_adapter(tmp_path / "embedding.safetensors")
+    print(f"\n{refusal.value}")
     assert engine.adapter == serving and engine.loaded_adapters() == loaded
     assert served_gaps(engine, [merged[2]], prompts(engine.tokenizer))[0] <= PARITY
