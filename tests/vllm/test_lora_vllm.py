@@ -152,7 +152,7 @@ def test_a_bad_adapter_is_refused_naming_the_layer_and_the_served_version_stays(
     with pytest.raises(AdapterLoadError, match=r"layer 'model.layers.0.self_attn.o_proj': rank 16 is above the "
                                                r"engine's max_lora_rank 8"):
         engine.apply_adapter(tmp_path / "r16.safetensors")
-    # fits the model folder's shapes, but vLLM adapts no embeddings: its refusal, naming what the adapter targets
+    # fits the model folder's shapes, but not vLLM's embedding LoRA layout: its refusal, naming the targets
     vocab, hidden = ModelFolder(model_dir).shapes["model.embed_tokens.weight"]
     embedding = {"model.embed_tokens.lora_A.weight": torch.full((8, hidden), 0.01),
                  "model.embed_tokens.lora_B.weight": torch.full((vocab, 8), 0.01)}
