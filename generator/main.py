@@ -52,10 +52,15 @@ def build_engine(config: GRPOConfig):
     name = resolve_engine_name(cfg.engine)
     if name == "vllm":
         from generator.engines.vllm_engine import VLLMEngine
+        from generator.engines.vllm_lora import lora_serving
 
+        try:
+            lora = lora_serving(config)  # vLLM enables LoRA only at start: learner.lora of the same config says so
+        except ValueError as exc:
+            raise GeneratorSetupError(str(exc)) from None
         return VLLMEngine(cfg.model, tensor_parallel_size=cfg.tensor_parallel_size,
                           gpu_memory_utilization=cfg.gpu_memory_utilization, max_model_len=cfg.max_model_len,
-                          device=cfg.device, seed=config.seed)
+                          device=cfg.device, seed=config.seed, lora=lora)
     from generator.engines.hf import TransformersEngine
 
     device = resolve_device(cfg.device)

