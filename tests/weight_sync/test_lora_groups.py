@@ -285,13 +285,11 @@ class StuckMember:
 def test_a_learner_publishing_adapters_serves_a_generator_through_its_group(tiny_model_dir, tmp_path):
     learner = lora_model(tiny_model_dir, seed=11)
     with LiveServer(make_config(tmp_path)) as live:
-        hub = client(live.url)
         publisher = WeightPublisher(learner, lambda: client(live.url), WeightSyncConfig(**CFG), rank=0, world=1,
                                     device=torch.device("cpu"), relay_version=None, adapter_only=True)
         stuck = None
         try:
             assert publisher.sender.groups_enabled and publisher.layout.kind == KIND_ADAPTER
-            hub.register_learner(0, 2, publisher.layout.to_json())
             adapter_bytes = sum(p.numel() * 4 for _, p in adapter_parameters(learner))
             assert publisher.layout.total_bytes == adapter_bytes
             assert publisher.sender.buffer.numel() == adapter_bytes  # the learner's send buffer, too
@@ -358,7 +356,6 @@ def ipc_generator(url: str, model_dir: str, out: str, versions: int) -> None:
 def test_an_adapter_version_reaches_an_engine_on_the_learners_gpu_through_cuda_ipc(tiny_model_dir, tmp_path):
     learner = lora_model(tiny_model_dir, seed=21).to("cuda:0")
     with LiveServer(make_config(tmp_path)) as live:
-        hub = client(live.url)
         publisher = WeightPublisher(learner, lambda: client(live.url), WeightSyncConfig(**{**CFG, "transport": "ipc",
                                                                                           "timeout_s": 30}),
                                     rank=0, world=1, device=torch.device("cuda:0"), relay_version=None,
@@ -368,7 +365,6 @@ def test_an_adapter_version_reaches_an_engine_on_the_learners_gpu_through_cuda_i
         proc = subprocess.Popen([sys.executable, __file__, live.url, str(tiny_model_dir), str(out), "1"],
                                 stdout=subprocess.PIPE, text=True, cwd=root, env={**os.environ, "PYTHONPATH": root})
         try:
-            hub.register_learner(0, 2, publisher.layout.to_json())
             assert publisher.sender.buffer.is_cuda
             assert publisher.sender.buffer.numel() == sum(p.numel() * 4 for _, p in adapter_parameters(learner))
             wait_for(lambda: publisher.sender.counters.members == 1, timeout_s=60)
