@@ -27,8 +27,8 @@ class LoraConfig(StrictModel):
         "adapters switched off: one copy of the weights, one extra no-grad forward per batch in the learner).")
     publish: Literal["adapter", "merged"] = Field(
         "adapter", description="What each weights publish sends: 'adapter' (only lora_A/lora_B and the scaling; "
-        "generators apply them onto the base weights of their model folder, which must be learner.model; HTTP "
-        "relay only, and the transformers engine only), or 'merged' (the whole policy with the adapters merged "
+        "generators apply them onto the base weights of their model folder, which must be learner.model; over "
+        "every transport to the transformers engine, docs/lora.md 'Transports'), or 'merged' (the whole policy with the adapters merged "
         "in, on every transport and engine). docs/lora.md.")
 
     @model_validator(mode="after")
