@@ -23,10 +23,19 @@ received in X s"; the generator serves nothing meanwhile), compared with the bar
 versions are published, as in a run, where the training thread holds the interpreter lock most of the time.
 The last line is a JSON summary.
 
+``--publish merged,adapter`` measures a LoRA learner (``learner.lora``, rank ``--lora-rank``, adapters randomized
+as training would leave them) publishing the merged policy (the whole model's bytes plus the merge) and only the
+adapter (``learner.lora.publish: adapter``: lora_A/lora_B + scaling; generators apply it onto the base they loaded
+from the model folder) over the same transports; each mode reports its bytes per publish (the send buffer, what
+each group member is sent per version). ``--models`` also takes a model folder (e.g. SmolLM2 from ``grpo
+fetch-model``).
+
     .venv/bin/python bench/weight_sync.py                        # CPU: tiny + 0.5B-shaped, http / gloo / bare
     .venv/bin/python bench/weight_sync.py --models tiny --repeats 5
     .venv/bin/python bench/weight_sync.py --models tiny --transports gloo --repeats 20 --busy-learner
     .venv/bin/python bench/weight_sync.py --device cuda          # + nccl / ipc (one GPU: ipc and http only)
+    .venv/bin/python bench/weight_sync.py --models tiny --transports gloo --publish merged,adapter --lora-rank 8
+    .venv/bin/python bench/weight_sync.py --device cuda --models tiny --publish adapter   # adapter over ipc / nccl
 """
 
 from __future__ import annotations
@@ -52,9 +61,12 @@ QWEN_SHAPE = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
 
 
 def build_model_dir(name: str, out: Path, dtype: torch.dtype) -> Path:
-    """A model folder with random weights (nothing downloaded) and the demo's character tokenizer."""
+    """A model folder with random weights (nothing downloaded) and the demo's character tokenizer; a ``name`` that
+    is a folder is used as it is."""
     from deploy.demo.tiny_model import TinyModelSpec, build_char_tokenizer, build_tiny_model, save_model_dir
 
+    if Path(name).is_dir():
+        return Path(name)
     tokenizer = build_char_tokenizer()
     if name == "tiny":
         model = build_tiny_model(tokenizer, TinyModelSpec(seed=1))
@@ -167,7 +179,8 @@ def measure_transport(args, url: str, model, model_dir: Path, transport: str, de
     wire = {"gloo": "collective", "nccl": "collective", "ipc": "ipc", "http": "http"}[transport]
     cfg = WeightSyncConfig(transport=wire, bucket_mb=args.bucket_mb, timeout_s=60, join_timeout_s=600, poll_s=0.2)
     publisher = WeightPublisher(model, lambda: HubClient(url, retry=RetryPolicy(max_retry_s=60)), cfg, rank=0,
-                                world=1, device=learner_device, relay_version=HubClient(url).weights_version())
+                                world=1, device=learner_device, relay_version=HubClient(url).weights_version(),
+                                adapter_only=args.mode == "adapter")
     gens = [GeneratorProcess(args, url, model_dir, wire, f"{transport}-{i}", d) for i, d in enumerate(devices)]
     busy = BusyLearner(model, learner_device) if args.busy_learner else None
     try:
@@ -185,6 +198,7 @@ def measure_transport(args, url: str, model, model_dir: Path, transport: str, de
             latencies.append(done - started)
             blocked += [g.blocked[version] for g in gens]
             time.sleep(0.2)  # let the sender post its bookkeeping before the next version
+        time.sleep(0.5)  # the last transfer's bookkeeping (served, bytes) before the counters are read
         counters = publisher.metrics()
     finally:
         if busy is not None:
@@ -193,6 +207,8 @@ def measure_transport(args, url: str, model, model_dir: Path, transport: str, de
             g.stop()
         publisher.close()
     return {"publish_to_serving_s": statistics.median(latencies), "all_s": [round(x, 4) for x in latencies],
+            "bytes_per_publish": publisher.layout.total_bytes,
+            "group_bytes_sent": counters.get("weight_sync_group_bytes_sent", 0.0),
             "stall_s": statistics.median(stalls), "skipped_busy": counters.get("weight_sync_skipped_busy", 0.0),
             "generator_blocked_s": statistics.median(blocked),
             "generator_blocked_p90_s": sorted(blocked)[int(0.9 * (len(blocked) - 1))],
@@ -271,17 +287,40 @@ def step_time(model, device: torch.device, batch: int = 4, seq: int = 64) -> flo
     return min(times)
 
 
+def lora_learner(args, model):
+    """The policy with LoRA adapters (learner/lora.py), randomized: peft starts lora_B at zero."""
+    from learner.lora import adapter_parameters, apply_lora
+    from shared.config.schema.learner import LoraConfig
+
+    targets = args.lora_targets.split(",") if args.lora_targets else None
+    lora = LoraConfig(r=args.lora_rank, alpha=2.0 * args.lora_rank,
+                      **({"target_modules": targets} if targets else {}))
+    model = apply_lora(model, lora)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _, param in adapter_parameters(model):
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+    return model
+
+
 def bench_model(args, name: str, live_url: str, first_version: int) -> dict:
     from transformers import AutoModelForCausalLM
 
+    from shared.weight_sync.params import adapter_tensors, policy_tensors
+
     on_gpu = args.device == "cuda"
     dtype = torch.bfloat16 if on_gpu else torch.float32
-    model_dir = build_model_dir(name, Path(args.work) / name, dtype)
+    model_dir = build_model_dir(name, Path(args.work) / Path(name).name, dtype)
     learner_device = torch.device("cuda:0" if on_gpu else "cpu")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(learner_device)
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    if args.mode != "full":
+        model = lora_learner(args, model)
+    model = model.to(learner_device)
+    published = adapter_tensors(model)[0] if args.mode == "adapter" else policy_tensors(model)
+    total = sum(torch.Size(t.shape).numel() for t in published) * dtype.itemsize  # the send buffer
     n_gen = args.generators if args.generators else (2 if name == "tiny" else 1)
-    result: dict = {"params": sum(p.numel() for p in model.parameters()), "bytes": total, "generators": n_gen}
+    result: dict = {"params": sum(p.numel() for p in model.parameters()), "bytes": total, "generators": n_gen,
+                    "publish": args.mode}
     version = first_version
     gpus = torch.cuda.device_count() if on_gpu else 0
     plans = [("http", ["cpu"] * n_gen if not on_gpu else ["cuda:0"] * n_gen)]
@@ -334,6 +373,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bucket-mb", type=float, default=256.0)
     parser.add_argument("--transports", default=None, help="comma list among gloo, nccl, ipc (http always runs)")
     parser.add_argument("--poll-every-s", type=float, default=0.01, help="generator's pause between syncs")
+    parser.add_argument("--publish", default="full",
+                        help="comma list among full, merged, adapter (merged / adapter: a LoRA learner)")
+    parser.add_argument("--lora-rank", type=int, default=8, help="LoRA rank for --publish merged/adapter")
+    parser.add_argument("--lora-targets", default=None, help="comma list of target modules (default: learner's)")
     parser.add_argument("--busy-learner", action="store_true",
                         help="run forward + backward in a loop in the learner process while publishing (as in a run)")
     parser.add_argument("--url"), parser.add_argument("--model-dir"), parser.add_argument("--transport")
@@ -343,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
         args.device = args.device if args.device != "cuda" else "cuda:0"
         run_generator(args)
         return 0
+    if not set(args.publish.split(",")) <= {"full", "merged", "adapter"}:
+        parser.error(f"--publish: a comma list among full, merged, adapter, got {args.publish!r}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device visible")
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
@@ -351,12 +396,15 @@ def main(argv: list[str] | None = None) -> int:
         summary: dict = {"bench": "weight_sync", "device": args.device, "cpus": os.cpu_count(),
                          "loadavg_start": list(os.getloadavg()), "bucket_mb": args.bucket_mb,
                          "repeats": args.repeats, "busy_learner": args.busy_learner, "models": {}}
-        for name in args.models.split(","):  # a hub per model: the relay holds one model's versions
-            hub = HubProcess(Path(work) / f"hub-{name}")
-            try:
-                summary["models"][name], _ = bench_model(args, name, hub.url, 1)
-            finally:
-                hub.stop()
+        for name in args.models.split(","):  # a hub per model and mode: the relay holds one layout's versions
+            for mode in args.publish.split(","):
+                args.mode = mode
+                hub = HubProcess(Path(work) / f"hub-{Path(name).name}-{mode}")
+                try:
+                    key = name if mode == "full" else f"{name}:{mode}"
+                    summary["models"][key], _ = bench_model(args, name, hub.url, 1)
+                finally:
+                    hub.stop()
         summary["loadavg_end"] = list(os.getloadavg())
     print(json.dumps(summary))
     return 0

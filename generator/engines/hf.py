@@ -142,6 +142,7 @@ class TransformersEngine(TurnSampling):
 
     # -- weight sync through a group with the learner (shared/weight_sync/receiver.py) ---------------------
     weight_sync_workers = 1
+    weight_group_adapters = True  # applies LoRA adapter versions received over a group or CUDA IPC
     _weight_group = None
 
     def device_uuid(self) -> str | None:
@@ -154,20 +155,25 @@ class TransformersEngine(TurnSampling):
         from shared.weight_sync.group_receiver import GroupReceiver, check_layout_fits
         from shared.weight_sync.layout import Layout
 
-        problem = check_layout_fits(self.model, Layout.from_json(offer["layout"]))
+        problem = check_layout_fits(self.model, Layout.from_json(offer["layout"]), self._adapters)
         if problem is not None:
             raise WeightLoadError(f"the learner's weights do not fit this model: {problem}")
         self.disconnect_weight_group()
         self._weight_group = GroupReceiver(offer, offer["first_rank"], self.device)
 
     def receive_weight_version(self) -> int:
-        """Take one version from the group straight into the model's parameters (one bucket at a time)."""
+        """Take one version from the group straight into the model's parameters (one bucket at a time), or an
+        adapter version onto the base (shared/weight_sync/adapter.py)."""
         from shared.weight_sync.group_receiver import copy_into_module
 
         if self._weight_group is None:
             raise RuntimeError("not connected to a weight-sync group")
-        self._adapters.full_weights_loaded()
-        return self._weight_group.receive(lambda tensors: copy_into_module(self.model, tensors))
+
+        def load_full(tensors) -> None:
+            self._adapters.full_weights_loaded()
+            copy_into_module(self.model, tensors)
+
+        return self._weight_group.receive(load_full, self._adapters.apply_tensors)
 
     def disconnect_weight_group(self) -> None:
         if self._weight_group is not None:

@@ -64,6 +64,9 @@ class Offer(_Record):
     ipc_handle: dict | None = Field(None, description="CUDA IPC handle of the send buffer (transport ipc).")
     layout: list[tuple[str, str, list[int]]] = Field(description="[name, dtype, shape] of each tensor, in buffer "
                                                      "order (Layout.to_json).")
+    metadata: dict[str, str] | None = Field(None, description="The versions' safetensors metadata (what they hold: "
+                                            "grpo_weights; for LoRA adapters their scaling and the learner's base "
+                                            "fingerprint).")
 
 
 class MemberPoll(_Record):
@@ -104,6 +107,8 @@ class SenderSummary(_Record):
     backend: Backend
     host: str
     device_uuid: str | None
+    kind: Literal["full", "lora_adapter"] = Field("full", description="What the sender's versions hold (its "
+                                                  "layout's kind): the whole policy or LoRA adapters only.")
 
 
 class SyncStatus(_Record):

@@ -7,6 +7,10 @@ rounding to the weight's dtype, exactly as the learner merges, shared/weight_syn
 the adapted layers are kept in :class:`AdapterApplier` the first time a layer is adapted; never added onto an
 already merged ``W``. A layer adapted by an earlier version and absent from this one goes back to its base.
 
+Adapters arrive as a file from the HTTP relay (:meth:`AdapterApplier.apply`) or as tensors received through a
+process group or CUDA IPC (:meth:`AdapterApplier.apply_tensors`, the scaling from the version header): both go
+through the same checks and the same merge.
+
 Where the base comes from: the model's own weights while they are still the model folder's (the generator starts
 from ``learner.model``); after a full weights load they are some other policy's, so the base of a layer not kept
 yet is read from the model folder's safetensors files.
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import torch
@@ -43,7 +48,8 @@ def file_kind(path: str | Path) -> str:
 
 
 class AdapterApplier:
-    """Applies adapter files to ``model``; ``model_dir`` is where its base weights can be read again."""
+    """Applies adapters (files or received tensors) to ``model``; ``model_dir`` is where its base weights can be
+    read again."""
 
     def __init__(self, model: torch.nn.Module, model_dir: str | Path) -> None:
         self.model, self.model_dir = model, Path(model_dir)
@@ -55,9 +61,11 @@ class AdapterApplier:
         yet must be read from the model folder from now on."""
         self.weights_are_base = False
 
-    def _layers(self, fh) -> dict[str, tuple[torch.nn.Linear, str, str]]:
+    def _layers(self, names: Iterable[str], shape_of: Callable[[str], list[int]]
+                ) -> dict[str, tuple[torch.nn.Linear, str, str]]:
         """layer name -> (the linear layer, its A key, its B key), every pair checked before anything changes."""
-        names = list(fh.keys())
+        names = list(names)
+        known = set(names)
         layers: dict[str, tuple[torch.nn.Linear, str, str]] = {}
         for name in names:
             if not name.endswith(ADAPTER_SUFFIXES):
@@ -66,7 +74,7 @@ class AdapterApplier:
             if layer_name in layers:
                 continue
             a_key, b_key = layer_name + ADAPTER_SUFFIXES[0], layer_name + ADAPTER_SUFFIXES[1]
-            if a_key not in names or b_key not in names:
+            if a_key not in known or b_key not in known:
                 raise AdapterError(f"layer {layer_name!r}: the adapter holds only one of lora_A / lora_B")
             try:
                 layer = self.model.get_submodule(layer_name)
@@ -75,13 +83,23 @@ class AdapterApplier:
             if not isinstance(layer, torch.nn.Linear):
                 raise AdapterError(f"layer {layer_name!r} is not a linear layer")
             out_features, in_features = layer.weight.shape
-            a_shape, b_shape = fh.get_slice(a_key).get_shape(), fh.get_slice(b_key).get_shape()
+            a_shape, b_shape = list(shape_of(a_key)), list(shape_of(b_key))
             if len(a_shape) != 2 or len(b_shape) != 2 or a_shape[1] != in_features or b_shape[0] != out_features \
                     or a_shape[0] != b_shape[1]:
                 raise AdapterError(f"layer {layer_name!r}: lora_A {a_shape} / lora_B {b_shape} do not fit its weight "
                                    f"{[out_features, in_features]}")
             layers[layer_name] = (layer, a_key, b_key)
         return layers
+
+    def layout_problem(self, layout) -> str | None:
+        """Why an adapter ``layout`` (:class:`shared.weight_sync.layout.Layout`, offered by the learner's group)
+        cannot be applied to this model, or None: checked when a generator joins, before any version arrives."""
+        shapes = {t.name: list(t.shape) for t in layout.tensors}
+        try:
+            self._layers(shapes, shapes.__getitem__)
+        except AdapterError as exc:
+            return str(exc)
+        return None
 
     def _base_of(self, layer_name: str, layer: torch.nn.Linear) -> torch.Tensor:
         if layer_name not in self.base:
@@ -129,15 +147,28 @@ class AdapterApplier:
                 scaling = float(metadata[SCALING_KEY])
             except (KeyError, ValueError):
                 raise AdapterError(f"{path}: no valid {SCALING_KEY} metadata") from None
-            if not math.isfinite(scaling):
-                raise AdapterError(f"{path}: {SCALING_KEY} {scaling} is not finite")
-            layers = self._layers(fh)
-            self._check_base(layers, metadata.get(BASE_SAMPLES_KEY))
-            for layer_name, (layer, a_key, b_key) in layers.items():
-                base = self._base_of(layer_name, layer)
-                a = fh.get_tensor(a_key).to(device=base.device, dtype=torch.float32)
-                b = fh.get_tensor(b_key).to(device=base.device, dtype=torch.float32)
-                layer.weight.copy_((base.float() + (b @ a) * scaling).to(layer.weight.dtype))
+            layers = self._layers(fh.keys(), lambda key: fh.get_slice(key).get_shape())
+            return self._merge(layers, fh.get_tensor, scaling, metadata.get(BASE_SAMPLES_KEY), str(path))
+
+    @torch.no_grad()
+    def apply_tensors(self, tensors: Mapping[str, torch.Tensor], scaling: float, base_samples_json: str | None) -> int:
+        """Apply an adapter received as tensors (``<layer>.lora_A.weight`` / ``.lora_B.weight``, the layout of
+        :func:`shared.weight_sync.params.adapter_tensors`) with its ``scaling`` and the learner's base fingerprint
+        (``BASE_SAMPLES_KEY`` metadata, None: unchecked); returns the number of adapted layers. Nothing changes
+        when it does not fit (:class:`AdapterError`)."""
+        layers = self._layers(tensors, lambda key: list(tensors[key].shape))
+        return self._merge(layers, tensors.__getitem__, scaling, base_samples_json, "the received adapter")
+
+    def _merge(self, layers: dict, get: Callable[[str], torch.Tensor], scaling: float, expected: str | None,
+               what: str) -> int:
+        if not math.isfinite(scaling):
+            raise AdapterError(f"{what}: {SCALING_KEY} {scaling} is not finite")
+        self._check_base(layers, expected)
+        for layer_name, (layer, a_key, b_key) in layers.items():
+            base = self._base_of(layer_name, layer)
+            a = get(a_key).to(device=base.device, dtype=torch.float32)
+            b = get(b_key).to(device=base.device, dtype=torch.float32)
+            layer.weight.copy_((base.float() + (b @ a) * scaling).to(layer.weight.dtype))
         for layer_name, base in self.base.items():  # adapted before, not by this version: back to the base
             if layer_name not in layers:
                 self.model.get_submodule(layer_name).weight.copy_(base)

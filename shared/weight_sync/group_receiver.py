@@ -9,6 +9,12 @@ A transfer is all or nothing for the protocol: whatever ``apply`` does (a shape 
 differs from the sender's), the receiver still takes every bucket and then answers the completion step with
 "refused", so the learner's sender never waits on a receiver that gave up half-way. Its weights may then be
 mixed: :class:`TransferRefused` says so, and the generator reloads a whole version over HTTP.
+
+What a version holds is in its header: the whole policy (handed to ``apply`` bucket by bucket, e.g. into the
+module's parameters) or, with ``learner.lora.publish: adapter``, only the LoRA matrices: those are collected (the
+adapter is small) and handed whole, with the header's scaling and the learner's base fingerprint from the offer, to
+``apply_adapter`` (the transformers engine's :meth:`shared.weight_sync.adapter.AdapterApplier.apply_tensors`). A
+version of the other kind than the layout the member joined on is refused, never copied.
 """
 
 from __future__ import annotations
@@ -19,10 +25,12 @@ from collections.abc import Callable, Iterator
 import torch
 
 from shared.weight_sync import groups
-from shared.weight_sync.layout import BucketUnpacker, Layout, bucket_ranges
+from shared.weight_sync.layout import BASE_SAMPLES_KEY, KIND_ADAPTER, BucketUnpacker, Layout, bucket_ranges
 
 log = logging.getLogger("grpo.weight_sync.receiver")
 Apply = Callable[[Iterator[tuple[str, torch.Tensor]]], None]
+# an adapter version: (its tensors by name, its scaling, the learner's base fingerprint JSON or None)
+ApplyAdapter = Callable[[dict[str, torch.Tensor], float, "str | None"], object]
 
 
 class TransferRefused(RuntimeError):
@@ -35,6 +43,9 @@ class GroupReceiver:
     def __init__(self, offer: dict, rank: int, device: torch.device, group=None) -> None:
         self.offer, self.rank, self.device = offer, rank, device
         self.layout = Layout.from_json(offer["layout"])
+        self.kind = self.layout.kind       # what this member joined on: every version must be of this kind
+        self.metadata = dict(offer.get("metadata") or {})  # the versions' safetensors metadata (adapter: base check)
+        self.bytes_received = 0            # broadcast bytes taken, all versions (CUDA IPC: none)
         self.timeout_s = float(offer["timeout_s"])
         self.via_ipc = offer["transport"] == "ipc"
         self.group = group
@@ -59,20 +70,33 @@ class GroupReceiver:
             self.shared = open_handle(offer["ipc_handle"])
         self.buffers: list[torch.Tensor] | None = None  # two buckets' worth, allocated at the first transfer
 
-    def receive(self, apply: Apply) -> int:
-        """One version: ask for it, then header, buckets (or the IPC buffer), completion. Returns the version."""
+    def receive(self, apply: Apply, apply_adapter: ApplyAdapter | None = None) -> int:
+        """One version: ask for it, then header, buckets (or the IPC buffer), completion. Returns the version.
+        A full version goes to ``apply``, an adapter version to ``apply_adapter`` (None: this engine cannot take
+        adapters over a group, and the version is refused)."""
         self._settle()
         self._ask()
         header_tensor = torch.zeros(groups.HEADER_LEN, dtype=torch.int64, device=self.wire_device)
         groups.broadcast(self.group, header_tensor, self.timeout_s)
         header = groups.VersionHeader.from_tensor(header_tensor)
         problem = None
-        if header.fingerprint != self.fingerprint or header.total_bytes != self.layout.total_bytes:
+        if header.kind != self.kind:
+            problem = (f"it holds {header.kind} weights and this member joined on a {self.kind} layout (the "
+                       "learner's learner.lora.publish changed under it)")
+        elif header.fingerprint != self.fingerprint or header.total_bytes != self.layout.total_bytes:
             problem = "the sender's layout differs from the one it offered"
+        elif header.kind == KIND_ADAPTER and apply_adapter is None:
+            problem = "it is a LoRA adapter (learner.lora.publish: adapter) and this engine cannot apply adapters"
         chunks = self._chunks(header)
         if problem is None:
             try:
-                apply(self._tensors(chunks))
+                if header.kind == KIND_ADAPTER:
+                    # whole before anything changes (the adapter is small); cloned out of the receive buffers
+                    # (or the learner's mapped IPC buffer), which the next bucket / publish overwrites
+                    tensors = {name: tensor.clone() for name, tensor in self._tensors(chunks)}
+                    apply_adapter(tensors, header.scaling, self.metadata.get(BASE_SAMPLES_KEY))
+                else:
+                    apply(self._tensors(chunks))
             except (RuntimeError, ValueError, KeyError) as exc:
                 problem = f"{type(exc).__name__}: {exc}"
         for _ in chunks:  # drain what apply did not take: the sender's broadcasts must all complete
@@ -132,6 +156,7 @@ class GroupReceiver:
         for index, (begin, _) in enumerate(ranges):
             chunk, work = pending
             groups.finish(work, self.timeout_s)
+            self.bytes_received += chunk.numel()
             pending = start(index + 1) if index + 1 < len(ranges) else None
             yield begin, chunk
 
@@ -174,8 +199,14 @@ def copy_into_module(model: torch.nn.Module, tensors: Iterator[tuple[str, torch.
     return count
 
 
-def check_layout_fits(model: torch.nn.Module, layout: Layout) -> str | None:
-    """Why ``layout`` cannot be loaded into ``model`` (unknown names, shapes, uncovered parameters), or None."""
+def check_layout_fits(model: torch.nn.Module, layout: Layout, adapters=None) -> str | None:
+    """Why ``layout`` cannot be loaded into ``model`` (unknown names, shapes, uncovered parameters), or None. An
+    adapter layout is checked by the engine's ``adapters`` (:class:`shared.weight_sync.adapter.AdapterApplier`;
+    None: the engine cannot apply adapters)."""
+    if layout.kind == KIND_ADAPTER:
+        if adapters is None:
+            return "the learner publishes LoRA adapters (learner.lora.publish: adapter) and this engine cannot apply them"
+        return adapters.layout_problem(layout)
     state = dict(model.named_parameters(remove_duplicate=False))
     state.update(dict(model.named_buffers()))
     covered = set()

@@ -15,20 +15,26 @@ learner therefore starts a transfer only for a receiver already waiting in it, a
 One version on the wire: a header ``int64[HEADER_LEN]`` broadcast from rank 0, the buckets (broadcasts from rank
 0; none for CUDA IPC, where receivers read the shared buffer), then a completion all-reduce (MIN of each rank's
 status: 1 applied, 0 refused) so the learner knows every worker holds the version before it reuses the buffer.
+The header says what the version holds (:class:`VersionHeader` ``kind``: the whole policy, or only LoRA adapters
+with their scaling, ``learner.lora.publish: adapter``), so a receiver never copies one kind as the other.
 """
 
 from __future__ import annotations
 
 import logging
+import struct
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 from torch.distributed import PrefixStore, ProcessGroup, TCPStore
 
+from shared.weight_sync.layout import KIND_ADAPTER, KIND_FULL
+
 log = logging.getLogger("grpo.weight_sync.groups")
-HEADER_LEN = 6
+HEADER_LEN = 8
 MAGIC = 0x67727073  # "grps"
+KIND_CODES = {KIND_FULL: 0, KIND_ADAPTER: 1}  # the header's kind field
 
 
 @dataclass(frozen=True)
@@ -38,17 +44,24 @@ class VersionHeader:
     bucket_bytes: int
     fingerprint: int      # Layout.fingerprint(): both ends hold the same layout
     via_ipc: bool         # receivers read the CUDA IPC buffer instead of broadcast buckets
+    kind: str = KIND_FULL  # what the version holds: the whole policy, or LoRA adapters only (layout.KIND_*)
+    scaling: float = 0.0   # the adapters' alpha / r (kind lora_adapter), sent as its float64 bits: exact
 
     def to_tensor(self) -> torch.Tensor:
+        scaling_bits = struct.unpack("<q", struct.pack("<d", float(self.scaling)))[0]
         return torch.tensor([MAGIC, self.version, self.total_bytes, self.bucket_bytes, self.fingerprint,
-                             int(self.via_ipc)], dtype=torch.int64)
+                             int(self.via_ipc), KIND_CODES[self.kind], scaling_bits], dtype=torch.int64)
 
     @classmethod
     def from_tensor(cls, tensor: torch.Tensor) -> VersionHeader:
-        magic, version, total, bucket, fingerprint, ipc = (int(v) for v in tensor.cpu().tolist())
+        magic, version, total, bucket, fingerprint, ipc, kind, scaling_bits = (int(v) for v in tensor.cpu().tolist())
         if magic != MAGIC:
             raise ConnectionError(f"weight-sync header has magic {magic:#x}, expected {MAGIC:#x}")
-        return cls(version, total, bucket, fingerprint, bool(ipc))
+        kinds = {code: name for name, code in KIND_CODES.items()}
+        if kind not in kinds:
+            raise ConnectionError(f"weight-sync header has kind {kind}, expected one of {sorted(kinds)}")
+        scaling = struct.unpack("<d", struct.pack("<q", scaling_bits))[0]
+        return cls(version, total, bucket, fingerprint, bool(ipc), kinds[kind], scaling)
 
 
 def request_key(n: int) -> str:

@@ -32,7 +32,7 @@ import torch
 from shared.protocol.client import HubError, HubUnavailable
 from shared.protocol.weight_sync_messages import Offer, OfferPost, PendingJoin
 from shared.weight_sync import groups
-from shared.weight_sync.layout import bucket_ranges
+from shared.weight_sync.layout import SCALING_KEY, bucket_ranges
 from shared.weight_sync.sender_state import SenderState
 
 log = logging.getLogger("grpo.learner.weight_sync")
@@ -71,7 +71,7 @@ class MemberLink:
                      transport=self.request.transport, relay_version=relay_version,
                      bucket_bytes=cfg.bucket_bytes, timeout_s=cfg.timeout_s,
                      ipc_handle=self.sender.ipc_handle() if self.via_ipc else None,
-                     layout=self.sender.layout.to_json())
+                     layout=self.sender.layout.to_json(), metadata=self.sender.metadata or None)
 
     def _run(self) -> None:
         cfg, sender = self.sender.cfg, self.sender
@@ -189,7 +189,8 @@ class MemberLink:
         try:
             sender.wait_buffer_ready()
             header = groups.VersionHeader(version, sender.layout.total_bytes, cfg.bucket_bytes, self.fingerprint,
-                                          self.via_ipc)
+                                          self.via_ipc, sender.layout.kind,
+                                          float(sender.metadata.get(SCALING_KEY, 0.0)))
             device = sender.buffer.device if self.backend == "nccl" else torch.device("cpu")
             works = [groups.start_broadcast(self.group, header.to_tensor().to(device))]
             if not self.via_ipc:
@@ -199,6 +200,9 @@ class MemberLink:
             for work in works:
                 groups.finish(work, cfg.timeout_s)
             groups.finish(agreement, cfg.timeout_s)
+            if not self.via_ipc:
+                with sender.lock:
+                    sender.counters.group_bytes_sent += sender.layout.total_bytes
             if not bool(applied.item() == 1):
                 raise RuntimeError(f"the generator refused version {version} (see its log)")
         finally:

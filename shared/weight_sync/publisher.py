@@ -7,7 +7,8 @@ every rank taking part, one parameter at a time) and returns: the learner's stal
 What the buffer holds: the policy's tensors (LoRA layers merged, :func:`shared.weight_sync.params.policy_tensors`),
 or with ``adapter_only`` (``learner.lora.publish: adapter``) only the LoRA matrices and their scaling
 (:func:`shared.weight_sync.params.adapter_tensors`): generators already hold the base weights (their model folder is
-``learner.model``) and apply each adapter version onto them. Adapter versions go over the HTTP relay only.
+``learner.model``) and apply each adapter version onto them. The buffer is then the adapter's size, and it travels
+like full weights over every transport (relay, process groups, CUDA IPC), each version's header saying its kind.
 """
 
 from __future__ import annotations
@@ -42,17 +43,13 @@ class WeightPublisher:
     def __init__(self, module: torch.nn.Module, client_factory: Callable[[], HubClient], cfg: WeightSyncConfig, *,
                  rank: int,
                  world: int, device: torch.device, relay_version: int | None, adapter_only: bool = False) -> None:
-        if adapter_only and cfg.transport in ("collective", "ipc"):
-            raise ValueError(f"learner.lora.publish: 'adapter' is sent over the HTTP relay only, not over "
-                             f"weight_sync.transport {cfg.transport!r}")
         self.module, self.cfg, self.rank, self.world, self.device = module, cfg, rank, world, device
         dtype = next(module.parameters()).dtype
         metadata: dict[str, str] = {}
-        if adapter_only:  # only the adapters (generators hold the base); no groups: they would load full weights
+        if adapter_only:  # only the adapters: generators hold the base
             self.tensors, scaling = adapter_tensors(module)
             # the base is frozen: its fingerprint, computed once, lets generators check they hold the same one
             metadata = adapter_metadata(scaling, adapted_base_weights(module))
-            cfg = self.cfg = cfg.model_copy(update={"transport": "http"})
         else:
             self.tensors = policy_tensors(module)  # LoRA layers merged: generators get plain weights
         self.layout = Layout.build([(t.name, t.shape) for t in self.tensors], dtype)

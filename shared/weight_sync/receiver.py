@@ -25,7 +25,9 @@ generator keeps serving its version and logs the refusal.
 
 A relay version that is a LoRA adapter (``learner.lora.publish: adapter``; its safetensors metadata says so) goes to
 the engine's ``apply_adapter(path)`` instead of ``load_weights``; an engine without it stops the generator with a
-clear error (shared/weight_sync/adapter.py).
+clear error (shared/weight_sync/adapter.py). Over a group (or CUDA IPC) an adapter version goes to the engine the
+same way, through ``receive_weight_version``; an engine joins a group of an adapter-publishing learner only if it
+says it applies them there (``weight_group_adapters = True``; the others take the relay).
 
 What an engine provides (``generator/engines/``): ``load_weights(path)``, ``name``, and to join a group
 ``connect_weight_group(offer)`` (the :class:`Offer` as its JSON dict: it crosses into vLLM's worker processes),
@@ -141,6 +143,10 @@ class WeightReceiver:
         transport, why = self.choose_transport(sender)
         if not hasattr(self.engine, "connect_weight_group"):
             transport, why = "http", f"the {self.engine.name} engine cannot join a group"
+        elif sender.kind == KIND_ADAPTER and not getattr(self.engine, "weight_group_adapters", False):
+            # the hook: an engine that applies adapters received over a group sets weight_group_adapters
+            transport, why = "http", (f"the learner publishes LoRA adapters and the {self.engine.name} engine takes "
+                                      "them from the relay only")
         try:
             self.member_id = self.client.sync_join(JoinRequest(
                 generator_id=self.generator_id, transport=transport,

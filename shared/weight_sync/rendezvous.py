@@ -29,6 +29,7 @@ from shared.protocol.weight_sync_messages import (
     SenderInfo,
     SenderWork,
 )
+from shared.weight_sync.layout import ADAPTER_SUFFIXES, KIND_ADAPTER, KIND_FULL
 
 log = logging.getLogger("grpo.ref_server.weight_sync")
 
@@ -57,6 +58,7 @@ class SyncRendezvous:
     def __init__(self, max_members: int = 256) -> None:
         self.max_members = max_members
         self.sender: SenderInfo | None = None
+        self.sender_kind = KIND_FULL  # what the sender's versions hold (its layout's kind)
         self.announced: int | None = None
         self.members: dict[str, Member] = {}
         self.dropped_total = 0
@@ -88,6 +90,8 @@ class SyncRendezvous:
                 if member.state in ("offered", "active"):
                     self._end(member, "dropped", "the learner restarted")
         self.sender, self.announced = info, None
+        adapter = any(str(row[0]).endswith(ADAPTER_SUFFIXES) for row in info.layout)  # as Layout.kind
+        self.sender_kind = KIND_ADAPTER if adapter else KIND_FULL
         log.info("weight-sync sender %s registered (%s at %s)", info.sender_id, info.backend, info.host)
         self._notify()
 
@@ -228,5 +232,5 @@ class SyncRendezvous:
             counts[member.state] = counts.get(member.state, 0) + 1
         return {"sender": None if self.sender is None else {
                     "sender_id": self.sender.sender_id, "backend": self.sender.backend, "host": self.sender.host,
-                    "device_uuid": self.sender.device_uuid},
+                    "device_uuid": self.sender.device_uuid, "kind": self.sender_kind},
                 "announced": self.announced, "members": counts, "dropped_total": self.dropped_total}

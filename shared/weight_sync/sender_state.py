@@ -33,6 +33,7 @@ class SyncCounters:
     members: int = 0                # members holding a group now
     last_stall_s: float = 0.0       # the learner's time in the last publish (the copy)
     last_transfer_s: float = 0.0    # from "buffer holds version V" to its last transfer (relay or member) done
+    group_bytes_sent: int = 0       # bytes broadcast through groups, all members and versions (CUDA IPC: none)
 
 
 class SenderState(Protocol):
@@ -40,6 +41,7 @@ class SenderState(Protocol):
 
     cfg: WeightSyncConfig
     layout: Layout
+    metadata: dict[str, str]        # each version's safetensors metadata (its kind; an adapter's scaling and base)
     buffer: torch.Tensor
     backend: str                    # "gloo" or "nccl": what the groups use
     sender_id: str

@@ -93,10 +93,13 @@ def test_the_adapter_layout_is_accepted_and_everything_else_refused(tiny_model_d
     assert "has shape [4, " in layout.mismatch(rank4)
 
 
-def test_adapter_publish_over_a_group_transport_is_a_config_error_naming_the_key():
-    for transport in ("collective", "ipc"):
-        with pytest.raises(ValidationError, match=r"learner\.lora\.publish: 'adapter' is sent over the HTTP relay"):
-            GRPOConfig.model_validate({"learner": {"lora": {}}, "weight_sync": {"transport": transport}})
+def test_adapter_publish_to_vllm_over_a_group_transport_is_a_config_error_naming_the_key():
+    for transport in ("collective", "ipc"):  # the transformers engine takes adapters over groups and IPC
+        assert GRPOConfig.model_validate({"learner": {"lora": {}}, "weight_sync": {"transport": transport}})
+        with pytest.raises(ValidationError, match=r"learner\.lora\.publish: 'adapter' reaches generator\.engine "
+                           r"'vllm' over the HTTP relay only; weight_sync\.transport '(collective|ipc)' needs"):
+            GRPOConfig.model_validate({"learner": {"lora": {}}, "weight_sync": {"transport": transport},
+                                       "generator": {"engine": "vllm"}})
         merged = GRPOConfig.model_validate({"learner": {"lora": {"publish": "merged"}},
                                             "weight_sync": {"transport": transport}})
         assert merged.learner.lora.publish == "merged"
@@ -193,8 +196,8 @@ def test_generators_serve_the_learners_lora_policy_from_adapter_publishes_over_t
     learner = lora_model(tiny_model_dir, seed=11)
     with LiveServer(make_config(tmp_path)) as live:
         hub = client(live.url)
-        # auto: an adapter publisher opens no groups, the generators take the relay
-        publisher = WeightPublisher(learner, lambda: hub, WeightSyncConfig(transport="auto", poll_s=0.2), rank=0,
+        # http: the relay only (tests/weight_sync/test_lora_groups.py: the same over a group)
+        publisher = WeightPublisher(learner, lambda: hub, WeightSyncConfig(transport="http", poll_s=0.2), rank=0,
                                     world=1, device=torch.device("cpu"), relay_version=None, adapter_only=True)
         try:
             assert publisher.sender.groups_enabled is False

@@ -24,7 +24,8 @@ from shared.protocol.weight_sync_messages import (
 
 OFFER = {"member_id": "m1-g", "group_id": "tcp://127.0.0.1:4000", "host": "127.0.0.1", "port": 4000,
          "world_size": 2, "first_rank": 1, "backend": "gloo", "transport": "collective", "relay_version": 3,
-         "bucket_bytes": 64, "timeout_s": 5.0, "ipc_handle": None, "layout": [["w", "F32", [2, 3]]]}
+         "bucket_bytes": 64, "timeout_s": 5.0, "ipc_handle": None, "layout": [["w", "F32", [2, 3]]],
+         "metadata": {"grpo_weights": "lora_adapter", "grpo_lora_scaling": "2.0"}}  # metadata: what versions hold
 
 
 class Recorder:

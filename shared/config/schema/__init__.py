@@ -44,10 +44,13 @@ class GRPOConfig(StrictModel):
     @model_validator(mode="after")
     def _adapter_publish_over_the_relay(self) -> GRPOConfig:
         lora = self.learner.lora
-        if lora is not None and lora.publish == "adapter" and self.weight_sync.transport in ("collective", "ipc"):
-            raise ValueError(f"learner.lora.publish: 'adapter' is sent over the HTTP relay only; weight_sync.transport "
-                             f"{self.weight_sync.transport!r} needs learner.lora.publish: merged (or use transport "
-                             "'auto' / 'http')")
+        # adapters travel over every transport to the transformers engine; vLLM's worker extension takes them from
+        # the relay only (no adapter receive over its group) and serves each version as a LoRARequest
+        if lora is not None and lora.publish == "adapter" and self.weight_sync.transport in ("collective", "ipc") \
+                and self.generator.engine == "vllm":
+            raise ValueError(f"learner.lora.publish: 'adapter' reaches generator.engine 'vllm' over the HTTP relay "
+                             f"only; weight_sync.transport {self.weight_sync.transport!r} needs "
+                             "learner.lora.publish: merged there (or use transport 'auto' / 'http')")
         if lora is not None and lora.publish == "adapter" and self.generator.engine == "vllm" and lora.r > 512:
             # vLLM's largest max_lora_rank (generator/engines/vllm_lora.py: VLLM_LORA_RANKS)
             raise ValueError(f"learner.lora.r: {lora.r} is above the largest rank the vllm engine serves (512); "

@@ -27,10 +27,10 @@ class LoraConfig(StrictModel):
         "adapters switched off: one copy of the weights, one extra no-grad forward per batch in the learner).")
     publish: Literal["adapter", "merged"] = Field(
         "adapter", description="What each weights publish sends: 'adapter' (only lora_A/lora_B and the scaling; "
-        "generators apply them onto the base weights of their model folder, which must be learner.model; HTTP "
-        "relay only; the transformers engine merges each version in place, the vllm engine serves it as a "
-        "LoRARequest, with LoRA enabled at start from this section of the same config), or 'merged' (the whole "
-        "policy with the adapters merged "
+        "generators apply them onto the base weights of their model folder, which must be learner.model; the "
+        "transformers engine merges each version in place, over every transport; the vllm engine serves it as a "
+        "LoRARequest, from the HTTP relay, with LoRA enabled at start from this section of the same config; "
+        "docs/lora.md 'Transports'), or 'merged' (the whole policy with the adapters merged "
         "in, on every transport and engine). docs/lora.md.")
 
     @model_validator(mode="after")
