@@ -17,8 +17,10 @@ from ref_server.app import create_app
 from ref_server.body_limits import BodyLimits
 from ref_server.header_deadline import header_deadline_protocol
 from ref_server.hub.rollout_hub import RolloutHub
+from ref_server.scoring.pool import ScorerPool
 from ref_server.scoring.prm import PRMScorer
 from ref_server.scoring.scorer import ReferenceScorer
+from ref_server.scoring.scoring_jobs import model_identity
 from ref_server.scoring.tokenizer import ServedTokenizer
 from ref_server.state import ServerState
 from shared.config.schema import GRPOConfig, RefServerConfig
@@ -66,6 +68,18 @@ def scratch_relay() -> str:
     return folder
 
 
+def load_reference_scorer(cfg: RefServerConfig, device: str | None = None) -> tuple[ReferenceScorer, int | None]:
+    """ref_server.model loaded on ``device`` (default ref_server.device) behind a micro-batching ReferenceScorer (the
+    hub's own with local scoring, or a joined scorer's: ``grpo scorer``), and the model's context (None: unknown)."""
+    torch_device = resolve_device(device or cfg.device)
+    model = load_reference_model(cfg.model, torch_device, default_dtype(cfg.dtype, torch_device))
+    text_config = model.config.get_text_config()
+    max_context = getattr(text_config, "max_position_embeddings", None)
+    scorer = ReferenceScorer(model, vocab_size=text_config.vocab_size, max_context=max_context or 2**31,
+                             batch_tokens=cfg.batch_tokens, packing=cfg.packing, prefix_sharing=cfg.prefix_sharing)
+    return scorer, max_context
+
+
 def build_state(config: GRPOConfig) -> ServerState:
     cfg: RefServerConfig = config.ref_server
     scorer = tokenizer = None
@@ -76,13 +90,16 @@ def build_state(config: GRPOConfig) -> ServerState:
         if cfg.model is None:
             raise ModelLoadError("algorithm.loss.beta > 0 or algorithm.kl.in_reward needs ref_server.model (or "
                                  "--model)")
-        device = resolve_device(cfg.device)
-        model = load_reference_model(cfg.model, device, default_dtype(cfg.dtype, device))
-        vocab_size = model.config.get_text_config().vocab_size
-        max_context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-        scorer = ReferenceScorer(model, vocab_size=vocab_size, max_context=max_context or 2**31,
-                                 batch_tokens=cfg.batch_tokens, packing=cfg.packing,
-                                 prefix_sharing=cfg.prefix_sharing)
+        local = None
+        if cfg.local_scoring is not False:  # null: the hub scores with its own model, as it always did
+            local, max_context = load_reference_scorer(cfg)
+            vocab_size = local.vocab_size
+        elif vocab_size is None:
+            raise ModelLoadError(f"reference model folder {cfg.model!r} has no readable config.json with a "
+                                 "vocab_size (ref_server.local_scoring false still reads it: joined scorers must "
+                                 "match it)")
+        scorer = ScorerPool(local=local, vocab_size=vocab_size, lease_s=cfg.scorer_lease_s,
+                            wait_s=cfg.scorer_wait_s, max_jobs=cfg.max_scoring_jobs)
         tokenizer = ServedTokenizer.load(cfg.model, vocab_size, max_context)
     prm = None
     if cfg.prm_model is not None:
@@ -108,6 +125,7 @@ def build_state(config: GRPOConfig) -> ServerState:
         max_request_tokens=cfg.max_request_tokens, max_long_poll_s=cfg.max_long_poll_s,
         token=cfg.token or os.environ.get("GRPO_TOKEN") or None, public_docs=cfg.public_docs,
         max_version_ahead=cfg.max_version_ahead,
+        model_identity=model_identity(cfg.model) if cfg.model is not None else None,
         tokenizer=tokenizer, prm=prm, limits=BodyLimits(
             json_bytes=cfg.max_json_body_bytes, request_bytes=cfg.max_request_bytes,
             weight_bytes=cfg.max_weight_bytes, timeout_s=cfg.body_timeout_s,
