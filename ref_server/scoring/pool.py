@@ -87,7 +87,10 @@ class PoolCounters:
 
 class ScorerPool:
     def __init__(self, *, local: ReferenceScorer | None, vocab_size: int | None, lease_s: float = 30.0,
-                 wait_s: float = 60.0, max_jobs: int = 1024, clock: Callable[[], float] = time.monotonic) -> None:
+                 wait_s: float = 60.0, max_jobs: int = 1024, clock: Callable[[], float] = time.monotonic,
+                 reaper: bool = True) -> None:
+        """``reaper``: a thread calls :meth:`expire` a few times a second (tests with a ``clock`` of their own call
+        it themselves)."""
         self.local = local
         self.vocab_size = vocab_size
         self.lease_s = lease_s
@@ -104,7 +107,7 @@ class ScorerPool:
         self._prefix = secrets.token_hex(4)
         self._local_tokens = 0
         self._closed = False
-        self._threads = [threading.Thread(target=self._reap, name="scorer-pool-leases", daemon=True)]
+        self._threads = [threading.Thread(target=self._reap, name="scorer-pool-leases", daemon=True)] if reaper else []
         if local is not None:
             self._threads.append(threading.Thread(target=self._dispatch_local, name="scorer-pool-local",
                                                   daemon=True))
