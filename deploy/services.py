@@ -119,6 +119,9 @@ def cmd_scorer(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    from deploy.startup import import_model_classes
+
+    import_model_classes()  # before transformers loads the model: without the optional packages it would pull in
     from ref_server.scoring.remote import run_scorer
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -11,43 +11,25 @@ import signal
 import tempfile
 from pathlib import Path
 
-import torch
-
 from ref_server.app import create_app
 from ref_server.body_limits import BodyLimits
 from ref_server.header_deadline import header_deadline_protocol
 from ref_server.hub.rollout_hub import RolloutHub
+from ref_server.scoring.loading import ModelLoadError, load_reference_model, load_reference_scorer
 from ref_server.scoring.pool import ScorerPool
 from ref_server.scoring.prm import PRMScorer
-from ref_server.scoring.scorer import ReferenceScorer
 from ref_server.scoring.scoring_jobs import model_identity
 from ref_server.scoring.tokenizer import ServedTokenizer
 from ref_server.state import ServerState
 from shared.config.schema import GRPOConfig, RefServerConfig
 from shared.devices import default_dtype, resolve_device
-from shared.errors import ServiceError, UsageError
+from shared.errors import ServiceError
 from shared.ports import bind_port
 from shared.weight_sync.relay_store import WeightStore
 
 log = logging.getLogger("grpo.ref_server")
-
-
-class ModelLoadError(UsageError):
-    """The reference model folder is missing or unreadable; the message names the folder."""
-
-
-def load_reference_model(path: str, device: torch.device, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM
-
-    folder = Path(path)
-    if not (folder / "config.json").is_file():
-        raise ModelLoadError(f"reference model folder {path!r} has no config.json")
-    try:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"cannot load reference model from {path!r}: {exc}") from None
-    model.to(device).eval().requires_grad_(False)
-    return model
+# the model loading moved to ref_server.scoring.loading (a joined scorer needs it without the server)
+__all__ = ["ModelLoadError", "build_state", "load_reference_model", "serve"]
 
 
 def model_limits(model_dir: str) -> tuple[int | None, int | None]:
@@ -66,18 +48,6 @@ def scratch_relay() -> str:
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
     log.info("no ref_server.weights_dir (no run.run_dir): the weight relay uses %s, removed at exit", folder)
     return folder
-
-
-def load_reference_scorer(cfg: RefServerConfig, device: str | None = None) -> tuple[ReferenceScorer, int | None]:
-    """ref_server.model loaded on ``device`` (default ref_server.device) behind a micro-batching ReferenceScorer (the
-    hub's own with local scoring, or a joined scorer's: ``grpo scorer``), and the model's context (None: unknown)."""
-    torch_device = resolve_device(device or cfg.device)
-    model = load_reference_model(cfg.model, torch_device, default_dtype(cfg.dtype, torch_device))
-    text_config = model.config.get_text_config()
-    max_context = getattr(text_config, "max_position_embeddings", None)
-    scorer = ReferenceScorer(model, vocab_size=text_config.vocab_size, max_context=max_context or 2**31,
-                             batch_tokens=cfg.batch_tokens, packing=cfg.packing, prefix_sharing=cfg.prefix_sharing)
-    return scorer, max_context
 
 
 def build_state(config: GRPOConfig) -> ServerState:

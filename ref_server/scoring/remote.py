@@ -161,8 +161,8 @@ def run_scorer(config, hub_url: str, name: str, device: str | None = None, concu
     """``grpo scorer``: load ref_server.model on ``device``, join the hub at ``hub_url``, score until SIGTERM/SIGINT."""
     import os
 
+    from ref_server.scoring.loading import ModelLoadError, load_reference_scorer
     from ref_server.scoring.scoring_jobs import model_identity
-    from ref_server.server import ModelLoadError, load_reference_scorer
     from shared.protocol.client import service_client, stop_on_signals
 
     cfg = config.ref_server

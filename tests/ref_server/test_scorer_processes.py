@@ -78,7 +78,7 @@ def test_two_scorers_score_like_local_and_one_killed_mid_run_loses_nothing(serve
     direct = ReferenceScorer(tiny_model, vocab_size=tiny_model.config.vocab_size, max_context=512)
     client = HubClient(live.url)
     try:
-        wait_for(lambda: pool.scorers() == 2, 150, "two scorers to join")  # ~5 s on an idle machine
+        wait_for(lambda: pool.scorers() == 2, 300, "two scorers to join")  # ~5 s on an idle machine
         assert live.get("/healthz").json()["scoring"] == "2 joined"
         groups = [make_group(seed=i, group_size=8, prompt=tuple(range(1, 33)), lengths=(60, 50, 40, 64, 55, 45, 30, 64))
                   for i in range(24)]
@@ -141,9 +141,9 @@ def test_no_scorer_then_one_joins_mid_run_and_takes_the_waiting_work(server_fact
         other.symlink_to(tiny_model_dir, target_is_directory=True)
         refused = start_scorer(live.url, other, "s-wrong", tmp_path)
         scorer = start_scorer(live.url, tiny_model_dir, "s-late", tmp_path)
-        assert refused.wait(timeout=150) == 2
+        assert refused.wait(timeout=300) == 2
         assert "refused this scorer" in (tmp_path / "s-wrong.log").read_text()
-        wait_for(lambda: pool.scorers() == 1, 150, "the scorer to join")
+        wait_for(lambda: pool.scorers() == 1, 300, "the scorer to join")
         joined = time.monotonic()
         wait_for(lambda: live.state.hub.ready_depth() == 4, 10, "the waiting groups to be scored")
         assert time.monotonic() - joined < 5  # took the waiting work at once
