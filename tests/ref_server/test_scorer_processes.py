@@ -164,3 +164,42 @@ def test_the_scorer_routes_refuse_bad_input(server_factory):
     assert requests.post(live.url + "/v1/scorers/nobody/heartbeat", timeout=10).status_code == 404
     assert requests.delete(live.url + f"/v1/scorers/{sid}", timeout=10).json() == {"requeued": 0}
     assert PINNED["device"] == "cpu"
+
+
+def test_a_scorer_registers_again_after_a_hub_restart(tmp_path, tiny_model, tiny_model_dir):
+    """RemoteScorer (what `grpo scorer` runs) in a thread of this process, against a hub that restarts on its port."""
+    import threading
+
+    from ref_server.scoring.remote import RemoteScorer
+    from ref_server.scoring.scoring_jobs import model_identity
+    from tests.live_server import LiveServer, make_config
+
+    def hub(name, port=0):
+        config = make_config(tmp_path / name, tiny_model_dir, local_scoring=False, **PINNED)
+        return LiveServer(config, port=port).__enter__()
+
+    body = {"input_ids": [[1, 2, 3, 4, 5]], "prompt_lengths": [2]}
+    first = hub("a")
+    scorer = ReferenceScorer(tiny_model, vocab_size=tiny_model.config.vocab_size, max_context=512)
+    worker = RemoteScorer(HubClient(first.url), scorer, name="t", identity=model_identity(str(tiny_model_dir)),
+                          poll_s=0.5)
+    stop_worker = threading.Event()
+    thread = threading.Thread(target=worker.run, args=(stop_worker,), daemon=True)
+    thread.start()
+    second = None
+    try:
+        wait_for(lambda: first.state.scorer.scorers() == 1, 20, "the scorer to join")
+        want = first.post("/v1/logprobs", json=body).json()["logprobs"]
+        first.__exit__(None, None, None)
+        second = hub("b", port=int(first.url.rsplit(":", 1)[1]))
+        wait_for(lambda: second.state.scorer.scorers() == 1, 30, "the scorer to join the restarted hub")
+        assert second.post("/v1/logprobs", json=body).json()["logprobs"] == want
+        assert worker.registrations == 2
+        stop_worker.set()
+        thread.join(timeout=30)
+        assert not thread.is_alive() and second.state.scorer.scorers() == 0  # it left
+    finally:
+        stop_worker.set()
+        scorer.close()
+        if second is not None:
+            second.__exit__(None, None, None)
