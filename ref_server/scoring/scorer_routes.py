@@ -29,7 +29,7 @@ from shared.protocol.wire import WireError
 
 router = APIRouter(tags=["scorers"])
 LONG_POLL_SLICE_S = 0.5  # a long-polling scorer is checked this often for having gone away
-Id = Annotated[str, Path(max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+Id = Annotated[str, Path(max_length=64)]  # looked up, never used as a path or a name
 
 
 class ScorerRegistration(BaseModel):
@@ -102,12 +102,12 @@ async def work(request: Request, scorer_id: Id, state: State,
              openapi_extra=binary_body("safetensors: logprobs (flat float32), top_logprobs and top_ids for top-k"))
 async def result(request: Request, scorer_id: Id, job_id: Id, state: State) -> dict:
     """A scored job: resolves it if it is the first valid result (``scored``), else ``duplicate`` (ignored)."""
-    pool = _pool(state)
     body = await read_body(request, state.max_request_bytes)
-    try:
+    try:  # malformed bytes are a 400 on every route, whatever else is wrong
         named = result_job_id(body)
     except WireError as exc:
         raise HTTPException(400, str(exc)) from None
+    pool = _pool(state)
     if named != job_id:
         raise HTTPException(422, f"the result names job {named!r}, the path {job_id!r}")
     try:
