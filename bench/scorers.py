@@ -3,7 +3,9 @@
 A hub (``grpo ref-server`` with ``ref_server.local_scoring: false``, a child process on 127.0.0.1) and scorer
 processes (``grpo scorer --threads 1``, ``OMP_NUM_THREADS=1``) on the same model; ``--clients`` threads of this
 process keep ``POST /v1/logprobs`` requests (binary, ``--rows`` rows of ``--prompt-tokens`` + ``--completion-tokens``
-random ids each) in flight, so the hub's scorer pool always has work waiting. Phases, in one run, each
+random ids each) in flight, so the hub's scorer pool always has work waiting. Each phase also reports the CPU the
+scorer processes got (their CPU seconds per wall second, /proc/PID/stat): on a shared machine, whether two
+single-threaded scorers had two cores. Phases, in one run, each
 ``--seconds`` long after a warm-up: ``one`` (scorer A), ``two`` (A and B), ``one`` again (B sent SIGTERM: it finishes
 its jobs and leaves). Scorer start-up (imports, model load) happens between phases, never inside one.
 Throughput = tokens of the rows scored (prompt + completion) per second of wall time; the ratio is ``two`` over the
@@ -120,13 +122,25 @@ class Load:
         for thread in self.threads:
             thread.join(timeout=600)
 
-    def measure(self, warmup_s: float, seconds: float) -> float:
+    def measure(self, warmup_s: float, seconds: float, scorers: list[int]) -> tuple[float, float]:
+        """(tokens/s, CPU cores the scorer processes got: their CPU seconds per wall second) over ``seconds``."""
         time.sleep(warmup_s)
         with self.lock:
-            before, started = self.tokens, time.perf_counter()
+            before, started, cpu = self.tokens, time.perf_counter(), cpu_seconds(scorers)
         time.sleep(seconds)
         with self.lock:
-            return (self.tokens - before) / (time.perf_counter() - started)
+            wall = time.perf_counter() - started
+            return (self.tokens - before) / wall, (cpu_seconds(scorers) - cpu) / wall
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds of these processes so far (/proc/PID/stat): whether the scorers got the cores."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])
+    return total / ticks
 
 
 def main() -> int:
@@ -136,7 +150,8 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=8, help="Rows per request.")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--completion-tokens", type=int, default=384)
-    parser.add_argument("--clients", type=int, default=4, help="Requests kept in flight.")
+    parser.add_argument("--clients", type=int, default=8, help="Requests kept in flight (more than the scorers "
+                        "hold, so that work always waits for a free scorer).")
     parser.add_argument("--seconds", type=float, default=20.0, help="Length of each timed phase.")
     parser.add_argument("--warmup", type=float, default=4.0, help="Seconds of load before each phase is timed.")
     parser.add_argument("--json-out", default=None)
@@ -164,6 +179,7 @@ def main() -> int:
 
     processes: dict[str, subprocess.Popen] = {}
     results: dict[str, float] = {}
+    cpu: dict[str, float] = {}
     load_before = os.getloadavg()
     started_at = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     try:
@@ -177,18 +193,21 @@ def main() -> int:
         processes["a"] = scorer("a")
         wait_scoring(url, "1 joined")
         with Load(url, bodies, args.clients) as load:
-            results["one"] = load.measure(args.warmup, args.seconds)
-            print(f"one scorer : {results['one']:10.0f} tokens/s", flush=True)
+            def phase(name: str, scorers: list[str]) -> None:
+                rate, cores = load.measure(args.warmup, args.seconds, [processes[s].pid for s in scorers])
+                results[name], cpu[name] = rate, cores
+                print(f"{name:9s} ({'+'.join(scorers)}): {rate:8.0f} tokens/s, the scorers got {cores:.2f} cores",
+                      flush=True)
+
+            phase("one", ["a"])
             processes["b"] = scorer("b")
             wait_scoring(url, "2 joined")
-            results["two"] = load.measure(args.warmup, args.seconds)
-            print(f"two scorers: {results['two']:10.0f} tokens/s", flush=True)
+            phase("two", ["a", "b"])
             processes["b"].send_signal(signal.SIGTERM)
             if processes["b"].wait(timeout=120) != 0:
                 raise RuntimeError("scorer b did not exit 0 after SIGTERM")
             wait_scoring(url, "1 joined")
-            results["one_again"] = load.measure(args.warmup, args.seconds)
-            print(f"one scorer : {results['one_again']:10.0f} tokens/s (after b left)", flush=True)
+            phase("one_again", ["a"])
     finally:
         for process in reversed(list(processes.values())):
             if process.poll() is None:
@@ -200,7 +219,7 @@ def main() -> int:
     one = (results["one"] + results["one_again"]) / 2
     ratio = results["two"] / one
     print(f"\ntwo / one = {ratio:.2f}x (target >= 1.7x)")
-    summary = {"ratio": ratio, **results, "hidden": args.hidden, "layers": args.layers, "rows": args.rows,
+    summary = {"ratio": ratio, **results, "scorer_cores": cpu, "hidden": args.hidden, "layers": args.layers, "rows": args.rows,
                "prompt_tokens": args.prompt_tokens, "completion_tokens": args.completion_tokens,
                "clients": args.clients, "seconds": args.seconds, "cpus": os.cpu_count(),
                "machine": platform.processor() or platform.machine(), "started": started_at,
