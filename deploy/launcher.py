@@ -7,7 +7,8 @@
   answers, so nothing waits for the ref server's start-up in series. The launcher still waits for the ref
   server's ``/healthz`` (``run.health_timeout_s``) and stops the run if it never answers.
 * GPU indices in ``run.placement`` index this node's visible GPUs; each service gets ``CUDA_VISIBLE_DEVICES`` set
-  to the physical ids they name (an empty list, or no GPU at all, means CPU).
+  to the physical ids they name (an empty list, or no GPU at all, means CPU). Several reference GPUs
+  (``placement.ref_server: [2, 3]``) start one ``grpo scorer`` per GPU that joins the hub (:func:`reference_gpus`).
 * Services that compute on the CPU share its cores: each gets ``OMP_NUM_THREADS`` = its share of the cores this
   process may use (:func:`cpu_threads`), so the learner and the generators overlap instead of oversubscribing the
   cores (two threads per process on two cores made every parallel op wait for a preempted thread). An
@@ -166,7 +167,7 @@ def cpu_threads(config: GRPOConfig, cores: int) -> int:
     on_cpu = (0 if placement.learner else config.run.learner_ranks or 1) + sum(
         1 for i in range(config.run.num_generators)
         if not (placement.generators and placement.generators[i]))
-    if config.hub_scores_reference and not placement.ref_server:
+    if config.hub_scores_reference and config.ref_server.local_scoring is not False and not placement.ref_server:
         on_cpu += 1
     return max(1, cores // max(on_cpu, 1))
 
@@ -187,8 +188,9 @@ def plan(config: GRPOConfig, config_path: Path, run_dir: Path, *, resume: bool =
     threads = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(cpu_threads(config, usable_cores()))}
     grpo = [sys.executable, "-m", "deploy.cli"]
     logs = run_dir / "logs"
-    ref_env = {**base_env, **gpu_env(placement.ref_server, gpus, "the ref server")}
-    if not placement.ref_server:
+    hub_gpus, scorer_gpus = reference_gpus(config)
+    ref_env = {**base_env, **gpu_env(hub_gpus, gpus, "the ref server")}
+    if not hub_gpus:
         ref_env.update(threads)
     services = [Service("ref-server", [*grpo, "ref-server", "--config", str(config_path)], ref_env,
                         logs / "ref-server.log", console=config.run.console)]
@@ -216,7 +218,25 @@ def plan(config: GRPOConfig, config_path: Path, run_dir: Path, *, resume: bool =
         gen_cmd = [*grpo, "generator", "--config", str(config_path), "--id", f"gen-{i}"]
         services.append(Service(f"gen-{i}", gen_cmd, gen_env, logs / f"gen-{i}.log",
                                 fork_argv=gen_cmd[3:] if fork_generators else None, console=config.run.console))
+    hub = f"http://{config.ref_server.host}:{config.ref_server.port}"
+    for i, index in enumerate(scorer_gpus):  # several reference GPUs: one joined scorer on each
+        scorer_env = {**base_env, **gpu_env([index], gpus, f"reference scorer {i}")}
+        services.append(Service(f"scorer-{i}", [*grpo, "scorer", "--config", str(config_path), "--hub", hub,
+                                                "--id", f"scorer-{i}", "--device", "cuda:0"], scorer_env,
+                                logs / f"scorer-{i}.log", console=config.run.console))
     return services
+
+
+def reference_gpus(config: GRPOConfig) -> tuple[list[int], list[int]]:
+    """(the ref server's GPU indices, one joined scorer per index): with one reference GPU (or none) the hub scores
+    there itself, as always; with several, a ``grpo scorer`` runs on each and the hub loads no model, unless
+    ``ref_server.local_scoring`` is true: then the hub scores on the first and scorers on the others."""
+    gpus = config.run.placement.ref_server
+    if len(gpus) <= 1 or not config.hub_scores_reference:
+        return gpus[:1], []
+    if config.ref_server.local_scoring:
+        return gpus[:1], gpus[1:]
+    return [], list(gpus)
 
 
 def resolve_config(config: GRPOConfig) -> GRPOConfig:
@@ -226,6 +246,8 @@ def resolve_config(config: GRPOConfig) -> GRPOConfig:
     data = config.model_dump(mode="json")
     hub = f"http://{config.ref_server.host}:{config.ref_server.port}"
     data["generator"]["hub_url"] = data["learner"]["hub_url"] = hub
+    if len(config.run.placement.ref_server) > 1 and config.ref_server.local_scoring is None:
+        data["ref_server"]["local_scoring"] = False  # several reference GPUs: a joined scorer on each
     return GRPOConfig.model_validate(data)
 
 

@@ -102,6 +102,34 @@ def cmd_learner(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_scorer(args: argparse.Namespace) -> int:
+    """Join a hub as a reference scorer: score the groups it holds (and /v1/logprobs requests) until stopped."""
+    import logging
+    import os
+    import socket
+
+    from deploy.preflight import require_models
+
+    config = load_with_flags(args, {"model": "ref_server.model", "device": "ref_server.device",
+                                    "token": "ref_server.token"})
+    require_models({"ref_server.model": config.ref_server.model})  # before seconds of imports
+    if args.threads is not None:
+        if args.threads < 1:
+            raise UsageError(f"--threads must be >= 1, got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
+    from deploy.startup import import_model_classes
+
+    import_model_classes()  # before transformers loads the model: without the optional packages it would pull in
+    from ref_server.scoring.remote import run_scorer
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    hub = args.hub or config.learner.hub_url
+    run_scorer(config, hub, args.id or f"scorer-{socket.gethostname()}-{os.getpid()}")
+    return 0
+
+
 def _version() -> str:
     try:
         return metadata.version("grpo-stack")
@@ -138,7 +166,7 @@ def root_parser() -> tuple[argparse.ArgumentParser, AddCommand]:
 
 
 def add_service_parsers(add: AddCommand) -> None:
-    """``grpo ref-server``, ``grpo generator`` and ``grpo learner``."""
+    """``grpo ref-server``, ``grpo scorer``, ``grpo generator`` and ``grpo learner``."""
     p = add("ref-server", cmd_ref_server,
             "Reference server: per-token reference logprobs over HTTP (POST /v1/logprobs), the rollout hub and "
             "the weight relay. Binds 127.0.0.1 unless told otherwise.")
@@ -148,6 +176,18 @@ def add_service_parsers(add: AddCommand) -> None:
     p.add_argument("--token", help="Require this bearer token (also read from GRPO_TOKEN).")
     p.add_argument("--access-log", action="store_const", const="true",
                    help="Log one line per HTTP request (sets ref_server.access_log; off by default).")
+    add_config_args(p)
+
+    p = add("scorer", cmd_scorer,
+            "Reference scorer: load ref_server.model and join a hub (ref server) to score the groups it holds and "
+            "the /v1/logprobs requests it is sent; any number may join and leave while training runs "
+            "(docs/scale-out.md).")
+    p.add_argument("--hub", help="Hub URL (default: learner.hub_url).")
+    p.add_argument("--model", help="Reference model folder (overrides ref_server.model; must be the hub's).")
+    p.add_argument("--id", help="Scorer name in the hub's logs (default scorer-HOST-PID).")
+    p.add_argument("--device", help="'cpu', 'cuda:N' or 'auto' (overrides ref_server.device).")
+    p.add_argument("--threads", type=int, help="Torch CPU threads (torch.set_num_threads).")
+    p.add_argument("--token", help="The hub's bearer token (also read from GRPO_TOKEN).")
     add_config_args(p)
 
     p = add("generator", cmd_generator,

@@ -23,7 +23,13 @@ from ref_server.hub import routes as hub_routes
 from ref_server.limits import RequestGuard
 from ref_server.metrics import ServerMetrics
 from ref_server.relay import routes as weights
-from ref_server.scoring import completions_routes, logprobs_routes, prm_routes, tokenizer_routes
+from ref_server.scoring import (
+    completions_routes,
+    logprobs_routes,
+    prm_routes,
+    scorer_routes,
+    tokenizer_routes,
+)
 from ref_server.state import ServerState
 
 __all__ = ["ServerState", "create_app"]
@@ -41,7 +47,8 @@ def create_app(state: ServerState, on_ready: Callable[[], None] | None = None) -
     metrics = ServerMetrics(state)
     app.state.server = state
     app.state.metrics = metrics
-    for module in (logprobs_routes, completions_routes, tokenizer_routes, hub_routes, weights, operations):
+    for module in (logprobs_routes, completions_routes, tokenizer_routes, scorer_routes, hub_routes, weights,
+                   operations):
         app.include_router(module.router)
     if state.prm is not None:  # vLLM's /pooling for a process reward model (ref_server.prm_model)
         app.state.prm = state.prm

@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 
 _ENDPOINTS = {"/healthz", "/metrics", "/v1/logprobs", "/v1/rollouts", "/v1/batch", "/v1/batch/ack",
               "/v1/batch/renew", "/v1/learner/version", "/v1/hub/stats", "/v1/weights", "/v1/completions",
-              "/v1/models", "/tokenizer_info", "/tokenize", "/detokenize"}
+              "/v1/models", "/tokenizer_info", "/tokenize", "/detokenize", "/v1/scorers"}
 
 
 class ServerMetrics:
@@ -34,6 +34,13 @@ class ServerMetrics:
             "grpo_hub_leased_groups": ("Groups leased to the learner, not yet acknowledged", state.hub.leased_depth),
             "grpo_scorer_queue_depth": ("Scoring requests waiting for the model",
                                         lambda: state.scorer.queue_depth() if state.scorer else 0),
+            "grpo_scorers_joined": ("Reference scorers registered with the hub (grpo scorer)",
+                                    lambda: state.scorer.scorers() if state.scorer else 0),
+            "grpo_scoring_jobs_leased": ("Scoring jobs held by a scorer, not yet answered",
+                                         lambda: state.scorer.leased() if state.scorer else 0),
+            "grpo_no_scorer": ("1 while reference scoring is needed and nobody can do it (no local scoring, no "
+                               "scorer joined): groups wait", lambda: int(state.scorer is not None
+                                                                          and state.scorer.status() == "no scorer")),
             "grpo_learner_version": ("Policy version last reported by the learner",
                                      lambda: state.hub.learner_version),
             "grpo_weights_version": ("Newest published weights version (-1: none)",
@@ -49,9 +56,18 @@ class ServerMetrics:
                       "quarantined"):
             hub_events.labels(event=event).set_function(lambda e=event: getattr(counters, e))
 
+        if state.scorer is not None:
+            pool = state.scorer.counters
+            jobs = Gauge("grpo_scoring_jobs", "Reference scoring jobs (ref_server/scoring/pool.py) by what happened",
+                         ["event"], registry=self.registry)
+            for event in ("jobs_submitted", "jobs_scored", "jobs_failed", "jobs_cancelled", "jobs_requeued",
+                          "results_duplicate", "results_refused", "scorers_joined", "scorers_lost"):
+                jobs.labels(event=event).set_function(lambda e=event: getattr(pool, e))
+
     def observe(self, path: str, status: int, started: float) -> None:
         """One answered request; ``status`` 499 is a client that left before its answer (never counted as 5xx)."""
-        endpoint = "/v1/weights" if path.startswith("/v1/weights") else path if path in _ENDPOINTS else "other"
+        endpoint = ("/v1/weights" if path.startswith("/v1/weights") else "/v1/scorers" if path.startswith("/v1/scorers")
+                    else path if path in _ENDPOINTS else "other")
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()
         self.latency.labels(endpoint=endpoint).observe(time.perf_counter() - started)
 

@@ -15,7 +15,10 @@ async def healthz(state: State) -> dict:
     return {"status": "ok", "model": state.model_name, "reference_model_loaded": state.scorer is not None,
             "vocab_size": state.vocab_size, "max_context": state.max_context,
             "queue_depth": state.hub.depth(), "weights_version": state.weights.current,
-            "learner_version": state.hub.learner_version}
+            "learner_version": state.hub.learner_version,
+            # who scores the reference: "local", "local + N joined", "N joined", "no scorer" (groups wait); null: nobody
+            "scoring": state.scorer.status() if state.scorer is not None else None,
+            "scoring_jobs_waiting": state.scorer.queue_depth() if state.scorer is not None else 0}
 
 
 @router.get("/metrics")

@@ -11,41 +11,25 @@ import signal
 import tempfile
 from pathlib import Path
 
-import torch
-
 from ref_server.app import create_app
 from ref_server.body_limits import BodyLimits
 from ref_server.header_deadline import header_deadline_protocol
 from ref_server.hub.rollout_hub import RolloutHub
+from ref_server.scoring.loading import ModelLoadError, load_reference_model, load_reference_scorer
+from ref_server.scoring.pool import ScorerPool
 from ref_server.scoring.prm import PRMScorer
-from ref_server.scoring.scorer import ReferenceScorer
+from ref_server.scoring.scoring_jobs import model_identity
 from ref_server.scoring.tokenizer import ServedTokenizer
 from ref_server.state import ServerState
 from shared.config.schema import GRPOConfig, RefServerConfig
 from shared.devices import default_dtype, resolve_device
-from shared.errors import ServiceError, UsageError
+from shared.errors import ServiceError
 from shared.ports import bind_port
 from shared.weight_sync.relay_store import WeightStore
 
 log = logging.getLogger("grpo.ref_server")
-
-
-class ModelLoadError(UsageError):
-    """The reference model folder is missing or unreadable; the message names the folder."""
-
-
-def load_reference_model(path: str, device: torch.device, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM
-
-    folder = Path(path)
-    if not (folder / "config.json").is_file():
-        raise ModelLoadError(f"reference model folder {path!r} has no config.json")
-    try:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"cannot load reference model from {path!r}: {exc}") from None
-    model.to(device).eval().requires_grad_(False)
-    return model
+# the model loading moved to ref_server.scoring.loading (a joined scorer needs it without the server)
+__all__ = ["ModelLoadError", "build_state", "load_reference_model", "serve"]
 
 
 def model_limits(model_dir: str) -> tuple[int | None, int | None]:
@@ -76,13 +60,16 @@ def build_state(config: GRPOConfig) -> ServerState:
         if cfg.model is None:
             raise ModelLoadError("algorithm.loss.beta > 0 or algorithm.kl.in_reward needs ref_server.model (or "
                                  "--model)")
-        device = resolve_device(cfg.device)
-        model = load_reference_model(cfg.model, device, default_dtype(cfg.dtype, device))
-        vocab_size = model.config.get_text_config().vocab_size
-        max_context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-        scorer = ReferenceScorer(model, vocab_size=vocab_size, max_context=max_context or 2**31,
-                                 batch_tokens=cfg.batch_tokens, packing=cfg.packing,
-                                 prefix_sharing=cfg.prefix_sharing)
+        local = None
+        if cfg.local_scoring is not False:  # null: the hub scores with its own model, as it always did
+            local, max_context = load_reference_scorer(cfg)
+            vocab_size = local.vocab_size
+        elif vocab_size is None:
+            raise ModelLoadError(f"reference model folder {cfg.model!r} has no readable config.json with a "
+                                 "vocab_size (ref_server.local_scoring false still reads it: joined scorers must "
+                                 "match it)")
+        scorer = ScorerPool(local=local, vocab_size=vocab_size, lease_s=cfg.scorer_lease_s,
+                            wait_s=cfg.scorer_wait_s, max_jobs=cfg.max_scoring_jobs)
         tokenizer = ServedTokenizer.load(cfg.model, vocab_size, max_context)
     prm = None
     if cfg.prm_model is not None:
@@ -108,6 +95,7 @@ def build_state(config: GRPOConfig) -> ServerState:
         max_request_tokens=cfg.max_request_tokens, max_long_poll_s=cfg.max_long_poll_s,
         token=cfg.token or os.environ.get("GRPO_TOKEN") or None, public_docs=cfg.public_docs,
         max_version_ahead=cfg.max_version_ahead,
+        model_identity=model_identity(cfg.model) if cfg.model is not None else None,
         tokenizer=tokenizer, prm=prm, limits=BodyLimits(
             json_bytes=cfg.max_json_body_bytes, request_bytes=cfg.max_request_bytes,
             weight_bytes=cfg.max_weight_bytes, timeout_s=cfg.body_timeout_s,

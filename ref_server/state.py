@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 
 from ref_server.body_limits import BodyLimits
 from ref_server.hub.rollout_hub import RolloutHub
+from ref_server.scoring.pool import ScorerPool
 from ref_server.scoring.prm import PRMScorer
-from ref_server.scoring.scorer import ReferenceScorer
 from ref_server.scoring.tokenizer import ServedTokenizer
 from shared.weight_sync.relay_store import WeightStore
 from shared.weight_sync.rendezvous import SyncRendezvous
@@ -15,7 +16,8 @@ from shared.weight_sync.rendezvous import SyncRendezvous
 
 @dataclass
 class ServerState:
-    scorer: ReferenceScorer | None
+    # reference scoring: the hub's own model and/or joined scorers (ref_server/scoring/pool.py); None: none
+    scorer: ScorerPool | None
     hub: RolloutHub
     weights: WeightStore
     model_name: str | None
@@ -36,3 +38,6 @@ class ServerState:
     prm: PRMScorer | None = None
     # every request body's size limit and deadline (ref_server/limits.py)
     limits: BodyLimits = field(default_factory=BodyLimits)
+    # this hub process (a scorer that sees it change re-registers); the model a joined scorer must load
+    instance: str = field(default_factory=lambda: secrets.token_hex(8))
+    model_identity: dict | None = None

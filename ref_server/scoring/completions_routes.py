@@ -15,7 +15,6 @@ scoring and short answers, so ``max_tokens`` is capped at :data:`MAX_COMPLETION_
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import time
 import uuid
@@ -153,8 +152,8 @@ async def _score(state: ServerState, rows: list[Row], k: int) -> list[TopRow]:
     except ScorerBusy as exc:
         raise OpenAIError(503, str(exc), headers={"Retry-After": "1"}) from None
     try:
-        return await asyncio.wrap_future(future)
-    except ScoringError as exc:
+        return await state.scorer.result(future)
+    except ScoringError as exc:  # NoScorer too: no joined scorer answered within ref_server.scorer_wait_s
         raise OpenAIError(503, f"scoring failed: {exc}", headers={"Retry-After": "5"}) from None
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 
 import numpy as np
@@ -163,8 +162,8 @@ async def logprobs(request: Request, state: State):
     except ScorerBusy as exc:
         raise HTTPException(503, str(exc), {"Retry-After": "1"}) from None
     try:
-        result = await asyncio.wrap_future(future)
-    except ScoringError as exc:
+        result = await state.scorer.result(future)
+    except ScoringError as exc:  # NoScorer too: no joined scorer answered within ref_server.scorer_wait_s
         raise HTTPException(503, f"scoring failed: {exc}", {"Retry-After": "5"}) from None
     request.app.state.metrics.tokens_scored.inc(sum(t.numel() for t in result))
     return await run_in_threadpool(_encode, result, binary)

@@ -98,6 +98,23 @@ class RefServerConfig(StrictModel):
         "train; at this many it moves to the spool's quarantine/ folder with the reason, is counted (quarantined in "
         "/metrics and /v1/hub/stats) and is never delivered again. 1: the first failure quarantines every group of "
         "the lease.")
+    local_scoring: bool | None = Field(
+        None, description="Score reference logprobs in the hub's own process (it loads ref_server.model). Null: "
+        "whenever the hub scores the reference at all (algorithm.loss.beta > 0 or algorithm.kl.in_reward, and not "
+        "learner.lora.reference: learner), today's behaviour. false: the hub loads no model and scorers that join "
+        "(`grpo scorer --hub URL`) score the groups it holds; with none registered, groups wait (healthz: "
+        "scoring 'no scorer'). docs/scale-out.md.")
+    scorer_lease_s: float = Field(
+        30.0, gt=0, allow_inf_nan=False, description="A scoring job handed to a joined scorer and not answered within "
+        "this many seconds (renewed by the scorer's heartbeat, every third of it) goes back to the queue for another "
+        "scorer: a scorer killed, hung or gone loses no group.")
+    scorer_wait_s: float = Field(
+        60.0, gt=0, allow_inf_nan=False, description="Without local scoring: how long /v1/logprobs and "
+        "/v1/completions wait for a joined scorer to answer before replying 503 with Retry-After and the reason "
+        "(never hanging forever when no scorer is registered).")
+    max_scoring_jobs: int = Field(
+        1024, ge=1, description="Scoring jobs (a group, or a /v1/logprobs request) the scorer pool holds waiting or "
+        "leased; /v1/logprobs answers 503 with Retry-After above.")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Server log level.")
     access_log: bool = Field(False, description="Log one line per HTTP request (uvicorn's access log; "
                              "`grpo ref-server --access-log`). Off by default: a training run makes several "

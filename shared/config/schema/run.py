@@ -13,7 +13,9 @@ class PlacementConfig(StrictModel):
     """GPU placement. Every index means one thing: an index into this node's visible GPUs (CUDA_VISIBLE_DEVICES as
     `grpo run` found it). Empty lists, or a node without GPUs, put the service on the CPU."""
 
-    ref_server: list[int] = Field(default_factory=list, description="GPU for the reference model (one index).")
+    ref_server: list[int] = Field(default_factory=list, description="GPU for the reference model: one index (the "
+                                  "ref server scores there), or several: `grpo run` starts a reference scorer (`grpo "
+                                  "scorer`) on each and the hub loads no model (ref_server.local_scoring).")
     generators: list[list[int]] = Field(
         default_factory=list, description="GPUs of each generator, e.g. [[1], [2]] (several GPUs per generator for "
         "tensor parallelism). Its length must equal num_generators when set.")

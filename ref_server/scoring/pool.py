@@ -1,0 +1,396 @@
+"""The scorer pool: the hub's one front for reference scoring, whoever does it.
+
+The hub's intake and the scoring routes call :meth:`ScorerPool.submit` exactly as they called the
+:class:`ref_server.scoring.scorer.ReferenceScorer` (rows -> a Future of per-row tensors). Behind it is a queue of
+scoring jobs taken by
+
+* the hub's own ReferenceScorer (``ref_server.local_scoring``): a dispatcher thread hands it jobs while it holds
+  less than two micro-batches' worth of tokens, so it batches as before and leaves the rest to joined scorers;
+* joined scorers (``grpo scorer --hub URL``, :mod:`ref_server.scoring.remote`), which pull jobs over HTTP
+  (:mod:`ref_server.scoring.scorer_routes`). Each job is leased to one scorer for ``lease_s`` seconds, renewed by its
+  heartbeat; a lease that expires (the scorer was killed, hung or left) puts the job back at the front of the queue
+  for another.
+
+Exactly once: a job's Future is resolved by the first valid result; a later or duplicate result (a scorer whose
+lease had expired answering after all) is acknowledged and ignored. A result is checked where it enters
+(:func:`ref_server.scoring.scoring_jobs.check_result`); a bad one is refused and its job goes back to the queue.
+With no local scoring and no scorer registered, jobs wait: the hub's groups stay queued and the routes answer 503
+after ``ref_server.scorer_wait_s`` (:meth:`ScorerPool.wait_s`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import secrets
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass, field
+
+from ref_server.scoring.scorer import ReferenceScorer, Row, ScorerBusy, ScoringError
+from ref_server.scoring.scoring_jobs import BadResult, JobSpec, check_result
+
+log = logging.getLogger("grpo.ref_server.pool")
+LOCAL = "local"
+
+
+class UnknownScorer(KeyError):
+    """A scorer id this hub does not know (never registered, left, silent past its lease, or the hub restarted)."""
+
+
+class NoScorer(ScoringError):
+    """No scorer answered a route's request in time (none joined, or all busy): HTTP 503 with Retry-After."""
+
+
+class UnknownJob(KeyError):
+    """A result for a job this hub does not know (or never leased to that scorer)."""
+
+
+@dataclass
+class Job:
+    spec: JobSpec
+    future: Future
+    completion_lengths: list[int]
+    holder: str | None = None          # the scorer holding its lease (LOCAL: the hub's own), None: waiting
+    deadline: float = 0.0
+    holders: set[str] = field(default_factory=set)  # every scorer it was ever leased to: whose results count
+
+    @property
+    def tokens(self) -> int:
+        return sum(r.tokens for r in self.spec.rows)
+
+
+@dataclass
+class JoinedScorer:
+    scorer_id: str
+    name: str
+    last_seen: float
+    jobs: set[str] = field(default_factory=set)
+
+
+@dataclass
+class PoolCounters:
+    jobs_submitted: int = 0
+    jobs_scored: int = 0            # Futures resolved with a result (each exactly once)
+    jobs_failed: int = 0            # local scoring failed (out of memory on a single row, ...)
+    jobs_cancelled: int = 0         # a route stopped waiting for it
+    jobs_requeued: int = 0          # leases expired, scorers left, bad results: the job went back for another
+    results_duplicate: int = 0      # a result for a job already scored: acknowledged, ignored
+    results_refused: int = 0        # results that did not fit their job (422)
+    scorers_joined: int = 0
+    scorers_lost: int = 0           # removed after a lease's worth of silence
+
+
+class ScorerPool:
+    def __init__(self, *, local: ReferenceScorer | None, vocab_size: int | None, lease_s: float = 30.0,
+                 wait_s: float = 60.0, max_jobs: int = 1024, clock: Callable[[], float] = time.monotonic,
+                 reaper: bool = True) -> None:
+        """``reaper``: a thread calls :meth:`expire` a few times a second (tests with a ``clock`` of their own call
+        it themselves)."""
+        self.local = local
+        self.vocab_size = vocab_size
+        self.lease_s = lease_s
+        self._wait_s = wait_s
+        self.max_jobs = max_jobs
+        self.clock = clock
+        self.counters = PoolCounters()
+        self.cond = threading.Condition()
+        self._jobs: dict[str, Job] = {}
+        self._waiting: deque[str] = deque()
+        self._scorers: dict[str, JoinedScorer] = {}
+        self._done: OrderedDict[str, None] = OrderedDict()  # recently scored or cancelled ids: late results
+        self._ids = itertools.count()
+        self._prefix = secrets.token_hex(4)
+        self._local_tokens = 0
+        self._closed = False
+        self._threads = [threading.Thread(target=self._reap, name="scorer-pool-leases", daemon=True)] if reaper else []
+        if local is not None:
+            self._threads.append(threading.Thread(target=self._dispatch_local, name="scorer-pool-local",
+                                                  daemon=True))
+        for thread in self._threads:
+            thread.start()
+
+    # -- the ReferenceScorer interface (intake, routes) ------------------------------------------------------
+    def submit(self, rows: list[Row], temperature: float = 1.0, top_k: int = 0) -> Future:
+        future: Future = Future()
+        if not rows:
+            future.set_result([])
+            return future
+        with self.cond:
+            if len(self._jobs) >= self.max_jobs:
+                raise ScorerBusy(f"{self.max_jobs} scoring jobs are already queued or leased")
+            job_id = f"{self._prefix}-{next(self._ids)}"
+            job = Job(JobSpec(job_id, rows, temperature, top_k), future,
+                      [r.tokens - r.prompt_length for r in rows])
+            self._jobs[job_id] = job
+            self._waiting.append(job_id)
+            self.counters.jobs_submitted += 1
+            self.cond.notify_all()
+        # a caller that stops waiting cancels the Future (a route's deadline, a client that hung up): the job leaves
+        future.add_done_callback(lambda f: self._forget(job_id) if f.cancelled() else None)
+        return future
+
+    def score(self, rows: list[Row], temperature: float = 1.0, timeout: float | None = None, top_k: int = 0):
+        return self.submit(rows, temperature, top_k).result(timeout=timeout)
+
+    def _forget(self, job_id: str) -> None:
+        """A cancelled job leaves the queue (a result still in flight is acknowledged, ignored)."""
+        with self.cond:
+            job = self._jobs.pop(job_id, None)
+            if job is None:
+                return
+            if job.holder is None:
+                self._waiting.remove(job_id)
+            else:
+                self._unlease(job)
+            self._remember(job_id)
+            self.counters.jobs_cancelled += 1
+
+    async def result(self, future: Future):
+        """The Future's rows, awaited on the event loop; with no local scoring, :class:`NoScorer` after ``wait_s``
+        (the job is cancelled)."""
+        wait = self.wait_s()
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future), wait)
+        except TimeoutError:
+            future.cancel()
+            raise NoScorer(f"no reference scorer answered within {wait:.0f}s (scoring: {self.status()}, "
+                           f"{self.queue_depth()} jobs waiting)") from None
+
+    def wait_s(self) -> float | None:
+        """How long a route waits for a result: unbounded with local scoring (as before), else scorer_wait_s."""
+        return None if self.local is not None else self._wait_s
+
+    @property
+    def forward_batches(self) -> int:
+        """Forward passes of the hub's own scorer (0 without local scoring)."""
+        return self.local.forward_batches if self.local is not None else 0
+
+    def queue_depth(self) -> int:
+        """Jobs waiting for a scorer (not leased)."""
+        return len(self._waiting)
+
+    def leased(self) -> int:
+        return len(self._jobs) - len(self._waiting)
+
+    def scorers(self) -> int:
+        return len(self._scorers)
+
+    def status(self) -> str:
+        """``local``, ``local + N joined``, ``N joined`` or ``no scorer`` (healthz, metrics)."""
+        joined = len(self._scorers)
+        if self.local is not None:
+            return f"local + {joined} joined" if joined else "local"
+        return f"{joined} joined" if joined else "no scorer"
+
+    def close(self) -> None:
+        """Stop handing out work. Pending Futures stay unresolved: the hub's groups stay spooled for its restart."""
+        with self.cond:
+            self._closed = True
+            self.cond.notify_all()
+        for thread in self._threads:
+            thread.join(timeout=5)
+        if self.local is not None:
+            self.local.close()
+
+    # -- joined scorers --------------------------------------------------------------------------------------
+    def register(self, name: str) -> str:
+        with self.cond:
+            scorer_id = f"{self._prefix}-s{next(self._ids)}"
+            self._scorers[scorer_id] = JoinedScorer(scorer_id, name, self.clock())
+            self.counters.scorers_joined += 1
+            self.cond.notify_all()
+        log.info("scorer %s joined as %s (%d joined)", name, scorer_id, len(self._scorers))
+        return scorer_id
+
+    def heartbeat(self, scorer_id: str) -> int:
+        """The scorer is alive: its leases run another ``lease_s``. Returns how many jobs it holds."""
+        with self.cond:
+            scorer = self._scorer(scorer_id)
+            now = self.clock()
+            scorer.last_seen = now
+            for job_id in scorer.jobs:
+                self._jobs[job_id].deadline = now + self.lease_s
+            return len(scorer.jobs)
+
+    def leave(self, scorer_id: str) -> int:
+        """The scorer stops: its leased jobs go back to the front of the queue at once. Returns how many."""
+        with self.cond:
+            scorer = self._scorers.pop(scorer_id, None)
+            if scorer is None:
+                return 0
+            jobs = list(scorer.jobs)
+            for job_id in jobs:
+                self._requeue(self._jobs[job_id])
+        log.info("scorer %s (%s) left; %d jobs back in the queue", scorer.name, scorer_id, len(jobs))
+        return len(jobs)
+
+    def take(self, scorer_id: str, wait_s: float) -> JobSpec | None:
+        """The oldest waiting job, leased to this scorer; None when none came within ``wait_s``."""
+        deadline = self.clock() + wait_s
+        with self.cond:
+            while True:
+                scorer = self._scorer(scorer_id)
+                scorer.last_seen = self.clock()
+                if self._waiting and not self._closed:
+                    job = self._jobs[self._waiting.popleft()]
+                    self._lease(job, scorer_id)
+                    scorer.jobs.add(job.spec.job_id)
+                    return job.spec
+                remaining = deadline - self.clock()
+                if remaining <= 0 or self._closed:
+                    return None
+                self.cond.wait(min(remaining, 0.5))
+
+    def release(self, scorer_id: str, job_id: str) -> None:
+        """Hand a leased job back unscored (its scorer's HTTP client left before reading it)."""
+        with self.cond:
+            job = self._jobs.get(job_id)
+            if job is not None and job.holder == scorer_id:
+                self._requeue(job)
+
+    def finish(self, scorer_id: str, job_id: str, data: bytes) -> str:
+        """A scorer's result for a job: ``scored`` (it resolved the job), ``duplicate`` (already scored: ignored).
+        :class:`BadResult` (the job goes back to the queue) or :class:`UnknownJob`."""
+        with self.cond:
+            job = self._jobs.get(job_id)
+            if job is None:
+                if job_id in self._done:
+                    self.counters.results_duplicate += 1
+                    return "duplicate"
+                raise UnknownJob(f"no scoring job {job_id!r} (unknown, or from before a hub restart)")
+            if scorer_id not in job.holders:
+                raise UnknownJob(f"scoring job {job_id!r} was never leased to scorer {scorer_id!r}")
+        try:  # the tensor checks outside the lock: the other scorers keep taking and finishing jobs meanwhile
+            rows = check_result(data, job.completion_lengths, job.spec.top_k, self.vocab_size)
+        except BadResult:
+            with self.cond:
+                self.counters.results_refused += 1
+                if self._jobs.get(job_id) is job and job.holder == scorer_id:
+                    self._requeue(job)
+            raise
+        with self.cond:
+            if self._jobs.get(job_id) is not job:  # another result won while this one was checked
+                self.counters.results_duplicate += 1
+                return "duplicate"
+            del self._jobs[job_id]
+            if job.holder is None:
+                self._waiting.remove(job_id)
+            else:
+                self._unlease(job)
+            self._remember(job_id)
+            self.counters.jobs_scored += 1
+        _resolve(job.future, rows)
+        return "scored"
+
+    # -- inside ----------------------------------------------------------------------------------------------
+    def _scorer(self, scorer_id: str) -> JoinedScorer:
+        scorer = self._scorers.get(scorer_id)
+        if scorer is None:
+            raise UnknownScorer(f"no scorer {scorer_id!r} is registered (register again)")
+        return scorer
+
+    def _lease(self, job: Job, holder: str) -> None:
+        job.holder = holder
+        job.holders.add(holder)
+        job.deadline = self.clock() + self.lease_s
+
+    def _unlease(self, job: Job) -> None:
+        """Under the lock: the job is no longer held by its scorer."""
+        scorer = self._scorers.get(job.holder or "")
+        if scorer is not None:
+            scorer.jobs.discard(job.spec.job_id)
+        job.holder = None
+
+    def _requeue(self, job: Job) -> None:
+        """Under the lock: a leased job back at the front of the queue, for any scorer."""
+        self._unlease(job)
+        self._waiting.appendleft(job.spec.job_id)
+        self.counters.jobs_requeued += 1
+        self.cond.notify_all()
+
+    def _remember(self, job_id: str) -> None:
+        self._done[job_id] = None
+        while len(self._done) > 4 * self.max_jobs:
+            self._done.popitem(last=False)
+
+    def expire(self) -> int:
+        """Leases past their deadline go back to the queue; scorers silent for ``lease_s`` are removed. Returns
+        the number of jobs put back."""
+        now = self.clock()
+        with self.cond:
+            for scorer in [s for s in self._scorers.values() if now - s.last_seen > self.lease_s]:
+                del self._scorers[scorer.scorer_id]
+                self.counters.scorers_lost += 1
+                log.warning("scorer %s (%s) silent for %.0fs: removed", scorer.name, scorer.scorer_id, self.lease_s)
+            overdue = [j for j in self._jobs.values() if j.holder not in (None, LOCAL) and j.deadline < now]
+            for job in overdue:
+                log.warning("scoring job %s: lease of %s expired; back in the queue", job.spec.job_id, job.holder)
+                self._requeue(job)
+            return len(overdue)
+
+    def _reap(self) -> None:
+        tick = min(self.lease_s / 4, 0.5)
+        while True:
+            with self.cond:
+                if self._closed:
+                    return
+            self.expire()
+            time.sleep(tick)
+
+    def _dispatch_local(self) -> None:
+        """Hand waiting jobs to the hub's own scorer while it holds less than two micro-batches of tokens."""
+        local = self.local
+        assert local is not None
+        budget = 2 * local.batch_tokens
+        while True:
+            with self.cond:
+                while not self._closed and not (self._waiting and (self._local_tokens == 0
+                                                                   or self._local_tokens < budget)):
+                    self.cond.wait(0.5)
+                if self._closed:
+                    return
+                job = self._jobs[self._waiting.popleft()]
+                self._lease(job, LOCAL)
+                self._local_tokens += job.tokens
+            spec = job.spec
+            try:
+                future = local.submit(spec.rows, spec.temperature, spec.top_k)
+            except ScorerBusy as exc:  # cannot happen below the budget; fail the job rather than lose it silently
+                future = Future()
+                future.set_exception(ScoringError(str(exc)))
+            future.add_done_callback(lambda f, job=job: self._local_done(job, f))
+
+    def _local_done(self, job: Job, future: Future) -> None:
+        error = future.exception()
+        with self.cond:
+            self._local_tokens -= job.tokens
+            self.cond.notify_all()
+            if self._jobs.get(job.spec.job_id) is not job:  # cancelled meanwhile, or scored by a joined scorer
+                return
+            del self._jobs[job.spec.job_id]
+            job.holder = None
+            self._remember(job.spec.job_id)
+            if error is None:
+                self.counters.jobs_scored += 1
+            else:
+                self.counters.jobs_failed += 1
+        if error is None:
+            _resolve(job.future, future.result())
+        else:
+            _resolve(job.future, error=error)
+
+
+def _resolve(future: Future, rows=None, error: BaseException | None = None) -> None:
+    """Resolve a job's Future unless its caller cancelled it meanwhile (then nobody waits for it)."""
+    try:
+        if error is None:
+            future.set_result(rows)
+        else:
+            future.set_exception(error)
+    except InvalidStateError:
+        pass
