@@ -176,6 +176,9 @@ BENCHMARKS: list[Bench] = [
           "a command of its own there (--device cuda --only vs_trl)", alone=True),
     Bench("process_vs_outcome", None, None, _flat("process vs outcome", ("ratio",)),
           why="a learning-curve comparison over several training runs (~1 h on this CPU): run it alone"),
+    Bench("scorers", (), None, _generic({"scoring tokens/s of two scorers, ratio to one (one thread each)":
+                                         (("two",), ("ratio",))}), 240,
+          why="scorers on this CPU, one thread each: the ratio of two to one"),
     Bench("lora_curves", None, None, _flat("LoRA vs full", ("gain_ratio",)),
           why="two SmolLM2 training runs and their evals (~45 min on this CPU), docs/lora.md: run it alone"),
     Bench("lora_learner", None, None, _flat("LoRA / full learner", ("ratio",)),

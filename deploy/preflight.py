@@ -241,10 +241,12 @@ def dataset_problems(config: GRPOConfig) -> list[str]:
 
 # -- the port -----------------------------------------------------------------------------------------------------
 def port_problems(config: GRPOConfig) -> list[str]:
-    from shared.ports import port_problem
+    from shared.ports import port_problem, token_problem
 
-    problem = port_problem(config.ref_server.host, config.ref_server.port, "ref_server.port")
-    return [problem] if problem else []
+    cfg = config.ref_server
+    problems = [port_problem(cfg.host, cfg.port, "ref_server.port"),
+                token_problem(cfg.host, cfg.token or os.environ.get("GRPO_TOKEN"))]
+    return [p for p in problems if p]
 
 
 # -- running them -------------------------------------------------------------------------------------------------

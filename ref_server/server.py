@@ -23,8 +23,8 @@ from ref_server.scoring.tokenizer import ServedTokenizer
 from ref_server.state import ServerState
 from shared.config.schema import GRPOConfig, RefServerConfig
 from shared.devices import default_dtype, resolve_device
-from shared.errors import ServiceError
-from shared.ports import bind_port
+from shared.errors import ServiceError, UsageError
+from shared.ports import bind_port, token_problem
 from shared.weight_sync.relay_store import WeightStore
 
 log = logging.getLogger("grpo.ref_server")
@@ -109,14 +109,15 @@ def serve(config: GRPOConfig) -> None:
     cfg = config.ref_server
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     # bound before the model loads and before "ready" is logged: a port in use fails at once, naming its holder
+    problem = token_problem(cfg.host, cfg.token or os.environ.get("GRPO_TOKEN"))
+    if problem:
+        raise UsageError(problem)
     sock = bind_port(cfg.host, cfg.port, "ref_server.port")
     try:
         state = build_state(config)
     except BaseException:
         sock.close()
         raise
-    if state.token is None and cfg.host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("binding %s without a token: anyone who can reach it can read and write the hub", cfg.host)
     app = create_app(state, on_ready=lambda: log.info(
         "ref-server ready on http://%s:%d (model: %s, beta=%s, hub capacity %d)", cfg.host, cfg.port,
         cfg.model or "none", config.algorithm.loss.beta, cfg.queue_capacity))

@@ -109,3 +109,24 @@ def port_problem(host: str, port: int, key: str) -> str | None:
     except UsageError as exc:
         return str(exc)
     return None
+
+
+def is_loopback(host: str) -> bool:
+    """``host`` reaches only this machine: localhost, 127.0.0.0/8 or ::1 (a name other than localhost is not)."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def token_problem(host: str, token: str | None, key: str = "ref_server.host") -> str | None:
+    """A hub bound beyond loopback takes weights and rollouts from whoever reaches it: it needs a token. The
+    problem as one line, or None."""
+    if token or is_loopback(host):
+        return None
+    return (f"{key}: {host!r} is reachable from other machines and no token is set: anyone who reaches it could "
+            "upload weights and rollouts; set GRPO_TOKEN (or ref_server.token), or bind 127.0.0.1")
