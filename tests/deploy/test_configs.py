@@ -59,8 +59,9 @@ def test_slurm_template_is_valid_bash_and_uses_real_commands():
     script = ROOT / "deploy" / "slurm" / "grpo-multinode.sbatch"
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
     text = script.read_text()
-    for command in ("grpo ref-server", "grpo generator", "--module deploy.cli learner", "deepspeed --hostfile"):
+    for command in ('"$GRPO" ref-server', '"$GRPO" generator', 'learner-rank.sh "$GRPO" learner', '"$GRPO" scorer'):
         assert command in text
+    assert re.search(r"^GRPO=\$\{GRPO:-grpo\}", text, re.M)
     default = re.search(r"CONFIG=\$\{CONFIG:-([^}]+)\}", text).group(1)
     load_config(ROOT / default)
 
