@@ -101,10 +101,6 @@ def create_engine(cfg: LearnerConfig, model: torch.nn.Module, device: torch.devi
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     config = deepspeed_config(cfg, world_size, device)
-    if cfg.lora is not None and config.get("zero_optimization", {}).get("stage", 0) == 3:
-        # measured: the chunked LM-head recompute in backward meets a ZeRO-3-partitioned frozen head and fails
-        raise LearnerSetupError("learner.lora with ZeRO stage 3 is not supported yet: use zero_stage 0, 1 or 2 "
-                                "(the frozen base weights need no optimizer state, so ZeRO-2 saves most of it)")
     if cfg.lora is not None:  # before DeepSpeed: its optimizer gets the parameters that require grad, the adapters
         from learner.lora import apply_lora
 

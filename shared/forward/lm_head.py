@@ -119,11 +119,25 @@ class LinearHeadLogprobs(torch.autograd.Function):
 
 
 def fused_head_weight(lm_head: nn.Module, logit_transform) -> torch.Tensor | None:
-    """The weight for the fused path: a bias-free ``nn.Linear`` whose full weight is present (not a ZeRO-3
-    partition) and no architecture-specific logit transform. None means: use the checkpointed path."""
+    """The weight for the fused path: a bias-free ``nn.Linear`` and no architecture-specific logit transform.
+    None means: use the checkpointed path.
+
+    A ZeRO-3 partition of a trained head takes the checkpointed path (its hooks gather it for the forward and
+    again for the recompute in backward). A partitioned *frozen* head (LoRA) is gathered here once and a full,
+    detached copy returned (the head gets no gradient, so the fused backward needs no parameter): under the
+    checkpointed path the backward's recompute met the partitioned frozen weight and failed
+    (``CheckpointError: Recomputed values ... have different metadata``, docs/lora.md)."""
     if logit_transform is not None or type(lm_head) is not nn.Linear or lm_head.bias is not None:
         return None
     weight = lm_head.weight
-    if hasattr(weight, "ds_id") or weight.dim() != 2:
+    if hasattr(weight, "ds_id"):
+        if weight.requires_grad:
+            return None
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([weight]):
+            full = weight.detach().clone()
+        return full if full.dim() == 2 else None
+    if weight.dim() != 2:
         return None
     return weight

@@ -146,5 +146,9 @@ def adapter_metadata(scaling: float, bases: dict[str, torch.Tensor] | None = Non
     """The metadata of an adapter publish; ``bases`` (:func:`adapted_base_weights`) adds their fingerprint."""
     metadata = {KIND_KEY: KIND_ADAPTER, SCALING_KEY: repr(float(scaling))}
     if bases is not None:
-        metadata[BASE_SAMPLES_KEY] = json.dumps({name: base_samples(w) for name, w in bases.items()})
+        samples = {}
+        for name, weight in bases.items():
+            with gathered(weight):  # a ZeRO-3 partition holds none of it (collective: the publisher is on every rank)
+                samples[name] = base_samples(weight)
+        metadata[BASE_SAMPLES_KEY] = json.dumps(samples)
     return metadata

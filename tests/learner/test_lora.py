@@ -87,12 +87,6 @@ def test_merged_policy_tensors_give_the_lora_models_logprobs(tiny_model_dir):
     assert [t.name for t in policy_tensors(model)] == [n for n, _ in merged.named_parameters()]
 
 
-def test_lora_under_zero3_is_refused_with_the_keys(tiny_model_dir):
-    cfg = LearnerConfig(model=str(tiny_model_dir), zero_stage=3, lora=LoraConfig(r=4))
-    with pytest.raises(UsageError, match="learner.lora with ZeRO stage 3 is not supported yet"):
-        create_engine(cfg, load(tiny_model_dir), CPU)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("zero_stage", [0, 2])
 def test_a_lora_step_trains_only_the_adapter(distributed, tiny_model_dir, zero_stage):
