@@ -18,7 +18,6 @@ This module imports no vLLM: the checks run, and are tested, in either environme
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,8 +25,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from shared.weight_sync.adapter import AdapterError
-from shared.weight_sync.layout import ADAPTER_SUFFIXES, BASE_SAMPLES_KEY, KIND_ADAPTER, KIND_KEY, SCALING_KEY
+from shared.weight_sync.adapter import AdapterError, adapter_file_header
+from shared.weight_sync.layout import ADAPTER_SUFFIXES, BASE_SAMPLES_KEY
 from shared.weight_sync.params import base_samples
 
 # vLLM's LoRAConfig.max_lora_rank takes only these values (vllm/config/lora.py: MaxLoRARanks)
@@ -98,15 +97,7 @@ def read_adapter(path: str | Path, base: ModelFolder, max_rank: int) -> tuple[di
     missing, a rank other than the others' or above ``max_rank``) or the metadata (kind, scaling, base
     fingerprint)."""
     with safe_open(str(path), framework="pt") as fh:
-        metadata = fh.metadata() or {}
-        if metadata.get(KIND_KEY) != KIND_ADAPTER:
-            raise AdapterError(f"{path} is not a LoRA adapter ({KIND_KEY} metadata: {metadata.get(KIND_KEY)!r})")
-        try:
-            scaling = float(metadata[SCALING_KEY])
-        except (KeyError, ValueError):
-            raise AdapterError(f"{path}: no valid {SCALING_KEY} metadata") from None
-        if not math.isfinite(scaling) or scaling == 0.0:
-            raise AdapterError(f"{path}: {SCALING_KEY} {scaling} is not a finite, non-zero number")
+        metadata, scaling = adapter_file_header(fh, path)
         tensors = {name: fh.get_tensor(name) for name in fh.keys()}
     if not tensors:
         raise AdapterError(f"{path}: the adapter holds no layers")

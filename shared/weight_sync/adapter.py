@@ -47,6 +47,21 @@ def file_kind(path: str | Path) -> str:
         return (fh.metadata() or {}).get(KIND_KEY, KIND_FULL)
 
 
+
+def adapter_file_header(fh, path: str | Path) -> tuple[dict[str, str], float]:
+    """The metadata and scaling of an open adapter file (``safe_open``); an :class:`AdapterError` when the file is
+    not a LoRA adapter or its scaling is missing, not a number, not finite or zero."""
+    metadata = fh.metadata() or {}
+    if metadata.get(KIND_KEY) != KIND_ADAPTER:
+        raise AdapterError(f"{path} is not a LoRA adapter ({KIND_KEY} metadata: {metadata.get(KIND_KEY)!r})")
+    try:
+        scaling = float(metadata[SCALING_KEY])
+    except (KeyError, ValueError):
+        raise AdapterError(f"{path}: no valid {SCALING_KEY} metadata") from None
+    if not math.isfinite(scaling) or scaling == 0.0:
+        raise AdapterError(f"{path}: {SCALING_KEY} {scaling} is not a finite, non-zero number")
+    return metadata, scaling
+
 class AdapterApplier:
     """Applies adapters (files or received tensors) to ``model``; ``model_dir`` is where its base weights can be
     read again."""
@@ -140,13 +155,7 @@ class AdapterApplier:
         """Apply the adapter file ``path``; returns the number of adapted layers. Nothing changes when it does not
         fit (:class:`AdapterError`)."""
         with safe_open(str(path), framework="pt") as fh:
-            metadata = fh.metadata() or {}
-            if metadata.get(KIND_KEY) != KIND_ADAPTER:
-                raise AdapterError(f"{path} is not a LoRA adapter ({KIND_KEY} metadata: {metadata.get(KIND_KEY)!r})")
-            try:
-                scaling = float(metadata[SCALING_KEY])
-            except (KeyError, ValueError):
-                raise AdapterError(f"{path}: no valid {SCALING_KEY} metadata") from None
+            metadata, scaling = adapter_file_header(fh, path)
             layers = self._layers(fh.keys(), lambda key: fh.get_slice(key).get_shape())
             return self._merge(layers, fh.get_tensor, scaling, metadata.get(BASE_SAMPLES_KEY), str(path))
 
