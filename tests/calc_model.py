@@ -24,20 +24,26 @@ def build_calc_model_dir(out_dir, steps: int = 60, spec: TinyModelSpec | None = 
                                add_special_tokens=False)["input_ids"]
             rows.append(prompt + target + [tokenizer.eos_token_id])
             starts.append(len(prompt))
-        width = max(map(len, rows))
-        ids = torch.full((len(rows), width), tokenizer.eos_token_id)
-        attention, labels = torch.zeros_like(ids), torch.full_like(ids, -100)
-        for i, (row, start) in enumerate(zip(rows, starts)):
-            ids[i, :len(row)], attention[i, :len(row)] = torch.tensor(row), 1
-            labels[i, start:len(row)] = torch.tensor(row[start:])
-        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        model.train()
-        for _ in range(steps):
-            loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-        model.eval()
+        memorise(model, rows, starts, tokenizer.eos_token_id, steps)
         return save_model_dir(model, tokenizer, out_dir)
     finally:
         torch.set_num_threads(threads)
+
+
+def memorise(model, rows: list[list[int]], starts: list[int], pad_id: int, steps: int, lr: float = 3e-3) -> None:
+    """``steps`` full-batch AdamW steps on ``rows`` (padded with ``pad_id``), the loss on each row's tokens from
+    ``starts[i]`` on; the model is left in eval mode."""
+    width = max(map(len, rows))
+    ids = torch.full((len(rows), width), pad_id)
+    attention, labels = torch.zeros_like(ids), torch.full_like(ids, -100)
+    for i, (row, start) in enumerate(zip(rows, starts)):
+        ids[i, :len(row)], attention[i, :len(row)] = torch.tensor(row), 1
+        labels[i, start:len(row)] = torch.tensor(row[start:])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    for _ in range(steps):
+        loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()

@@ -15,6 +15,7 @@ from generator.environments.base import prompt_tools
 from generator.multiturn import MultiTurnRollouts
 from shared.config.schema.generator import EnvironmentConfig
 from shared.protocol.records import SamplingParams
+from tests.calc_model import memorise
 
 # a short ChatML template that shows the tools by name (the tiny model's context is 256 tokens)
 SHORT_TOOLS_TEMPLATE = (
@@ -51,20 +52,7 @@ def chat_tool_model(tmp_path_factory):
             rest = encode(call_text(expression) + kit.answer_text([("calculate", str(value))]) + f"{value}<|im_end|>")
             rows.append(prompt + rest)
             starts.append(len(prompt))
-        width = max(map(len, rows))
-        ids = torch.full((len(rows), width), tokenizer.pad_token_id)
-        attention, labels = torch.zeros_like(ids), torch.full_like(ids, -100)
-        for i, (row, start) in enumerate(zip(rows, starts)):
-            ids[i, :len(row)], attention[i, :len(row)] = torch.tensor(row), 1
-            labels[i, start:len(row)] = torch.tensor(row[start:])
-        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        model.train()
-        for _ in range(100):
-            loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-        model.eval()
+        memorise(model, rows, starts, tokenizer.pad_token_id, steps=100)
         return save_model_dir(model, tokenizer, tmp_path_factory.mktemp("chat-tool-model"))
     finally:
         torch.set_num_threads(threads)
