@@ -245,7 +245,7 @@ def port_problems(config: GRPOConfig) -> list[str]:
 
     cfg = config.ref_server
     problems = [port_problem(cfg.host, cfg.port, "ref_server.port"),
-                token_problem(cfg.host, cfg.token or os.environ.get("GRPO_TOKEN"))]
+                token_problem(cfg.host, cfg.resolved_token())]
     return [p for p in problems if p]
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import atexit
 import json
 import logging
-import os
 import shutil
 import signal
 import tempfile
@@ -93,7 +92,7 @@ def build_state(config: GRPOConfig) -> ServerState:
         scorer=scorer, hub=hub, weights=weights, model_name=cfg.model, vocab_size=vocab_size,
         max_context=max_context, max_request_bytes=cfg.max_request_bytes,
         max_request_tokens=cfg.max_request_tokens, max_long_poll_s=cfg.max_long_poll_s,
-        token=cfg.token or os.environ.get("GRPO_TOKEN") or None, public_docs=cfg.public_docs,
+        token=cfg.resolved_token(), public_docs=cfg.public_docs,
         max_version_ahead=cfg.max_version_ahead,
         model_identity=model_identity(cfg.model) if cfg.model is not None else None,
         tokenizer=tokenizer, prm=prm, limits=BodyLimits(
@@ -109,7 +108,7 @@ def serve(config: GRPOConfig) -> None:
     cfg = config.ref_server
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     # bound before the model loads and before "ready" is logged: a port in use fails at once, naming its holder
-    problem = token_problem(cfg.host, cfg.token or os.environ.get("GRPO_TOKEN"))
+    problem = token_problem(cfg.host, cfg.resolved_token())
     if problem:
         raise UsageError(problem)
     sock = bind_port(cfg.host, cfg.port, "ref_server.port")

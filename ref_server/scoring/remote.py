@@ -159,7 +159,6 @@ class RemoteScorer:
 
 def run_scorer(config, hub_url: str, name: str, device: str | None = None, concurrency: int = 2) -> None:
     """``grpo scorer``: load ref_server.model on ``device``, join the hub at ``hub_url``, score until SIGTERM/SIGINT."""
-    import os
 
     from ref_server.scoring.loading import ModelLoadError, load_reference_scorer
     from ref_server.scoring.scoring_jobs import model_identity
@@ -169,7 +168,7 @@ def run_scorer(config, hub_url: str, name: str, device: str | None = None, concu
     if cfg.model is None:
         raise ModelLoadError("grpo scorer needs the reference model: ref_server.model (or --model)")
     scorer, _ = load_reference_scorer(cfg, device)
-    client = service_client(hub_url, cfg.token or os.environ.get("GRPO_TOKEN"), config.learner.retry_max_s)
+    client = service_client(hub_url, cfg.resolved_token(), config.learner.retry_max_s)
     stop = threading.Event()
     stop_on_signals(stop, client, "finishing the jobs held, then leaving the hub")
     worker = RemoteScorer(client, scorer, name=name, identity=model_identity(cfg.model), concurrency=concurrency)

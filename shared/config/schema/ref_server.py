@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 from pydantic import Field
@@ -119,3 +120,7 @@ class RefServerConfig(StrictModel):
     access_log: bool = Field(False, description="Log one line per HTTP request (uvicorn's access log; "
                              "`grpo ref-server --access-log`). Off by default: a training run makes several "
                              "requests per step, and they drowned everything else in the log.")
+
+    def resolved_token(self) -> str | None:
+        """The hub's bearer token: ``token``, else the GRPO_TOKEN environment variable, else None (no auth)."""
+        return self.token or os.environ.get("GRPO_TOKEN") or None
