@@ -141,14 +141,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trees", nargs="+", default=[str(Path(__file__).resolve().parents[1])],
                         help="Source trees to measure, the first one being the baseline of the ratios.")
     parser.add_argument("--config", default="deploy/configs/tiny-cpu.yaml", help="Settings (and the tiny model).")
+    parser.add_argument("--model", default=None,
+                        help="A model folder to train instead of the demo's warmed-up tiny model (built first when "
+                             "absent, minutes on a CPU): the overhead per step does not depend on what the weights "
+                             "learned, only on the model's shape.")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--out", default="runs/bench/learner-overhead")
     args = parser.parse_args(argv)
     config = load_config(args.config, [])
-    from deploy.demo.run import build_model
+    if args.model is None:
+        from deploy.demo.run import build_model
 
-    build_model(config)  # the demo's model, built once and cached
-    model_dir = str(Path(config.generator.model).resolve())
+        build_model(config)  # the demo's model, built once and cached
+    model_dir = str(Path(args.model or config.generator.model).resolve())
     groups = sampled_groups(model_dir, config, config.learner.groups_per_step)
     results = {}
     for index, tree in enumerate(args.trees):

@@ -166,7 +166,7 @@ BENCHMARKS: list[Bench] = [
     Bench("weight_sync", ("--models", "tiny", "--repeats", "2"),
           ("--device", "cuda", "--models", "qwen0.5b-shape", "--transports", "nccl,ipc", "--repeats", "2"),
           _weight_sync, 180, 90),
-    Bench("learner_overhead", ("--steps", "12"), None, _learner_overhead, 240,
+    Bench("learner_overhead", ("--model", TINY_MODEL, "--steps", "12"), None, _learner_overhead, 240,
           why="a CPU figure (the learner's own overhead per step)"),
     Bench("lora_sizes", ("--model", TINY_MODEL, "--rank", "8", "--repeats", "1"), None,
           _generic({"LoRA adapter bytes, ratio to a full publish (tiny model, rank 8)": (("adapter_bytes",), ("adapter_over_full",))}),

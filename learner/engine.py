@@ -167,9 +167,20 @@ def check_rendezvous(timeout_s: float, poll_s: float = 0.5) -> None:
             time.sleep(poll_s)
 
 
+# DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce (C++: ~2 min of CPU on a 2-core machine the first
+# time, and again whenever its compile command changes) in every process that starts a process group, for its
+# inference all-reduce alone. The learner's collectives go through gloo on CPU, so the op is marked unavailable
+# (DeepSpeed's own "not compatible" answer) instead of being built: a learner starts without a C++ compiler too.
+CPU_OPS_NOT_USED = ("deepspeed_shm_comm",)
+
+
 def init_distributed(device: torch.device, rendezvous_timeout_s: float = 300.0) -> None:
     import deepspeed
+    import deepspeed.ops
 
     match_accelerator(device)
     check_rendezvous(rendezvous_timeout_s)
+    if device.type == "cpu":
+        for name in CPU_OPS_NOT_USED:
+            deepspeed.ops.__compatible_ops__[name] = False
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")

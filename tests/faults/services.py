@@ -15,6 +15,7 @@ import requests
 GRPO = str(Path(sys.executable).parent / "grpo")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 _SERVER_ERRORS = re.compile(r'^grpo_ref_requests_total\{[^}]*status="5\d\d"[^}]*\} (\S+)$', re.M)
+_SERVER_ERROR_LINES = re.compile(r'^grpo_ref_requests_total\{[^}]*status="5\d\d"[^}]*\} \S+$', re.M)
 
 
 class Service:
@@ -68,6 +69,18 @@ def server_errors(url: str) -> float:
     """Requests the hub answered 5xx since it started (its ``/metrics``)."""
     text = requests.get(f"{url}/metrics", timeout=10).text
     return sum(float(n) for n in _SERVER_ERRORS.findall(text))
+
+
+def server_error_lines(url: str) -> list[str]:
+    """The hub's ``/metrics`` lines that count 5xx answers (with their route and method labels)."""
+    return _SERVER_ERROR_LINES.findall(requests.get(f"{url}/metrics", timeout=10).text)
+
+
+def tracebacks(log: Path, limit: int = 3, lines: int = 30) -> list[str]:
+    """The last ``limit`` tracebacks a service logged (``lines`` lines each): what a failed check shows."""
+    text = log.read_text(errors="replace").splitlines() if log.exists() else []
+    starts = [i for i, line in enumerate(text) if line.startswith("Traceback") or "Exception in ASGI" in line]
+    return ["\n".join(text[i:i + lines]) for i in starts[-limit:]]
 
 
 def spooled_groups(spool: Path) -> int:

@@ -30,7 +30,15 @@ import pytest
 
 from shared.protocol.health import wait_healthy
 from tests.faults.hostile import HostileClients
-from tests.faults.services import Service, accounting_gap, hub_stats, server_errors, spooled_groups
+from tests.faults.services import (
+    Service,
+    accounting_gap,
+    hub_stats,
+    server_error_lines,
+    server_errors,
+    spooled_groups,
+    tracebacks,
+)
 from tests.faults.test_delivery_faults import free_port
 
 MAX_STEPS = 24
@@ -91,7 +99,8 @@ class Chaos:
             if now == stats:
                 break
             stats = now
-        self.lifetimes.append({"inflow": self.inflow, "stats": stats, "5xx": server_errors(self.url)})
+        self.lifetimes.append({"inflow": self.inflow, "stats": stats, "5xx": server_errors(self.url),
+                               "5xx_lines": server_error_lines(self.url)})
 
     def kill_hub(self) -> None:
         self.go.clear()
@@ -176,7 +185,8 @@ def test_chaos_run_loses_nothing_trains_nothing_twice_and_answers_no_5xx(tmp_pat
     # no 5xx, from the hostile requests' side and the hub's
     assert [(name, status) for name, status in hostile.statuses if status >= 500] == []
     assert {status for _, status in hostile.statuses} <= {400, 404, 405, 408, 409, 413, 422, 429}
-    assert [life["5xx"] for life in chaos.lifetimes] == [0] * len(chaos.lifetimes)
+    assert [life["5xx"] for life in chaos.lifetimes] == [0] * len(chaos.lifetimes), (
+        [life["5xx_lines"] for life in chaos.lifetimes], tracebacks(chaos.hub.log_path))
     # the final lineage trained each group once, and holds exactly what the hub lifetimes acknowledged
     final = sorted(tmp_path.glob("ckpt/step*/COMPLETE"))[-1].parent
     trained = [g for p in final.glob("consumed-rank*.json") for g in json.loads(p.read_text())]

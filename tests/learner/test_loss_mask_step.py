@@ -30,7 +30,11 @@ def test_all_ones_mask_is_bitwise_todays_step_and_a_mask_counts_model_tokens_onl
     groups = sampled_groups(tiny_model_dir, [[1.0, 0.0, 0.5], [0.0, 2.0, 1.0]], seed=3, max_tokens=8)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     cfg = LossConfig(beta=0.05, aggregation="seq-mean-token-mean")
-    batch = TrainBatch.from_groups(groups, [g.behaviour_logprobs - 0.1 for g in groups])
+    # reference logprobs that differ from the policy's by a different amount at each position: the KL term then
+    # varies along a row, so leaving tokens out of the mean changes the loss (a constant offset would not, whatever
+    # the mask: the test would hinge on rounding noise in the policy's logprobs)
+    batch = TrainBatch.from_groups(groups, [g.behaviour_logprobs - torch.linspace(0.05, 0.4, g.behaviour_logprobs.shape[-1])
+                                            for g in groups])
     plain = _loss(model, batch, cfg)
     batch.completion_mask = torch.ones_like(batch.behaviour_logprobs, dtype=torch.bool)
     ones = _loss(model, batch, cfg)
