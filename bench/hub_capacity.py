@@ -147,11 +147,13 @@ def serve_hub(port_file: str, spool_dir: str | None, capacity: int, max_stalenes
 
 
 class HubProcess:
-    def __init__(self, spool_dir: str | None, capacity: int, max_staleness: int) -> None:
+    def __init__(self, spool_dir: str | None, capacity: int, max_staleness: int, cores: list[int] | None = None
+                 ) -> None:
         self.tmp = tempfile.TemporaryDirectory(prefix="hubcap-")
         port_file = os.path.join(self.tmp.name, "port")
         args = [sys.executable, __file__, "--serve-hub", port_file, "--capacity", str(capacity),
-                "--max-staleness", str(max_staleness)] + (["--spool-dir", spool_dir] if spool_dir else [])
+                "--max-staleness", str(max_staleness)] + (["--spool-dir", spool_dir] if spool_dir else []) + (
+                    ["--hub-cores", *map(str, cores)] if cores else [])
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         self.proc = subprocess.Popen(args, env=env)
         deadline = time.monotonic() + 60
@@ -239,7 +241,7 @@ def percentile(values: list[float], q: float) -> float | None:
 
 def run_phase(args, name: str) -> dict:
     spool = tempfile.mkdtemp(prefix="hubcap-spool-") if name == "spool" else None
-    hub = HubProcess(spool, args.capacity, args.max_staleness)
+    hub = HubProcess(spool, args.capacity, args.max_staleness, args.hub_cores)
     try:
         return measure_phase(args, name, hub)
     finally:
@@ -345,6 +347,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--groups-per-step", type=int, default=256, help="groups per learner version")
     p.add_argument("--capacity", type=int, default=1024, help="ref_server.queue_capacity")
     p.add_argument("--max-staleness", type=int, default=4)
+    p.add_argument("--hub-cores", type=int, nargs="+",
+                   help="run the hub's process on these cores only (e.g. 0: one core, its threads never in parallel)")
     p.add_argument("--client-procs", type=int, default=2)
     p.add_argument("--duration", type=float, default=20.0, help="measured seconds per phase")
     p.add_argument("--warmup", type=float, default=3.0)
@@ -366,6 +370,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.serve_hub:
+        if args.hub_cores:  # before any thread starts: they all inherit it
+            os.sched_setaffinity(0, args.hub_cores)
         serve_hub(args.serve_hub, args.spool_dir, args.capacity, args.max_staleness)
         return 0
     phases = [run_phase(args, name) for name in args.phases]
