@@ -74,8 +74,7 @@ class Intake:
             raise
         if refused is not None:
             return refused
-        self._spool_and_queue([(group, data)])
-        return self._answer(accepted=True)
+        return self._spool_and_queue([(group, data)])[0]
 
     def put_many(self, messages: list[bytes]) -> list[dict]:
         """Enqueue several encoded groups, in order, with one answer each. A bad group is refused alone: its answer
@@ -107,9 +106,9 @@ class Intake:
             if answers[i] is None:
                 admitted.append((i, group, data))
         if admitted:
-            self._spool_and_queue([(group, data) for _, group, data in admitted])
-            for i, _, _ in admitted:
-                answers[i] = self._answer(accepted=True)
+            queued = self._spool_and_queue([(group, data) for _, group, data in admitted])
+            for (i, _, _), answer in zip(admitted, queued):
+                answers[i] = answer
         if full is not None:
             raise full
         return answers
@@ -130,9 +129,10 @@ class Intake:
                 queue.counters.rejected_full += 1
                 raise HubFull(f"rollout queue is full ({queue.capacity} groups)")
 
-    def _spool_and_queue(self, admitted: list[tuple[RolloutGroup, bytes]]) -> list[QueuedGroup]:
+    def _spool_and_queue(self, admitted: list[tuple[RolloutGroup, bytes]]) -> list[dict]:
         """Spool ``admitted`` (groups :meth:`_admit` reserved a place for) in one group commit, outside the lock, then
-        queue them in order under it. A spool error frees their places and is raised: none of them is queued."""
+        queue them in order under it; their answers (each with the depth just after it was queued). A spool error
+        frees their places and is raised: none of them is queued."""
         queue = self.queue
         try:
             written = self._spool_write([(group.group_id, data) for group, data in admitted])
@@ -142,7 +142,7 @@ class Intake:
                 for group, _ in admitted:
                     self._seen.pop(group.group_id, None)
             raise
-        entries = []
+        entries, answers = [], []
         with queue.cond:
             queue.reserved -= len(admitted)
             for k, (group, _) in enumerate(admitted):
@@ -153,9 +153,10 @@ class Intake:
                 queue.add_locked(entry)
                 queue.counters.accepted += 1
                 entries.append(entry)
+                answers.append(self._answer(accepted=True))
         for entry in entries:
             self._start_scoring(entry)
-        return entries
+        return answers
 
     def _admit(self, group: RolloutGroup) -> dict | None:
         """Under the lock: the answer for a group not to be queued (a duplicate, stale already), or None when it

@@ -155,7 +155,7 @@ def run_lifetime(spool: Path, log: Path, ops: list, kill_at: int, first_seed: in
         else:
             batch = hub.take(arg)
             if batch is not None:
-                say(delivered=batch.group_ids)
+                say(delivered=batch.group_ids)   # and acknowledged at once: a kill may cut that short
                 answer = hub.ack([batch.batch_id])[batch.batch_id]
                 if answer == "acked":
                     say(consumed=batch.group_ids)
@@ -168,14 +168,16 @@ def make_id(message: bytes) -> str:
 
 
 @pytest.mark.slow  # forks a hub process per lifetime
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(LIFETIME, min_size=1, max_size=4))
 def test_no_acknowledged_group_is_lost_or_replayed_across_kills(lifetimes):
     with tempfile.TemporaryDirectory() as tmp:
         spool, log = Path(tmp) / "spool", Path(tmp) / "log"
         accepted, consumed, delivered_after_consumed = set(), set(), []
+        acking: set[str] = set()   # delivered, and the hub was killed before it answered their acknowledgement
         retry: list[bytes] = []
         for n, (ops, kill_at) in enumerate(lifetimes):
+            unanswered: list[str] = []
             pid = os.fork()
             if pid == 0:  # the hub's lifetime; never returns into pytest
                 try:
@@ -193,8 +195,11 @@ def test_no_acknowledged_group_is_lost_or_replayed_across_kills(lifetimes):
                     retry = []
                 elif "delivered" in entry:
                     delivered_after_consumed += [g for g in entry["delivered"] if g in consumed]
+                    unanswered = entry["delivered"]
                 elif "consumed" in entry:
                     consumed.update(entry["consumed"])
+                    unanswered = []
+            acking.update(unanswered)
             log.unlink(missing_ok=True)
         # the last restart, in this process: what the spool holds is every group accepted and not consumed
         hub = open_hub(spool)
@@ -203,7 +208,8 @@ def test_no_acknowledged_group_is_lost_or_replayed_across_kills(lifetimes):
         assert delivered_after_consumed == [], "a group the learner acknowledged was delivered again"
         assert len(queued) == len(set(queued)), "a group is queued twice"
         assert not set(queued) & consumed, "a consumed group came back"
-        assert accepted - consumed <= set(queued), "a group acknowledged to its generator was lost"
+        # (a group whose acknowledgement the kill cut short was trained: it may be gone or queued again)
+        assert accepted - consumed - acking <= set(queued), "a group acknowledged to its generator was lost"
         # anything else queued is a group of the upload the kill cut short (spooled, never answered)
         assert set(queued) - accepted <= {make_id(m) for m in retry if m != b"garbage"}
         assert not list(spool.glob("*.tmp"))
