@@ -95,7 +95,8 @@ UPLOAD_STAGES = ("group decode+validate", "spool write+fsync", "spool rename", "
 LEASE_STAGES = ("batch assembly", "batch serialisation", "ack (+ spool unlink)")
 
 
-def serve_hub(port_file: str, spool_dir: str | None, capacity: int, max_staleness: int) -> None:
+def serve_hub(port_file: str, spool_dir: str | None, capacity: int, max_staleness: int, ungated: bool = False
+              ) -> None:
     """The real app (as ``grpo ref-server`` builds it, without a model) with stage clocks; ``GET /bench/stages``
     answers them. Writes its port to ``port_file`` once bound."""
     import socket
@@ -129,6 +130,8 @@ def serve_hub(port_file: str, spool_dir: str | None, capacity: int, max_stalenes
                        "max_staleness": max_staleness, "max_long_poll_s": 5.0},
     })
     state = build_state(config)
+    if ungated:  # the comparison: uploads decode and lay out rows in parallel (the hub before its CPU gate)
+        state.hub.intake.cpu_gate = None
     app = create_app(state)
 
     @app.get("/bench/stages", include_in_schema=False)
@@ -147,13 +150,13 @@ def serve_hub(port_file: str, spool_dir: str | None, capacity: int, max_stalenes
 
 
 class HubProcess:
-    def __init__(self, spool_dir: str | None, capacity: int, max_staleness: int, cores: list[int] | None = None
-                 ) -> None:
+    def __init__(self, spool_dir: str | None, capacity: int, max_staleness: int, cores: list[int] | None = None,
+                 ungated: bool = False) -> None:
         self.tmp = tempfile.TemporaryDirectory(prefix="hubcap-")
         port_file = os.path.join(self.tmp.name, "port")
         args = [sys.executable, __file__, "--serve-hub", port_file, "--capacity", str(capacity),
                 "--max-staleness", str(max_staleness)] + (["--spool-dir", spool_dir] if spool_dir else []) + (
-                    ["--hub-cores", *map(str, cores)] if cores else [])
+                    ["--hub-cores", *map(str, cores)] if cores else []) + (["--ungated"] if ungated else [])
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         self.proc = subprocess.Popen(args, env=env)
         deadline = time.monotonic() + 60
@@ -241,7 +244,7 @@ def percentile(values: list[float], q: float) -> float | None:
 
 def run_phase(args, name: str) -> dict:
     spool = tempfile.mkdtemp(prefix="hubcap-spool-") if name == "spool" else None
-    hub = HubProcess(spool, args.capacity, args.max_staleness, args.hub_cores)
+    hub = HubProcess(spool, args.capacity, args.max_staleness, args.hub_cores, args.ungated)
     try:
         return measure_phase(args, name, hub)
     finally:
@@ -353,6 +356,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--duration", type=float, default=20.0, help="measured seconds per phase")
     p.add_argument("--warmup", type=float, default=3.0)
     p.add_argument("--phases", nargs="+", default=["spool", "nospool"], choices=["spool", "nospool"])
+    p.add_argument("--ungated", action="store_true",
+                   help="switch off the hub's CPU gate (uploads decode in parallel; for comparison)")
     p.add_argument("--json-out")
     p.add_argument("--strict", action="store_true")
     p.add_argument("--serve-hub", help=argparse.SUPPRESS)
@@ -372,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve_hub:
         if args.hub_cores:  # before any thread starts: they all inherit it
             os.sched_setaffinity(0, args.hub_cores)
-        serve_hub(args.serve_hub, args.spool_dir, args.capacity, args.max_staleness)
+        serve_hub(args.serve_hub, args.spool_dir, args.capacity, args.max_staleness, args.ungated)
         return 0
     phases = [run_phase(args, name) for name in args.phases]
     print(f"hub capacity: {args.generators} generators x {args.rate:.2f} groups/s, {args.groups_per_upload} groups "

@@ -19,8 +19,10 @@
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import torch
@@ -57,6 +59,11 @@ class Intake:
         self._seen: OrderedDict[str, None] = OrderedDict()
         self._seen_limit = max(10_000, 4 * queue.capacity)
         self._next_seq = 0
+        # Decode + validation and the row layout run one upload at a time. They are GIL-bound (dozens of small torch
+        # ops, each releasing and retaking the GIL), so the threads of one process gain nothing from running them in
+        # parallel, and on several cores they pay for it: ~200 context switches and 2-4x the CPU per group measured
+        # with 40 uploads at once on 2 cores (docs/hub-capacity.md). Waiting on this lock costs no CPU. None: no gate.
+        self.cpu_gate: threading.Lock | None = threading.Lock()
 
     # -- uploads ------------------------------------------------------------------------------------------
     def put(self, data: bytes) -> dict:
@@ -114,7 +121,11 @@ class Intake:
         return answers
 
     def _decode(self, data: bytes) -> RolloutGroup:
-        return RolloutGroup.from_bytes(data, self.vocab_size)  # validated once (it was twice: ~0.9 ms a group)
+        with self._gate():
+            return RolloutGroup.from_bytes(data, self.vocab_size)  # validated once (it was twice: ~0.9 ms a group)
+
+    def _gate(self) -> AbstractContextManager:
+        return self.cpu_gate if self.cpu_gate is not None else nullcontext()
 
     def _refuse_if_full(self, data: bytes) -> None:
         """HubFull before the group is decoded (~1 ms of CPU for 16 x 512 tokens) when the queue is full, unless the
@@ -237,7 +248,8 @@ class Intake:
                 queue.unspool(entry)
 
     def _mark_ready(self, entry: QueuedGroup, ref_logprobs: list[torch.Tensor] | None) -> None:
-        rows = GroupRows.of(entry.group, ref_logprobs)  # in the uploading or scoring thread, not in a lease
+        with self._gate():
+            rows = GroupRows.of(entry.group, ref_logprobs)  # in the uploading or scoring thread, not in a lease
         self.queue.mark_ready(entry, rows)
 
     # -- restart ------------------------------------------------------------------------------------------
