@@ -1,7 +1,8 @@
 """Benchmark: the rollout hub's capacity with many simulated generators and a simulated learner (no model).
 
 A real hub (the ref server's app: ``build_state`` + ``create_app`` under uvicorn, ``beta`` 0 so there is no
-reference model, spool on or off) runs in a child process on 127.0.0.1. ``--client-procs`` processes run
+reference model, spool on or off) runs in a child process on 127.0.0.1. The simulated clients are in
+:mod:`bench.hub_load`: ``--client-procs`` processes run
 ``--generators`` simulated generators between them (one thread each): each uploads its engine call's groups
 (``--groups-per-upload`` groups of ``--group-size`` completions x ``--completion-len`` tokens with behaviour logprobs,
 after a ``--prompt-len``-token prompt) in one binary ``POST /v1/rollouts/batch``, at ``--rate`` groups/s per generator
@@ -15,7 +16,9 @@ groups/s and completion tokens/s accepted and leased, upload latency p50/p99 (cl
 lease latency (client side, batches that came back), the hub's CPU% (``/proc``: all threads, the event-loop thread,
 the others) and where its time went: wall time per stage, summed over threads (instrumented in the hub process:
 container decode, group decode + validation, spool write + fsync, spool rename, row layout, batch assembly, batch
-serialisation, acknowledgement), and the generators' own CPU% (a saturated client cannot measure the hub).
+serialisation, acknowledgement), the CPU per group (``cpu_ms``: each stage's own thread CPU time per group accepted
+or leased, the event loop's and the non-Python threads' from ``/proc/<pid>/task/*/schedstat``), the hub's context
+switches per group, and the generators' own CPU% (a saturated client cannot measure the hub).
 Accounting: groups accepted == leased + still queued + dropped stale (checked, printed).
 
     .venv/bin/python bench/hub_capacity.py                                   # 80 generators x 2.44 groups/s, ~60 s
@@ -39,54 +42,61 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import requests  # noqa: E402
-import torch  # noqa: E402
 
-from shared.protocol.client import HubClient  # noqa: E402
+from bench.hub_load import client_process, learner_thread  # noqa: E402
 from shared.protocol.health import wait_healthy  # noqa: E402
-from shared.protocol.records import RolloutGroup  # noqa: E402
-from shared.protocol.wire import encode_messages  # noqa: E402
 
-TICKS = os.sysconf("SC_CLK_TCK")
-ID_PLACEHOLDER = "f" * 32  # a group id's width (uuid hex): stamped over with a fresh id per upload
+TICKS = os.sysconf("SC_CLK_TCK")  # /proc/<pid>/stat counts CPU time in these
 
 
 # -- the hub, in a child process --------------------------------------------------------------------------------
 class StageClock:
-    """Seconds and calls per stage, summed over the hub's threads (a stage's time includes waiting for the GIL)."""
+    """Per stage, summed over the hub's threads: wall seconds (they include waiting for the GIL and the disk), CPU
+    seconds of the calling thread (``time.thread_time``: the stage's own work, whatever the machine's load) and
+    calls."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.seconds: dict[str, float] = {}
+        self.cpu: dict[str, float] = {}
         self.calls: dict[str, int] = {}
 
     def wrap(self, owner, name: str, stage: str) -> None:
         inner = getattr(owner, name)
 
         def timed(*args, **kwargs):
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.thread_time()
             try:
                 return inner(*args, **kwargs)
             finally:
-                spent = time.perf_counter() - start
+                spent, used = time.perf_counter() - start, time.thread_time() - cpu
                 with self.lock:
                     self.seconds[stage] = self.seconds.get(stage, 0.0) + spent
+                    self.cpu[stage] = self.cpu.get(stage, 0.0) + used
                     self.calls[stage] = self.calls.get(stage, 0) + 1
 
         setattr(owner, name, timed)
 
     def snapshot(self) -> dict:
         with self.lock:
-            return {stage: {"s": round(s, 4), "calls": self.calls[stage]} for stage, s in self.seconds.items()}
+            return {stage: {"s": round(s, 4), "cpu_s": round(self.cpu[stage], 4), "calls": self.calls[stage]}
+                    for stage, s in self.seconds.items()}
 
 
-def serve_hub(port_file: str, spool_dir: str | None, capacity: int, max_staleness: int) -> None:
+# Stages that contain others (not added to them): the whole upload and the whole lease, on the worker threads.
+UPLOAD_TOTAL, LEASE_TOTAL = "= upload (put_many, all of it)", "= lease (take, all of it)"
+UPLOAD_STAGES = ("group decode+validate", "spool write+fsync", "spool rename", "row layout", "container decode")
+LEASE_STAGES = ("batch assembly", "batch serialisation", "ack (+ spool unlink)")
+
+
+def serve_hub(port_file: str, spool_dir: str | None, capacity: int, max_staleness: int, ungated: bool = False
+              ) -> None:
     """The real app (as ``grpo ref-server`` builds it, without a model) with stage clocks; ``GET /bench/stages``
     answers them. Writes its port to ``port_file`` once bound."""
     import socket
@@ -112,17 +122,21 @@ def serve_hub(port_file: str, spool_dir: str | None, capacity: int, max_stalenes
     clock.wrap(leases, "assemble_batch", "batch assembly")
     clock.wrap(TrainBatch, "to_bytes", "batch serialisation")
     clock.wrap(leases.Leases, "ack", "ack (+ spool unlink)")
+    clock.wrap(Intake, "put_many", UPLOAD_TOTAL)
+    clock.wrap(leases.Leases, "take", LEASE_TOTAL)
     config = GRPOConfig.model_validate({
         "algorithm": {"loss": {"beta": 0.0}},
         "ref_server": {"model": None, "spool_dir": spool_dir, "queue_capacity": capacity,
                        "max_staleness": max_staleness, "max_long_poll_s": 5.0},
     })
     state = build_state(config)
+    if ungated:  # the comparison: uploads decode and lay out rows in parallel (the hub before its CPU gate)
+        state.hub.intake.cpu_gate = None
     app = create_app(state)
 
     @app.get("/bench/stages", include_in_schema=False)
     def stages() -> dict:
-        return clock.snapshot()
+        return {"stages": clock.snapshot(), "python_threads": [t.native_id for t in threading.enumerate()]}
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -136,11 +150,13 @@ def serve_hub(port_file: str, spool_dir: str | None, capacity: int, max_stalenes
 
 
 class HubProcess:
-    def __init__(self, spool_dir: str | None, capacity: int, max_staleness: int) -> None:
+    def __init__(self, spool_dir: str | None, capacity: int, max_staleness: int, cores: list[int] | None = None,
+                 ungated: bool = False) -> None:
         self.tmp = tempfile.TemporaryDirectory(prefix="hubcap-")
         port_file = os.path.join(self.tmp.name, "port")
         args = [sys.executable, __file__, "--serve-hub", port_file, "--capacity", str(capacity),
-                "--max-staleness", str(max_staleness)] + (["--spool-dir", spool_dir] if spool_dir else [])
+                "--max-staleness", str(max_staleness)] + (["--spool-dir", spool_dir] if spool_dir else []) + (
+                    ["--hub-cores", *map(str, cores)] if cores else []) + (["--ungated"] if ungated else [])
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         self.proc = subprocess.Popen(args, env=env)
         deadline = time.monotonic() + 60
@@ -161,16 +177,30 @@ class HubProcess:
         self.tmp.cleanup()
 
 
-def cpu_ticks(pid: int) -> dict[str, int]:
-    """utime + stime of each thread of ``pid`` (clock ticks), by thread id; the main (event-loop) thread is ``pid``."""
-    ticks = {}
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds of each thread of ``pid`` by thread id (``/proc/<pid>/task/<tid>/schedstat``: nanoseconds on
+    the CPU, not 10 ms ticks); the main (event-loop) thread is ``pid``."""
+    seconds = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
-            fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+            seconds[tid] = int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0]) / 1e9
         except OSError:
             continue  # a thread that ended
-        ticks[tid] = int(fields[11]) + int(fields[12])
-    return ticks
+    return seconds
+
+
+def context_switches(pid: int) -> int:
+    """Voluntary + involuntary context switches of ``pid``'s live threads (``/proc/<pid>/task/<tid>/status``): a
+    thread waiting for the GIL, the disk or a lock switches out voluntarily, so their rate shows contention."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            for line in Path(f"/proc/{pid}/task/{tid}/status").read_text().splitlines():
+                if "ctxt_switches:" in line:
+                    total += int(line.split()[1])
+        except OSError:
+            continue
+    return total
 
 
 def process_ticks(pid: int) -> int:
@@ -178,101 +208,31 @@ def process_ticks(pid: int) -> int:
     return sum(int(f) for f in fields[11:15])  # utime stime cutime cstime
 
 
-# -- generators, in client processes ----------------------------------------------------------------------------
-def make_group(args, version: int, generator_id: str) -> bytes:
-    rng = torch.Generator().manual_seed(hash(generator_id) % 2**31)
-    g, length = args.group_size, args.completion_len
-    return RolloutGroup(  # every completion full length: G x L completion tokens per group
-        prompt_ids=torch.randint(3, 30000, (args.prompt_len,), generator=rng),
-        completion_ids=torch.randint(3, 30000, (g, length), generator=rng),
-        completion_lengths=torch.full((g,), length, dtype=torch.long),
-        behaviour_logprobs=-torch.rand(g, length, generator=rng) * 3, rewards=torch.rand(g, generator=rng),
-        finish_reasons=["length"] * g, policy_version=version,
-        generator_id=generator_id, group_id=ID_PLACEHOLDER).to_bytes()
+def cpu_per_group(spent: dict, busy: dict, wall: float, main: str, python_threads: set[str], *, accepted: int,
+                  leased: int, refused_full: int) -> dict:
+    """Where the hub's CPU goes, in ms: the upload's work per group accepted, the lease's per group leased (each
+    stage's own thread CPU time), the event loop's (HTTP, answers, sending batches) and the threads that are not
+    Python's (torch's, safetensors') per group accepted; and the CPU of the worker threads that no stage clock
+    covers (long polls, budget and stats requests, thread-pool overhead)."""
+    def per(stage: str, groups: int) -> float | None:
+        return round(spent[stage]["cpu_s"] * 1000 / groups, 3) if groups and stage in spent else None
 
-
-def generator_thread(args, url: str, index: int, stop: threading.Event, measure: threading.Event,
-                     out: list, version_box: list) -> None:
-    session = requests.Session()
-    generator_id = f"gen-{index}"
-    version, template = -1, b""
-    interval = args.groups_per_upload / args.rate if args.rate > 0 else 0.0
-    next_at = time.monotonic() + (index % 97) / 97 * interval  # spread the generators' phases
-    while not stop.is_set():
-        if version != version_box[0]:
-            version = version_box[0]
-            template = make_group(args, version, generator_id)
-        if interval:
-            pause = next_at - time.monotonic()
-            if pause > 0 and stop.wait(pause):
-                break
-            next_at = max(next_at + interval, time.monotonic() - interval)  # a late generator does not burst
-        body = encode_messages([template.replace(ID_PLACEHOLDER.encode(), uuid.uuid4().hex.encode(), 1)
-                                for _ in range(args.groups_per_upload)])
-        start = time.monotonic()
-        try:
-            response = session.post(url + "/v1/rollouts/batch", data=body, timeout=60,
-                                    headers={"Content-Type": "application/octet-stream"})
-        except requests.RequestException:
-            out.append(("error", start, time.monotonic() - start, 0))
-            continue
-        took = time.monotonic() - start
-        if response.status_code != 200:
-            out.append((f"http {response.status_code}", start, took, 0))
-            stop.wait(float(response.headers.get("Retry-After", "0.1")))
-            continue
-        answer = response.json()
-        accepted = sum(1 for a in answer["answers"] if a.get("accepted") and not a.get("duplicate"))
-        if measure.is_set():
-            out.append(("ok", start, took, accepted))
-        if answer["answers"]:
-            version_box[0] = max(version_box[0], int(answer["answers"][-1]["learner_version"]))
-
-
-def client_process(args, url: str, indices: list[int], ready, go, end, queue) -> None:
-    """Generators ``indices`` as threads; their uploads between ``go`` and ``end`` are measured."""
-    stop, measure, out, version_box = threading.Event(), threading.Event(), [], [0]
-    threads = [threading.Thread(target=generator_thread, args=(args, url, i, stop, measure, out, version_box),
-                                daemon=True) for i in indices]
-    for t in threads:
-        t.start()
-    ready.release()
-    go.wait()
-    cpu0, wall0 = time.process_time(), time.monotonic()
-    measure.set()
-    end.wait()
-    measure.clear()
-    cpu = (time.process_time() - cpu0) / max(time.monotonic() - wall0, 1e-9)
-    stop.set()
-    for t in threads:
-        t.join(timeout=70)
-    queue.put({"uploads": [o for o in out if o[1] >= wall0], "cpu": cpu})
-
-
-# -- the learner, in this process -------------------------------------------------------------------------------
-def learner_thread(args, url: str, stop: threading.Event, measure: threading.Event, out: dict) -> None:
-    client = HubClient(url, timeout_s=60)
-    client.register_learner(0, groups_per_step=args.groups_per_step)
-    version, since_step = 0, 0
-    while not stop.is_set():
-        start = time.monotonic()
-        batch = client.get_batch(args.batch_groups, wait_s=0.5, min_version=max(0, version - args.max_staleness))
-        if batch is None:
-            continue
-        took = time.monotonic() - start
-        groups = batch.num_groups
-        client.ack_batches([batch.batch_id])
-        out["taken"] += groups
-        if measure.is_set():
-            out["latency"].append(took)
-            out["taken_measured"] += groups
-            out["tokens_measured"] += int(batch.completion_lengths.sum())
-        since_step += groups
-        if since_step >= args.groups_per_step:
-            since_step = 0
-            version += 1
-            client.report_version(version)
-    client.close()
+    loop_s = busy.get(main, 0.0) * wall
+    workers_s = sum(v for t, v in busy.items() if t in python_threads) * wall
+    native_s = sum(v for t, v in busy.items() if t != main and t not in python_threads) * wall
+    clocked = sum(spent.get(s, {"cpu_s": 0.0})["cpu_s"] for s in (UPLOAD_TOTAL, LEASE_TOTAL, "container decode",
+                                                                   "ack (+ spool unlink)"))
+    return {
+        "upload_per_accepted": per(UPLOAD_TOTAL, accepted),
+        **{f"  {s}": per(s, accepted) for s in UPLOAD_STAGES if s in spent},
+        "lease_per_leased": per(LEASE_TOTAL, leased),
+        **{f"  {s}": per(s, leased) for s in LEASE_STAGES if s in spent},
+        "event_loop_per_accepted": round(loop_s * 1000 / accepted, 3) if accepted else None,
+        "native_threads_per_accepted": round(native_s * 1000 / accepted, 3) if accepted else None,
+        "workers_unclocked_per_accepted": round((workers_s - clocked) * 1000 / accepted, 3) if accepted else None,
+        "leased_per_accepted": round(leased / accepted, 3) if accepted else None,
+        "refused_full_per_accepted": round(refused_full / accepted, 3) if accepted else None,
+    }
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -284,7 +244,7 @@ def percentile(values: list[float], q: float) -> float | None:
 
 def run_phase(args, name: str) -> dict:
     spool = tempfile.mkdtemp(prefix="hubcap-spool-") if name == "spool" else None
-    hub = HubProcess(spool, args.capacity, args.max_staleness)
+    hub = HubProcess(spool, args.capacity, args.max_staleness, args.hub_cores, args.ungated)
     try:
         return measure_phase(args, name, hub)
     finally:
@@ -312,12 +272,14 @@ def measure_phase(args, name: str, hub: HubProcess) -> dict:
     go.set()
     stats0 = requests.get(hub.url + "/v1/hub/stats", timeout=30).json()
     stages0 = requests.get(hub.url + "/bench/stages", timeout=30).json()
-    ticks0, proc0, wall0 = cpu_ticks(hub.proc.pid), process_ticks(hub.proc.pid), time.monotonic()
+    switches0 = context_switches(hub.proc.pid)
+    threads0, proc0, wall0 = thread_cpu(hub.proc.pid), process_ticks(hub.proc.pid), time.monotonic()
     measure.set()
     time.sleep(args.duration)
     end.set()
     measure.clear()
-    ticks1, proc1, wall = cpu_ticks(hub.proc.pid), process_ticks(hub.proc.pid), time.monotonic() - wall0
+    threads1, proc1, wall = thread_cpu(hub.proc.pid), process_ticks(hub.proc.pid), time.monotonic() - wall0
+    switches = context_switches(hub.proc.pid) - switches0
     stats1 = requests.get(hub.url + "/v1/hub/stats", timeout=30).json()
     stages1 = requests.get(hub.url + "/bench/stages", timeout=30).json()
     clients = [results.get(timeout=120) for _ in procs]
@@ -332,8 +294,14 @@ def measure_phase(args, name: str, hub: HubProcess) -> dict:
     tokens_per_group = args.group_size * args.completion_len
     accepted = stats1["accepted"] - stats0["accepted"]
     main = str(hub.proc.pid)
-    busy = {tid: (t - ticks0.get(tid, 0)) / TICKS / wall for tid, t in ticks1.items()}
-    stages = {s: round((v["s"] - stages0.get(s, {"s": 0})["s"]) / wall * 100, 1) for s, v in stages1.items()}
+    busy = {tid: (t - threads0.get(tid, 0)) / wall for tid, t in threads1.items()}
+    zero = {"s": 0.0, "cpu_s": 0.0, "calls": 0}
+    spent = {s: {k: v[k] - stages0["stages"].get(s, zero)[k] for k in zero} for s, v in stages1["stages"].items()}
+    stages = {s: round(v["s"] / wall * 100, 1) for s, v in spent.items()}
+    python_threads = {str(t) for t in stages1["python_threads"]} - {main}
+    cpu_ms = cpu_per_group(spent, busy, wall, main, python_threads, accepted=accepted,
+                           leased=stats1["leased"] - stats0["leased"],
+                           refused_full=stats1["rejected_full"] - stats0["rejected_full"])
     return {
         "phase": name, "seconds": round(wall, 2), "generators": args.generators,
         "offered_groups_per_s": round(args.generators * args.rate, 1) if args.rate > 0 else None,
@@ -351,6 +319,8 @@ def measure_phase(args, name: str, hub: HubProcess) -> dict:
         "hub_cpu_ms_per_group": round((proc1 - proc0) / TICKS * 1000 / accepted, 2) if accepted else None,
         "hub_event_loop_cpu_pct": round(busy.get(main, 0) * 100, 1),
         "hub_other_threads_cpu_pct": round(sum(v for t, v in busy.items() if t != main) * 100, 1),
+        "cpu_ms": cpu_ms,
+        "hub_context_switches_per_group": round(switches / accepted, 1) if accepted else None,
         "client_cpu_pct": round(sum(c["cpu"] for c in clients) * 100, 1),
         "stage_pct_of_wall": dict(sorted(stages.items(), key=lambda kv: -kv[1])),
         "accounting": {"accepted": final["accepted"], "leased_acked": learned["taken"],
@@ -380,10 +350,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--groups-per-step", type=int, default=256, help="groups per learner version")
     p.add_argument("--capacity", type=int, default=1024, help="ref_server.queue_capacity")
     p.add_argument("--max-staleness", type=int, default=4)
+    p.add_argument("--hub-cores", type=int, nargs="+",
+                   help="run the hub's process on these cores only (e.g. 0: one core, its threads never in parallel)")
     p.add_argument("--client-procs", type=int, default=2)
     p.add_argument("--duration", type=float, default=20.0, help="measured seconds per phase")
     p.add_argument("--warmup", type=float, default=3.0)
     p.add_argument("--phases", nargs="+", default=["spool", "nospool"], choices=["spool", "nospool"])
+    p.add_argument("--ungated", action="store_true",
+                   help="switch off the hub's CPU gate (uploads decode in parallel; for comparison)")
     p.add_argument("--json-out")
     p.add_argument("--strict", action="store_true")
     p.add_argument("--serve-hub", help=argparse.SUPPRESS)
@@ -401,7 +375,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.serve_hub:
-        serve_hub(args.serve_hub, args.spool_dir, args.capacity, args.max_staleness)
+        if args.hub_cores:  # before any thread starts: they all inherit it
+            os.sched_setaffinity(0, args.hub_cores)
+        serve_hub(args.serve_hub, args.spool_dir, args.capacity, args.max_staleness, args.ungated)
         return 0
     phases = [run_phase(args, name) for name in args.phases]
     print(f"hub capacity: {args.generators} generators x {args.rate:.2f} groups/s, {args.groups_per_upload} groups "
@@ -413,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  hub CPU {r['hub_cpu_pct']}% = {r['hub_cpu_ms_per_group']} ms per group (event loop {r['hub_event_loop_cpu_pct']}%, other threads "
               f"{r['hub_other_threads_cpu_pct']}%), generators' CPU {r['client_cpu_pct']}%, failures "
               f"{r['upload_failures']}")
+        print("  hub CPU, ms: " + ", ".join(f"{k.strip()} {v}" for k, v in r["cpu_ms"].items())
+              + f"; context switches per group {r['hub_context_switches_per_group']}")
         print("  stage time, % of wall (summed over threads): "
               + ", ".join(f"{k} {v}" for k, v in r["stage_pct_of_wall"].items()))
         print(f"  accounting: {r['accounting']}")

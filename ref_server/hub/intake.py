@@ -4,11 +4,13 @@
   policy version the learner has not published, unsafe ids, values not finite in float32), so it can never take
   other groups down with it; in a batch upload it is refused alone (its own answer says why) and the others are
   queued. A group already stale when uploaded is answered ``dropped: stale`` and never queued.
-* Bounded: when ``capacity`` groups are held, :meth:`Intake.put` raises :class:`HubFull` (HTTP 429).
+* Bounded: when ``capacity`` groups are held, :meth:`Intake.put` raises :class:`HubFull` (HTTP 429), before the
+  group is decoded when its id (read from the header alone) is not one already seen.
 * Duplicates: a group id seen recently is acknowledged again without being queued twice, so a generator may
   safely retry an upload whose answer it did not receive.
-* Spool: every accepted group is written to the spool before it is acknowledged to the generator; the file is
-  written and fsynced before the upload takes the lock, and only renamed under it. At start-up
+* Spool: every accepted group is written to the spool before it is acknowledged to the generator; the files of
+  one upload are written and fsynced together (a group commit: one wait for the disk per request) before the upload
+  takes the lock, and only renamed under it. At start-up
   :meth:`Intake.reload_spool` queues the spooled groups again, in their order.
 * Reference logprobs are computed in the background as groups arrive (when a scorer is given), and each group is
   laid out as batch rows then (:mod:`ref_server.hub.batching`), so a lease finds them ready.
@@ -17,8 +19,10 @@
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import torch
@@ -28,9 +32,10 @@ from ref_server.hub.queue import QueuedGroup, RolloutQueue
 from ref_server.hub.spool import SpooledLease
 from ref_server.scoring.context import ContextTooLong, check_group
 from ref_server.scoring.scorer import ReferenceScorer, Row
+from shared.protocol import strict_json
 from shared.protocol.errors import ProtocolError
 from shared.protocol.records import RolloutGroup
-from shared.protocol.wire import WireError
+from shared.protocol.wire import JSON_KEY, WireError, read_header
 
 log = logging.getLogger("grpo.ref_server.hub")
 
@@ -54,6 +59,11 @@ class Intake:
         self._seen: OrderedDict[str, None] = OrderedDict()
         self._seen_limit = max(10_000, 4 * queue.capacity)
         self._next_seq = 0
+        # Decode + validation and the row layout run one upload at a time. They are GIL-bound (dozens of small torch
+        # ops, each releasing and retaking the GIL), so the threads of one process gain nothing from running them in
+        # parallel, and on several cores they pay for it: ~200 context switches and 2-4x the CPU per group measured
+        # with 40 uploads at once on 2 cores (docs/hub-capacity.md). Waiting on this lock costs no CPU. None: no gate.
+        self.cpu_gate: threading.Lock | None = threading.Lock()
 
     # -- uploads ------------------------------------------------------------------------------------------
     def put(self, data: bytes) -> dict:
@@ -61,55 +71,103 @@ class Intake:
         group raises (WireError: not a group; ProtocolError, GroupRejected: a group the hub cannot take), counted in
         ``rejected``."""
         try:
-            return self._enqueue(self._decode(data), data)
+            self._refuse_if_full(data)
+            group = self._decode(data)
+            with self.queue.cond:
+                refused = self._admit(group)
         except ValueError:
             with self.queue.cond:
                 self.queue.counters.rejected += 1
             raise
+        if refused is not None:
+            return refused
+        return self._spool_and_queue([(group, data)])[0]
 
     def put_many(self, messages: list[bytes]) -> list[dict]:
         """Enqueue several encoded groups, in order, with one answer each. A bad group is refused alone: its answer
         is ``{"accepted": false, "refused": reason, "status": 400 or 422}`` (counted in ``rejected``) and the
         others are queued. A full queue raises HubFull after the groups before it were queued; a retry of the same
-        request answers those as duplicates."""
-        answers = []
+        request answers those as duplicates.
+
+        The groups admitted are spooled together (one group commit: one wait for the disk per request) and queued
+        in their order before any of them is answered as accepted."""
+        answers: list[dict | None] = [None] * len(messages)
+        admitted: list[tuple[int, RolloutGroup, bytes]] = []
+        full: HubFull | None = None
         for i, data in enumerate(messages):
             try:
-                answers.append(self._enqueue(self._decode(data), data))
+                self._refuse_if_full(data)
+                group = self._decode(data)
+                with self.queue.cond:
+                    answers[i] = self._admit(group)
+            except HubFull as exc:
+                full = exc
+                break
             except ValueError as exc:  # WireError, ProtocolError, GroupRejected: this group only
                 with self.queue.cond:
                     self.queue.counters.rejected += 1
                 log.warning("upload: group %d of %d refused: %s", i, len(messages), exc)
-                answers.append(self._answer(accepted=False, refused=str(exc)[:500],
-                                            status=400 if isinstance(exc, WireError) else 422))
+                answers[i] = self._answer(accepted=False, refused=str(exc)[:500],
+                                          status=400 if isinstance(exc, WireError) else 422)
+                continue
+            if answers[i] is None:
+                admitted.append((i, group, data))
+        if admitted:
+            queued = self._spool_and_queue([(group, data) for _, group, data in admitted])
+            for (i, _, _), answer in zip(admitted, queued):
+                answers[i] = answer
+        if full is not None:
+            raise full
         return answers
 
     def _decode(self, data: bytes) -> RolloutGroup:
-        return RolloutGroup.from_bytes(data, self.vocab_size)  # validated once (it was twice: ~0.9 ms a group)
+        with self._gate():
+            return RolloutGroup.from_bytes(data, self.vocab_size)  # validated once (it was twice: ~0.9 ms a group)
 
-    def _enqueue(self, group: RolloutGroup, data: bytes) -> dict:
+    def _gate(self) -> AbstractContextManager:
+        return self.cpu_gate if self.cpu_gate is not None else nullcontext()
+
+    def _refuse_if_full(self, data: bytes) -> None:
+        """HubFull before the group is decoded (~1 ms of CPU for 16 x 512 tokens) when the queue is full, unless the
+        group is one already seen (a retry: :meth:`_admit` answers it as a duplicate). Reads only the header."""
         queue = self.queue
         with queue.cond:
-            refused = self._admit(group)
-            if refused is not None:
-                return refused
+            if len(queue.groups) + queue.reserved < queue.capacity:
+                return
+        group_id = _group_id_in_header(data)
+        with queue.cond:
+            if len(queue.groups) + queue.reserved >= queue.capacity and group_id not in self._seen:
+                queue.counters.rejected_full += 1
+                raise HubFull(f"rollout queue is full ({queue.capacity} groups)")
+
+    def _spool_and_queue(self, admitted: list[tuple[RolloutGroup, bytes]]) -> list[dict]:
+        """Spool ``admitted`` (groups :meth:`_admit` reserved a place for) in one group commit, outside the lock, then
+        queue them in order under it; their answers (each with the depth just after it was queued). A spool error
+        frees their places and is raised: none of them is queued."""
+        queue = self.queue
         try:
-            written = self._spool_write(group.group_id, data)  # the slow part (fsync), outside the lock
+            written = self._spool_write([(group.group_id, data) for group, data in admitted])
         except BaseException:
             with queue.cond:
-                queue.reserved -= 1
-                self._seen.pop(group.group_id, None)
+                queue.reserved -= len(admitted)
+                for group, _ in admitted:
+                    self._seen.pop(group.group_id, None)
             raise
+        entries, answers = [], []
         with queue.cond:
-            queue.reserved -= 1
-            seq = self._next_seq
-            self._next_seq += 1
-            spool_path = queue.spool.commit(written, seq, group.group_id) if written is not None else None
-            entry = QueuedGroup(seq, group, spool_path)
-            queue.add_locked(entry)
-            queue.counters.accepted += 1
-        self._start_scoring(entry)
-        return self._answer(accepted=True)
+            queue.reserved -= len(admitted)
+            for k, (group, _) in enumerate(admitted):
+                seq = self._next_seq
+                self._next_seq += 1
+                spool_path = queue.spool.commit(written[k], seq, group.group_id) if written is not None else None
+                entry = QueuedGroup(seq, group, spool_path)
+                queue.add_locked(entry)
+                queue.counters.accepted += 1
+                entries.append(entry)
+                answers.append(self._answer(accepted=True))
+        for entry in entries:
+            self._start_scoring(entry)
+        return answers
 
     def _admit(self, group: RolloutGroup) -> dict | None:
         """Under the lock: the answer for a group not to be queued (a duplicate, stale already), or None when it
@@ -156,11 +214,11 @@ class Intake:
             raise GroupRejected(f"policy_version {group.policy_version} is newer than any version the learner has "
                                 f"published ({newest})")
 
-    def _spool_write(self, group_id: str, data: bytes) -> Path | None:
-        """The group's bytes, durable on disk under a temporary name (None without a spool); the slow part of an
-        upload, called outside the lock."""
+    def _spool_write(self, groups: list[tuple[str, bytes]]) -> list[Path] | None:
+        """The groups' bytes, durable on disk under temporary names after one wait for the disk (None without a
+        spool); the slow part of an upload, called outside the lock."""
         spool = self.queue.spool
-        return spool.write(group_id, data) if spool is not None else None
+        return spool.write_many(groups) if spool is not None else None
 
     # -- reference logprobs and batch rows, in the background ---------------------------------------------
     def _start_scoring(self, entry: QueuedGroup) -> None:
@@ -190,7 +248,8 @@ class Intake:
                 queue.unspool(entry)
 
     def _mark_ready(self, entry: QueuedGroup, ref_logprobs: list[torch.Tensor] | None) -> None:
-        rows = GroupRows.of(entry.group, ref_logprobs)  # in the uploading or scoring thread, not in a lease
+        with self._gate():
+            rows = GroupRows.of(entry.group, ref_logprobs)  # in the uploading or scoring thread, not in a lease
         self.queue.mark_ready(entry, rows)
 
     # -- restart ------------------------------------------------------------------------------------------
@@ -231,3 +290,14 @@ class Intake:
         if not self.queue.same_temperature(group):
             raise ProtocolError(f"sampled at temperature {group.sampling.temperature}, the hub now batches "
                                 f"{self.queue.temperature}")
+
+
+def _group_id_in_header(data: bytes) -> str | None:
+    """The group id in an encoded group's header (its JSON fields), without decoding the tensors; None when the
+    header does not hold one (the full decode then says why)."""
+    try:
+        fields = strict_json.loads((read_header(data).get("__metadata__") or {}).get(JSON_KEY, "{}"))
+    except (WireError, strict_json.StrictJSONError, AttributeError, TypeError):
+        return None
+    group_id = fields.get("group_id") if isinstance(fields, dict) else None
+    return group_id if isinstance(group_id, str) else None

@@ -1,8 +1,10 @@
 """The rollout hub's on-disk spool: every accepted group is a file until the learner has trained on it.
 
-* Writing is split in two so that the hub never holds its lock across a disk write: :meth:`RolloutSpool.write`
-  puts the group's bytes under a temporary name and fsyncs them (outside the lock), and :meth:`RolloutSpool.commit`
-  renames the file to ``{seq:012d}-{group_id}.group``, its queue position (under the lock, a cheap rename).
+* Writing is split in two so that the hub never holds its lock across a disk write: :meth:`RolloutSpool.write_many`
+  puts an upload's groups under temporary names and fsyncs them with one wait for the disk (a group commit,
+  :meth:`RolloutSpool.flush`; outside the lock), and :meth:`RolloutSpool.commit` renames each file to
+  ``{seq:012d}-{group_id}.group``, its queue position (under the lock, a cheap rename). Only then is the group
+  acknowledged to its generator.
 * Only complete renames count: a half-written file keeps its ``.tmp`` name and is deleted on reload.
 * :meth:`RolloutSpool.remove` deletes a group's file once the learner acknowledged it (or the hub dropped it).
 * :meth:`RolloutSpool.quarantine` moves the file of a group that kept failing delivery to ``quarantine/``, with a
@@ -24,6 +26,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
@@ -78,12 +81,48 @@ class RolloutSpool:
 
     def write(self, group_id: str, data: bytes) -> Path:
         """The group's bytes, durable on disk under a temporary name (no sequence number yet)."""
-        tmp = self.directory / f"{group_id}.tmp"
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        return tmp
+        return self.write_many([(group_id, data)])[0]
+
+    def write_many(self, groups: list[tuple[str, bytes]]) -> list[Path]:
+        """Group commit: each ``(group id, bytes)`` written under its temporary name, then all of them made durable
+        together by one :meth:`flush` (one wait for the disk, not one per group). An error (a full disk) deletes
+        the files this call wrote and is raised: none of the groups is spooled."""
+        paths, files = [], []
+        try:
+            for group_id, data in groups:
+                tmp = self.directory / f"{group_id}.tmp"
+                paths.append(tmp)
+                files.append(open(tmp, "wb"))  # closed below, after the flush
+                files[-1].write(data)
+                files[-1].flush()
+            self.flush([fh.fileno() for fh in files])
+        except BaseException:
+            for fh in files:
+                fh.close()
+            self.discard(paths)
+            raise
+        for fh in files:
+            fh.close()
+        return paths
+
+    @staticmethod
+    def flush(fds: list[int]) -> None:
+        """The durability wait of a group commit: every file in ``fds`` is fsynced before this returns.
+
+        First the disk writes of all of them are started (``sync_file_range(SYNC_FILE_RANGE_WRITE)``: queued, not
+        waited for), then each is fsynced in turn. The first fsync waits for its data and the journal commit; by
+        then the others' data is written or in flight and their metadata is in that commit, so their fsyncs find
+        little left to wait for. Correctness does not rest on that: each file gets its own fsync."""
+        if _start_writeback is not None:
+            for fd in fds:
+                _start_writeback(fd)
+        for fd in fds:
+            os.fsync(fd)
+
+    def discard(self, paths: list[Path]) -> None:
+        """Delete temporary files of a group commit that will not be committed (an upload that failed)."""
+        for tmp in paths:
+            tmp.unlink(missing_ok=True)
 
     def commit(self, tmp: Path, seq: int, group_id: str) -> Path:
         """Rename a written file to its queue position (a half-written spool file is never picked up: only
@@ -164,6 +203,27 @@ class RolloutSpool:
 
 
 _BATCH_ID = re.compile(r"[0-9a-f]{32}")
+
+
+def _writeback_starter() -> Callable[[int], None] | None:
+    """``sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE)`` from the C library (Linux; Python's os lacks it), or None
+    where there is none: then :meth:`RolloutSpool.flush` only fsyncs, one file after the other."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        call = libc.sync_file_range
+    except (OSError, AttributeError):
+        return None
+    call.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+    call.restype = ctypes.c_int
+    sync_file_range_write = 2
+
+    def start(fd: int) -> None:
+        call(fd, 0, 0, sync_file_range_write)  # a hint: a failure here is found by the fsync that follows
+
+    return start
+
+
+_start_writeback = _writeback_starter()
 
 
 def _read_lease(path: Path) -> SpooledLease | None:

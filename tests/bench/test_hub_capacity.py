@@ -48,6 +48,14 @@ def test_a_toy_run_accounts_for_every_group(tmp_path, capsys):
     assert phase["accepted_tokens_per_s"] == pytest.approx(phase["accepted_groups_per_s"] * 4 * 64, rel=0.02)
     assert phase["hub_cpu_pct"] > 0 and phase["hub_cpu_ms_per_group"] > 0 and phase["upload_failures"] == {}
     assert {"spool write+fsync", "group decode+validate", "batch serialisation"} <= set(phase["stage_pct_of_wall"])
+    # the CPU per group, by side and stage (thread CPU time): the parts of the upload are within its whole
+    cpu = phase["cpu_ms"]
+    assert cpu["upload_per_accepted"] > 0 and cpu["lease_per_leased"] > 0 and cpu["event_loop_per_accepted"] > 0
+    upload_parts = sum(cpu[f"  {s}"] for s in ("group decode+validate", "spool write+fsync", "row layout"))
+    assert 0 < upload_parts <= cpu["upload_per_accepted"] * 1.05
+    assert cpu["  batch assembly"] <= cpu["lease_per_leased"] * 1.05
+    assert cpu["leased_per_accepted"] == pytest.approx(books["leased_acked"] / books["accepted"], abs=0.5)
+    assert phase["hub_context_switches_per_group"] > 0
     # the runner's table row of it
     (hub,) = [b for b in BENCHMARKS if b.name == "hub_capacity"]
     ((figure, value, ratio),) = hub.figures(result)

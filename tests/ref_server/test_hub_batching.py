@@ -93,10 +93,10 @@ def test_an_upload_writing_its_spool_file_does_not_block_a_take(tmp_path):
     writing, finish = threading.Event(), threading.Event()
     original = h.intake._spool_write
 
-    def slow_write(group_id, data):
+    def slow_write(groups):  # an upload's group commit (one call for all its groups)
         writing.set()
         finish.wait(10)
-        return original(group_id, data)
+        return original(groups)
 
     h.intake._spool_write = slow_write
     slow = make_group(seed=9)
