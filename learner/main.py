@@ -152,7 +152,9 @@ class Learner:
                                           progress=self.metrics.message,
                                           # the hub's bound (its config is the one that counts)
                                           max_staleness=hub_stats["max_staleness"], start_version=self.version,
-                                          version_after_batch=self.version_after_batch)
+                                          version_after_batch=self.version_after_batch,
+                                          # none leased past the last step: nothing is left to hand back at the end
+                                          max_batches=None if cfg.max_steps is None else cfg.max_steps - self.step)
         self.fetched = None           # how the batch being trained was fetched (background times, for the metrics)
         self.clock = StepClock()
         self.timed_engine = LappedEngine(self.engine, self.clock)
@@ -251,6 +253,7 @@ class Learner:
         (ref_server.max_deliveries); a good one is handed back for a later step."""
         # a ledger that renews leased-untrained batches on a timer must stop renewing this one (else it never expires)
         self.ledger.forget(batch.batch_id)  # not renewed any more: its lease expires and the hub counts the failure
+        self.prefetcher.set_aside()         # it does not count against max_steps: another batch is wanted
         if problem is None:
             self.hub_calls.submit(lambda client, ids=[batch.batch_id]: client._request(  # noqa: SLF001
                 "POST", "/v1/batch/release", json={"batch_ids": ids}))
