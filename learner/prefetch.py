@@ -81,18 +81,22 @@ class BatchPrefetcher:
         self._started = False
 
     # -- the training thread ------------------------------------------------------------------------------
-    def next(self) -> tuple[TrainBatch, FetchedBatch] | tuple[None, None]:
-        """The next batch with untrained groups (and how it was fetched), or (None, None) once ``stop`` is set.
+    def next(self, wait_s: float | None = None) -> tuple[TrainBatch, FetchedBatch] | tuple[None, None] | None:
+        """The next batch with untrained groups (and how it was fetched), or (None, None) once ``stop`` is set;
+        None when none came within ``wait_s`` (ask again).
 
         Raises what the background thread raised (HubUnavailable: the hub stayed unreachable)."""
         if not self._started:
             self._started = True
             self._thread.start()
+        deadline = None if wait_s is None else time.monotonic() + wait_s
         while not self.stop.is_set():
             try:
                 item = self._ready.get(timeout=0.1)
             except queue.Empty:
                 self._consumer_waiting.set()
+                if deadline is not None and time.monotonic() >= deadline:
+                    return None
                 continue
             self._consumer_waiting.clear()
             if isinstance(item, BaseException):
@@ -114,6 +118,11 @@ class BatchPrefetcher:
         if self.max_staleness is None:
             return None
         return max(0, self._train_version - self.max_staleness)
+
+    def give_back(self, batch: TrainBatch) -> None:
+        """A batch handed out by :meth:`next` that will not be trained (another rank stopped): back to the hub."""
+        self._release([batch.batch_id], [])
+        self.set_aside()
 
     def set_aside(self) -> None:
         """A batch handed out by :meth:`next` will not be trained (it cannot be): one more is wanted."""
