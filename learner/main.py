@@ -140,17 +140,20 @@ class Learner:
         # the next batch is leased and decoded while this one trains (its own client: sessions are per thread)
         self.prefetcher = BatchPrefetcher(service_client(cfg.hub_url, config.ref_server.token, cfg.retry_max_s),
                                           cfg.groups_per_step, cfg.batch_wait_s, self.stop, self.ledger,
-                                          progress=self.metrics.message,
+                                          progress=self.metrics.message, max_batches=self._batches_left(),
                                           # the hub's bound (its config is the one that counts)
                                           max_staleness=hub_stats["max_staleness"], start_version=self.version,
-                                          version_after_batch=self.version_after_batch,
-                                          # none leased past the last step: nothing is left to hand back at the end
-                                          max_batches=None if cfg.max_steps is None else cfg.max_steps - self.step)
+                                          version_after_batch=self.version_after_batch)
         self.fetched = None           # how the batch being trained was fetched (background times, for the metrics)
         self.clock = StepClock()
         self.timed_engine = LappedEngine(self.engine, self.clock)
         self.skipped = self.nonfinite_in_row = 0
         self._said_prefix = False
+
+    def _batches_left(self) -> int | None:
+        """The batches still to train (None: no max_steps): none is leased past them, so nothing is left to hand
+        back at the end."""
+        return None if self.cfg.max_steps is None else self.cfg.max_steps - self.step
 
     def _register(self, resume: bool, unacked: list[str]) -> None:
         """Rank 0 registers the learner's session (learner/session.py); a refusal stops every rank."""

@@ -28,57 +28,45 @@ after ``ref_server.scorer_wait_s`` (:meth:`ScorerPool.wait_s`).
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-import secrets
 import threading
 import time
-from collections import OrderedDict, deque
 from collections.abc import Callable
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 
+from ref_server.scoring.pool_jobs import ScoringJobs, resolve_future
 from ref_server.scoring.pool_records import (
     LOCAL,
     Job,
     JoinedScorer,
     NoScorer,
-    PoolCounters,
     Quarantine,
     ScorerQuarantined,
     UnknownJob,
     UnknownScorer,
 )
-from ref_server.scoring.scorer import ReferenceScorer, Row, ScorerBusy, ScoringError
+from ref_server.scoring.scorer import ReferenceScorer, ScorerBusy, ScoringError
 from ref_server.scoring.scoring_jobs import BadResult, JobSpec, check_result
 
 __all__ = ["LOCAL", "NoScorer", "ScorerPool", "ScorerQuarantined", "UnknownJob", "UnknownScorer"]
 log = logging.getLogger("grpo.ref_server.pool")
 
 
-class ScorerPool:
+class ScorerPool(ScoringJobs):
     def __init__(self, *, local: ReferenceScorer | None, vocab_size: int | None, lease_s: float = 30.0,
                  wait_s: float = 60.0, max_jobs: int = 1024, clock: Callable[[], float] = time.monotonic,
                  reaper: bool = True, max_bad_results: int = 3, job_max_failures: int = 4) -> None:
         """``reaper``: a thread calls :meth:`expire` a few times a second (tests with a ``clock`` of their own call
         it themselves). ``max_bad_results``: bad results before a scorer is quarantined; ``job_max_failures``: failed
         attempts (bad results, expired leases) before a job fails."""
+        super().__init__(max_jobs=max_jobs, job_max_failures=job_max_failures, clock=clock)
         self.local = local
         self.max_bad_results = max_bad_results
-        self.job_max_failures = job_max_failures
         self.quarantine = Quarantine()
         self.vocab_size = vocab_size
         self.lease_s = lease_s
         self._wait_s = wait_s
-        self.max_jobs = max_jobs
-        self.clock = clock
-        self.counters = PoolCounters()
-        self.cond = threading.Condition()
-        self._jobs: dict[str, Job] = {}
-        self._waiting: deque[str] = deque()
         self._scorers: dict[str, JoinedScorer] = {}
-        self._done: OrderedDict[str, None] = OrderedDict()  # recently scored or cancelled ids: late results
-        self._ids = itertools.count()
-        self._prefix = secrets.token_hex(4)
         self._local_tokens = 0
         self._closed = False
         self._threads = [threading.Thread(target=self._reap, name="scorer-pool-leases", daemon=True)] if reaper else []
@@ -89,41 +77,6 @@ class ScorerPool:
             thread.start()
 
     # -- the ReferenceScorer interface (intake, routes) ------------------------------------------------------
-    def submit(self, rows: list[Row], temperature: float = 1.0, top_k: int = 0) -> Future:
-        future: Future = Future()
-        if not rows:
-            future.set_result([])
-            return future
-        with self.cond:
-            if len(self._jobs) >= self.max_jobs:
-                raise ScorerBusy(f"{self.max_jobs} scoring jobs are already queued or leased")
-            job_id = f"{self._prefix}-{next(self._ids)}"
-            job = Job(JobSpec(job_id, rows, temperature, top_k), future,
-                      [r.tokens - r.prompt_length for r in rows])
-            self._jobs[job_id] = job
-            self._waiting.append(job_id)
-            self.counters.jobs_submitted += 1
-            self.cond.notify_all()
-        # a caller that stops waiting cancels the Future (a route's deadline, a client that hung up): the job leaves
-        future.add_done_callback(lambda f: self._forget(job_id) if f.cancelled() else None)
-        return future
-
-    def score(self, rows: list[Row], temperature: float = 1.0, timeout: float | None = None, top_k: int = 0):
-        return self.submit(rows, temperature, top_k).result(timeout=timeout)
-
-    def _forget(self, job_id: str) -> None:
-        """A cancelled job leaves the queue (a result still in flight is acknowledged, ignored)."""
-        with self.cond:
-            job = self._jobs.pop(job_id, None)
-            if job is None:
-                return
-            if job.holder is None:
-                self._waiting.remove(job_id)
-            else:
-                self._unlease(job)
-            self._remember(job_id)
-            self.counters.jobs_cancelled += 1
-
     async def result(self, future: Future):
         """The Future's rows, awaited on the event loop; with no local scoring, :class:`NoScorer` after ``wait_s``
         (the job is cancelled)."""
@@ -143,13 +96,6 @@ class ScorerPool:
     def forward_batches(self) -> int:
         """Forward passes of the hub's own scorer (0 without local scoring)."""
         return self.local.forward_batches if self.local is not None else 0
-
-    def queue_depth(self) -> int:
-        """Jobs waiting for a scorer (not leased)."""
-        return len(self._waiting)
-
-    def leased(self) -> int:
-        return len(self._jobs) - len(self._waiting)
 
     def scorers(self) -> int:
         return len(self._scorers)
@@ -266,7 +212,7 @@ class ScorerPool:
                 self._unlease(job)
             self._remember(job_id)
             self.counters.jobs_scored += 1
-        _resolve(job.future, rows)
+        resolve_future(job.future, rows)
         return "scored"
 
     def bad_result(self, scorer_id: str, problem: str) -> None:
@@ -302,48 +248,12 @@ class ScorerPool:
             raise UnknownScorer(f"no scorer {scorer_id!r} is registered (register again)")
         return scorer
 
-    def _lease(self, job: Job, holder: str) -> None:
-        job.holder = holder
-        job.holders.add(holder)
-        job.deadline = self.clock() + self.lease_s
-
     def _unlease(self, job: Job) -> None:
         """Under the lock: the job is no longer held by its scorer."""
         scorer = self._scorers.get(job.holder or "")
         if scorer is not None:
             scorer.jobs.discard(job.spec.job_id)
-        job.holder = None
-
-    def _requeue(self, job: Job, failure: str | None = None) -> None:
-        """Under the lock: a leased job back at the front of the queue, for any scorer. ``failure``: why its
-        attempt failed; at ``job_max_failures`` of them the job fails instead (its caller gets the reasons)."""
-        self._unlease(job)
-        if failure is not None:
-            job.failures.append(failure)
-            if len(job.failures) >= self.job_max_failures:
-                self._give_up(job)
-                return
-        self._waiting.appendleft(job.spec.job_id)
-        self.counters.jobs_requeued += 1
-        self.cond.notify_all()
-
-    def _give_up(self, job: Job) -> None:
-        """Under the lock: fail a job that failed on scorers ``job_max_failures`` times, rather than loop."""
-        job_id = job.spec.job_id
-        del self._jobs[job_id]
-        self._remember(job_id)
-        self.counters.jobs_given_up += 1
-        error = ScoringError(f"scoring job {job_id} failed {len(job.failures)} times on joined scorers "
-                             f"(ref_server.scoring_job_max_failures is {self.job_max_failures}): "
-                             + "; ".join(job.failures[-3:]))
-        log.error("%s", error)
-        # resolved off the lock: its callbacks (the hub's intake) take the queue's lock
-        threading.Thread(target=_resolve, args=(job.future, None, error), daemon=True).start()
-
-    def _remember(self, job_id: str) -> None:
-        self._done[job_id] = None
-        while len(self._done) > 4 * self.max_jobs:
-            self._done.popitem(last=False)
+        super()._unlease(job)
 
     def expire(self) -> int:
         """Leases past their deadline go back to the queue; scorers silent for ``lease_s`` are removed. Returns
@@ -407,17 +317,6 @@ class ScorerPool:
             else:
                 self.counters.jobs_failed += 1
         if error is None:
-            _resolve(job.future, future.result())
+            resolve_future(job.future, future.result())
         else:
-            _resolve(job.future, error=error)
-
-
-def _resolve(future: Future, rows=None, error: BaseException | None = None) -> None:
-    """Resolve a job's Future unless its caller cancelled it meanwhile (then nobody waits for it)."""
-    try:
-        if error is None:
-            future.set_result(rows)
-        else:
-            future.set_exception(error)
-    except InvalidStateError:
-        pass
+            resolve_future(job.future, error=error)
