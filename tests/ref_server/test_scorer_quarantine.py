@@ -134,3 +134,45 @@ def test_a_job_failing_on_every_scorer_fails_its_request_instead_of_going_round(
     assert stats["dropped_ref_failure"] == 1 and stats["queue_depth"] == 0 and stats["leased_groups"] == 0, stats
     assert metric(live, "jobs_given_up") == 2 and metric(live, "scorers_quarantined") == 0
     assert live.state.scorer.scorers() == 3
+
+
+class NaNModel:
+    """A reference model gone bad (what a broken GPU or a wrong dtype gives): every logprob NaN."""
+
+    vocab_size = None   # set from the hub
+
+    def score(self, rows, temperature=1.0, timeout=None, top_k=0):
+        return [torch.full((r.tokens - r.prompt_length,), float("nan")) for r in rows]
+
+
+def test_grpo_scorers_loop_stops_with_the_hubs_reason_once_quarantined(server_factory):
+    """RemoteScorer (what `grpo scorer` runs) over a model that answers NaN: the hub quarantines it after three
+    results and it stops with the hub's reason (exit 2 in the CLI) instead of scoring on."""
+    from ref_server.scoring.remote import RemoteScorer, ScorerRefused
+    from shared.protocol.client import HubClient
+
+    live = server_factory(local_scoring=False, scorer_max_bad_results=3, scoring_job_max_failures=10,
+                          scorer_wait_s=60.0)
+    model = NaNModel()
+    model.vocab_size = live.state.vocab_size
+    worker = RemoteScorer(HubClient(live.url), model, name="nan-scorer", identity={}, concurrency=1, poll_s=0.5)
+    waiting, _ = in_background(lambda: live.post("/v1/logprobs", json=REQUEST))
+    stop = threading.Event()
+    failed: list = []
+    thread = threading.Thread(target=lambda: failed.append(_raised(worker.run, stop)), daemon=True)
+    thread.start()
+    thread.join(timeout=30)
+    stop.set()
+    assert not thread.is_alive()
+    assert isinstance(failed[0], ScorerRefused), failed
+    assert "quarantined" in str(failed[0]) and "not finite" in str(failed[0]), failed[0]
+    assert metric(live, "scorers_quarantined") == 1 and metric(live, "results_refused") == 3
+    assert live.state.scorer.queue_depth() == 1   # the job waits for a scorer that works
+
+
+def _raised(fn, *args):
+    try:
+        fn(*args)
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        return exc
+    return None
