@@ -8,7 +8,9 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
+import deepspeed  # noqa: F401 - imported before the ranks meet (imported_together)
 import torch
 import torch.distributed as dist
 
@@ -22,8 +24,18 @@ def agree(device: torch.device) -> None:
     dist.all_reduce(torch.ones(1, device=device), op=dist.ReduceOp.MAX)
 
 
+def imported_together(folder: Path, rank: int, world: int) -> None:
+    """Both ranks have imported torch and DeepSpeed: they join within a moment of each other (rank 0 waits only
+    collective_timeout_s for the others to connect, and imports on a loaded machine can take longer than that)."""
+    (folder / f"imported-{rank}").touch()
+    deadline = time.monotonic() + 120
+    while not all((folder / f"imported-{r}").exists() for r in range(world)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def main() -> int:
     timeout_s = float(sys.argv[1])
+    imported_together(Path(sys.argv[2]), int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
     device = torch.device("cpu")
     skip_shared_memory_allreduce()   # as the learner does on a CPU: no JIT build at start
     try:

@@ -24,14 +24,14 @@ def free_port() -> int:
 
 
 @pytest.mark.slow
-def test_a_rank_whose_peer_stops_dead_fails_after_collective_timeout_s_naming_it():
+def test_a_rank_whose_peer_stops_dead_fails_after_collective_timeout_s_naming_it(tmp_path):
     port = free_port()
     ranks = []
     try:
         for rank in range(2):
             env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "RANK": str(rank), "WORLD_SIZE": "2",
                    "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-            ranks.append(subprocess.Popen([sys.executable, str(PEER), str(TIMEOUT_S)], env=env, cwd=ROOT,
+            ranks.append(subprocess.Popen([sys.executable, str(PEER), str(TIMEOUT_S), str(tmp_path)], env=env, cwd=ROOT,
                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         out, err = ranks[0].communicate(timeout=45)   # start-up (imports) and the wait
         ended = time.time()

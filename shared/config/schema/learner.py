@@ -137,8 +137,10 @@ class LearnerConfig(StrictModel):
         "fails with this setting named and exits 1, instead of hanging for DeepSpeed's 10-minute default when a "
         "peer died, hangs or is cut off (the Slurm template's --kill-on-bad-exit then ends the others). Must exceed "
         "the longest a rank can legitimately be ahead of another: a checkpoint save, the final export, the slowest "
-        "step. Waiting for groups from the hub is not such a wait (the ranks agree every few seconds while they "
-        "wait).")
+        "step, the difference in model loading between ranks at start. It also bounds how long rank 0 waits at start "
+        "for the other ranks to connect (torch's init_process_group; how long they try to reach it is "
+        "rendezvous_timeout_s). Waiting for groups from the hub is not such a wait (the ranks agree every few seconds "
+        "while they wait).")
     device: str = Field("auto", description="'auto', 'cpu' or 'cuda' (each rank uses its LOCAL_RANK GPU).")
     attn_implementation: str | None = Field(
         None, description="Attention kernel of the policy, set on the loaded model (transformers' "
