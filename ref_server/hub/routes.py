@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict
+from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Query, Request
 from fastapi.responses import JSONResponse, Response
@@ -35,7 +36,7 @@ class BatchIds(BaseModel):
 
 class ReleasedBatches(BatchIds):
     batch_ids: list[str] = Field([], max_length=4096, description="Batch ids from GET /v1/batch (X-Batch-Id).")
-    request_ids: list[str] = Field([], max_length=4096, description=(
+    request_ids: list[Annotated[str, Field(max_length=64)]] = Field([], max_length=4096, description=(
         "request_id values of GET /v1/batch calls: the lease granted to each is handed back, and a call not granted "
         "yet grants nothing (a learner that stops while its long poll may be answered)."))
 
