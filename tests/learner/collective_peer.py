@@ -28,7 +28,7 @@ def imported_together(folder: Path, rank: int, world: int) -> None:
     """Both ranks have imported torch and DeepSpeed: they join within a moment of each other (rank 0 waits only
     collective_timeout_s for the others to connect, and imports on a loaded machine can take longer than that)."""
     (folder / f"imported-{rank}").touch()
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300   # imports can take minutes on a loaded machine
     while not all((folder / f"imported-{r}").exists() for r in range(world)) and time.monotonic() < deadline:
         time.sleep(0.05)
 

@@ -33,7 +33,7 @@ def test_a_rank_whose_peer_stops_dead_fails_after_collective_timeout_s_naming_it
                    "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
             ranks.append(subprocess.Popen([sys.executable, str(PEER), str(TIMEOUT_S), str(tmp_path)], env=env, cwd=ROOT,
                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-        out, err = ranks[0].communicate(timeout=150)   # start-up (imports: slow on a loaded machine) and the wait
+        out, err = ranks[0].communicate(timeout=360)   # start-up (imports: slow on a loaded machine) and the wait
         ended = time.time()
     finally:
         for process in ranks:
