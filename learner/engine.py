@@ -7,6 +7,9 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -14,13 +17,18 @@ import torch
 
 from learner import schedule
 from shared.config.schema import LearnerConfig
-from shared.errors import UsageError
+from shared.errors import ServiceError, UsageError
 
 log = logging.getLogger("grpo.learner")
 
 
 class LearnerSetupError(UsageError):
     """The learner cannot start; the message names the setting or file."""
+
+
+class CollectiveFailed(ServiceError):
+    """A collective between learner ranks failed: a peer rank died, hung or is cut off (the message names
+    learner.collective_timeout_s)."""
 
 
 def ensure_single_process_env() -> None:
@@ -134,6 +142,20 @@ def match_accelerator(device: torch.device) -> None:
         set_accelerator(CPU_Accelerator())
 
 
+def skip_shared_memory_allreduce() -> None:
+    """No JIT compilation at learner start on a CPU.
+
+    The first DeepSpeed process group on a CPU probes every DeepSpeed op with compiler subprocesses and JIT-builds
+    its shared-memory all-reduce with g++ (measured 90 s on 2 busy cores; seconds even when cached, since ninja
+    re-checks the build). The learner needs neither: its optimizer is torch's AdamW (``torch_adam``) and gloo
+    all-reduces a world of one or a few CPU ranks. ``deepspeed.ops.__compatible_ops__`` is the table DeepSpeed
+    consults (computed on first access); filled in beforehand, it names the op as not available, and DeepSpeed's
+    communication backend falls back to ``torch.distributed``."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__ = {"deepspeed_shm_comm": False}
+
+
 def check_rendezvous(timeout_s: float, poll_s: float = 0.5) -> None:
     """Several ranks: fail with the address instead of hanging where the ranks cannot meet (the most common
     multi-node hang). Rank 0 hosts the rendezvous, so MASTER_ADDR must be one of its own addresses; every other rank
@@ -167,20 +189,39 @@ def check_rendezvous(timeout_s: float, poll_s: float = 0.5) -> None:
             time.sleep(poll_s)
 
 
-# DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce (C++: ~2 min of CPU on a 2-core machine the first
-# time, and again whenever its compile command changes) in every process that starts a process group, for its
-# inference all-reduce alone. The learner's collectives go through gloo on CPU, so the op is marked unavailable
-# (DeepSpeed's own "not compatible" answer) instead of being built: a learner starts without a C++ compiler too.
-CPU_OPS_NOT_USED = ("deepspeed_shm_comm",)
-
-
-def init_distributed(device: torch.device, rendezvous_timeout_s: float = 300.0) -> None:
+def init_distributed(device: torch.device, rendezvous_timeout_s: float = 300.0,
+                     collective_timeout_s: float = 300.0) -> None:
+    """The ranks' process group. ``collective_timeout_s`` bounds every collective after start-up (gloo and NCCL
+    alike; DeepSpeed's own default is 10 minutes, torch's 30): a rank whose peer died or hangs fails after it
+    instead of waiting that long (:func:`collective_errors`)."""
     import deepspeed
-    import deepspeed.ops
 
     match_accelerator(device)
     check_rendezvous(rendezvous_timeout_s)
     if device.type == "cpu":
-        for name in CPU_OPS_NOT_USED:
-            deepspeed.ops.__compatible_ops__[name] = False
-    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
+        skip_shared_memory_allreduce()
+    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo",
+                               timeout=timedelta(seconds=collective_timeout_s))
+
+
+@contextmanager
+def collective_errors(collective_timeout_s: float) -> Iterator[None]:
+    """A collective that fails inside (a peer rank gone or hung past ``collective_timeout_s``: torch raises its
+    backend's error) becomes :class:`CollectiveFailed`, one line naming the setting, and the rank exits 1."""
+    try:
+        yield
+    except torch.distributed.DistError as exc:
+        raise CollectiveFailed(_collective_message(exc, collective_timeout_s)) from exc
+    except RuntimeError as exc:  # older backends raise plain RuntimeErrors from a collective
+        text = str(exc)
+        if not any(mark in text for mark in ("gloo", "Gloo", "NCCL", "Timed out", "timed out", "Connection closed")):
+            raise
+        raise CollectiveFailed(_collective_message(exc, collective_timeout_s)) from exc
+
+
+def _collective_message(exc: BaseException, timeout_s: float) -> str:
+    rank = os.environ.get("RANK", "?")
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return (f"learner rank {rank}: a collective with the other ranks failed ({type(exc).__name__}: {first[:300]}); "
+            f"a peer rank died, hangs, or is cut off. learner.collective_timeout_s is {timeout_s:g}s: a rank waits "
+            "that long for its peers in any collective (raise it if a step or checkpoint legitimately takes longer)")

@@ -26,6 +26,7 @@ from learner.checkpoint import load_latest, save_checkpoint
 from learner.delivery import DeliveryLedger
 from learner.engine import (
     LearnerSetupError,
+    collective_errors,
     create_engine,
     ensure_single_process_env,
     init_distributed,
@@ -66,24 +67,13 @@ class LearnerResult:
     duplicate_groups: int = 0
 
 
+AGREE_EVERY_S = 2.0  # ranks waiting for their batches agree this often whether all have one (or one stopped)
+
+
 def _agree(flag: bool, device: torch.device, op=dist.ReduceOp.MAX) -> bool:
     if dist.get_world_size() == 1:  # nobody to agree with: no tensor, no device round trip
         return flag
     return bool(all_reduce(torch.tensor([1.0 if flag else 0.0], device=device), op).item() > 0.5)
-
-
-def skip_shared_memory_allreduce() -> None:
-    """No JIT compilation at learner start on a CPU.
-
-    The first DeepSpeed process group on a CPU probes every DeepSpeed op with compiler subprocesses and JIT-builds
-    its shared-memory all-reduce with g++ (measured 90 s on 2 busy cores; seconds even when cached, since ninja
-    re-checks the build). The learner needs neither: its optimizer is torch's AdamW (``torch_adam``) and gloo
-    all-reduces a world of one or a few CPU ranks. ``deepspeed.ops.__compatible_ops__`` is the table DeepSpeed
-    consults (computed on first access); filled in beforehand, it names the op as not available, and DeepSpeed's
-    communication backend falls back to ``torch.distributed``."""
-    import deepspeed.ops
-
-    deepspeed.ops.__compatible_ops__ = {"deepspeed_shm_comm": False}
 
 
 def require_state_folders(cfg) -> None:
@@ -115,9 +105,7 @@ class Learner:
         self.device = resolve_device(cfg.device, local_rank=int(os.environ.get("LOCAL_RANK", "0")))
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        else:
-            skip_shared_memory_allreduce()
-        init_distributed(self.device, cfg.rendezvous_timeout_s)
+        init_distributed(self.device, cfg.rendezvous_timeout_s, cfg.collective_timeout_s)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         torch.manual_seed(config.seed + self.rank)
         dtype = torch.bfloat16 if uses_bf16(cfg, self.device) else torch.float32
@@ -149,7 +137,7 @@ class Learner:
         # the next batch is leased and decoded while this one trains (its own client: sessions are per thread)
         self.prefetcher = BatchPrefetcher(service_client(cfg.hub_url, config.ref_server.token, cfg.retry_max_s),
                                           cfg.groups_per_step, cfg.batch_wait_s, self.stop, self.ledger,
-                                          progress=self.metrics.message,
+                                          progress=self.metrics.message, max_batches=self._batches_left(),
                                           # the hub's bound (its config is the one that counts)
                                           max_staleness=hub_stats["max_staleness"], start_version=self.version,
                                           version_after_batch=self.version_after_batch)
@@ -158,6 +146,11 @@ class Learner:
         self.timed_engine = LappedEngine(self.engine, self.clock)
         self.skipped = self.nonfinite_in_row = 0
         self._said_prefix = False
+
+    def _batches_left(self) -> int | None:
+        """The batches still to train (None: no max_steps): none is leased past them, so nothing is left to hand
+        back at the end."""
+        return None if self.cfg.max_steps is None else self.cfg.max_steps - self.step
 
     def _register(self, resume: bool, unacked: list[str]) -> None:
         """Rank 0 registers the learner's session (learner/session.py); a refusal stops every rank."""
@@ -230,15 +223,29 @@ class Learner:
         return LearnerResult(self.step, self.version, self.skipped, self.stop.is_set(), self.ledger.duplicates)
 
     def next_batch(self) -> TrainBatch | None:
-        """The next batch of untrained groups, or None once any rank was asked to stop (all ranks agree)."""
+        """The next batch of untrained groups, or None once any rank was asked to stop (all ranks agree).
+
+        Each rank waits for its own batch in slices of ``AGREE_EVERY_S`` and the ranks agree after each slice, so
+        no rank sits in a collective while another waits for groups (learner.collective_timeout_s bounds the
+        collectives, not the hub's supply)."""
+        held = None   # this rank's batch, kept while another rank still waits for its own
         while True:
             if _agree(self.stop.is_set(), self.device):
                 self.stop.set()
+                if held is not None and held[0] is not None:
+                    self.prefetcher.give_back(held[0])   # leased, never trained: back to the hub at once
                 return None
-            batch, fetched = self.prefetcher.next()
+            if held is None:
+                held = self.prefetcher.next(wait_s=AGREE_EVERY_S)
+            if _agree(held is None, self.device):   # a rank still waits for its batch: ask again
+                continue
+            batch, fetched = held
+            held = None
             if _agree(batch is None, self.device):  # a rank stopped while waiting: everyone stops
                 self.stop.set()
-                return None  # a batch this rank had leased goes back to the hub when the prefetcher closes
+                if batch is not None:
+                    self.prefetcher.give_back(batch)
+                return None
             problem = batch_problem(batch, getattr(self.engine.module.get_input_embeddings(), "num_embeddings", None))
             if not _agree(problem is not None, self.device):
                 self.fetched = fetched
@@ -251,6 +258,7 @@ class Learner:
         (ref_server.max_deliveries); a good one is handed back for a later step."""
         # a ledger that renews leased-untrained batches on a timer must stop renewing this one (else it never expires)
         self.ledger.forget(batch.batch_id)  # not renewed any more: its lease expires and the hub counts the failure
+        self.prefetcher.set_aside()         # it does not count against max_steps: another batch is wanted
         if problem is None:
             self.hub_calls.submit(lambda client, ids=[batch.batch_id]: client._request(  # noqa: SLF001
                 "POST", "/v1/batch/release", json={"batch_ids": ids}))
@@ -373,4 +381,5 @@ class Learner:
 
 
 def run_learner(config: GRPOConfig, *, resume: bool = False, stop: threading.Event | None = None) -> LearnerResult:
-    return Learner(config, resume=resume, stop=stop).run()
+    with collective_errors(config.learner.collective_timeout_s):  # a peer rank gone: one line naming the setting
+        return Learner(config, resume=resume, stop=stop).run()

@@ -5,9 +5,18 @@ acknowledgements and version reports go out without the training thread waiting 
 trained one step later than leased: the lease names the oldest version the learner can train at the version it
 will hold by then (``min_version``), and the hub drops older groups first. Exactly-once delivery is unchanged: the background thread only *leases* and
 decodes; the training thread drops the groups it already trained on (:meth:`DeliveryLedger.fresh_part`) when it
-takes the batch, after the previous batch is marked trained, exactly where it did before. A batch that was leased
-and never trained (the learner stops) is handed back to the hub (``POST /v1/batch/release``), so its groups are
-delivered again at once instead of after the lease timeout.
+takes the batch, after the previous batch is marked trained, exactly where it did before.
+
+Nothing leased is left to expire when the learner stops:
+
+* no batch is leased past the last step (``max_batches``: a learner that stops at ``max_steps`` leases exactly the
+  batches it trains, so the hub's books end with nothing leased and nothing expired);
+* a batch leased and never trained (the learner is stopped) is handed back (``POST /v1/batch/release``) by
+  :meth:`BatchPrefetcher.close`, and so is whatever the long poll in flight at that moment grants: every
+  ``GET /v1/batch`` carries a fresh ``request_id``, which the release names. The hub then hands back the lease
+  granted to it, or grants nothing under it later, whichever way the grant and the close cross
+  (ref_server/hub/leases.py). The close does not wait for the long poll's answer, and a rank that exits right after
+  its close leaves nothing behind.
 
 Each helper has its own :class:`HubClient` (a ``requests.Session`` is not meant to be shared between threads).
 """
@@ -18,8 +27,11 @@ import logging
 import queue
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import requests
 
 from learner.delivery import DeliveryLedger
 from shared.protocol.client import HubClient, HubUnavailable
@@ -40,10 +52,12 @@ class BatchPrefetcher:
 
     def __init__(self, client: HubClient, num_groups: int, wait_s: float, stop: threading.Event,
                  ledger: DeliveryLedger, progress=None, *, max_staleness: int | None = None, start_version: int = 0,
-                 version_after_batch: Callable[[], int] | None = None) -> None:
+                 version_after_batch: Callable[[], int] | None = None, max_batches: int | None = None) -> None:
         """``max_staleness``: leases ask only for groups within it at the version the batch will be trained at:
         ``start_version`` for the first batch, then ``version_after_batch()`` (asked by the training thread when it
-        takes a batch: the version it will hold once that batch is trained, when the next one trains)."""
+        takes a batch: the version it will hold once that batch is trained, when the next one trains).
+        ``max_batches``: the most batches the learner will train (``max_steps`` less the steps done; None: no end):
+        none is leased past them (:meth:`set_aside` gives one back)."""
         self.client = client
         self.max_staleness = max_staleness
         self.version_after_batch = version_after_batch
@@ -56,23 +70,33 @@ class BatchPrefetcher:
         self._ready: queue.Queue[FetchedBatch | BaseException] = queue.Queue(maxsize=1)
         self._slot = threading.Semaphore(1)   # one batch ahead: fetched only once the previous one was taken
         self._closed = threading.Event()
+        self.max_batches = max_batches
+        self._handed = 0                      # batches handed to the training thread (less those set aside)
+        # one lock orders the close against the background thread: the request id of the long poll in flight, the
+        # hand-over of a leased batch, the wait for a batch to be wanted
+        self._lock = threading.Condition()
+        self._in_flight: str | None = None    # request_id of the GET /v1/batch under way
         self._consumer_waiting = threading.Event()  # the training thread is blocked in next(): worth a message
         self._thread = threading.Thread(target=self._run, name="batch-prefetch", daemon=True)
         self._started = False
 
     # -- the training thread ------------------------------------------------------------------------------
-    def next(self) -> tuple[TrainBatch, FetchedBatch] | tuple[None, None]:
-        """The next batch with untrained groups (and how it was fetched), or (None, None) once ``stop`` is set.
+    def next(self, wait_s: float | None = None) -> tuple[TrainBatch, FetchedBatch] | tuple[None, None] | None:
+        """The next batch with untrained groups (and how it was fetched), or (None, None) once ``stop`` is set;
+        None when none came within ``wait_s`` (ask again).
 
         Raises what the background thread raised (HubUnavailable: the hub stayed unreachable)."""
         if not self._started:
             self._started = True
             self._thread.start()
+        deadline = None if wait_s is None else time.monotonic() + wait_s
         while not self.stop.is_set():
             try:
                 item = self._ready.get(timeout=0.1)
             except queue.Empty:
                 self._consumer_waiting.set()
+                if deadline is not None and time.monotonic() >= deadline:
+                    return None
                 continue
             self._consumer_waiting.clear()
             if isinstance(item, BaseException):
@@ -81,6 +105,9 @@ class BatchPrefetcher:
             fresh = self.ledger.fresh_part(item.batch)   # after the previous batch was marked trained
             if fresh is not None and self.version_after_batch is not None:
                 self._train_version = self.version_after_batch()  # before the next lease is asked for
+            if fresh is not None:
+                with self._lock:
+                    self._handed += 1   # before the slot: the background thread asks whether another is wanted
             self._slot.release()          # the background thread may lease the one after it now
             if fresh is not None:
                 return fresh, item
@@ -92,22 +119,40 @@ class BatchPrefetcher:
             return None
         return max(0, self._train_version - self.max_staleness)
 
-    def close(self, timeout_s: float | None = None) -> None:
-        """Stop fetching; a batch leased and not handed out goes back to the hub's queue."""
-        self._closed.set()
+    def give_back(self, batch: TrainBatch) -> None:
+        """A batch handed out by :meth:`next` that will not be trained (another rank stopped): back to the hub."""
+        self._release([batch.batch_id], [])
+        self.set_aside()
+
+    def set_aside(self) -> None:
+        """A batch handed out by :meth:`next` will not be trained (it cannot be): one more is wanted."""
+        with self._lock:
+            self._handed -= 1
+            self._lock.notify_all()
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop fetching. A batch leased and not handed out goes back to the hub's queue, and so does whatever the
+        long poll in flight is granted (released by its request id, at once: no waiting for its answer)."""
+        with self._lock:
+            self._closed.set()
+            in_flight, self._in_flight = self._in_flight, None
+            leased = []
+            while True:
+                try:
+                    item = self._ready.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(item, FetchedBatch):
+                    leased.append(item.batch.batch_id)
+            self._lock.notify_all()
         self.client.abort.set()
         self._slot.release()
+        if leased or in_flight is not None:
+            self._release(leased, [in_flight] if in_flight is not None else [])
         if self._started:
-            self._thread.join(timeout=timeout_s if timeout_s is not None else self.wait_s + 10)
+            self._thread.join(timeout=timeout_s)  # only tidiness: nothing it can still be granted stays leased
             if self._thread.is_alive():
-                log.warning("the batch prefetch thread is still in a hub request; its lease will expire on the hub")
-        while True:
-            try:
-                item = self._ready.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(item, FetchedBatch):
-                self._release(item.batch.batch_id)
+                log.info("the batch prefetch thread is still in a hub request (its grant was handed back)")
         self.client.close()
 
     # -- the background thread ----------------------------------------------------------------------------
@@ -115,29 +160,42 @@ class BatchPrefetcher:
         started = time.monotonic()
         while not self._closed.is_set():
             self._slot.acquire()
-            if self._closed.is_set():
+            if not self._wanted():
                 return
             try:
                 fetched = self._fetch_until_ready(started)
-            except HubUnavailable as exc:
-                if not (self._closed.is_set() or self.stop.is_set()):
-                    self._ready.put(exc)
-                return
             except Exception as exc:  # noqa: BLE001 - handed to the training thread, which raises it
-                self._ready.put(exc)
+                if not (self._closed.is_set() or (isinstance(exc, HubUnavailable) and self.stop.is_set())):
+                    self._ready.put(exc)
                 return
             if fetched is None:
                 return
-            if self._closed.is_set():
-                self._release(fetched.batch.batch_id)
-                return
-            self._ready.put(fetched)
+            with self._lock:   # handed over, or (closed meanwhile) already handed back by its request id
+                self._in_flight = None
+                if self._closed.is_set():
+                    return
+                self.ledger.leased(fetched.batch.batch_id)  # renewed until it is trained or handed back
+                self._ready.put_nowait(fetched)   # room: the slot was free
             started = time.monotonic()
 
+    def _wanted(self) -> bool:
+        """Wait until another batch is wanted (not past ``max_batches``); False once closed."""
+        with self._lock:
+            while not self._closed.is_set() and self.max_batches is not None and self._handed >= self.max_batches:
+                self._lock.wait(0.5)
+            return not self._closed.is_set()
+
     def _fetch_until_ready(self, started: float) -> FetchedBatch | None:
-        while not (self._closed.is_set() or self.stop.is_set()):
+        """The next batch, its request id still in flight (the caller hands it over under the lock); None once
+        closed or stopped."""
+        while not self.stop.is_set():
+            request_id = uuid.uuid4().hex
+            with self._lock:
+                if self._closed.is_set():
+                    return None
+                self._in_flight = request_id   # from here a close releases whatever this request is granted
             t0 = time.perf_counter()
-            params = {"num_groups": self.num_groups, "timeout": self.wait_s}
+            params = {"num_groups": self.num_groups, "timeout": self.wait_s, "request_id": request_id}
             if (min_version := self.min_version()) is not None:
                 params["min_version"] = min_version
             response = self.client._request(  # noqa: SLF001 - the raw bytes, so that decoding is timed apart
@@ -145,24 +203,30 @@ class BatchPrefetcher:
             t1 = time.perf_counter()
             if response.status_code == 200:
                 batch = TrainBatch.from_bytes(response.content)
-                self.ledger.leased(batch.batch_id)  # its lease is renewed until it is trained or handed back
                 return FetchedBatch(batch, fetch_s=t1 - t0, decode_s=time.perf_counter() - t1)
+            with self._lock:
+                self._in_flight = None
             if self.progress is not None and self._consumer_waiting.is_set() and not self._closed.is_set():
                 stats = self.client.hub_stats()
                 self.progress(f"waiting for {self.num_groups} groups: hub holds {stats['ready']} ready of "
                               f"{stats['queue_depth']} queued, waited {time.monotonic() - started:.0f}s")
         return None
 
-    def _release(self, batch_id: str) -> None:
-        """Hand an untrained lease back (one attempt: if it fails, the lease expires on the hub instead)."""
-        self.ledger.forget(batch_id)
+    def _release(self, batch_ids: list[str], request_ids: list[str]) -> None:
+        """Hand untrained leases back, by batch id and by the request id of a long poll in flight (one attempt: if
+        it fails, the leases expire on the hub instead). Its own HTTP session: the background thread may still be
+        in a request on the client's."""
+        for batch_id in batch_ids:
+            self.ledger.forget(batch_id)
         try:
-            response = self.client.session.post(f"{self.client.base_url}/v1/batch/release",
-                                                json={"batch_ids": [batch_id]}, timeout=10)
-            response.raise_for_status()
+            with requests.Session() as session:
+                session.headers.update(self.client.session.headers)
+                response = session.post(f"{self.client.base_url}/v1/batch/release", timeout=10,
+                                        json={"batch_ids": batch_ids, "request_ids": request_ids})
+                response.raise_for_status()
         except Exception as exc:  # noqa: BLE001 - logged; the hub's lease timeout returns the groups anyway
-            log.warning("could not hand batch %s back to the hub (%s); its groups return after the lease timeout",
-                        batch_id, exc)
+            log.warning("could not hand batches %s (requests %s) back to the hub (%s); their groups return after "
+                        "the lease timeout", batch_ids, request_ids, exc)
 
 
 class HubCalls:

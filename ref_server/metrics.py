@@ -60,8 +60,9 @@ class ServerMetrics:
             pool = state.scorer.counters
             jobs = Gauge("grpo_scoring_jobs", "Reference scoring jobs (ref_server/scoring/pool.py) by what happened",
                          ["event"], registry=self.registry)
-            for event in ("jobs_submitted", "jobs_scored", "jobs_failed", "jobs_cancelled", "jobs_requeued",
-                          "results_duplicate", "results_refused", "scorers_joined", "scorers_lost"):
+            for event in ("jobs_submitted", "jobs_scored", "jobs_failed", "jobs_given_up", "jobs_cancelled",
+                          "jobs_requeued", "results_duplicate", "results_refused", "scorers_joined", "scorers_lost",
+                          "scorers_quarantined"):
                 jobs.labels(event=event).set_function(lambda e=event: getattr(pool, e))
 
     def observe(self, path: str, status: int, started: float) -> None:

@@ -68,7 +68,8 @@ def build_state(config: GRPOConfig) -> ServerState:
                                  "vocab_size (ref_server.local_scoring false still reads it: joined scorers must "
                                  "match it)")
         scorer = ScorerPool(local=local, vocab_size=vocab_size, lease_s=cfg.scorer_lease_s,
-                            wait_s=cfg.scorer_wait_s, max_jobs=cfg.max_scoring_jobs)
+                            wait_s=cfg.scorer_wait_s, max_jobs=cfg.max_scoring_jobs,
+                            max_bad_results=cfg.scorer_max_bad_results, job_max_failures=cfg.scoring_job_max_failures)
         tokenizer = ServedTokenizer.load(cfg.model, vocab_size, max_context)
     prm = None
     if cfg.prm_model is not None:

@@ -32,6 +32,13 @@ the learner on every restart is still quarantined; a trained or restored one doe
 delivered again. Only the leases a resuming learner presents as held by its checkpoint stay held (it acknowledges
 them next). Exactly once still holds: a redelivered group its checkpoint holds is dropped by the learner's ledger.
 
+A stopping learner hands back what it holds, including a lease whose grant has not reached it yet: each take may
+carry the learner's own request id (:meth:`Leases.take` ``request_id``), and :meth:`Leases.release` may name request
+ids. A request id released before its take granted anything is remembered, and that take grants nothing; one
+released after its grant releases the lease granted to it. Both happen under the queue's lock, so however the long
+poll and the release interleave, the lease comes back at once (not after the lease timeout, and not counted as a
+failed delivery), even when the learner never reads the answer.
+
 A take looks only at the groups it takes (and at any not-yet-scored ones ahead of them): their batch rows were laid
 out when they became ready (:mod:`ref_server.hub.batching`).
 """
@@ -59,6 +66,7 @@ class Lease:
     trained: bool = False   # the learner trained it and holds it for its next checkpoint (pacing leaves it out)
     released: bool = False  # handed back by the learner (not a failed delivery)
     restored: bool = False  # held again at a restart and not renewed since: its expiry is no failed delivery
+    request_id: str | None = None  # the learner's id for the take that granted it (release can name it)
 
 
 class Leases:
@@ -72,12 +80,16 @@ class Leases:
         # batch ids acknowledged (-> None) or expired and requeued (-> their groups' sequence numbers), so that a
         # repeated or late acknowledgement is answered correctly
         self._finished: OrderedDict[str, list[int] | None] = OrderedDict()
+        # request ids released before their take granted anything: that take grants nothing
+        self._cancelled: OrderedDict[str, None] = OrderedDict()
 
-    def take(self, num_groups: int, timeout: float = 0.0, min_version: int | None = None) -> TrainBatch | None:
+    def take(self, num_groups: int, timeout: float = 0.0, min_version: int | None = None,
+             request_id: str | None = None) -> TrainBatch | None:
         """Lease the ``num_groups`` oldest ready groups as one batch, waiting up to ``timeout`` s; None if not enough.
 
         ``min_version``: the learner will train this batch at a version that makes groups older than this stale;
-        they are dropped (and counted) first, as a version report would drop them.
+        they are dropped (and counted) first, as a version report would drop them. ``request_id``: the learner's id
+        for this take; None at once (now or later) once :meth:`release` named it.
 
         The groups stay spooled until :meth:`ack` names the batch id; an unacknowledged lease expires after
         ``lease_timeout_s`` and its groups go back to the front of the queue."""
@@ -85,6 +97,8 @@ class Leases:
         deadline = time.monotonic() + timeout
         with queue.cond:
             while True:
+                if request_id is not None and request_id in self._cancelled:
+                    return None
                 self.expire_locked()
                 if min_version is not None:
                     queue.drop_stale_locked(min_version)
@@ -98,7 +112,7 @@ class Leases:
             for entry in chosen:
                 del queue.groups[entry.seq]
             batch_id = uuid.uuid4().hex
-            self.held[batch_id] = Lease(chosen, time.monotonic() + self.lease_timeout_s)
+            self.held[batch_id] = Lease(chosen, time.monotonic() + self.lease_timeout_s, request_id=request_id)
             self._persist_locked(batch_id)
             queue.counters.leased += len(chosen)
             queue.cond.notify_all()  # fewer queued groups: generators waiting for a budget may go on
@@ -140,19 +154,30 @@ class Leases:
                 self._unpersist(batch_id)
         return answer
 
-    def release(self, batch_ids: list[str]) -> dict[str, str]:
+    def release(self, batch_ids: list[str], request_ids: list[str] = ()) -> dict[str, str]:
         """The learner hands back leases it will not train (it is stopping): their groups go back to the front of
-        the queue now rather than after the lease timeout. Per id: ``"released"`` or ``"unknown"``."""
+        the queue now rather than after the lease timeout. Per batch id: ``"released"`` or ``"unknown"``. Per
+        request id (of a take, :meth:`take`): ``"released"`` (the lease granted to it) or ``"cancelled"`` (nothing
+        granted yet: that take grants nothing)."""
         with self.queue.cond:
             answer = {}
-            for batch_id in batch_ids:
+            named = [(batch_id, batch_id) for batch_id in batch_ids]
+            for request_id in request_ids:  # a retried take may have been granted twice: every grant comes back
+                granted = [(request_id, b) for b, lease in self.held.items() if lease.request_id == request_id]
+                named += granted
+                self._cancelled[request_id] = None   # and a take still waiting under it grants nothing
+                if not granted:
+                    answer[request_id] = "cancelled"
+            while len(self._cancelled) > 10_000:
+                self._cancelled.popitem(last=False)
+            for name, batch_id in named:
                 lease = self.held.get(batch_id)
                 if lease is None:
-                    answer[batch_id] = "unknown"
+                    answer[name] = "unknown"
                     continue
                 lease.deadline = float("-inf")
                 lease.released = True
-                answer[batch_id] = "released"
+                answer[name] = "released"
             self.expire_locked(reason="handed back")
         return answer
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict
+from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Query, Request
 from fastapi.responses import JSONResponse, Response
@@ -31,6 +32,13 @@ class VersionReport(BaseModel):
 
 class BatchIds(BaseModel):
     batch_ids: list[str] = Field(max_length=4096, description="Batch ids from GET /v1/batch (X-Batch-Id).")
+
+
+class ReleasedBatches(BatchIds):
+    batch_ids: list[str] = Field([], max_length=4096, description="Batch ids from GET /v1/batch (X-Batch-Id).")
+    request_ids: list[Annotated[str, Field(max_length=64)]] = Field([], max_length=4096, description=(
+        "request_id values of GET /v1/batch calls: the lease granted to each is handed back, and a call not granted "
+        "yet grants nothing (a learner that stops while its long poll may be answered)."))
 
 
 class RenewedBatches(BatchIds):
@@ -97,7 +105,10 @@ async def take_batch(request: Request, state: State,
                                             description="Seconds to wait for enough groups."),
                      min_version: int | None = Query(None, ge=0, lt=MAX_VERSION, description=(
                          "Oldest policy version the learner can train in this batch (it knows the version it will "
-                         "train it at): older queued groups are dropped as stale first."))):
+                         "train it at): older queued groups are dropped as stale first.")),
+                     request_id: str | None = Query(None, min_length=1, max_length=64, description=(
+                         "The learner's id for this call: POST /v1/batch/release can name it to hand back whatever it "
+                         "grants, even before the answer arrives."))):
     """Lease the oldest ready groups as one encoded TrainBatch (reference logprobs attached); 204 if too few.
 
     Acknowledge it with ``POST /v1/batch/ack`` once trained; unacknowledged, its groups return to the queue after
@@ -106,7 +117,7 @@ async def take_batch(request: Request, state: State,
     deadline = time.monotonic() + min(timeout, state.max_long_poll_s)
     while True:
         wait = min(max(deadline - time.monotonic(), 0.0), LONG_POLL_SLICE_S)
-        batch = await run_in_threadpool(state.hub.take, num_groups, wait, min_version)
+        batch = await run_in_threadpool(state.hub.leases.take, num_groups, wait, min_version, request_id)
         if await request.is_disconnected():
             if batch is not None:
                 await run_in_threadpool(state.hub.release, [batch.batch_id])
@@ -126,10 +137,10 @@ async def ack_batches(body: BatchIds, state: State) -> dict:
 
 
 @router.post("/v1/batch/release")
-async def release_batches(body: BatchIds, state: State) -> dict:
+async def release_batches(body: ReleasedBatches, state: State) -> dict:
     """Hand back leases that will not be trained (a stopping learner): their groups are queued again at once, at
-    the front. Per id: released or unknown."""
-    return {"batches": await run_in_threadpool(state.hub.release, body.batch_ids)}
+    the front. Per batch id: released or unknown; per request id: released, or cancelled (granted nothing yet)."""
+    return {"batches": await run_in_threadpool(state.hub.leases.release, body.batch_ids, body.request_ids)}
 
 
 @router.post("/v1/batch/renew")

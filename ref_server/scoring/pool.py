@@ -14,6 +14,13 @@ scoring jobs taken by
 Exactly once: a job's Future is resolved by the first valid result; a later or duplicate result (a scorer whose
 lease had expired answering after all) is acknowledged and ignored. A result is checked where it enters
 (:func:`ref_server.scoring.scoring_jobs.check_result`); a bad one is refused and its job goes back to the queue.
+
+Bad scorers and bad jobs do not go round forever: a scorer that sends ``max_bad_results`` bad results (wrong
+shapes, NaN, a result for a job it does not hold) is quarantined (:class:`ref_server.scoring.pool_records.Quarantine`):
+dropped from the pool, its leases back in the queue for the others, and refused (403 with the reason) on its next
+call and when it registers again under its name. A job that failed ``job_max_failures`` times on joined scorers
+(bad results, leases that expired) fails its Future with the reasons: the hub drops the group (counted
+``dropped_ref_failure``), a route answers 503 with them.
 With no local scoring and no scorer registered, jobs wait: the hub's groups stay queued and the routes answer 503
 after ``ref_server.scorer_wait_s`` (:meth:`ScorerPool.wait_s`).
 """
@@ -21,90 +28,45 @@ after ``ref_server.scorer_wait_s`` (:meth:`ScorerPool.wait_s`).
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-import secrets
 import threading
 import time
-from collections import OrderedDict, deque
 from collections.abc import Callable
-from concurrent.futures import Future, InvalidStateError
-from dataclasses import dataclass, field
+from concurrent.futures import Future
 
-from ref_server.scoring.scorer import ReferenceScorer, Row, ScorerBusy, ScoringError
+from ref_server.scoring.pool_jobs import ScoringJobs, resolve_future
+from ref_server.scoring.pool_records import (
+    LOCAL,
+    Job,
+    JoinedScorer,
+    NoScorer,
+    Quarantine,
+    ScorerQuarantined,
+    UnknownJob,
+    UnknownScorer,
+)
+from ref_server.scoring.scorer import ReferenceScorer, ScorerBusy, ScoringError
 from ref_server.scoring.scoring_jobs import BadResult, JobSpec, check_result
 
+__all__ = ["LOCAL", "NoScorer", "ScorerPool", "ScorerQuarantined", "UnknownJob", "UnknownScorer"]
 log = logging.getLogger("grpo.ref_server.pool")
-LOCAL = "local"
 
 
-class UnknownScorer(KeyError):
-    """A scorer id this hub does not know (never registered, left, silent past its lease, or the hub restarted)."""
-
-
-class NoScorer(ScoringError):
-    """No scorer answered a route's request in time (none joined, or all busy): HTTP 503 with Retry-After."""
-
-
-class UnknownJob(KeyError):
-    """A result for a job this hub does not know (or never leased to that scorer)."""
-
-
-@dataclass
-class Job:
-    spec: JobSpec
-    future: Future
-    completion_lengths: list[int]
-    holder: str | None = None          # the scorer holding its lease (LOCAL: the hub's own), None: waiting
-    deadline: float = 0.0
-    holders: set[str] = field(default_factory=set)  # every scorer it was ever leased to: whose results count
-
-    @property
-    def tokens(self) -> int:
-        return sum(r.tokens for r in self.spec.rows)
-
-
-@dataclass
-class JoinedScorer:
-    scorer_id: str
-    name: str
-    last_seen: float
-    jobs: set[str] = field(default_factory=set)
-
-
-@dataclass
-class PoolCounters:
-    jobs_submitted: int = 0
-    jobs_scored: int = 0            # Futures resolved with a result (each exactly once)
-    jobs_failed: int = 0            # local scoring failed (out of memory on a single row, ...)
-    jobs_cancelled: int = 0         # a route stopped waiting for it
-    jobs_requeued: int = 0          # leases expired, scorers left, bad results: the job went back for another
-    results_duplicate: int = 0      # a result for a job already scored: acknowledged, ignored
-    results_refused: int = 0        # results that did not fit their job (422)
-    scorers_joined: int = 0
-    scorers_lost: int = 0           # removed after a lease's worth of silence
-
-
-class ScorerPool:
+class ScorerPool(ScoringJobs):
     def __init__(self, *, local: ReferenceScorer | None, vocab_size: int | None, lease_s: float = 30.0,
                  wait_s: float = 60.0, max_jobs: int = 1024, clock: Callable[[], float] = time.monotonic,
-                 reaper: bool = True) -> None:
+                 reaper: bool = True, max_bad_results: int = 3, job_max_failures: int = 4) -> None:
         """``reaper``: a thread calls :meth:`expire` a few times a second (tests with a ``clock`` of their own call
-        it themselves)."""
+        it themselves). ``max_bad_results``: bad results before a scorer is quarantined; ``job_max_failures``: failed
+        attempts (bad results, expired leases) before a job fails."""
+        super().__init__(max_jobs=max_jobs, job_max_failures=job_max_failures, clock=clock)
         self.local = local
+        self.max_bad_results = max_bad_results
+        self.quarantine = Quarantine()
         self.vocab_size = vocab_size
         self.lease_s = lease_s
         self._wait_s = wait_s
-        self.max_jobs = max_jobs
-        self.clock = clock
-        self.counters = PoolCounters()
-        self.cond = threading.Condition()
-        self._jobs: dict[str, Job] = {}
-        self._waiting: deque[str] = deque()
         self._scorers: dict[str, JoinedScorer] = {}
-        self._done: OrderedDict[str, None] = OrderedDict()  # recently scored or cancelled ids: late results
-        self._ids = itertools.count()
-        self._prefix = secrets.token_hex(4)
         self._local_tokens = 0
         self._closed = False
         self._threads = [threading.Thread(target=self._reap, name="scorer-pool-leases", daemon=True)] if reaper else []
@@ -115,41 +77,6 @@ class ScorerPool:
             thread.start()
 
     # -- the ReferenceScorer interface (intake, routes) ------------------------------------------------------
-    def submit(self, rows: list[Row], temperature: float = 1.0, top_k: int = 0) -> Future:
-        future: Future = Future()
-        if not rows:
-            future.set_result([])
-            return future
-        with self.cond:
-            if len(self._jobs) >= self.max_jobs:
-                raise ScorerBusy(f"{self.max_jobs} scoring jobs are already queued or leased")
-            job_id = f"{self._prefix}-{next(self._ids)}"
-            job = Job(JobSpec(job_id, rows, temperature, top_k), future,
-                      [r.tokens - r.prompt_length for r in rows])
-            self._jobs[job_id] = job
-            self._waiting.append(job_id)
-            self.counters.jobs_submitted += 1
-            self.cond.notify_all()
-        # a caller that stops waiting cancels the Future (a route's deadline, a client that hung up): the job leaves
-        future.add_done_callback(lambda f: self._forget(job_id) if f.cancelled() else None)
-        return future
-
-    def score(self, rows: list[Row], temperature: float = 1.0, timeout: float | None = None, top_k: int = 0):
-        return self.submit(rows, temperature, top_k).result(timeout=timeout)
-
-    def _forget(self, job_id: str) -> None:
-        """A cancelled job leaves the queue (a result still in flight is acknowledged, ignored)."""
-        with self.cond:
-            job = self._jobs.pop(job_id, None)
-            if job is None:
-                return
-            if job.holder is None:
-                self._waiting.remove(job_id)
-            else:
-                self._unlease(job)
-            self._remember(job_id)
-            self.counters.jobs_cancelled += 1
-
     async def result(self, future: Future):
         """The Future's rows, awaited on the event loop; with no local scoring, :class:`NoScorer` after ``wait_s``
         (the job is cancelled)."""
@@ -169,13 +96,6 @@ class ScorerPool:
     def forward_batches(self) -> int:
         """Forward passes of the hub's own scorer (0 without local scoring)."""
         return self.local.forward_batches if self.local is not None else 0
-
-    def queue_depth(self) -> int:
-        """Jobs waiting for a scorer (not leased)."""
-        return len(self._waiting)
-
-    def leased(self) -> int:
-        return len(self._jobs) - len(self._waiting)
 
     def scorers(self) -> int:
         return len(self._scorers)
@@ -199,7 +119,9 @@ class ScorerPool:
 
     # -- joined scorers --------------------------------------------------------------------------------------
     def register(self, name: str) -> str:
+        """A new scorer's id; :class:`ScorerQuarantined` for a name quarantined before."""
         with self.cond:
+            self.quarantine.check_name(name)
             scorer_id = f"{self._prefix}-s{next(self._ids)}"
             self._scorers[scorer_id] = JoinedScorer(scorer_id, name, self.clock())
             self.counters.scorers_joined += 1
@@ -258,20 +180,26 @@ class ScorerPool:
         :class:`BadResult` (the job goes back to the queue) or :class:`UnknownJob`."""
         with self.cond:
             job = self._jobs.get(job_id)
+            self.quarantine.check_id(scorer_id)
             if job is None:
                 if job_id in self._done:
                     self.counters.results_duplicate += 1
                     return "duplicate"
-                raise UnknownJob(f"no scoring job {job_id!r} (unknown, or from before a hub restart)")
+                # from before a hub restart, the scorer is unknown too (404: it registers again): not its fault
+                problem = f"no scoring job {job_id!r} (unknown, or from before a hub restart)"
+                self._bad_result(scorer_id, problem)
+                raise UnknownJob(problem)
             if scorer_id not in job.holders:
-                raise UnknownJob(f"scoring job {job_id!r} was never leased to scorer {scorer_id!r}")
+                problem = f"scoring job {job_id!r} was never leased to scorer {scorer_id!r}"
+                self._bad_result(scorer_id, problem)
+                raise UnknownJob(problem)
         try:  # the tensor checks outside the lock: the other scorers keep taking and finishing jobs meanwhile
             rows = check_result(data, job.completion_lengths, job.spec.top_k, self.vocab_size)
-        except BadResult:
+        except BadResult as exc:
             with self.cond:
-                self.counters.results_refused += 1
                 if self._jobs.get(job_id) is job and job.holder == scorer_id:
-                    self._requeue(job)
+                    self._requeue(job, failure=f"scorer {scorer_id}: {exc}")
+                self._bad_result(scorer_id, f"job {job_id}: {exc}")
             raise
         with self.cond:
             if self._jobs.get(job_id) is not job:  # another result won while this one was checked
@@ -284,39 +212,48 @@ class ScorerPool:
                 self._unlease(job)
             self._remember(job_id)
             self.counters.jobs_scored += 1
-        _resolve(job.future, rows)
+        resolve_future(job.future, rows)
         return "scored"
 
+    def bad_result(self, scorer_id: str, problem: str) -> None:
+        """A result the route refused before it reached :meth:`finish` (it names another job than its path)."""
+        with self.cond:
+            self._bad_result(scorer_id, problem)
+
     # -- inside ----------------------------------------------------------------------------------------------
+    def _bad_result(self, scorer_id: str, problem: str) -> None:
+        """Under the lock: count a bad result against a registered scorer; quarantine it at ``max_bad_results``."""
+        self.counters.results_refused += 1
+        scorer = self._scorers.get(scorer_id)
+        if scorer is None:
+            return
+        scorer.bad_results += 1
+        if scorer.bad_results < self.max_bad_results:
+            return
+        reason = (f"{scorer.bad_results} bad results (ref_server.scorer_max_bad_results is {self.max_bad_results}),"
+                  f" the last: {problem}")
+        self.quarantine.add(scorer, reason)
+        del self._scorers[scorer_id]
+        self.counters.scorers_quarantined += 1
+        held = list(scorer.jobs)
+        for job_id in held:
+            self._requeue(self._jobs[job_id])
+        log.error("scorer %s (%s) quarantined: %s; its %d jobs go to the others", scorer.name, scorer_id, reason,
+                  len(held))
+
     def _scorer(self, scorer_id: str) -> JoinedScorer:
+        self.quarantine.check_id(scorer_id)
         scorer = self._scorers.get(scorer_id)
         if scorer is None:
             raise UnknownScorer(f"no scorer {scorer_id!r} is registered (register again)")
         return scorer
-
-    def _lease(self, job: Job, holder: str) -> None:
-        job.holder = holder
-        job.holders.add(holder)
-        job.deadline = self.clock() + self.lease_s
 
     def _unlease(self, job: Job) -> None:
         """Under the lock: the job is no longer held by its scorer."""
         scorer = self._scorers.get(job.holder or "")
         if scorer is not None:
             scorer.jobs.discard(job.spec.job_id)
-        job.holder = None
-
-    def _requeue(self, job: Job) -> None:
-        """Under the lock: a leased job back at the front of the queue, for any scorer."""
-        self._unlease(job)
-        self._waiting.appendleft(job.spec.job_id)
-        self.counters.jobs_requeued += 1
-        self.cond.notify_all()
-
-    def _remember(self, job_id: str) -> None:
-        self._done[job_id] = None
-        while len(self._done) > 4 * self.max_jobs:
-            self._done.popitem(last=False)
+        super()._unlease(job)
 
     def expire(self) -> int:
         """Leases past their deadline go back to the queue; scorers silent for ``lease_s`` are removed. Returns
@@ -330,7 +267,7 @@ class ScorerPool:
             overdue = [j for j in self._jobs.values() if j.holder not in (None, LOCAL) and j.deadline < now]
             for job in overdue:
                 log.warning("scoring job %s: lease of %s expired; back in the queue", job.spec.job_id, job.holder)
-                self._requeue(job)
+                self._requeue(job, failure=f"the lease of scorer {job.holder} expired")
             return len(overdue)
 
     def _reap(self) -> None:
@@ -380,17 +317,6 @@ class ScorerPool:
             else:
                 self.counters.jobs_failed += 1
         if error is None:
-            _resolve(job.future, future.result())
+            resolve_future(job.future, future.result())
         else:
-            _resolve(job.future, error=error)
-
-
-def _resolve(future: Future, rows=None, error: BaseException | None = None) -> None:
-    """Resolve a job's Future unless its caller cancelled it meanwhile (then nobody waits for it)."""
-    try:
-        if error is None:
-            future.set_result(rows)
-        else:
-            future.set_exception(error)
-    except InvalidStateError:
-        pass
+            resolve_future(job.future, error=error)

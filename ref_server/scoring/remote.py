@@ -8,7 +8,7 @@ scoring jobs (:mod:`ref_server.scoring.scorer_routes`) until told to stop.
   handed to another scorer; a scorer killed stops renewing and its jobs go back after one lease.
 * The hub answering 404 for this scorer (it restarted, or it removed a scorer it had not heard from) means: register
   again. A hub that stays unreachable past ``retry_max_s`` ends the scorer (exit 1); a model the hub refuses (409)
-  ends it at once (exit 2).
+  ends it at once (exit 2), and so does a hub that quarantined it for bad results (403, with the hub's reason).
 * SIGTERM/SIGINT: the loops finish the jobs they hold, post them, and the scorer leaves (its nothing-left leases are
   dropped at once instead of after a lease).
 """
@@ -58,8 +58,8 @@ class RemoteScorer:
             try:
                 answer = self.client._request("POST", "/v1/scorers", json=body).json()
             except HubError as exc:
-                if exc.status in (404, 409):
-                    raise ScorerRefused(f"the hub at {self.client.base_url} refused this scorer: {exc.detail}") from None
+                if exc.status in (403, 404, 409):
+                    raise self._refused(exc) from None
                 raise
             self.scorer_id, self.lease_s = answer["scorer_id"], float(answer["lease_s"])
             self.registrations += 1
@@ -67,6 +67,9 @@ class RemoteScorer:
                      self.scorer_id, answer["hub_instance"], self.lease_s,
                      "" if self.registrations == 1 else " again")
             return self.scorer_id
+
+    def _refused(self, exc: HubError) -> ScorerRefused:
+        return ScorerRefused(f"the hub at {self.client.base_url} refused this scorer: {exc.detail}")
 
     def leave(self) -> None:
         with self._lock:
@@ -113,6 +116,8 @@ class RemoteScorer:
             try:
                 self.client._request("POST", f"/v1/scorers/{scorer_id}/heartbeat")
             except HubError as exc:
+                if exc.status == 403:   # quarantined for bad results: the hub says why
+                    raise self._refused(exc) from None
                 if exc.status != 404:
                     raise
                 log.warning("the hub does not know this scorer any more (restarted?): registering again")
@@ -126,6 +131,8 @@ class RemoteScorer:
                     "GET", f"/v1/scorers/{scorer_id}/work", ok=(200, 204), params={"wait_s": self.poll_s},
                     timeout_s=self.client.timeout_s + self.poll_s)
             except HubError as exc:
+                if exc.status == 403:
+                    raise self._refused(exc) from None
                 if exc.status != 404:
                     raise
                 self.register(scorer_id)
@@ -147,6 +154,8 @@ class RemoteScorer:
             answer = self.client._request("POST", f"/v1/scorers/{scorer_id}/results/{job.job_id}", data=body,
                                           headers={"Content-Type": OCTET}).json()
         except HubError as exc:  # 404: the hub restarted (the job is in its spool again); 422: a bug here
+            if exc.status == 403:
+                raise self._refused(exc) from None
             log.warning("result of job %s not taken: %s", job.job_id, exc)
             return
         tokens = sum(r.tokens - r.prompt_length for r in job.rows)

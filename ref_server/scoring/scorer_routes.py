@@ -8,6 +8,8 @@
   job or scorer.
 * ``POST /v1/scorers/{id}/heartbeat`` (renews its leases; 404: register again), ``DELETE /v1/scorers/{id}`` (leave:
   its jobs go back to the queue at once).
+* A scorer quarantined for bad results (``ref_server.scorer_max_bad_results``, :mod:`ref_server.scoring.pool`) is
+  answered 403 with the reason on every route, registration under its name included: it must stop.
 Every route needs the hub's token like any other; a result body is bounded by ``ref_server.max_request_bytes``.
 """
 
@@ -22,7 +24,7 @@ from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
 from ref_server.http import OCTET, State, binary_body, read_body
-from ref_server.scoring.pool import ScorerPool, UnknownJob, UnknownScorer
+from ref_server.scoring.pool import ScorerPool, ScorerQuarantined, UnknownJob, UnknownScorer
 from ref_server.scoring.scoring_jobs import BadResult, encode_job, result_job_id
 from ref_server.state import ServerState
 from shared.protocol.wire import WireError
@@ -65,7 +67,10 @@ async def register(body: ScorerRegistration, state: State) -> dict:
     problem = _model_mismatch(state, body)
     if problem is not None:
         raise HTTPException(409, problem)
-    scorer_id = pool.register(body.name)
+    try:
+        scorer_id = pool.register(body.name)
+    except ScorerQuarantined as exc:
+        raise HTTPException(403, str(exc)) from None
     return {"scorer_id": scorer_id, "hub_instance": state.instance, "lease_s": pool.lease_s,
             "model": (state.model_identity or {}).get("model"), "vocab_size": state.vocab_size}
 
@@ -75,6 +80,8 @@ def _known(pool: ScorerPool, fn, *args):
         return fn(*args)
     except UnknownScorer as exc:
         raise HTTPException(404, str(exc.args[0])) from None
+    except ScorerQuarantined as exc:
+        raise HTTPException(403, str(exc)) from None
 
 
 @router.get("/v1/scorers/{scorer_id}/work")
@@ -109,9 +116,11 @@ async def result(request: Request, scorer_id: Id, job_id: Id, state: State) -> d
         raise HTTPException(400, str(exc)) from None
     pool = _pool(state)
     if named != job_id:
-        raise HTTPException(422, f"the result names job {named!r}, the path {job_id!r}")
+        problem = f"the result names job {named!r}, the path {job_id!r}"
+        await run_in_threadpool(_known, pool, pool.bad_result, scorer_id, problem)
+        raise HTTPException(422, problem)
     try:
-        status = await run_in_threadpool(pool.finish, scorer_id, job_id, body)
+        status = await run_in_threadpool(_known, pool, pool.finish, scorer_id, job_id, body)
     except UnknownJob as exc:
         raise HTTPException(404, str(exc.args[0])) from None
     except BadResult as exc:
@@ -131,4 +140,4 @@ async def heartbeat(scorer_id: Id, state: State) -> dict:
 async def leave(scorer_id: Id, state: State) -> dict:
     """The scorer stops: the jobs it holds go back to the queue for the others at once."""
     pool = _pool(state)
-    return {"requeued": pool.leave(scorer_id)}
+    return {"requeued": _known(pool, pool.leave, scorer_id)}

@@ -179,8 +179,10 @@ def check_books(job: Job, max_steps: int) -> dict:
     assert len(trained) == len(set(trained)) == max_steps * GROUPS_PER_STEP * 2
     assert accounting_gap(stats, inflow=0) == 0, stats
     assert stats["consumed"] == len(trained), stats
-    # leased_groups may be > 0: a batch the stopping learner's prefetch thread was granted as it closed is held
-    # until its lease expires (still spooled, counted in the books above, queued again then)
+    # nothing left leased or expired: each rank leased exactly the batches it trained (none past max_steps), and
+    # whatever a stopping rank's long poll is granted goes back at once (learner/prefetch.py)
+    assert stats["leased"] == stats["consumed"] and stats["leased_groups"] == 0, stats
+    assert stats["lease_expired"] == 0, stats
     assert stats["quarantined"] == 0 and stats["spool_corrupt"] == 0, stats
     return stats
 

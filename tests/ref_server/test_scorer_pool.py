@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ref_server.scoring.pool import LOCAL, ScorerPool, UnknownJob, UnknownScorer
-from ref_server.scoring.scorer import ReferenceScorer, Row, ScorerBusy, TopRow
+from ref_server.scoring.pool import LOCAL, ScorerPool, ScorerQuarantined, UnknownJob, UnknownScorer
+from ref_server.scoring.scorer import ReferenceScorer, Row, ScorerBusy, ScoringError, TopRow
 from ref_server.scoring.scoring_jobs import BadResult, check_result, decode_job, encode_job, encode_result
 from shared.protocol.wire import encode
 
@@ -88,6 +88,7 @@ def test_an_expired_lease_puts_the_job_back_for_another_scorer_and_the_first_val
 
 
 def test_a_malformed_result_is_refused_and_its_job_goes_back(pool):
+    pool.max_bad_results = pool.job_max_failures = 10   # the checks alone (quarantine: test_scorer_quarantine.py)
     a = pool.register("a")
     future = pool.submit(rows_of(4, 6))
     job = pool.take(a, 0)
@@ -104,6 +105,47 @@ def test_a_malformed_result_is_refused_and_its_job_goes_back(pool):
     assert pool.counters.results_refused == len(bad)
     assert pool.finish(a, job.job_id, answer(job)) == "scored"
     assert [r.numel() for r in future.result(timeout=1)] == [2, 4]
+
+
+def test_a_scorer_is_quarantined_after_max_bad_results_and_the_others_get_its_jobs(pool):
+    pool.max_bad_results = 2
+    a, b = pool.register("a"), pool.register("b")
+    futures = [pool.submit(rows_of(4)), pool.submit(rows_of(3))]
+    first, second = pool.take(a, 0), pool.take(a, 0)
+    with pytest.raises(BadResult):
+        pool.finish(a, first.job_id, encode_result(first.job_id, [torch.full((1,), -0.1)]))  # the wrong shape
+    assert pool.scorers() == 2 and pool.queue_depth() == 1
+    with pytest.raises(UnknownJob):
+        pool.finish(a, "not-its-job", answer(second))   # a result for a job it does not hold: the second bad one
+    # quarantined: out of the pool, the job it still held back in the queue at once, refused from now on
+    assert pool.scorers() == 1 and pool.queue_depth() == 2 and pool.counters.scorers_quarantined == 1
+    for call in (lambda: pool.take(a, 0), lambda: pool.heartbeat(a), lambda: pool.register("a"),
+                 lambda: pool.finish(a, second.job_id, answer(second))):
+        with pytest.raises(ScorerQuarantined, match="ref_server.scorer_max_bad_results is 2"):
+            call()
+    for _ in range(2):
+        job = pool.take(b, 0)
+        assert pool.finish(b, job.job_id, answer(job)) == "scored"
+    assert [len(f.result(timeout=1)) for f in futures] == [1, 1] and pool.counters.results_refused == 2
+
+
+def test_a_job_failing_job_max_failures_times_fails_its_future_instead_of_going_round(pool, clock):
+    pool.job_max_failures = 2
+    a = pool.register("a")
+    future = pool.submit(rows_of(4))
+    pool.take(a, 0)
+    clock.now += 11   # a's lease (10 s) runs out without a heartbeat: a failed attempt
+    assert pool.expire() == 1 and not future.done()
+    b = pool.register("b")
+    job = pool.take(b, 0)
+    with pytest.raises(BadResult):
+        pool.finish(b, job.job_id, encode_result(job.job_id, [torch.full((2,), float("nan"))]))
+    with pytest.raises(ScoringError, match=r"failed 2 times on joined scorers \(ref_server.scoring_job_max_failures "
+                                           r"is 2\): the lease of scorer .* expired; scorer .*not finite"):
+        future.result(timeout=5)
+    assert pool.queue_depth() == 0 and pool.leased() == 0 and pool.take(b, 0) is None
+    assert pool.counters.jobs_given_up == 1 and pool.counters.scorers_quarantined == 0
+    assert pool.finish(b, job.job_id, answer(job)) == "duplicate"   # a late result for it is ignored
 
 
 def test_results_count_only_from_a_scorer_the_job_was_leased_to(pool):

@@ -130,7 +130,17 @@ class LearnerConfig(StrictModel):
         300.0, gt=0, allow_inf_nan=False, description="Several ranks (RANK/WORLD_SIZE set by torchrun, deepspeed or "
         "the Slurm template): how long a rank other than 0 waits for rank 0's rendezvous at MASTER_ADDR:MASTER_PORT "
         "to accept connections before failing with that address in the error (rank 0 checks at once that "
-        "MASTER_ADDR is one of its own addresses). Collectives after start keep torch's own timeout.")
+        "MASTER_ADDR is one of its own addresses). Collectives after start are bounded by collective_timeout_s.")
+    collective_timeout_s: float = Field(
+        300.0, gt=0, allow_inf_nan=False, description="Several ranks: how long a rank waits for its peers in any "
+        "collective after start-up (gradient all-reduce, the ranks' agreement on each batch, checkpoints) before it "
+        "fails with this setting named and exits 1, instead of hanging for DeepSpeed's 10-minute default when a "
+        "peer died, hangs or is cut off (the Slurm template's --kill-on-bad-exit then ends the others). Must exceed "
+        "the longest a rank can legitimately be ahead of another: a checkpoint save, the final export, the slowest "
+        "step, the difference in model loading between ranks at start. It also bounds how long rank 0 waits at start "
+        "for the other ranks to connect (torch's init_process_group; how long they try to reach it is "
+        "rendezvous_timeout_s). Waiting for groups from the hub is not such a wait (the ranks agree every few seconds "
+        "while they wait).")
     device: str = Field("auto", description="'auto', 'cpu' or 'cuda' (each rank uses its LOCAL_RANK GPU).")
     attn_implementation: str | None = Field(
         None, description="Attention kernel of the policy, set on the loaded model (transformers' "

@@ -113,6 +113,17 @@ class RefServerConfig(StrictModel):
         60.0, gt=0, allow_inf_nan=False, description="Without local scoring: how long /v1/logprobs and "
         "/v1/completions wait for a joined scorer to answer before replying 503 with Retry-After and the reason "
         "(never hanging forever when no scorer is registered).")
+    scorer_max_bad_results: int = Field(
+        3, ge=1, le=1000, description="Bad results a joined scorer may send (a result of the wrong shape or dtype, "
+        "not finite, above 0, or for a job it does not hold) before the hub quarantines it: it is dropped from the "
+        "pool, the jobs it holds go to the other scorers at once, and its next call (and a new registration under "
+        "its name) is refused 403 with the reason; counted as scorers_quarantined in /metrics. A few, not 1: one bad "
+        "result can be a transient fault, and each is refused and its job scored elsewhere anyway.")
+    scoring_job_max_failures: int = Field(
+        4, ge=1, le=1000, description="Failed attempts at one scoring job on joined scorers (bad results, leases "
+        "that expired: a scorer killed or hung on it) before the hub gives up on it instead of handing it round "
+        "forever: a group is dropped with the reasons in the log (dropped_ref_failure in /v1/hub/stats), a "
+        "/v1/logprobs or /v1/completions request answers 503 with them; counted as jobs_given_up in /metrics.")
     max_scoring_jobs: int = Field(
         1024, ge=1, description="Scoring jobs (a group, or a /v1/logprobs request) the scorer pool holds waiting or "
         "leased; /v1/logprobs answers 503 with Retry-After above.")
