@@ -10,11 +10,11 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Path, Query, Request
-from fastapi.responses import FileResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from starlette.concurrency import run_in_threadpool
 
 from ref_server.http import OCTET, State, binary_body
+from ref_server.relay.open_file import OpenFileResponse, open_version
 from shared.protocol.client import LEARNER_SESSION_HEADER
 from shared.protocol.records import MAX_VERSION
 from shared.protocol.weight_sync_messages import (
@@ -242,7 +242,10 @@ async def upload_weights(request: Request, version: VersionPath,
 
 @router.get("/v1/weights/{version}", responses={200: {"content": {OCTET: {}}}})
 async def download_weights(version: VersionPath, state: State):
+    """A stored version, opened here: one pruned meanwhile is a 404 (the generator reads the current version
+    again), never a 500 (see :mod:`ref_server.relay.open_file`)."""
     path = state.weights.path_for(version)
-    if path is None:
+    file = await run_in_threadpool(open_version, path)
+    if file is None:
         raise HTTPException(404, f"weights version {version} is not available (current: {state.weights.current})")
-    return FileResponse(path, media_type=OCTET, filename=path.name)
+    return OpenFileResponse(file, path.name, OCTET)

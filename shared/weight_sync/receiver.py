@@ -93,6 +93,7 @@ class WeightReceiver:
         self.stats = stats
         self.last_load_s = 0.0
         self.connected = False              # the engine holds a group with the learner
+        self.offer: Offer | None = None     # ... formed from this offer
 
     # -- the loop's entry point ----------------------------------------------------------------------------
     def sync(self, have: int) -> int | None:
@@ -162,7 +163,14 @@ class WeightReceiver:
         return transport != "http"
 
     def _connect(self, offer: Offer, have: int) -> int | None:
-        """The late joiner's order: the offered relay version over HTTP, then the group."""
+        """The late joiner's order: the offered relay version over HTTP, then the group. The hub answers "connect"
+        with the same offer until the learner's link reports the group formed, so a poll that comes before that
+        report (a learner whose training thread holds the interpreter lock delays it) repeats an offer this engine
+        already holds: it keeps its group. Joining the offer's store again would form nothing: the learner's rank
+        builds its group once, and the store still holds that formation's addresses (gloo then waits out its
+        connect timeout, five times ``weight_sync.timeout_s``, and the generator falls back to HTTP)."""
+        if self.connected and offer == self.offer:
+            return None
         loaded = None
         relay = offer.relay_version
         if relay is not None and (relay > have or self.inconsistent):
@@ -182,13 +190,13 @@ class WeightReceiver:
             self.close()
             self.mode = "http"
             return loaded
-        self.connected = True
+        self.connected, self.offer = True, offer
         log.info("weight sync: connected to %s (%s)", offer.group_id, offer.backend)
         return loaded
 
     def _disconnect(self) -> None:
         self.member_id = None
-        self.connected = False
+        self.connected, self.offer = False, None
         if hasattr(self.engine, "disconnect_weight_group"):
             self.engine.disconnect_weight_group()
 
