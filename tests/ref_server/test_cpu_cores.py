@@ -18,8 +18,8 @@ from deploy.preflight import RUN_CHECKS, PreflightError, require
 from ref_server.cpu_cores import cpu_cores_problem
 from shared.config.loader import ConfigError, load_config
 from shared.config.schema import GRPOConfig, RefServerConfig
-from shared.protocol.health import ServerExited, wait_healthy
 from shared.ports import bind_port
+from shared.protocol.health import ServerExited, wait_healthy
 
 GRPO = str(Path(sys.executable).parent / "grpo")
 
