@@ -95,8 +95,8 @@ UPLOAD_STAGES = ("group decode+validate", "spool write+fsync", "spool rename", "
 LEASE_STAGES = ("batch assembly", "batch serialisation", "ack (+ spool unlink)")
 
 
-def serve_hub(port_file: str, spool_dir: str | None, capacity: int, max_staleness: int, ungated: bool = False
-              ) -> None:
+def serve_hub(port_file: str, spool_dir: str | None, capacity: int, max_staleness: int, ungated: bool = False,
+              cores: list[int] | None = None) -> None:
     """The real app (as ``grpo ref-server`` builds it, without a model) with stage clocks; ``GET /bench/stages``
     answers them. Writes its port to ``port_file`` once bound."""
     import socket
@@ -105,6 +105,7 @@ def serve_hub(port_file: str, spool_dir: str | None, capacity: int, max_stalenes
 
     from ref_server import http as _http  # noqa: F401  (the app's modules, imported before they are patched)
     from ref_server.app import create_app
+    from ref_server.cpu_cores import pin_process
     from ref_server.header_deadline import header_deadline_protocol
     from ref_server.hub import leases, routes
     from ref_server.hub.intake import Intake
@@ -127,8 +128,9 @@ def serve_hub(port_file: str, spool_dir: str | None, capacity: int, max_stalenes
     config = GRPOConfig.model_validate({
         "algorithm": {"loss": {"beta": 0.0}},
         "ref_server": {"model": None, "spool_dir": spool_dir, "queue_capacity": capacity,
-                       "max_staleness": max_staleness, "max_long_poll_s": 5.0},
+                       "max_staleness": max_staleness, "max_long_poll_s": 5.0, "cpu_cores": cores},
     })
+    pin_process(config.ref_server.cpu_cores)  # as `grpo ref-server` does, before uvicorn starts its threads
     state = build_state(config)
     if ungated:  # the comparison: uploads decode and lay out rows in parallel (the hub before its CPU gate)
         state.hub.intake.cpu_gate = None
@@ -351,7 +353,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--capacity", type=int, default=1024, help="ref_server.queue_capacity")
     p.add_argument("--max-staleness", type=int, default=4)
     p.add_argument("--hub-cores", type=int, nargs="+",
-                   help="run the hub's process on these cores only (e.g. 0: one core, its threads never in parallel)")
+                   help="ref_server.cpu_cores: run the hub's process on these cores only (e.g. 0: one core, its threads never "
+                   "in parallel)")
     p.add_argument("--client-procs", type=int, default=2)
     p.add_argument("--duration", type=float, default=20.0, help="measured seconds per phase")
     p.add_argument("--warmup", type=float, default=3.0)
@@ -375,9 +378,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.serve_hub:
-        if args.hub_cores:  # before any thread starts: they all inherit it
-            os.sched_setaffinity(0, args.hub_cores)
-        serve_hub(args.serve_hub, args.spool_dir, args.capacity, args.max_staleness, args.ungated)
+        serve_hub(args.serve_hub, args.spool_dir, args.capacity, args.max_staleness, args.ungated, args.hub_cores)
         return 0
     phases = [run_phase(args, name) for name in args.phases]
     print(f"hub capacity: {args.generators} generators x {args.rate:.2f} groups/s, {args.groups_per_upload} groups "

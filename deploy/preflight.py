@@ -4,7 +4,8 @@ services started (or after ~50 s of model-hub retries), reported together, one l
 * ``grpo check-config`` and the top of ``grpo run`` (:data:`CONFIG_CHECKS`, plus :data:`RUN_CHECKS` for a run):
   the model folders, the dataset (readable, with the fields the task and the rewards need), the rewards (built as
   the generator builds them: a python reward's file or module imported and its signature checked against its
-  documented contract), a reference model when the KL penalty needs one, and, for ``grpo run``, the hub's port.
+  documented contract), a reference model when the KL penalty needs one, and, for ``grpo run``, the hub's port
+  and cores (``ref_server.cpu_cores``; ``grpo ref-server`` checks both too).
 * ``grpo learner``, ``grpo generator``, ``grpo eval``: their model folder (:func:`require_models`); the generator
   and ``grpo eval`` build their rewards and prompts before any model loads anyway.
 
@@ -239,7 +240,7 @@ def dataset_problems(config: GRPOConfig) -> list[str]:
     return problems
 
 
-# -- the port -----------------------------------------------------------------------------------------------------
+# -- the hub's port and cores ---------------------------------------------------------------------------------------
 def port_problems(config: GRPOConfig) -> list[str]:
     from shared.ports import port_problem, token_problem
 
@@ -249,12 +250,20 @@ def port_problems(config: GRPOConfig) -> list[str]:
     return [p for p in problems if p]
 
 
+def cpu_core_problems(config: GRPOConfig) -> list[str]:
+    """ref_server.cpu_cores lists only cores this process (and so the ref server it starts) may run on."""
+    from ref_server.cpu_cores import cpu_cores_problem
+
+    problem = cpu_cores_problem(config.ref_server.cpu_cores)
+    return [problem] if problem else []
+
+
 # -- running them -------------------------------------------------------------------------------------------------
 Check = Callable[[GRPOConfig], list[str]]
 CONFIG_CHECKS: dict[str, Check] = {"models": model_problems, "reference": reference_problems,
                                    "dataset": dataset_problems, "rewards": reward_problems,
                                    "environment": environment_problems}
-RUN_CHECKS: dict[str, Check] = {**CONFIG_CHECKS, "port": port_problems}
+RUN_CHECKS: dict[str, Check] = {**CONFIG_CHECKS, "port": port_problems, "cpu_cores": cpu_core_problems}
 
 
 @dataclass

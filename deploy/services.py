@@ -59,7 +59,8 @@ def cmd_ref_server(args: argparse.Namespace) -> int:
 
     config = load_with_flags(args, {"model": "ref_server.model", "host": "ref_server.host", "port": "ref_server.port",
                                     "token": "ref_server.token", "access_log": "ref_server.access_log"})
-    require(config, ["port"])  # a port in use: one line at once, not after seconds of imports (serve binds it again)
+    # a port in use, a core this machine lacks: one line at once, not after seconds of imports (serve checks again)
+    require(config, ["port", "cpu_cores"])
     from ref_server.server import serve
 
     serve(config)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ref_server.app import create_app
 from ref_server.body_limits import BodyLimits
+from ref_server.cpu_cores import pin_process
 from ref_server.header_deadline import header_deadline_protocol
 from ref_server.hub.rollout_hub import RolloutHub
 from ref_server.scoring.loading import ModelLoadError, load_reference_model, load_reference_scorer
@@ -108,6 +109,7 @@ def serve(config: GRPOConfig) -> None:
 
     cfg = config.ref_server
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    pin_process(cfg.cpu_cores)  # before the model loads and uvicorn starts: every thread started later inherits it
     # bound before the model loads and before "ready" is logged: a port in use fails at once, naming its holder
     problem = token_problem(cfg.host, cfg.resolved_token())
     if problem:

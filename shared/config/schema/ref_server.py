@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from shared.config.schema.base import StrictModel
 from shared.config.schema.paths import template_help
@@ -127,10 +127,30 @@ class RefServerConfig(StrictModel):
     max_scoring_jobs: int = Field(
         1024, ge=1, description="Scoring jobs (a group, or a /v1/logprobs request) the scorer pool holds waiting or "
         "leased; /v1/logprobs answers 503 with Retry-After above.")
+    cpu_cores: list[int] | None = Field(
+        None, min_length=1, description="CPU cores (as the kernel numbers them, e.g. [0]) the ref server's process "
+        "and all its threads run on, set at start (sched_setaffinity) and logged. Null: no pinning, the process may "
+        "run on any core it was given. The hub's threads share one interpreter lock: on a small machine one core "
+        "serves more groups with less upload latency than threads floating over all cores (docs/hub-capacity.md). "
+        "A reference model scored in this process (local_scoring) is limited to these cores too. A core this "
+        "process may not use is an error before the server starts.")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Server log level.")
     access_log: bool = Field(False, description="Log one line per HTTP request (uvicorn's access log; "
                              "`grpo ref-server --access-log`). Off by default: a training run makes several "
                              "requests per step, and they drowned everything else in the log.")
+
+    @field_validator("cpu_cores")
+    @classmethod
+    def _cores_valid(cls, cores: list[int] | None) -> list[int] | None:
+        if cores is None:
+            return None
+        negative = [c for c in cores if c < 0]
+        if negative:
+            raise ValueError(f"core numbers are >= 0, got {negative[0]}")
+        repeated = sorted({c for c in cores if cores.count(c) > 1})
+        if repeated:
+            raise ValueError(f"core {repeated[0]} is listed more than once")
+        return cores
 
     def resolved_token(self) -> str | None:
         """The hub's bearer token: ``token``, else the GRPO_TOKEN environment variable, else None (no auth)."""
