@@ -26,14 +26,8 @@ from shared.protocol.records import TrainBatch
 from tests.live_server import LiveServer, make_config
 from tests.ref_server.helpers import make_group
 
+from .test_prefetch import wait_until
 from .test_publish_resume import fill_hub, learner_config, run_learner
-
-
-def wait_until(predicate, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.005)
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ from shared.protocol.weight_sync_messages import MemberPoll
 from shared.weight_sync.publisher import WeightPublisher
 from shared.weight_sync.receiver import WeightReceiver
 from tests.live_server import LiveServer, make_config
+from tests.weight_sync.test_lora_publish import sync_until
 from tests.weight_sync.test_weight_sync import CFG, client, wait_for
 
 pytestmark = pytest.mark.slow  # a live hub
@@ -26,15 +27,6 @@ SYNC = WeightSyncConfig(**{**CFG, "timeout_s": 2.0})  # a failed re-connect: glo
 @pytest.fixture
 def learner(tiny_model_dir):
     return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-
-
-def sync_until(receiver: WeightReceiver, have: int, version: int, timeout_s: float = 30.0) -> int:
-    deadline = time.monotonic() + timeout_s
-    while have < version:
-        assert time.monotonic() < deadline, f"stuck at version {have}"
-        have = receiver.sync(have) or have
-        time.sleep(0.02)
-    return have
 
 
 def test_a_repeated_offer_keeps_the_group_and_a_generator_that_left_joins_a_new_one(tiny_model_dir, learner, tmp_path):
