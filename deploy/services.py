@@ -55,12 +55,16 @@ def load_with_flags(args: argparse.Namespace, flag_keys: dict[str, str]):
 
 def cmd_ref_server(args: argparse.Namespace) -> int:
     """Serve reference logprobs, the rollout hub and the weight relay."""
-    from deploy.preflight import require
+    from deploy.preflight import require, require_models
 
     config = load_with_flags(args, {"model": "ref_server.model", "host": "ref_server.host", "port": "ref_server.port",
                                     "token": "ref_server.token", "access_log": "ref_server.access_log"})
-    # a port in use, a core this machine lacks: one line at once, not after seconds of imports (serve checks again)
+    # a port in use, a core this machine lacks, a missing model folder: one line at once, not after seconds of
+    # imports (serve checks again); without ref_server.model the hub only queues and relays
     require(config, ["port", "cpu_cores"])
+    require_models({key: path for key, path in (("ref_server.model", config.ref_server.model),
+                                                ("ref_server.prm_model", config.ref_server.prm_model))
+                    if path is not None})
     from ref_server.server import serve
 
     serve(config)

@@ -63,12 +63,15 @@ def test_grpo_run_stops_every_mistake_before_any_service_starts(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("command", [["learner"], ["generator"], ["eval", "--model", "runs/missing-model"]])
+@pytest.mark.parametrize("command", [["learner"], ["generator"], ["eval", "--model", "runs/missing-model"],
+                                     ["ref-server"], ["scorer"]])
 def test_a_missing_model_folder_is_one_line_at_once_with_no_hub_retries(tmp_path, command):
     (tmp_path / "runs").mkdir()
-    flags = ["--set", "learner.model=runs/missing-model", "--set", "generator.model=runs/missing-model"]
+    flags = ["--set", "learner.model=runs/missing-model", "--set", "generator.model=runs/missing-model",
+             "--set", "ref_server.model=runs/missing-model"]
     result, seconds = grpo(*command, *flags, cwd=tmp_path)
-    key = "--model" if command[0] == "eval" else f"{command[0]}.model"
+    key = {"eval": "--model", "ref-server": "ref_server.model", "scorer": "ref_server.model"}.get(
+        command[0], f"{command[0]}.model")
     line = one_line_error(result, command[0])
     assert line.startswith(f"grpo {command[0]}: error: {key}: no model folder runs/missing-model (from {tmp_path})")
     assert seconds < COMMAND_BOUND_S

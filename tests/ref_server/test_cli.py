@@ -48,7 +48,8 @@ def test_ref_server_missing_model_is_a_clear_error(tmp_path):
     result = subprocess.run([GRPO, "ref-server", "--model", str(tmp_path / "nope"), "--port", str(_free_port())],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
-    assert "has no config.json" in result.stderr and "Traceback" not in result.stderr
+    assert f"ref_server.model: no model folder {tmp_path / 'nope'}" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 @pytest.mark.slow
