@@ -84,7 +84,7 @@ def fork_service(argv: list[str], env: dict[str, str],
             os.dup2(write_fd, 1)
             os.dup2(write_fd, 2)
             os.close(write_fd)
-            code = _run_service(argv, env, entry)
+            code = run_as_service(argv, env, entry)
         except BaseException:  # noqa: BLE001 - reported on the service's own output, and the exit status says so
             traceback.print_exc()
         finally:
@@ -99,7 +99,7 @@ def fork_service(argv: list[str], env: dict[str, str],
     return ForkedProcess(pid, stdout, ["grpo", *argv])
 
 
-def _run_service(argv: list[str], env: dict[str, str], entry: Callable[[list[str]], int]) -> int:
+def run_as_service(argv: list[str], env: dict[str, str], entry: Callable[[list[str]], int]) -> int:
     """In the child: become the service a fresh ``python -m deploy.cli ARGV`` would be, run it, run the exit
     handlers; the exit status."""
     signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -25,6 +25,7 @@ from deploy.demo.tiny_model import build_char_tokenizer
 from generator.tasks.arithmetic import ArithmeticTask, make_problem
 from shared.config.loader import load_config
 from shared.errors import UsageError
+from tests import service_forks as forks
 
 CONFIG = "deploy/configs/tiny-calculator-cpu.yaml"
 TASK = ArithmeticTask(min_value=10, max_value=99, ops=("*",))
@@ -130,7 +131,6 @@ def test_the_calculator_demo_runs_end_to_end_and_reports_tool_call_rates(tmp_pat
     """`grpo demo` on the calculator config at a toy size: a few warm-up steps, 2 learner steps, 8 held-out
     problems; summary.json has the before/after fields and the curve is written."""
     import os
-    import subprocess
     import sys
     from pathlib import Path
 
@@ -145,7 +145,7 @@ def test_the_calculator_demo_runs_end_to_end_and_reports_tool_call_rates(tmp_pat
                 "demo.heldout_examples": 8, "eval.num_examples": 8, "eval.k": 2, "learner.batch_wait_s": 2.0}
     grpo = str(Path(sys.executable).parent / "grpo")
     command = [grpo, "demo", "--config", CONFIG, *(f"--set={k}={v}" for k, v in settings.items())]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=280,
+    result = forks.run(command, capture_output=True, text=True, timeout=280,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     summary = json.loads((run_dir / "summary.json").read_text())

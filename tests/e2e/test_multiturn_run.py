@@ -4,11 +4,11 @@ calculator wrote."""
 
 import json
 import os
-import subprocess
 
 import pytest
 
 from generator.environments.calculator import Calculator
+from tests import service_forks as forks
 from tests.calc_model import PROBLEMS
 
 from .test_run import GRPO, free_port, stray_processes, write_config
@@ -38,7 +38,7 @@ def test_grpo_run_with_the_calculator_masks_exactly_the_environment_tokens(calc_
         sampling={"max_tokens": 24, "temperature": 0.5},
         environment={"name": "calculator", "max_turns": 3, "max_total_tokens": 64})
     config.write_text(json.dumps(cfg))
-    result = subprocess.run([GRPO, "run", str(config)], capture_output=True, text=True, timeout=600,
+    result = forks.run([GRPO, "run", str(config)], capture_output=True, text=True, timeout=600,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stdout[-4000:]
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

@@ -14,13 +14,14 @@ import re
 import shlex
 import shutil
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 import yaml
+
+from tests import service_forks as forks
 
 ROOT = Path(__file__).resolve().parents[2]
 GRPO = str(Path(sys.executable).parent / "grpo")
@@ -84,7 +85,7 @@ def test_the_readme_section_trains_as_written(tmp_path, tiny_model_dir):
     for command in commands:
         argv = [GRPO, *shlex.split(command)[1:], "--set", f"ref_server.port={port}"]
         started = time.perf_counter()
-        result = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=150)
+        result = forks.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=150)
         assert result.returncode == 0, f"{command}: {result.stdout[-3000:]}\n{result.stderr[-3000:]}"
         print(f"{command}: {time.perf_counter() - started:.1f} s")
     steps = config["learner"]["max_steps"]

@@ -5,7 +5,6 @@ definition, recomputed here from the uploaded step rewards with plain Python (no
 import json
 import math
 import os
-import subprocess
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -15,6 +14,7 @@ import pytest
 from deploy.demo.tiny_model import build_tiny_model_dir
 from generator.tasks.chain import ChainTask
 from shared.config.schema import DemoConfig
+from tests import service_forks as forks
 from tests.e2e.test_run import free_port, stray_processes
 
 GRPO = str(Path(sys.executable).parent / "grpo")
@@ -82,7 +82,7 @@ def definition(rows: list[dict]) -> dict[int, list[float]]:
 def test_grpo_run_with_step_rewards_uses_the_process_advantages(chain_model_dir, tmp_path):
     config = write_config(tmp_path, chain_model_dir, free_port())
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([GRPO, "run", str(config)], capture_output=True, text=True, timeout=800, env=env)
+    result = forks.run([GRPO, "run", str(config)], capture_output=True, text=True, timeout=800, env=env)
     assert result.returncode == 0, result.stdout[-4000:]
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))

@@ -4,13 +4,13 @@ the ref server (reference logprobs), the transformers generator and the DeepSpee
 import json
 import math
 import os
-import subprocess
 import time
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests import service_forks as forks
 from tests.e2e.test_run import GRPO, free_port, stray_processes
 
 
@@ -49,7 +49,7 @@ def real_model_config(tmp_path, model_dir, port):
 def test_two_learner_steps_on_smollm2(smollm2_dir, tmp_path):
     config = real_model_config(tmp_path, smollm2_dir, free_port())
     start = time.monotonic()
-    result = subprocess.run([GRPO, "run", str(config)], capture_output=True, text=True, timeout=280,
+    result = forks.run([GRPO, "run", str(config)], capture_output=True, text=True, timeout=280,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     seconds = time.monotonic() - start
     assert result.returncode == 0, result.stdout[-4000:]

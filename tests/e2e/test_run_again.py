@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import service_forks as forks
 from tests.e2e.test_run import free_port, stray_processes
 
 GRPO = str(Path(sys.executable).parent / "grpo")
@@ -40,7 +41,7 @@ def metrics(run_dir: Path) -> list[dict]:
 
 
 def grpo_run(config: Path, *flags: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([GRPO, "run", str(config), *flags], capture_output=True, text=True, timeout=timeout,
+    return forks.run([GRPO, "run", str(config), *flags], capture_output=True, text=True, timeout=timeout,
                           env=ENV)
 
 
@@ -96,7 +97,7 @@ def test_fresh_deletes_the_earlier_runs_state_and_starts_over(tiny_model_dir, tm
 def test_resume_after_ctrl_c_continues_step_and_version(tiny_model_dir, tmp_path):
     config = write_config(tmp_path, tiny_model_dir, max_steps=1000)
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([GRPO, "run", str(config)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    proc = forks.popen([GRPO, "run", str(config)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=ENV)
     try:
         deadline = time.monotonic() + 240

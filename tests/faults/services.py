@@ -12,6 +12,8 @@ from pathlib import Path
 
 import requests
 
+from tests import service_forks as forks
+
 GRPO = str(Path(sys.executable).parent / "grpo")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 _SERVER_ERRORS = re.compile(r'^grpo_ref_requests_total\{[^}]*status="5\d\d"[^}]*\} (\S+)$', re.M)
@@ -30,7 +32,7 @@ class Service:
         with open(self.log_path, "a") as log:
             log.write(f"==== start {self.starts} {' '.join(extra)}\n")
             log.flush()
-            self.proc = subprocess.Popen([GRPO, *self.args, *extra], env=ENV, stdout=log, stderr=subprocess.STDOUT,
+            self.proc = forks.popen([GRPO, *self.args, *extra], env=ENV, stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True)
         self.starts += 1
         return self

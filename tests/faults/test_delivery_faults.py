@@ -24,6 +24,7 @@ import requests
 from learner.delivery import DeliveryLedger
 from shared.protocol.client import HubClient, HubError, RetryPolicy
 from shared.protocol.health import wait_healthy
+from tests import service_forks as forks
 from tests.ref_server.helpers import make_group
 
 GRPO = str(Path(sys.executable).parent / "grpo")
@@ -52,7 +53,7 @@ class Hub:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> Hub:
-        self.proc = subprocess.Popen([GRPO, "ref-server", "--config", str(self.config)], env=ENV,
+        self.proc = forks.popen([GRPO, "ref-server", "--config", str(self.config)], env=ENV,
                                      stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         wait_healthy(self.url, 60, process=self.proc, poll_s=0.1, request_timeout_s=1)
         return self
@@ -224,7 +225,7 @@ def test_learner_killed_and_resumed_trains_each_group_exactly_once(hub, tmp_path
     for group in groups[:6]:  # three steps' worth: the learner then waits for more, and is killed there
         uploader.upload_group(group)
     log = open(tmp_path / "learner.log", "w")
-    first = subprocess.Popen([GRPO, "learner", "--config", str(_learner_config(tmp_path, h.url, tiny_model_dir, 6))],
+    first = forks.popen([GRPO, "learner", "--config", str(_learner_config(tmp_path, h.url, tiny_model_dir, 6))],
                              env=ENV, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     metrics = tmp_path / "metrics.jsonl"
     deadline = time.monotonic() + 300
@@ -238,7 +239,7 @@ def test_learner_killed_and_resumed_trains_each_group_exactly_once(hub, tmp_path
     assert steps_before == [1, 2, 3] and checkpointed == 2
     for group in groups[6:]:
         uploader.upload_group(group)
-    resumed = subprocess.run([GRPO, "learner", "--resume", "--config",
+    resumed = forks.run([GRPO, "learner", "--resume", "--config",
                               str(_learner_config(tmp_path, h.url, tiny_model_dir, 6))],
                              env=ENV, stdout=log, stderr=subprocess.STDOUT, timeout=300)
     log.close()

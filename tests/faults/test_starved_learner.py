@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from tests import service_forks as forks
 from tests.faults.test_delivery_faults import ENV, GRPO, _learner_config, client, hub  # noqa: F401 - fixture
 from tests.ref_server.helpers import make_group
 
@@ -29,7 +30,7 @@ def test_a_learner_starved_past_the_lease_timeout_then_killed_loses_and_repeats_
         uploader.upload_group(group)
     log = open(tmp_path / "learner.log", "w")
     config = str(_learner_config(tmp_path, h.url, tiny_model_dir, 5))
-    first = subprocess.Popen([GRPO, "learner", "--config", config], env=ENV, stdout=log, stderr=subprocess.STDOUT,
+    first = forks.popen([GRPO, "learner", "--config", config], env=ENV, stdout=log, stderr=subprocess.STDOUT,
                              start_new_session=True)
     metrics = tmp_path / "metrics.jsonl"
     deadline = time.monotonic() + 300
@@ -47,7 +48,7 @@ def test_a_learner_starved_past_the_lease_timeout_then_killed_loses_and_repeats_
     time.sleep(1.5)  # its last long-poll (batch_wait_s 1) ends on the hub: a take outlives a killed client
     for group in groups[6:]:  # the generators come back
         uploader.upload_group(group)
-    resumed = subprocess.run([GRPO, "learner", "--resume", "--config", config], env=ENV, stdout=log,
+    resumed = forks.run([GRPO, "learner", "--resume", "--config", config], env=ENV, stdout=log,
                              stderr=subprocess.STDOUT, timeout=300)
     log.close()
     assert resumed.returncode == 0, (tmp_path / "learner.log").read_text()[-3000:]

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from shared.protocol.client import HubClient
+from tests import service_forks as forks
 from tests.live_server import LiveServer, make_config
 
 GRPO = str(Path(sys.executable).parent / "grpo")
@@ -28,7 +29,7 @@ def write_config(tmp_path, url, model_dir, **generator):
 def test_generator_command_uploads_then_exits(tmp_path, tiny_model_dir):
     with LiveServer(make_config(tmp_path)) as live:
         config = write_config(tmp_path, live.url, tiny_model_dir)
-        result = subprocess.run([GRPO, "generator", "--config", str(config), "--max-groups", "3", "--id", "cli-gen"],
+        result = forks.run([GRPO, "generator", "--config", str(config), "--max-groups", "3", "--id", "cli-gen"],
                                 capture_output=True, text=True, timeout=300, env=ENV)
         assert result.returncode == 0, result.stderr[-2000:]
         batch = HubClient(live.url).get_batch(3, wait_s=10)
@@ -40,7 +41,7 @@ def test_generator_command_uploads_then_exits(tmp_path, tiny_model_dir):
 def test_sigterm_finishes_cleanly(tmp_path, tiny_model_dir):
     with LiveServer(make_config(tmp_path)) as live:
         config = write_config(tmp_path, live.url, tiny_model_dir)
-        proc = subprocess.Popen([GRPO, "generator", "--config", str(config)], stderr=subprocess.PIPE, text=True,
+        proc = forks.popen([GRPO, "generator", "--config", str(config)], stderr=subprocess.PIPE, text=True,
                                 env=ENV)
         deadline = time.monotonic() + 120
         while live.state.hub.counters.accepted < 2:
@@ -55,7 +56,7 @@ def test_sigterm_finishes_cleanly(tmp_path, tiny_model_dir):
 @pytest.mark.slow
 def test_unreachable_hub_is_a_clear_failure(tmp_path, tiny_model_dir):
     config = write_config(tmp_path, "http://127.0.0.1:9", tiny_model_dir, retry_max_s=1)
-    result = subprocess.run([GRPO, "generator", "--config", str(config)], capture_output=True, text=True,
+    result = forks.run([GRPO, "generator", "--config", str(config)], capture_output=True, text=True,
                             timeout=300, env=ENV)
     assert result.returncode == 1
     assert "the hub stayed unreachable" in result.stderr and "Traceback" not in result.stderr
@@ -65,7 +66,7 @@ def test_unreachable_hub_is_a_clear_failure(tmp_path, tiny_model_dir):
 def test_bad_dataset_is_named(tmp_path, tiny_model_dir):
     config = write_config(tmp_path, "http://127.0.0.1:9", tiny_model_dir,
                           dataset=f"{{kind: jsonl, path: {tmp_path / 'missing.jsonl'}}}")
-    result = subprocess.run([GRPO, "generator", "--config", str(config)], capture_output=True, text=True,
+    result = forks.run([GRPO, "generator", "--config", str(config)], capture_output=True, text=True,
                             timeout=300, env=ENV)
     assert result.returncode == 2 and "missing.jsonl" in result.stderr and "Traceback" not in result.stderr
 
@@ -74,7 +75,7 @@ def test_bad_dataset_is_named(tmp_path, tiny_model_dir):
 def test_sigterm_with_a_dead_hub_exits_promptly(tmp_path, tiny_model_dir):
     live = LiveServer(make_config(tmp_path)).__enter__()
     config = write_config(tmp_path, live.url, tiny_model_dir)
-    proc = subprocess.Popen([GRPO, "generator", "--config", str(config)], stderr=subprocess.PIPE, text=True, env=ENV)
+    proc = forks.popen([GRPO, "generator", "--config", str(config)], stderr=subprocess.PIPE, text=True, env=ENV)
     deadline = time.monotonic() + 120
     while live.state.hub.counters.accepted < 1:
         assert proc.poll() is None and time.monotonic() < deadline

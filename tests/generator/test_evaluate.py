@@ -1,6 +1,5 @@
 import json
 import logging
-import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -14,6 +13,7 @@ from generator.tasks.arithmetic import ArithmeticTask
 from shared.config.schema import GRPOConfig
 from shared.errors import UsageError
 from shared.protocol.records import SamplingParams
+from tests import service_forks as forks
 from tests.live_server import LiveServer, make_config
 
 GRPO = str(Path(sys.executable).parent / "grpo")
@@ -54,11 +54,11 @@ def test_eval_rejects_an_unknown_accuracy_reward(tiny_model_dir):
 @pytest.mark.slow
 def test_logprobs_command_queries_a_running_server(tiny_model_dir, tmp_path):
     with LiveServer(make_config(tmp_path, tiny_model_dir)) as live:
-        result = subprocess.run([GRPO, "logprobs", "--server", live.url, "--input-ids", "5", "6", "7", "8",
+        result = forks.run([GRPO, "logprobs", "--server", live.url, "--input-ids", "5", "6", "7", "8",
                                  "--prompt-length", "2"], capture_output=True, text=True, timeout=120)
         assert result.returncode == 0, result.stderr
         assert len(json.loads(result.stdout)["logprobs"][0]) == 2
-        bad = subprocess.run([GRPO, "logprobs", "--server", live.url, "--input-ids", "5", "-6",
+        bad = forks.run([GRPO, "logprobs", "--server", live.url, "--input-ids", "5", "-6",
                               "--prompt-length", "1"], capture_output=True, text=True, timeout=120)
         assert bad.returncode == 2 and "token id -6" in bad.stderr and "Traceback" not in bad.stderr
 

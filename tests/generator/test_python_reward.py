@@ -17,6 +17,7 @@ from shared.config.schema import RewardSpec
 from shared.protocol.client import HubClient
 from shared.protocol.numbers import finite_float32
 from shared.protocol.records import SamplingParams
+from tests import service_forks as forks
 
 
 def python_spec(function: str, **args) -> RewardSpec:
@@ -145,7 +146,6 @@ def test_the_generator_stops_after_a_first_batch_its_reward_never_scored(tiny_mo
 def test_grpo_generator_exits_2_with_the_rewards_error_and_uploads_nothing(tmp_path, tiny_model_dir):
     """`grpo generator` against a live hub with a reward that raises on every completion: one clear line, exit
     status 2, and not one group of on_error scores reaches the hub."""
-    import subprocess
 
     from tests.generator.test_cli import ENV, GRPO, write_config
     from tests.live_server import LiveServer, make_config
@@ -154,7 +154,7 @@ def test_grpo_generator_exits_2_with_the_rewards_error_and_uploads_nothing(tmp_p
     with LiveServer(make_config(tmp_path)) as live:
         config = write_config(tmp_path, live.url, tiny_model_dir,
                               rewards=f"[{{name: python, args: {{function: {tmp_path}/broken.py:score}}}}]")
-        result = subprocess.run([GRPO, "generator", "--config", str(config)], capture_output=True, text=True,
+        result = forks.run([GRPO, "generator", "--config", str(config)], capture_output=True, text=True,
                                 timeout=300, env=ENV)
         accepted = live.state.hub.counters.accepted
     assert result.returncode == 2, result.stderr[-3000:]

@@ -16,6 +16,7 @@ from learner.checkpoint import complete_tags
 from shared.protocol.client import HubClient
 from shared.protocol.records import SamplingParams
 from shared.weight_sync.export import header_for, write_safetensors
+from tests import service_forks as forks
 from tests.live_server import LiveServer, make_config
 
 from .batches import sampled_groups
@@ -60,7 +61,7 @@ def fill_hub(url, model_dir, groups, seed=0):
 
 def run_learner(config, *extra, timeout=600):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([GRPO, "learner", "--config", str(config), *extra], capture_output=True, text=True,
+    return forks.run([GRPO, "learner", "--config", str(config), *extra], capture_output=True, text=True,
                           timeout=timeout, env=env)
 
 
@@ -99,7 +100,7 @@ def test_resume_after_kill_continues_with_the_same_step_parameters_and_lr(tiny_m
         config = learner_config(tmp_path, live.url, tiny_model_dir, max_steps=4, checkpoint_every=1,
                                 lr_schedule="cosine", warmup_steps=1, batch_wait_s=30.0)
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        proc = subprocess.Popen([GRPO, "learner", "--config", str(config)], stderr=subprocess.PIPE, text=True,
+        proc = forks.popen([GRPO, "learner", "--config", str(config)], stderr=subprocess.PIPE, text=True,
                                 env=env)
         deadline = time.monotonic() + 300
         hub = HubClient(live.url)
@@ -158,7 +159,7 @@ def test_sigterm_while_waiting_checkpoints_and_exits_cleanly(tiny_model_dir, tmp
     with LiveServer(make_config(tmp_path)) as live:  # an empty hub: the learner waits
         config = learner_config(tmp_path, live.url, tiny_model_dir, beta=0.0, tensorboard_dir=str(tmp_path / "tb"))
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        proc = subprocess.Popen([GRPO, "learner", "--config", str(config)], stderr=subprocess.PIPE, text=True,
+        proc = forks.popen([GRPO, "learner", "--config", str(config)], stderr=subprocess.PIPE, text=True,
                                 env=env)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:  # until the learner has reported its version 0 and polls for batches
@@ -223,7 +224,7 @@ def test_sigterm_after_the_hub_died_exits_promptly(tiny_model_dir, tmp_path):
     live = LiveServer(make_config(tmp_path)).__enter__()
     config = learner_config(tmp_path, live.url, tiny_model_dir, beta=0.0, retry_max_s=300.0)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([GRPO, "learner", "--config", str(config)], stderr=subprocess.PIPE, text=True, env=env)
+    proc = forks.popen([GRPO, "learner", "--config", str(config)], stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.monotonic() + 120
     while 'endpoint="/v1/batch"' not in live.get("/metrics").text:
         assert proc.poll() is None and time.monotonic() < deadline

@@ -6,7 +6,6 @@ a scorer, and with none a 503 with the reason comes after the bounded wait."""
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import torch
 
 from ref_server.scoring.scorer import ReferenceScorer, Row
 from shared.protocol.client import HubClient
+from tests import service_forks as forks
 from tests.ref_server.conftest import PINNED
 from tests.ref_server.helpers import make_group
 
@@ -25,9 +25,8 @@ pytestmark = pytest.mark.slow
 
 def start_scorer(url: str, model_dir, name: str, log_dir: Path, *extra: str) -> subprocess.Popen:
     log = open(log_dir / f"{name}.log", "w")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-           "TRANSFORMERS_OFFLINE": "1"}
-    return subprocess.Popen([sys.executable, "-m", "deploy.cli", "scorer", "--hub", url, "--model", str(model_dir),
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    return forks.popen([forks.GRPO, "scorer", "--hub", url, "--model", str(model_dir),
                              "--id", name, "--device", "cpu", "--threads", "1", "--set", "ref_server.dtype=float32",
                              *extra], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
 
