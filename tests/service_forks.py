@@ -32,6 +32,7 @@ from pathlib import Path
 GRPO = str(Path(sys.executable).parent / "grpo")
 ZYGOTE = Path(__file__).with_name("service_zygote.py")
 START_TIMEOUT_S = 300.0
+TITLE_ROOM = 4096  # characters of command line a forked service can show in ps (see service_zygote.py)
 # read when the zygote imports torch, transformers and DeepSpeed: a child asking for other values starts fresh
 IMPORT_TIME_ENV = ("PYTHONPATH", "PYTHONHOME", "PYTHONHASHSEED", "LD_PRELOAD", "LD_LIBRARY_PATH",
                    "CUDA_VISIBLE_DEVICES", "DS_ACCELERATOR", "HF_HOME", "TRANSFORMERS_CACHE", "HF_HUB_OFFLINE",
@@ -48,7 +49,7 @@ class Zygote:
         self.folder = tempfile.mkdtemp(prefix="grpo-zygote-")
         self.path = os.path.join(self.folder, "socket")
         self.env = dict(os.environ)
-        self.proc = subprocess.Popen([sys.executable, str(ZYGOTE), self.path], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, str(ZYGOTE), self.path, " " * TITLE_ROOM], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, env=self.env)
         ready = selectors.DefaultSelector()
         ready.register(self.proc.stdout, selectors.EVENT_READ)

@@ -1,7 +1,10 @@
 """The zygote of tests/service_forks.py: one process per pytest worker that imports torch, transformers' model
 classes, DeepSpeed and every service module once, then forks a child for each ``grpo ARGV...`` a test starts.
 
-    python tests/service_zygote.py SOCKET_PATH      (started by tests/service_forks.py; stdin is its lifeline)
+    python tests/service_zygote.py SOCKET_PATH ROOM     (started by tests/service_forks.py; stdin is its lifeline)
+
+ROOM is an argument of spaces: a process title (what ``ps`` shows, set with setproctitle) can only be as long as
+the command line the process was started with.
 
 Protocol, on a Unix socket per started service: the client sends one JSON line ``{"argv", "env", "cwd"}`` with the
 child's stdin, stdout and stderr as three file descriptors (SCM_RIGHTS). The zygote forks; the child starts a new

@@ -13,6 +13,7 @@ import pytest
 import requests
 
 from shared.protocol.health import wait_healthy
+from tests import service_forks as forks
 
 ROOT = Path(__file__).resolve().parents[2]
 GRPO = str(Path(sys.executable).parent / "grpo")
@@ -46,8 +47,10 @@ def write_config(tmp_path, model_dir, port, **learner):
 
 
 def stray_processes(marker: str) -> list[str]:
-    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if marker in line and "ps -eo" not in line]
+    # -ww: whole command lines (without it ps cuts them at 80 columns when it has no terminal, as under pytest,
+    # and a long marker, such as a config path in the test's temporary folder, would never be found)
+    out = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if marker in line and "ps -ww" not in line]
 
 
 @pytest.mark.slow
@@ -58,6 +61,7 @@ def test_grpo_run_trains_publishes_and_shuts_down(tiny_model_dir, tmp_path):
     data["ref_server"]["access_log"] = True
     config.write_text(json.dumps(data))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # a fresh process, imports and all (the other e2e tests fork `grpo` from the tests' zygote: service_forks.py)
     result = subprocess.run([GRPO, "run", str(config)], capture_output=True, text=True, timeout=900, env=env)
     assert result.returncode == 0, result.stdout[-4000:]
     assert "[grpo run] the learner finished: stopping the other services" in result.stdout
@@ -87,8 +91,8 @@ def test_a_service_that_dies_stops_the_run_with_its_last_lines(tiny_model_dir, t
     (tmp_path / "boom.py").write_text("def score(prompt, completion, example):\n    raise KeyError('label_xyz')\n")
     data["generator"]["rewards"] = [{"name": "python", "args": {"function": f"{tmp_path}/boom.py:score"}}]
     config.write_text(json.dumps(data))
-    result = subprocess.run([GRPO, "run", str(config)], capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result = forks.run([GRPO, "run", str(config)], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
     assert "gen-0 exited with status 2; its last lines:" in result.stdout
     assert "label_xyz" in result.stdout
@@ -104,8 +108,8 @@ def test_training_continues_when_a_generator_is_killed_and_another_starts(tiny_m
     procs = {}
 
     def start(name, *args):
-        procs[name] = subprocess.Popen([GRPO, *args, "--config", str(config)], env=env, stdout=subprocess.DEVNULL,
-                                       stderr=open(tmp_path / f"{name}.log", "w"), start_new_session=True)
+        procs[name] = forks.popen([GRPO, *args, "--config", str(config)], env=env, stdout=subprocess.DEVNULL,
+                                  stderr=open(tmp_path / f"{name}.log", "w"), start_new_session=True)
 
     try:
         start("ref", "ref-server")
