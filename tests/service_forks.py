@@ -21,6 +21,7 @@ import json
 import locale
 import os
 import selectors
+import shutil
 import signal
 import socket
 import subprocess
@@ -82,6 +83,7 @@ class Zygote:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def _read_line(conn: socket.socket, timeout: float | None) -> bytes:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import selectors
+import shutil
 import signal
 import socket
 import sys
@@ -105,6 +106,7 @@ def serve(path: str, ready_fd: int) -> None:
                         os.killpg(pid, signal.SIGKILL)
                     except (ProcessLookupError, PermissionError):
                         pass
+                shutil.rmtree(os.path.dirname(path), ignore_errors=True)  # the client made it; whoever ends first
                 return
             if key.data == "accept":
                 conn, _ = listener.accept()
