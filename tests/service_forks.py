@@ -44,12 +44,12 @@ class Zygote:
     """This process's zygote, started on first use; it ends (killing what it forked) when this process does."""
 
     _instance: Zygote | None = None
-    _owner_pid: int | None = None
 
     def __init__(self) -> None:
         self.folder = tempfile.mkdtemp(prefix="grpo-zygote-")
         self.path = os.path.join(self.folder, "socket")
         self.env = dict(os.environ)
+        self.owner = os.getpid()
         self.proc = subprocess.Popen([sys.executable, str(ZYGOTE), self.path, " " * TITLE_ROOM], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, env=self.env)
         ready = selectors.DefaultSelector()
@@ -61,8 +61,8 @@ class Zygote:
 
     @classmethod
     def get(cls) -> Zygote:
-        if cls._instance is None or cls._owner_pid != os.getpid() or cls._instance.proc.poll() is not None:
-            cls._instance, cls._owner_pid = cls(), os.getpid()
+        if cls._instance is None or cls._instance.owner != os.getpid() or cls._instance.proc.poll() is not None:
+            cls._instance = cls()
         return cls._instance
 
     def fork(self, argv: list[str], env: dict[str, str], cwd: str, fds: list[int]) -> tuple[int, socket.socket]:
@@ -77,6 +77,8 @@ class Zygote:
         return all(env.get(key) == self.env.get(key) for key in IMPORT_TIME_ENV)
 
     def close(self) -> None:
+        if os.getpid() != self.owner:  # a fork of the test process (tests that fork) exiting: not ours to end
+            return
         if self.proc.poll() is None:
             self.proc.stdin.close()  # the lifeline: the zygote kills what is left and exits
             try:

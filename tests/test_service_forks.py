@@ -53,3 +53,17 @@ def test_what_the_zygote_cannot_give_starts_fresh(monkeypatch):
     monkeypatch.setenv("GRPO_TEST_FORK", "0")
     with forks.popen([forks.GRPO, "--help"], stdout=subprocess.DEVNULL) as proc:
         assert isinstance(proc, subprocess.Popen) and proc.wait(timeout=60) == 0
+
+
+def test_a_fork_of_the_test_process_leaving_does_not_end_the_zygote():
+    """Tests that fork (tests/ref_server/test_spool_group_commit.py) run the exit handlers in their children: the
+    zygote's handler must leave the parent's zygote alone."""
+    import atexit
+
+    assert forks.run([forks.GRPO, "--help"], stdout=subprocess.DEVNULL, timeout=60).returncode == 0
+    pid = os.fork()
+    if pid == 0:
+        atexit._run_exitfuncs()
+        os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert forks.run([forks.GRPO, "--help"], stdout=subprocess.DEVNULL, timeout=60).returncode == 0
