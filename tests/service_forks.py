@@ -240,15 +240,7 @@ def run(args, *, capture_output=False, timeout=None, check=False, stdout=None, s
         stdout = stderr = subprocess.PIPE
     proc = popen(args, stdout=stdout, stderr=stderr, text=text, encoding=encoding, errors=errors, env=env, cwd=cwd,
                  **kw)
-    if isinstance(proc, subprocess.Popen):
-        with proc:
-            try:
-                out, err = proc.communicate(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-                raise
-    else:
+    with proc:  # a Popen or a ForkedService: both close their pipes and wait on leaving
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
