@@ -205,12 +205,7 @@ class ScorerPool(ScoringJobs):
             if self._jobs.get(job_id) is not job:  # another result won while this one was checked
                 self.counters.results_duplicate += 1
                 return "duplicate"
-            del self._jobs[job_id]
-            if job.holder is None:
-                self._waiting.remove(job_id)
-            else:
-                self._unlease(job)
-            self._remember(job_id)
+            self._retire(job_id, job)
             self.counters.jobs_scored += 1
         resolve_future(job.future, rows)
         return "scored"

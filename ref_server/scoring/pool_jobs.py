@@ -59,14 +59,10 @@ class ScoringJobs:
     def _forget(self, job_id: str) -> None:
         """A cancelled job leaves the queue (a result still in flight is acknowledged, ignored)."""
         with self.cond:
-            job = self._jobs.pop(job_id, None)
+            job = self._jobs.get(job_id)
             if job is None:
                 return
-            if job.holder is None:
-                self._waiting.remove(job_id)
-            else:
-                self._unlease(job)
-            self._remember(job_id)
+            self._retire(job_id, job)
             self.counters.jobs_cancelled += 1
 
     def queue_depth(self) -> int:
@@ -84,6 +80,16 @@ class ScoringJobs:
     def _unlease(self, job: Job) -> None:
         """Under the lock: the job is no longer held."""
         job.holder = None
+
+    def _retire(self, job_id: str, job: Job) -> None:
+        """Under the lock: a job scored or cancelled leaves the pool, waiting or leased, and is remembered as done
+        (a late result for it is acknowledged and ignored)."""
+        del self._jobs[job_id]
+        if job.holder is None:
+            self._waiting.remove(job_id)
+        else:
+            self._unlease(job)
+        self._remember(job_id)
 
     def _requeue(self, job: Job, failure: str | None = None) -> None:
         """Under the lock: a leased job back at the front of the queue, for any scorer. ``failure``: why its
