@@ -26,7 +26,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from typing import TextIO
+from typing import NoReturn, TextIO
 
 from deploy.services import main as service_main
 
@@ -74,8 +74,8 @@ def fork_service(argv: list[str], env: dict[str, str],
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:  # the child: never returns
-        code = 1
-        try:
+
+        def own_session_and_pipe() -> None:
             os.setsid()
             os.close(read_fd)
             null = os.open(os.devnull, os.O_RDONLY)
@@ -84,19 +84,31 @@ def fork_service(argv: list[str], env: dict[str, str],
             os.dup2(write_fd, 1)
             os.dup2(write_fd, 2)
             os.close(write_fd)
-            code = run_as_service(argv, env, entry)
-        except BaseException:  # noqa: BLE001 - reported on the service's own output, and the exit status says so
-            traceback.print_exc()
-        finally:
-            for stream in (sys.stdout, sys.stderr):
-                try:
-                    stream.flush()
-                except (OSError, ValueError):  # the launcher closed its end, or the stream was closed
-                    pass
-            os._exit(code)
+
+        exit_as_service(argv, env, entry, own_session_and_pipe)
     os.close(write_fd)
     stdout = os.fdopen(read_fd, "r", buffering=1, encoding="utf-8", errors="replace")
     return ForkedProcess(pid, stdout, ["grpo", *argv])
+
+
+def exit_as_service(argv: list[str], env: dict[str, str], entry: Callable[[list[str]], int],
+                    setup: Callable[[], None]) -> NoReturn:
+    """In a forked child: ``setup()`` (its session and streams), then :func:`run_as_service`; leaves with the
+    exit status through ``os._exit`` (never into the parent's frames), with a traceback on its stderr if anything
+    raised."""
+    code = 1
+    try:
+        setup()
+        code = run_as_service(argv, env, entry)
+    except BaseException:  # noqa: BLE001 - reported on the service's own output, and the exit status says so
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # the reading end was closed, or the stream was
+                pass
+        os._exit(code)
 
 
 def run_as_service(argv: list[str], env: dict[str, str], entry: Callable[[list[str]], int]) -> int:

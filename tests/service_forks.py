@@ -6,9 +6,9 @@ and ``run`` here take the arguments of :class:`subprocess.Popen` and :func:`subp
 and, for a ``[GRPO, ...]`` command, fork the service from this worker's zygote (tests/service_zygote.py) instead:
 a real process of its own (own pid and session, its own stdin/stdout/stderr, signals, exit status as ``Popen``
 reports it) that runs ``grpo ARGV...`` exactly as a fresh one would after its imports, as ``grpo run`` forks its
-CPU services (deploy/forked.py). What differs from a fresh start: the imports already happened (so a test of
-import-time behaviour or start-up cost starts a real subprocess), the command line ``ps`` shows is the zygote's,
-and the process is the zygote's child, not the test's.
+CPU services (deploy/forked.py); ``ps`` shows its ``grpo ...`` command line (setproctitle). What differs from a
+fresh start: the imports already happened (so a test of import-time behaviour or start-up cost starts a real
+subprocess), and the process is the zygote's child, not the test's.
 
 Anything else (another program, stdin=PIPE, an environment that changes what the imports read) and
 ``GRPO_TEST_FORK=0`` (every command a fresh subprocess) go to :mod:`subprocess` unchanged.
@@ -52,9 +52,10 @@ class Zygote:
         self.owner = os.getpid()
         self.proc = subprocess.Popen([sys.executable, str(ZYGOTE), self.path, " " * TITLE_ROOM], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, env=self.env)
-        ready = selectors.DefaultSelector()
-        ready.register(self.proc.stdout, selectors.EVENT_READ)
-        if not ready.select(timeout=START_TIMEOUT_S) or self.proc.stdout.readline() != b"ready\n":
+        with selectors.DefaultSelector() as ready:
+            ready.register(self.proc.stdout, selectors.EVENT_READ)
+            started = ready.select(timeout=START_TIMEOUT_S) and self.proc.stdout.readline() == b"ready\n"
+        if not started:
             self.proc.kill()
             raise RuntimeError(f"the service zygote did not start (status {self.proc.poll()})")
         atexit.register(self.close)
@@ -111,25 +112,24 @@ class ForkedService:
         self._chunks: dict[object, list] = {}
 
     def poll(self) -> int | None:
-        if self.returncode is None:
-            selector = selectors.DefaultSelector()
-            selector.register(self._conn, selectors.EVENT_READ)
-            if selector.select(timeout=0):
-                self._read_status()
+        self._exited(0)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        if self.returncode is None:
-            selector = selectors.DefaultSelector()
-            selector.register(self._conn, selectors.EVENT_READ)
-            if not selector.select(timeout=timeout):
-                raise subprocess.TimeoutExpired(self.args, timeout)
-            self._read_status()
+        if not self._exited(timeout):
+            raise subprocess.TimeoutExpired(self.args, timeout)
         return self.returncode
 
-    def _read_status(self) -> None:
-        self.returncode = json.loads(_read_line(self._conn, 60))["returncode"]
-        self._conn.close()
+    def _exited(self, timeout: float | None) -> bool:
+        """Whether the child has exited, waiting up to ``timeout`` s for the zygote to say so (sets returncode)."""
+        if self.returncode is None:
+            with selectors.DefaultSelector() as selector:
+                selector.register(self._conn, selectors.EVENT_READ)
+                if not selector.select(timeout=timeout):
+                    return False
+            self.returncode = json.loads(_read_line(self._conn, 60))["returncode"]
+            self._conn.close()
+        return True
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
@@ -146,21 +146,21 @@ class ForkedService:
         if input is not None:
             raise ValueError("a forked service has no stdin pipe")
         deadline = None if timeout is None else time.monotonic() + timeout
-        streams = [s for s in (self.stdout, self.stderr) if s is not None and not s.closed]
-        selector = selectors.DefaultSelector()
-        for stream in streams:
-            self._chunks.setdefault(stream, [])
-            selector.register(stream.fileno(), selectors.EVENT_READ, stream)
-        while selector.get_map():
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                raise subprocess.TimeoutExpired(self.args, timeout)
-            for key, _ in selector.select(timeout=remaining):
-                chunk = os.read(key.fd, 1 << 16)
-                if chunk:
-                    self._chunks[key.data].append(chunk)
-                else:
-                    selector.unregister(key.fd)
+        with selectors.DefaultSelector() as selector:
+            for stream in (self.stdout, self.stderr):
+                if stream is not None and not stream.closed:
+                    self._chunks.setdefault(stream, [])
+                    selector.register(stream.fileno(), selectors.EVENT_READ, stream)
+            while selector.get_map():
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise subprocess.TimeoutExpired(self.args, timeout)
+                for key, _ in selector.select(timeout=remaining):
+                    chunk = os.read(key.fd, 1 << 16)
+                    if chunk:
+                        self._chunks[key.data].append(chunk)
+                    else:
+                        selector.unregister(key.fd)
         self.wait(None if deadline is None else max(deadline - time.monotonic(), 0.001))
         outputs = []
         for stream in (self.stdout, self.stderr):

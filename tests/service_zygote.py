@@ -27,7 +27,6 @@ import shutil
 import signal
 import socket
 import sys
-import traceback
 
 import setproctitle
 
@@ -61,8 +60,10 @@ def read_request(conn: socket.socket) -> tuple[dict, list[int]]:
 
 def child(request: dict, fds: list[int], ready_fd: int) -> None:
     """In the forked child: never returns."""
-    code = 1
-    try:
+    from deploy.cli import main as cli_main
+    from deploy.forked import exit_as_service
+
+    def own_session_and_streams() -> None:
         os.setsid()
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
@@ -73,19 +74,8 @@ def child(request: dict, fds: list[int], ready_fd: int) -> None:
         setproctitle.setproctitle(" ".join([GRPO, *request["argv"]]))  # what `ps` shows for a fresh `grpo ...`
         os.write(ready_fd, b"1")
         os.close(ready_fd)
-        from deploy.cli import main as cli_main
-        from deploy.forked import run_as_service
 
-        code = run_as_service(request["argv"], request["env"], cli_main)
-    except BaseException:  # noqa: BLE001 - the test reads it on the service's stderr, and the status says so
-        traceback.print_exc()
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-        os._exit(code)
+    exit_as_service(request["argv"], request["env"], cli_main, own_session_and_streams)
 
 
 def serve(path: str, ready_fd: int) -> None:
