@@ -210,7 +210,9 @@ class WeightStore:
         if current is not None and version <= current:
             raise WeightsConflict(f"version {version} is not newer than the current version {current}")
         final = self.directory / f"v{version:010d}.safetensors"
-        partial = final.with_suffix(".partial")
+        # its own temporary file: the same version may be uploaded twice at once (a request sent again while the
+        # first is still being received), and a shared name would let one truncate or remove the other's file
+        partial = final.with_name(f"{final.stem}.{uuid.uuid4().hex}.partial")
         size = 0
         try:
             # the disk work runs in a worker thread: a multi-GB upload must not stall the other endpoints
