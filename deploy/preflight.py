@@ -6,8 +6,9 @@ services started (or after ~50 s of model-hub retries), reported together, one l
   the generator builds them: a python reward's file or module imported and its signature checked against its
   documented contract), a reference model when the KL penalty needs one, and, for ``grpo run``, the hub's port
   and cores (``ref_server.cpu_cores``; ``grpo ref-server`` checks both too).
-* ``grpo learner``, ``grpo generator``, ``grpo eval``: their model folder (:func:`require_models`); the generator
-  and ``grpo eval`` build their rewards and prompts before any model loads anyway.
+* ``grpo learner``, ``grpo generator``, ``grpo eval``, ``grpo ref-server`` and ``grpo scorer``: their model
+  folder (:func:`require_models`; the ref server's only when it names one); the generator and ``grpo eval`` build
+  their rewards and prompts before any model loads anyway.
 
 A model is a folder with a readable ``config.json`` naming its ``model_type``. A name that is not a folder and
 looks like a Hugging Face Hub id (``org/name``) is looked up in the local cache, then (unless ``HF_HUB_OFFLINE`` or
