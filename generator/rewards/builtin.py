@@ -110,7 +110,7 @@ def final_number_reward(correct: float = 1.0, wrong: float = 0.0, answer_field: 
 @REWARDS.register("code")
 def code_reward(timeout_s: float = 5.0, memory_mb: int = 512, tests_field: str = "tests",
                 extract_code_block: bool = True) -> GroupReward:
-    """Run the completion's code against the example's tests in a sandboxed subprocess (see generator/sandbox.py);
+    """Run the completion's code against the example's tests in a sandboxed subprocess (see generator/sandbox/);
     the reward is the fraction of tests that pass.
 
     Tests are ``assert`` statements (with set-up statements if needed). The verdict is computed outside the

@@ -1,11 +1,11 @@
 """The two programs of the code sandbox, standard library only: the launcher and the runner.
 
-``python -I -S sandbox_child.py launch CONFIG`` is the trusted launcher. It builds the sandbox (see
+``python -I -S child.py launch CONFIG`` is the trusted launcher. It builds the sandbox (see
 :func:`launch`) and then replaces the sandboxed process with ``python -I -S -c <this file> run``, the runner.
 
 The runner executes the untrusted solution and test set-up statements and reports, one JSON line per
 expression on its own copy of stdout, the VALUES of the expressions the parent asked for. It never sees the
-expected values and never decides whether a test passed: the parent does that (generator/sandbox_verdict.py).
+expected values and never decides whether a test passed: the parent does that (generator/sandbox/verdict.py).
 Anything the solution does to this process (monkeypatching, forged lines, ``os._exit``) can therefore only
 remove or garble values, which the parent scores as failures.
 """

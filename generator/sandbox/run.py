@@ -5,7 +5,7 @@ Two ideas (details in docs/reward-hacks.md):
 * The verdict is computed here, in the parent, never in the sandboxed process. The sandbox is only asked for
   the values of the solution-dependent parts of each ``assert`` (``f(2)`` in ``assert f(2) == 4``; it never
   sees the ``4``), reported as JSON with exact built-in types on a pipe the parent reads
-  (generator/sandbox_verdict.py splits the tests and judges, generator/sandbox_child.py runs in the sandbox).
+  (generator/sandbox/verdict.py splits the tests and judges, generator/sandbox/child.py runs in the sandbox).
   There is no verdict file, no ``AssertionError`` to replace, no ``__eq__`` of the policy's that runs.
 * The sandbox process is isolated by the kernel where it allows it. Levels, best first (logged once):
 
@@ -39,8 +39,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from generator import sandbox_child
-from generator.sandbox_verdict import CompiledTest, LeafError, compile_tests, decode, judge
+from generator.sandbox import child
+from generator.sandbox.verdict import CompiledTest, LeafError, compile_tests, decode, judge
 
 log = logging.getLogger("grpo.generator.sandbox")
 
@@ -106,13 +106,13 @@ def _binds() -> list[str]:
 
 
 def _launcher_config(level: str, workdir: str, limits: SandboxLimits) -> dict:
-    """What the launcher needs to build ``level`` (see sandbox_child.launch)."""
+    """What the launcher needs to build ``level`` (see generator/sandbox/child.py's launch)."""
     root = os.geteuid() == 0
     namespaces = level == "namespaces"
     return {"parent_pid": os.getpid(), "namespaces": namespaces, "mount": namespaces,
             "userns": namespaces and not root, "as_nobody": root and level != "rlimits", "root": workdir,
             "binds": _binds(), "work_mb": limits.max_file_mb, "python": os.path.realpath(sys.executable),
-            "self": sandbox_child.__file__, "cwd": "/sandbox" if namespaces else workdir,
+            "self": child.__file__, "cwd": "/sandbox" if namespaces else workdir,
             "limits": {"memory": limits.memory_mb * 2**20, "cpu": int(limits.timeout_s) + 1,
                        "fsize": limits.max_file_mb * 2**20}}
 
@@ -161,7 +161,7 @@ def _execute(level: str, payload: bytes, limits: SandboxLimits) -> tuple[int | N
     with tempfile.TemporaryDirectory(prefix="grpo-sandbox-") as workdir:
         os.chmod(workdir, 0o755 if level == "namespaces" else 0o700)
         if level == "nobody":
-            os.chown(workdir, sandbox_child.NOBODY, sandbox_child.NOBODY)
+            os.chown(workdir, child.NOBODY, child.NOBODY)
         config = _launcher_config(level, workdir, limits)
         command = [config["python"], "-I", "-S", config["self"], "launch", json.dumps(config)]
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
@@ -254,7 +254,7 @@ def _run_tests(code: str, tests: list[str], limits: SandboxLimits, level: str, q
     values, test_errors, solution_error = _read_values(raw)
     if solution_error:
         return TestRun(0, len(tests), "solution_error", solution_error, where)
-    if status == sandbox_child.SETUP_FAILED and not values:
+    if status == child.SETUP_FAILED and not values:
         (log.debug if quiet else log.error)("the code sandbox could not start (%s): %s", where, tail)
         return TestRun(0, len(tests), "crashed", f"sandbox setup failed: {tail}", where)
     reasons = [judge(test, values, test_errors.get(i)) for i, test in enumerate(compiled)]

@@ -8,7 +8,7 @@ by the parent; every other sub-expression (a call of the solution's function, a 
 value the sandbox reports. So for ``assert f(2) == 4`` the sandbox is asked for ``f(2)`` only and never
 sees ``4``. A leaf that needs no solution (only built-in names, e.g. ``[i * i for i in range(3)]``) is
 evaluated before the solution is loaded. Values cross as JSON with exact built-in types (see
-``sandbox_child.encode``) and are rebuilt here as plain objects, so every comparison runs on ``int``,
+``generator/sandbox/child.py``'s ``encode``) and are rebuilt here as plain objects, so every comparison runs on ``int``,
 ``float``, ``str``, ``list``... and never calls code the policy wrote. ``isinstance(x, <built-in type>)`` is
 checked here too.
 

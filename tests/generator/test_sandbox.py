@@ -7,7 +7,7 @@ import pytest
 
 from generator import sandbox
 from generator.sandbox import SandboxLimits, isolation_level, run_tests
-from generator.sandbox_verdict import compile_tests
+from generator.sandbox.verdict import compile_tests
 
 ADD = "def add(a, b):\n    return a + b\n"
 ADD_TESTS = ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(2, 2) == 4"]
