@@ -127,7 +127,7 @@ def cmd_scorer(args: argparse.Namespace) -> int:
     from deploy.startup import import_model_classes
 
     import_model_classes()  # before transformers loads the model: without the optional packages it would pull in
-    from ref_server.scoring.remote import run_scorer
+    from ref_server.scorer_pool.remote import run_scorer
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     hub = args.hub or config.learner.hub_url

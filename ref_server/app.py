@@ -1,7 +1,8 @@
 """The FastAPI application: reference logprobs, rollout hub, weight relay, health and metrics.
 
-Each job has its routers: the hub (``ref_server/hub/routes.py``), scoring (``ref_server/scoring/*_routes.py``),
-the weight relay (``ref_server/relay/routes.py``), health and metrics (``ref_server/operations.py``); this module
+Each job has its routers: the hub (``ref_server/hub/routes.py``), reference scoring
+(``ref_server/scoring/logprobs_routes.py``), joined scorers (``ref_server/scorer_pool/routes.py``), the endpoints in
+other tools' shapes (``ref_server/tool_api/*_routes.py``), the weight relay (``ref_server/relay/routes.py``), health and metrics (``ref_server/operations.py``); this module
 adds what they share: the request guard (:mod:`ref_server.limits`: bearer-token auth, body limits and deadlines,
 strict JSON, request metrics with 5xx and disconnects told apart), short error bodies and the lifespan hook. Every
 bad input is answered with a 4xx and a short ``{"detail": ...}`` naming the problem (OpenAI's ``{"error": ...}`` on
@@ -23,14 +24,10 @@ from ref_server.hub import routes as hub_routes
 from ref_server.limits import RequestGuard
 from ref_server.metrics import ServerMetrics
 from ref_server.relay import routes as weights
-from ref_server.scoring import (
-    completions_routes,
-    logprobs_routes,
-    prm_routes,
-    scorer_routes,
-    tokenizer_routes,
-)
+from ref_server.scorer_pool import routes as scorer_routes
+from ref_server.scoring import logprobs_routes
 from ref_server.state import ServerState
+from ref_server.tool_api import completions_routes, prm_routes, tokenizer_routes
 
 __all__ = ["ServerState", "create_app"]
 

@@ -58,7 +58,7 @@ class ServerMetrics:
 
         if state.scorer is not None:
             pool = state.scorer.counters
-            jobs = Gauge("grpo_scoring_jobs", "Reference scoring jobs (ref_server/scoring/pool.py) by what happened",
+            jobs = Gauge("grpo_scoring_jobs", "Reference scoring jobs (ref_server/scorer_pool/pool.py) by what happened",
                          ["event"], registry=self.registry)
             for event in ("jobs_submitted", "jobs_scored", "jobs_failed", "jobs_given_up", "jobs_cancelled",
                           "jobs_requeued", "results_duplicate", "results_refused", "scorers_joined", "scorers_lost",

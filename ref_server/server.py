@@ -15,12 +15,12 @@ from ref_server.body_limits import BodyLimits
 from ref_server.cpu_cores import pin_process
 from ref_server.header_deadline import header_deadline_protocol
 from ref_server.hub.rollout_hub import RolloutHub
+from ref_server.scorer_pool.job_wire import model_identity
+from ref_server.scorer_pool.pool import ScorerPool
 from ref_server.scoring.loading import ModelLoadError, load_reference_model, load_reference_scorer
-from ref_server.scoring.pool import ScorerPool
-from ref_server.scoring.prm import PRMScorer
-from ref_server.scoring.scoring_jobs import model_identity
-from ref_server.scoring.tokenizer import ServedTokenizer
 from ref_server.state import ServerState
+from ref_server.tool_api.prm import PRMScorer
+from ref_server.tool_api.tokenizer import ServedTokenizer
 from shared.config.schema import GRPOConfig, RefServerConfig
 from shared.devices import default_dtype, resolve_device
 from shared.errors import ServiceError, UsageError

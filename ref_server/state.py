@@ -7,16 +7,16 @@ from dataclasses import dataclass, field
 
 from ref_server.body_limits import BodyLimits
 from ref_server.hub.rollout_hub import RolloutHub
-from ref_server.scoring.pool import ScorerPool
-from ref_server.scoring.prm import PRMScorer
-from ref_server.scoring.tokenizer import ServedTokenizer
+from ref_server.scorer_pool.pool import ScorerPool
+from ref_server.tool_api.prm import PRMScorer
+from ref_server.tool_api.tokenizer import ServedTokenizer
 from shared.weight_sync.relay_store import WeightStore
 from shared.weight_sync.rendezvous import SyncRendezvous
 
 
 @dataclass
 class ServerState:
-    # reference scoring: the hub's own model and/or joined scorers (ref_server/scoring/pool.py); None: none
+    # reference scoring: the hub's own model and/or joined scorers (ref_server/scorer_pool/pool.py); None: none
     scorer: ScorerPool | None
     hub: RolloutHub
     weights: WeightStore

@@ -44,7 +44,7 @@ def preload() -> None:
     import deploy.launcher  # noqa: F401
     import generator.main  # noqa: F401
     import learner.main  # noqa: F401
-    import ref_server.scoring.remote  # noqa: F401
+    import ref_server.scorer_pool.remote  # noqa: F401
     import ref_server.server  # noqa: F401
 
 

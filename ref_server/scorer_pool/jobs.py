@@ -10,16 +10,16 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 
-from ref_server.scoring.pool_records import Job, PoolCounters
+from ref_server.scorer_pool.job_wire import JobSpec
+from ref_server.scorer_pool.records import Job, PoolCounters
 from ref_server.scoring.scorer import Row, ScorerBusy, ScoringError
-from ref_server.scoring.scoring_jobs import JobSpec
 
 log = logging.getLogger("grpo.ref_server.pool")
 
 
 class ScoringJobs:
     """The pool's jobs: waiting (oldest first) or leased to one holder, each resolved exactly once (scored, failed,
-    given up or cancelled); what :class:`ref_server.scoring.pool.ScorerPool` hands to its scorers. The caller of a
+    given up or cancelled); what :class:`ref_server.scorer_pool.pool.ScorerPool` hands to its scorers. The caller of a
     method named ``_x`` holds ``cond``."""
 
     def __init__(self, *, max_jobs: int, job_max_failures: int, clock: Callable[[], float]) -> None:

@@ -6,17 +6,17 @@ scoring jobs taken by
 
 * the hub's own ReferenceScorer (``ref_server.local_scoring``): a dispatcher thread hands it jobs while it holds
   less than two micro-batches' worth of tokens, so it batches as before and leaves the rest to joined scorers;
-* joined scorers (``grpo scorer --hub URL``, :mod:`ref_server.scoring.remote`), which pull jobs over HTTP
-  (:mod:`ref_server.scoring.scorer_routes`). Each job is leased to one scorer for ``lease_s`` seconds, renewed by its
+* joined scorers (``grpo scorer --hub URL``, :mod:`ref_server.scorer_pool.remote`), which pull jobs over HTTP
+  (:mod:`ref_server.scorer_pool.routes`). Each job is leased to one scorer for ``lease_s`` seconds, renewed by its
   heartbeat; a lease that expires (the scorer was killed, hung or left) puts the job back at the front of the queue
   for another.
 
 Exactly once: a job's Future is resolved by the first valid result; a later or duplicate result (a scorer whose
 lease had expired answering after all) is acknowledged and ignored. A result is checked where it enters
-(:func:`ref_server.scoring.scoring_jobs.check_result`); a bad one is refused and its job goes back to the queue.
+(:func:`ref_server.scorer_pool.job_wire.check_result`); a bad one is refused and its job goes back to the queue.
 
 Bad scorers and bad jobs do not go round forever: a scorer that sends ``max_bad_results`` bad results (wrong
-shapes, NaN, a result for a job it does not hold) is quarantined (:class:`ref_server.scoring.pool_records.Quarantine`):
+shapes, NaN, a result for a job it does not hold) is quarantined (:class:`ref_server.scorer_pool.records.Quarantine`):
 dropped from the pool, its leases back in the queue for the others, and refused (403 with the reason) on its next
 call and when it registers again under its name. A job that failed ``job_max_failures`` times on joined scorers
 (bad results, leases that expired) fails its Future with the reasons: the hub drops the group (counted
@@ -34,8 +34,9 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from ref_server.scoring.pool_jobs import ScoringJobs, resolve_future
-from ref_server.scoring.pool_records import (
+from ref_server.scorer_pool.job_wire import BadResult, JobSpec, check_result
+from ref_server.scorer_pool.jobs import ScoringJobs, resolve_future
+from ref_server.scorer_pool.records import (
     LOCAL,
     Job,
     JoinedScorer,
@@ -46,7 +47,6 @@ from ref_server.scoring.pool_records import (
     UnknownScorer,
 )
 from ref_server.scoring.scorer import ReferenceScorer, ScorerBusy, ScoringError
-from ref_server.scoring.scoring_jobs import BadResult, JobSpec, check_result
 
 __all__ = ["LOCAL", "NoScorer", "ScorerPool", "ScorerQuarantined", "UnknownJob", "UnknownScorer"]
 log = logging.getLogger("grpo.ref_server.pool")

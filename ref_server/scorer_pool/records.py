@@ -1,4 +1,4 @@
-"""What the scorer pool (:mod:`ref_server.scoring.pool`) keeps: its jobs, its joined scorers, its counters, its
+"""What the scorer pool (:mod:`ref_server.scorer_pool.pool`) keeps: its jobs, its joined scorers, its counters, its
 errors, and the scorers it stopped trusting (:class:`Quarantine`)."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from ref_server.scorer_pool.job_wire import JobSpec
 from ref_server.scoring.scorer import ScoringError
-from ref_server.scoring.scoring_jobs import JobSpec
 
 LOCAL = "local"
 

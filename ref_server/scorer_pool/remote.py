@@ -1,5 +1,5 @@
 """A reference scorer that joins a hub (``grpo scorer --hub URL``): it loads the reference model, registers, and pulls
-scoring jobs (:mod:`ref_server.scoring.scorer_routes`) until told to stop.
+scoring jobs (:mod:`ref_server.scorer_pool.routes`) until told to stop.
 
 * ``concurrency`` job loops share one :class:`ref_server.scoring.scorer.ReferenceScorer`: while one loop waits for
   its result to be posted or its next job, another's rows are in the forward, and rows of jobs taken at the same
@@ -19,8 +19,8 @@ import logging
 import threading
 import time
 
+from ref_server.scorer_pool.job_wire import decode_job, encode_result
 from ref_server.scoring.scorer import ReferenceScorer
-from ref_server.scoring.scoring_jobs import decode_job, encode_result
 from shared.errors import UsageError
 from shared.protocol.client import OCTET, HubClient, HubError
 from shared.protocol.wire import WireError
@@ -169,8 +169,8 @@ class RemoteScorer:
 def run_scorer(config, hub_url: str, name: str, device: str | None = None, concurrency: int = 2) -> None:
     """``grpo scorer``: load ref_server.model on ``device``, join the hub at ``hub_url``, score until SIGTERM/SIGINT."""
 
+    from ref_server.scorer_pool.job_wire import model_identity
     from ref_server.scoring.loading import ModelLoadError, load_reference_scorer
-    from ref_server.scoring.scoring_jobs import model_identity
     from shared.protocol.client import service_client, stop_on_signals
 
     cfg = config.ref_server

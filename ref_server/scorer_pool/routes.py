@@ -8,7 +8,7 @@
   job or scorer.
 * ``POST /v1/scorers/{id}/heartbeat`` (renews its leases; 404: register again), ``DELETE /v1/scorers/{id}`` (leave:
   its jobs go back to the queue at once).
-* A scorer quarantined for bad results (``ref_server.scorer_max_bad_results``, :mod:`ref_server.scoring.pool`) is
+* A scorer quarantined for bad results (``ref_server.scorer_max_bad_results``, :mod:`ref_server.scorer_pool.pool`) is
   answered 403 with the reason on every route, registration under its name included: it must stop.
 Every route needs the hub's token like any other; a result body is bounded by ``ref_server.max_request_bytes``.
 """
@@ -24,8 +24,8 @@ from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
 from ref_server.http import OCTET, State, binary_body, read_body
-from ref_server.scoring.pool import ScorerPool, ScorerQuarantined, UnknownJob, UnknownScorer
-from ref_server.scoring.scoring_jobs import BadResult, encode_job, result_job_id
+from ref_server.scorer_pool.job_wire import BadResult, encode_job, result_job_id
+from ref_server.scorer_pool.pool import ScorerPool, ScorerQuarantined, UnknownJob, UnknownScorer
 from ref_server.state import ServerState
 from shared.protocol.wire import WireError
 
@@ -39,7 +39,7 @@ class ScorerRegistration(BaseModel):
     model: str | None = Field(None, max_length=512, description="The reference model's folder name.")
     vocab_size: int = Field(ge=1, description="The loaded model's vocabulary size.")
     config_digest: str | None = Field(None, max_length=128, description="sha256 of the model's config.json "
-                                      "(ref_server.scoring.remote.model_identity).")
+                                      "(ref_server.scorer_pool.remote.model_identity).")
 
 
 def _pool(state: ServerState) -> ScorerPool:

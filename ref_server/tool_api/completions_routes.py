@@ -28,16 +28,16 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 from starlette.concurrency import run_in_threadpool
 
 from ref_server.http import State
-from ref_server.scoring.openai_shape import (
+from ref_server.scoring.scorer import Row, ScorerBusy, ScoringError, TopRow
+from ref_server.state import ServerState
+from ref_server.tool_api.openai_shape import (
     OpenAIError,
     json_response,
     openapi_body,
     parse_json_body,
     served_tokenizer,
 )
-from ref_server.scoring.scorer import Row, ScorerBusy, ScoringError, TopRow
-from ref_server.scoring.tokenizer import ServedTokenizer
-from ref_server.state import ServerState
+from ref_server.tool_api.tokenizer import ServedTokenizer
 
 router = APIRouter(tags=["openai"])
 

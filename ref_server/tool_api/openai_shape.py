@@ -13,7 +13,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from ref_server.http import openai_error, read_body
-from ref_server.scoring.tokenizer import ServedTokenizer
+from ref_server.tool_api.tokenizer import ServedTokenizer
 from shared.protocol import strict_json
 
 if TYPE_CHECKING:

@@ -1,4 +1,4 @@
-"""vLLM's ``POST /pooling`` for a process reward model, served by :class:`ref_server.scoring.prm.PRMScorer`.
+"""vLLM's ``POST /pooling`` for a process reward model, served by :class:`ref_server.tool_api.prm.PRMScorer`.
 
 Request (vLLM 0.32.0's ``PoolingCompletionRequest`` / ``PoolingChatRequest``; other vLLM fields are ignored)::
 
@@ -25,8 +25,8 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 
 from ref_server.http import read_body
-from ref_server.scoring.openai_shape import OpenAIError, json_response, openapi_body
-from ref_server.scoring.prm import PRMInputError, PRMScorer
+from ref_server.tool_api.openai_shape import OpenAIError, json_response, openapi_body
+from ref_server.tool_api.prm import PRMInputError, PRMScorer
 from shared.protocol import strict_json
 
 router = APIRouter(tags=["prm"])

@@ -5,7 +5,7 @@ transformers 5 loads a ``qwen2`` folder's tokenizer as ``Qwen2Tokenizer``, whose
 a special token in this character vocabulary).
 
 For tests and for trying the ``prm`` reward without a GPU (``ref_server.prm_model``); its step rewards are
-those of random weights. ``python -m ref_server.scoring.prm_tiny OUT_DIR`` writes one.
+those of random weights. ``python -m ref_server.tool_api.prm_tiny OUT_DIR`` writes one.
 """
 
 from __future__ import annotations
@@ -69,5 +69,5 @@ def build_tiny_prm(out_dir: str | Path, seed: int = 0) -> Path:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        sys.exit("usage: python -m ref_server.scoring.prm_tiny OUT_DIR")
+        sys.exit("usage: python -m ref_server.tool_api.prm_tiny OUT_DIR")
     print(build_tiny_prm(sys.argv[1]))

@@ -4,8 +4,8 @@
 ``{"tokens": [...]}`` and ``POST /detokenize`` ``{"tokens": [...]}`` -> ``{"prompt": "..."}``. lm-eval's
 ``local-completions`` model uses them (``tokenizer_backend=remote``, picked automatically when both answer) to
 count context tokens exactly as the server does. Errors here and on ``/v1/completions`` use the OpenAI shape
-``{"error": {"message", "type", "param", "code"}}`` (:class:`ref_server.scoring.openai_shape.OpenAIError`), not
-FastAPI's ``{"detail": ...}``. The tokenizer itself is :class:`ref_server.scoring.tokenizer.ServedTokenizer`.
+``{"error": {"message", "type", "param", "code"}}`` (:class:`ref_server.tool_api.openai_shape.OpenAIError`), not
+FastAPI's ``{"detail": ...}``. The tokenizer itself is :class:`ref_server.tool_api.tokenizer.ServedTokenizer`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 from starlette.concurrency import run_in_threadpool
 
 from ref_server.http import State
-from ref_server.scoring.openai_shape import (
+from ref_server.tool_api.openai_shape import (
     OpenAIError,
     json_response,
     openapi_body,

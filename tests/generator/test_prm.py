@@ -1,5 +1,5 @@
 """The 'prm' reward (generator/rewards/prm.py): a process reward model over vLLM's /pooling, against the real
-stand-in (ref_server/scoring/prm_routes.py) and tiny local servers that misbehave, all on 127.0.0.1."""
+stand-in (ref_server/tool_api/prm_routes.py) and tiny local servers that misbehave, all on 127.0.0.1."""
 
 import json
 import math
@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 from generator.rewards import RewardSet, RewardTerm
 from generator.rewards.prm import PRMError, prm_reward, step_pieces
 from generator.rewards.steps import StepScores
-from ref_server.scoring.prm import PRMScorer
-from ref_server.scoring.prm_routes import create_prm_app
-from ref_server.scoring.prm_tiny import build_tiny_prm
+from ref_server.tool_api.prm import PRMScorer
+from ref_server.tool_api.prm_routes import create_prm_app
+from ref_server.tool_api.prm_tiny import build_tiny_prm
 from tests.live_server import AppServer
 
 PROBLEM = "17+25-8=?"

@@ -47,7 +47,7 @@ def test_ref_server_has_no_import_circles():
 
 def test_the_state_imports_no_router():
     graph, routers = _import_graph()
-    assert "ref_server.hub.routes" in routers and "ref_server.scoring.tokenizer_routes" in routers
+    assert "ref_server.hub.routes" in routers and "ref_server.tool_api.tokenizer_routes" in routers
     assert sorted(_reachable(graph, "ref_server.state") & routers) == []
 
 

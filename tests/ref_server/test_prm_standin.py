@@ -1,4 +1,4 @@
-"""The PRM stand-in (ref_server/scoring/prm.py, prm_routes.py): vLLM's /pooling numbers equal a direct forward."""
+"""The PRM stand-in (ref_server/tool_api/prm.py, prm_routes.py): vLLM's /pooling numbers equal a direct forward."""
 
 import json
 
@@ -7,8 +7,8 @@ import pytest
 import requests
 import torch
 
-from ref_server.scoring.prm import PRMInputError, PRMLoadError, PRMScorer
-from ref_server.scoring.prm_tiny import build_tiny_prm
+from ref_server.tool_api.prm import PRMInputError, PRMLoadError, PRMScorer
+from ref_server.tool_api.prm_tiny import build_tiny_prm
 from tests.live_server import LiveServer, make_config
 
 CHAT = [{"role": "system", "content": "Please reason step by step."}, {"role": "user", "content": "17+25-8=?"},
@@ -150,7 +150,7 @@ def test_prm_reward_through_the_ref_server_with_a_token(prm_dir, scorer, tmp_pat
 def test_tiny_prm_tokenizer_keeps_whitespace_next_to_tags(scorer):
     """The saved tokenizer (what the stand-in and vLLM load) splits like the built one: no whitespace is eaten
     next to <extra_0> or the chat tokens, so a step ending in a newline keeps it."""
-    from ref_server.scoring.prm_tiny import build_tiny_prm_tokenizer
+    from ref_server.tool_api.prm_tiny import build_tiny_prm_tokenizer
 
     built = build_tiny_prm_tokenizer()
     for text in ["<|im_start|>sys\n<extra_0>ab", "a\n\n<extra_0>\n<|im_end|>\n x <extra_0> "]:

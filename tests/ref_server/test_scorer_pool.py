@@ -1,4 +1,4 @@
-"""The scorer pool (ref_server/scoring/pool.py) in process: leases, expiry, exactly-once results, checks on results."""
+"""The scorer pool (ref_server/scorer_pool/pool.py) in process: leases, expiry, exactly-once results, checks on results."""
 
 import threading
 
@@ -7,9 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ref_server.scoring.pool import LOCAL, ScorerPool, ScorerQuarantined, UnknownJob, UnknownScorer
+from ref_server.scorer_pool.job_wire import BadResult, check_result, decode_job, encode_job, encode_result
+from ref_server.scorer_pool.pool import LOCAL, ScorerPool, ScorerQuarantined, UnknownJob, UnknownScorer
 from ref_server.scoring.scorer import ReferenceScorer, Row, ScorerBusy, ScoringError, TopRow
-from ref_server.scoring.scoring_jobs import BadResult, check_result, decode_job, encode_job, encode_result
 from shared.protocol.wire import encode
 
 VOCAB = 50
@@ -52,7 +52,7 @@ def answer(job, value=-0.5, top_k=0):
 
 def test_a_job_travels_as_safetensors_and_back():
     rows = [Row(torch.tensor([3, 4, 5, 6]), 2), Row([7, 8, 9], 1)]
-    from ref_server.scoring.scoring_jobs import JobSpec
+    from ref_server.scorer_pool.job_wire import JobSpec
     job = decode_job(encode_job(JobSpec("j-1", rows, 0.7, 3)))
     assert job.job_id == "j-1" and job.temperature == pytest.approx(0.7) and job.top_k == 3
     assert [r.input_ids.tolist() for r in job.rows] == [[3, 4, 5, 6], [7, 8, 9]]
@@ -196,7 +196,7 @@ def test_cancelled_jobs_leave_the_queue_and_a_late_result_is_ignored(pool):
 def test_with_no_scorer_a_route_gets_a_503_reason_after_the_bounded_wait(pool):
     import asyncio
 
-    from ref_server.scoring.pool import NoScorer
+    from ref_server.scorer_pool.pool import NoScorer
 
     assert pool.status() == "no scorer" and pool.wait_s() == pytest.approx(0.2)
     future = pool.submit(rows_of(4))

@@ -173,8 +173,8 @@ def test_a_scorer_registers_again_after_a_hub_restart(tmp_path, tiny_model, tiny
     """RemoteScorer (what `grpo scorer` runs) in a thread of this process, against a hub that restarts on its port."""
     import threading
 
-    from ref_server.scoring.remote import RemoteScorer
-    from ref_server.scoring.scoring_jobs import model_identity
+    from ref_server.scorer_pool.job_wire import model_identity
+    from ref_server.scorer_pool.remote import RemoteScorer
     from tests.live_server import LiveServer, make_config
 
     def hub(name, port=0):

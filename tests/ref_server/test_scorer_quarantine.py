@@ -1,5 +1,5 @@
 """Hostile scorers against a real hub (uvicorn on 127.0.0.1, ``local_scoring: false``), speaking the scorer HTTP
-protocol by hand (ref_server/scoring/scorer_routes.py): bad results do not send a job round forever.
+protocol by hand (ref_server/scorer_pool/routes.py): bad results do not send a job round forever.
 
 * A scorer that sends ``ref_server.scorer_max_bad_results`` bad results (NaN, the wrong shape, a result for a job it
   does not hold) is quarantined: its next call and a new registration under its name are refused 403 with the
@@ -16,7 +16,7 @@ import pytest
 import requests
 import torch
 
-from ref_server.scoring.scoring_jobs import decode_job, encode_result
+from ref_server.scorer_pool.job_wire import decode_job, encode_result
 from tests.ref_server.helpers import make_group
 
 pytestmark = pytest.mark.slow
@@ -148,7 +148,7 @@ class NaNModel:
 def test_grpo_scorers_loop_stops_with_the_hubs_reason_once_quarantined(server_factory):
     """RemoteScorer (what `grpo scorer` runs) over a model that answers NaN: the hub quarantines it after three
     results and it stops with the hub's reason (exit 2 in the CLI) instead of scoring on."""
-    from ref_server.scoring.remote import RemoteScorer, ScorerRefused
+    from ref_server.scorer_pool.remote import RemoteScorer, ScorerRefused
     from shared.protocol.client import HubClient
 
     live = server_factory(local_scoring=False, scorer_max_bad_results=3, scoring_job_max_failures=10,

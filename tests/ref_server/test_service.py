@@ -26,8 +26,9 @@ from ref_server.http import (
 )
 from ref_server.hub import routes as hub_routes
 from ref_server.relay import routes as relay_routes
-from ref_server.scoring import completions_routes, logprobs_routes, prm_routes, tokenizer_routes
+from ref_server.scoring import logprobs_routes
 from ref_server.server import build_state
+from ref_server.tool_api import completions_routes, prm_routes, tokenizer_routes
 from tests.live_server import AppServer, LiveServer, make_config
 
 TOKEN = "s3cret"
