@@ -3,6 +3,9 @@
 :class:`RolloutHub` builds a :class:`RolloutQueue` and the two halves over it (:class:`Intake`: uploads;
 :class:`Leases`: batches for the learner), reloads the spool, and answers the generators' pacing question
 (:meth:`RolloutHub.budget`), which needs both halves: the groups queued and those leased and not yet trained.
+It is the hub's one front: the routes (ref_server/hub/routes.py, the relay's session routes), the metrics and
+the health check call its methods, never ``hub.intake``, ``hub.leases`` or ``hub.queue``
+(tests/ref_server/test_layout.py holds this).
 """
 
 from __future__ import annotations
@@ -87,14 +90,15 @@ class RolloutHub:
                 queue.learner_version = min(queue.learner_version, version)  # report_version takes it from there
         return queue.report_version(version, groups_per_step)
 
-    def take(self, num_groups: int, timeout: float = 0.0, min_version: int | None = None) -> TrainBatch | None:
-        return self.leases.take(num_groups, timeout, min_version)
+    def take(self, num_groups: int, timeout: float = 0.0, min_version: int | None = None,
+             request_id: str | None = None) -> TrainBatch | None:
+        return self.leases.take(num_groups, timeout, min_version, request_id)
 
     def ack(self, batch_ids: list[str]) -> dict[str, str]:
         return self.leases.ack(batch_ids)
 
-    def release(self, batch_ids: list[str]) -> dict[str, str]:
-        return self.leases.release(batch_ids)
+    def release(self, batch_ids: list[str], request_ids: list[str] = ()) -> dict[str, str]:
+        return self.leases.release(batch_ids, request_ids)
 
     def renew(self, batch_ids: list[str], trained: bool = False) -> dict[str, str]:
         return self.leases.renew(batch_ids, trained)

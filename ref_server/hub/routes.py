@@ -117,7 +117,7 @@ async def take_batch(request: Request, state: State,
     deadline = time.monotonic() + min(timeout, state.max_long_poll_s)
     while True:
         wait = min(max(deadline - time.monotonic(), 0.0), LONG_POLL_SLICE_S)
-        batch = await run_in_threadpool(state.hub.leases.take, num_groups, wait, min_version, request_id)
+        batch = await run_in_threadpool(state.hub.take, num_groups, wait, min_version, request_id)
         if await request.is_disconnected():
             if batch is not None:
                 await run_in_threadpool(state.hub.release, [batch.batch_id])
@@ -140,7 +140,7 @@ async def ack_batches(body: BatchIds, state: State) -> dict:
 async def release_batches(body: ReleasedBatches, state: State) -> dict:
     """Hand back leases that will not be trained (a stopping learner): their groups are queued again at once, at
     the front. Per batch id: released or unknown; per request id: released, or cancelled (granted nothing yet)."""
-    return {"batches": await run_in_threadpool(state.hub.leases.release, body.batch_ids, body.request_ids)}
+    return {"batches": await run_in_threadpool(state.hub.release, body.batch_ids, body.request_ids)}
 
 
 @router.post("/v1/batch/renew")

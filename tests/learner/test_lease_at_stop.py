@@ -118,14 +118,14 @@ def test_the_hub_grants_nothing_under_a_released_request_id_and_hands_back_what_
     hub = RolloutHub(capacity=16, max_staleness=4, scorer=None, lease_timeout_s=300.0)
     for seed in range(6):
         hub.put(make_group(seed=seed).to_bytes())
-    assert hub.leases.release([], ["early"]) == {"early": "cancelled"}
-    assert hub.leases.take(2, request_id="early") is None and hub.leased_depth() == 0  # released before its grant
-    granted = hub.leases.take(2, request_id="late")
-    retried = hub.leases.take(2, request_id="late")   # the same call retried after its answer was lost
+    assert hub.release([], ["early"]) == {"early": "cancelled"}
+    assert hub.take(2, request_id="early") is None and hub.leased_depth() == 0  # released before its grant
+    granted = hub.take(2, request_id="late")
+    retried = hub.take(2, request_id="late")   # the same call retried after its answer was lost
     assert granted is not None and retried is not None and hub.leased_depth() == 4
-    assert hub.leases.release([], ["late"]) == {"late": "released"}
+    assert hub.release([], ["late"]) == {"late": "released"}
     assert hub.leased_depth() == 0 and hub.depth() == 6
-    assert hub.leases.take(2, request_id="late") is None   # and grants nothing more under it
+    assert hub.take(2, request_id="late") is None   # and grants nothing more under it
     with hub.queue.cond:
         assert all(entry.failures == 0 for entry in hub.queue.groups.values())   # handed back, not failed
 

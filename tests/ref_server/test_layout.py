@@ -56,3 +56,27 @@ def test_the_hubs_two_halves_share_only_the_queue():
     assert "ref_server.hub.queue" in graph["ref_server.hub.intake"] & graph["ref_server.hub.leases"]
     assert "ref_server.hub.leases" not in _reachable(graph, "ref_server.hub.intake")
     assert "ref_server.hub.intake" not in _reachable(graph, "ref_server.hub.leases")
+
+
+def _reaches_into_the_hub(source: str) -> list[str]:
+    """``hub.intake``, ``hub.leases`` or ``hub.queue`` (on a name or attribute called ``hub``) in ``source``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr in {"intake", "leases", "queue"}:
+            owner = node.value
+            name = owner.id if isinstance(owner, ast.Name) else owner.attr if isinstance(owner, ast.Attribute) else ""
+            if name == "hub":
+                found.append(f"line {node.lineno}: hub.{node.attr}")
+    return sorted(found)
+
+
+def test_the_product_calls_the_hub_through_rollout_hub_only():
+    """RolloutHub is the hub's one front: no product module outside it reaches into its queue or halves."""
+    assert _reaches_into_the_hub("x = state.hub.leases.take(1)\ny = hub.intake\nz = self.queue") == [
+        "line 1: hub.leases", "line 2: hub.intake"]
+    own = ROOT / "ref_server" / "hub" / "rollout_hub.py"
+    found = {str(path.relative_to(ROOT)): hits
+             for folder in ("ref_server", "generator", "learner", "shared", "deploy")
+             for path in sorted((ROOT / folder).rglob("*.py"))
+             if path != own and (hits := _reaches_into_the_hub(path.read_text()))}
+    assert found == {}
