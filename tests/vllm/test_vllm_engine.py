@@ -8,7 +8,6 @@ from safetensors.torch import save_file
 
 vllm = pytest.importorskip("vllm")
 
-from deploy.demo.tiny_model import TinyModelSpec, build_char_tokenizer, build_tiny_model, save_model_dir  # noqa: E402
 from generator.engines.hf import TransformersEngine  # noqa: E402
 from generator.engines.vllm_engine import VLLMEngine  # noqa: E402
 from shared.forward.logprobs import sequence_logprobs  # noqa: E402
@@ -17,14 +16,7 @@ from shared.protocol.records import SamplingParams  # noqa: E402
 pytestmark = pytest.mark.slow  # every test uses a real vLLM engine (its own processes; make test-vllm runs them)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    tokenizer = build_char_tokenizer()
-    # vLLM's CPU attention supports head sizes of 32 and up; the default tiny model has 16-dim heads
-    spec = TinyModelSpec(seed=3, num_attention_heads=6, num_key_value_heads=6)
-    return save_model_dir(build_tiny_model(tokenizer, spec), tokenizer, tmp_path_factory.mktemp("vllm-tiny"))
+MODEL_SEED = 3  # the tiny model of model_dir (tests/vllm/conftest.py)
 
 
 @pytest.fixture(scope="module")

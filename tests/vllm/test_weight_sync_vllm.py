@@ -11,7 +11,6 @@ import torch
 
 vllm = pytest.importorskip("vllm")
 
-from deploy.demo.tiny_model import TinyModelSpec, build_char_tokenizer, build_tiny_model, save_model_dir  # noqa: E402
 from generator.engines.hf import TransformersEngine  # noqa: E402
 from generator.engines.vllm_engine import VLLMEngine  # noqa: E402
 from shared.config.schema import WeightSyncConfig  # noqa: E402
@@ -24,15 +23,8 @@ from tests.live_server import LiveServer, make_config  # noqa: E402
 pytestmark = pytest.mark.slow  # a real vLLM engine and a live hub (LiveServer)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+MODEL_SEED = 5  # the tiny model of model_dir (tests/vllm/conftest.py)
 CFG = WeightSyncConfig(transport="collective", bucket_mb=0.05, timeout_s=20.0, join_timeout_s=60.0, poll_s=0.2)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    tokenizer = build_char_tokenizer()
-    # vLLM's CPU attention supports head sizes of 32 and up; the default tiny model has 16-dim heads
-    spec = TinyModelSpec(seed=5, num_attention_heads=6, num_key_value_heads=6)
-    return save_model_dir(build_tiny_model(tokenizer, spec), tokenizer, tmp_path_factory.mktemp("vllm-sync"))
 
 
 def client(url):
