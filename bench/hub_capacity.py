@@ -1,7 +1,7 @@
 """Benchmark: the rollout hub's capacity with many simulated generators and a simulated learner (no model).
 
 A real hub (the ref server's app: ``build_state`` + ``create_app`` under uvicorn, ``beta`` 0 so there is no
-reference model, spool on or off) runs in a child process on 127.0.0.1. The simulated clients are in
+reference model, spool on or off) runs in a child process on 127.0.0.1 (:mod:`bench.hub_under_test`). The simulated clients are in
 :mod:`bench.hub_load`: ``--client-procs`` processes run
 ``--generators`` simulated generators between them (one thread each): each uploads its engine call's groups
 (``--groups-per-upload`` groups of ``--group-size`` completions x ``--completion-len`` tokens with behaviour logprobs,
@@ -36,7 +36,6 @@ import json
 import multiprocessing as mp
 import os
 import platform
-import signal
 import subprocess
 import sys
 import tempfile
@@ -50,164 +49,17 @@ sys.path.insert(0, str(REPO))
 import requests  # noqa: E402
 
 from bench.hub_load import client_process, learner_thread  # noqa: E402
-from shared.protocol.health import wait_healthy  # noqa: E402
-
-TICKS = os.sysconf("SC_CLK_TCK")  # /proc/<pid>/stat counts CPU time in these
-
-
-# -- the hub, in a child process --------------------------------------------------------------------------------
-class StageClock:
-    """Per stage, summed over the hub's threads: wall seconds (they include waiting for the GIL and the disk), CPU
-    seconds of the calling thread (``time.thread_time``: the stage's own work, whatever the machine's load) and
-    calls."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.seconds: dict[str, float] = {}
-        self.cpu: dict[str, float] = {}
-        self.calls: dict[str, int] = {}
-
-    def wrap(self, owner, name: str, stage: str) -> None:
-        inner = getattr(owner, name)
-
-        def timed(*args, **kwargs):
-            start, cpu = time.perf_counter(), time.thread_time()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                spent, used = time.perf_counter() - start, time.thread_time() - cpu
-                with self.lock:
-                    self.seconds[stage] = self.seconds.get(stage, 0.0) + spent
-                    self.cpu[stage] = self.cpu.get(stage, 0.0) + used
-                    self.calls[stage] = self.calls.get(stage, 0) + 1
-
-        setattr(owner, name, timed)
-
-    def snapshot(self) -> dict:
-        with self.lock:
-            return {stage: {"s": round(s, 4), "cpu_s": round(self.cpu[stage], 4), "calls": self.calls[stage]}
-                    for stage, s in self.seconds.items()}
-
-
-# Stages that contain others (not added to them): the whole upload and the whole lease, on the worker threads.
-UPLOAD_TOTAL, LEASE_TOTAL = "= upload (put_many, all of it)", "= lease (take, all of it)"
-UPLOAD_STAGES = ("group decode+validate", "spool write+fsync", "spool rename", "row layout", "container decode")
-LEASE_STAGES = ("batch assembly", "batch serialisation", "ack (+ spool unlink)")
-
-
-def serve_hub(port_file: str, spool_dir: str | None, capacity: int, max_staleness: int, ungated: bool = False,
-              cores: list[int] | None = None) -> None:
-    """The real app (as ``grpo ref-server`` builds it, without a model) with stage clocks; ``GET /bench/stages``
-    answers them. Writes its port to ``port_file`` once bound."""
-    import socket
-
-    import uvicorn
-
-    from ref_server import http as _http  # noqa: F401  (the app's modules, imported before they are patched)
-    from ref_server.app import create_app
-    from ref_server.cpu_cores import pin_process
-    from ref_server.header_deadline import header_deadline_protocol
-    from ref_server.hub import leases, routes
-    from ref_server.hub.intake import Intake
-    from ref_server.hub.spool import RolloutSpool
-    from ref_server.server import build_state
-    from shared.config.schema import GRPOConfig
-    from shared.protocol.records import TrainBatch
-
-    clock = StageClock()
-    clock.wrap(routes, "decode_messages", "container decode")
-    clock.wrap(Intake, "_decode", "group decode+validate")
-    clock.wrap(Intake, "_spool_write", "spool write+fsync")
-    clock.wrap(RolloutSpool, "commit", "spool rename")
-    clock.wrap(Intake, "_mark_ready", "row layout")
-    clock.wrap(leases, "assemble_batch", "batch assembly")
-    clock.wrap(TrainBatch, "to_bytes", "batch serialisation")
-    clock.wrap(leases.Leases, "ack", "ack (+ spool unlink)")
-    clock.wrap(Intake, "put_many", UPLOAD_TOTAL)
-    clock.wrap(leases.Leases, "take", LEASE_TOTAL)
-    config = GRPOConfig.model_validate({
-        "algorithm": {"loss": {"beta": 0.0}},
-        "ref_server": {"model": None, "spool_dir": spool_dir, "queue_capacity": capacity,
-                       "max_staleness": max_staleness, "max_long_poll_s": 5.0, "cpu_cores": cores},
-    })
-    pin_process(config.ref_server.cpu_cores)  # as `grpo ref-server` does, before uvicorn starts its threads
-    state = build_state(config)
-    if ungated:  # the comparison: uploads decode and lay out rows in parallel (the hub before its CPU gate)
-        state.hub.intake.cpu_gate = None
-    app = create_app(state)
-
-    @app.get("/bench/stages", include_in_schema=False)
-    def stages() -> dict:
-        return {"stages": clock.snapshot(), "python_threads": [t.native_id for t in threading.enumerate()]}
-
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    Path(port_file + ".tmp").write_text(str(sock.getsockname()[1]))
-    os.replace(port_file + ".tmp", port_file)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=2,
-                                           http=header_deadline_protocol(10.0)))
-    signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))
-    server.run(sockets=[sock])
-
-
-class HubProcess:
-    def __init__(self, spool_dir: str | None, capacity: int, max_staleness: int, cores: list[int] | None = None,
-                 ungated: bool = False) -> None:
-        self.tmp = tempfile.TemporaryDirectory(prefix="hubcap-")
-        port_file = os.path.join(self.tmp.name, "port")
-        args = [sys.executable, __file__, "--serve-hub", port_file, "--capacity", str(capacity),
-                "--max-staleness", str(max_staleness)] + (["--spool-dir", spool_dir] if spool_dir else []) + (
-                    ["--hub-cores", *map(str, cores)] if cores else []) + (["--ungated"] if ungated else [])
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
-        self.proc = subprocess.Popen(args, env=env)
-        deadline = time.monotonic() + 60
-        while not os.path.exists(port_file):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the hub did not start")
-            time.sleep(0.05)
-        self.url = f"http://127.0.0.1:{Path(port_file).read_text()}"
-        wait_healthy(self.url, timeout_s=60)
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.tmp.cleanup()
-
-
-def thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds of each thread of ``pid`` by thread id (``/proc/<pid>/task/<tid>/schedstat``: nanoseconds on
-    the CPU, not 10 ms ticks); the main (event-loop) thread is ``pid``."""
-    seconds = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            seconds[tid] = int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0]) / 1e9
-        except OSError:
-            continue  # a thread that ended
-    return seconds
-
-
-def context_switches(pid: int) -> int:
-    """Voluntary + involuntary context switches of ``pid``'s live threads (``/proc/<pid>/task/<tid>/status``): a
-    thread waiting for the GIL, the disk or a lock switches out voluntarily, so their rate shows contention."""
-    total = 0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            for line in Path(f"/proc/{pid}/task/{tid}/status").read_text().splitlines():
-                if "ctxt_switches:" in line:
-                    total += int(line.split()[1])
-        except OSError:
-            continue
-    return total
-
-
-def process_ticks(pid: int) -> int:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return sum(int(f) for f in fields[11:15])  # utime stime cutime cstime
+from bench.hub_under_test import (  # noqa: E402
+    LEASE_STAGES,
+    LEASE_TOTAL,
+    TICKS,
+    UPLOAD_STAGES,
+    UPLOAD_TOTAL,
+    HubProcess,
+    context_switches,
+    process_ticks,
+    thread_cpu,
+)
 
 
 def cpu_per_group(spent: dict, busy: dict, wall: float, main: str, python_threads: set[str], *, accepted: int,
@@ -363,8 +215,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="switch off the hub's CPU gate (uploads decode in parallel; for comparison)")
     p.add_argument("--json-out")
     p.add_argument("--strict", action="store_true")
-    p.add_argument("--serve-hub", help=argparse.SUPPRESS)
-    p.add_argument("--spool-dir", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     for name in ("generators", "groups_per_upload", "group_size", "completion_len", "prompt_len", "batch_groups",
                  "groups_per_step", "capacity", "client_procs"):
@@ -377,9 +227,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.serve_hub:
-        serve_hub(args.serve_hub, args.spool_dir, args.capacity, args.max_staleness, args.ungated, args.hub_cores)
-        return 0
     phases = [run_phase(args, name) for name in args.phases]
     print(f"hub capacity: {args.generators} generators x {args.rate:.2f} groups/s, {args.groups_per_upload} groups "
           f"of {args.group_size} x {args.completion_len} tokens per upload; learner {args.batch_groups} groups/lease")

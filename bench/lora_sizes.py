@@ -49,7 +49,7 @@ def measure_publish(model: torch.nn.Module, model_dir: str, mode: str, repeats: 
     import tempfile
     from pathlib import Path
 
-    from bench.weight_sync import HubProcess
+    from bench.weight_sync_processes import HubProcess
     from generator.engines.hf import TransformersEngine
     from shared.config.schema import WeightSyncConfig
     from shared.protocol.client import HubClient, RetryPolicy

@@ -43,7 +43,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.vs_trl import eval_config, eval_steps, evaluate_points, machine, prepare_config, run_grpo  # noqa: E402
+from bench.vs_trl import eval_config, eval_steps, evaluate_points, machine, prepare_config  # noqa: E402
+from bench.vs_trl_runs import run_grpo  # noqa: E402
 from shared.config.schema import GRPOConfig  # noqa: E402
 
 OUTCOME_REWARDS = [{"name": "chain", "weight": 1.0}]

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.vs_trl import median, read_trl_result, repeat_rows, time_to, trl_clock, trl_run
+from bench.vs_trl import median, repeat_rows, time_to
+from bench.vs_trl_runs import read_trl_result, trl_clock, trl_run
 from bench.vs_trl_trl import TRLResult, trl_settings
 from shared.config.loader import load_config
 
