@@ -1,7 +1,7 @@
 """Benchmark: the rollout hub's capacity with many simulated generators and a simulated learner (no model).
 
 A real hub (the ref server's app: ``build_state`` + ``create_app`` under uvicorn, ``beta`` 0 so there is no
-reference model, spool on or off) runs in a child process on 127.0.0.1 (:mod:`bench.hub_under_test`). The simulated clients are in
+reference model, spool on or off) runs in a child process on 127.0.0.1 (:mod:`bench.hub_process`). The simulated clients are in
 :mod:`bench.hub_load`: ``--client-procs`` processes run
 ``--generators`` simulated generators between them (one thread each): each uploads its engine call's groups
 (``--groups-per-upload`` groups of ``--group-size`` completions x ``--completion-len`` tokens with behaviour logprobs,
@@ -49,7 +49,7 @@ sys.path.insert(0, str(REPO))
 import requests  # noqa: E402
 
 from bench.hub_load import client_process, learner_thread  # noqa: E402
-from bench.hub_under_test import (  # noqa: E402
+from bench.hub_process import (  # noqa: E402
     LEASE_STAGES,
     LEASE_TOTAL,
     TICKS,

@@ -4,7 +4,7 @@ a child process, its stages timed from inside (:class:`StageClock`, answered at 
 
 The child is this file run as a script (:class:`HubProcess` starts it)::
 
-    python bench/hub_under_test.py PORT_FILE --capacity N --max-staleness N [--spool-dir DIR] [--hub-cores C ...]
+    python bench/hub_process.py PORT_FILE --capacity N --max-staleness N [--spool-dir DIR] [--hub-cores C ...]
         [--ungated]
 """
 
