@@ -156,6 +156,10 @@ class GeneratorConfig(StrictModel):
                            "seeds its prompt order, so two generators draw different prompts.")
     hub_url: str = Field("http://127.0.0.1:8470", description="The ref server's address.")
     device: str = Field("auto", description="'auto', 'cpu' or 'cuda:N' (N indexes the node's visible GPUs).")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="The engine's weights and compute dtype: 'auto' is bfloat16 on a GPU (vLLM: the model's "
+        "own) and float32 on the CPU. A lower precision than the learner's (learner.precision) makes the behaviour "
+        "logprobs drift from the learner's: algorithm.off_policy measures and corrects it.")
     group_size: int = Field(8, ge=1, description="G: completions sampled per prompt.")
     prompts_per_batch: int = Field(4, ge=1, description="Prompts generated together in one engine call.")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="Sampling parameters.")
