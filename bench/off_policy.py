@@ -14,7 +14,8 @@ masked fractions and the staleness of every step (the learner's metrics.jsonl) a
 ``generator/evaluate.py`` on the config's held-out split, the same problems for every run).
 
 Writes ``OUT/summary.json`` (every number, the machine, the versions) and, with ``--figure``, a PNG of accuracy and
-mismatch_kl per step (docs/off-policy.md shows it). The last line printed is the table of final accuracies.
+mismatch_kl per step (docs/off-policy.md shows it). It prints the table of the runs, then one ``BENCH_JSON`` line
+(the final accuracies, for ``grpo bench``).
 """
 
 from __future__ import annotations
@@ -43,6 +44,14 @@ DRIFT_KEYS = ("mismatch_kl", "mismatch_abs_logprob_diff", "mismatch_ratio_max", 
               "off_policy_masked_row_frac", "staleness_mean", "reward_mean", "is_weight_mean")
 
 
+def off_policy_settings(mode: str, low: float, high: float) -> dict:
+    """``algorithm.off_policy`` of one cell; the pseudo-mode ``bypass`` is bypass true (the behaviour logprobs as
+    pi_old, no recompute: the PPO ratio against them is the only correction)."""
+    if mode == "bypass":
+        return {"mode": "none", "bypass": True}
+    return {"mode": mode, "low": low, "high": high}
+
+
 def cell_name(staleness: int, mode: str) -> str:
     return f"stale{staleness}-{mode}"
 
@@ -65,7 +74,7 @@ def table(summary: dict) -> str:
     """Markdown: one row per (staleness, mode), final and best accuracy, mean drift, what the mode masked."""
     lines = ["| max_staleness | mode | staleness mean | mismatch_kl mean | masked tokens | accuracy by step | "
              "final |", "|---|---|---|---|---|---|---|"]
-    for name, cell in summary["cells"].items():
+    for cell in summary["cells"].values():
         drift = cell["drift"]
         points = " / ".join(f"{a:.1%}" if a is not None else "-" for a in cell["accuracy"].values())
         final = list(cell["accuracy"].values())[-1]
@@ -85,7 +94,7 @@ def figure(summary: dict, path: Path) -> None:
 
     fig, (acc_ax, kl_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
     styles = {0: "-", 2: "--", 8: ":"}
-    colours = dict(zip(MODES, ("tab:gray", "tab:blue", "tab:green", "tab:red")))
+    colours = dict(zip((*MODES, "bypass"), ("tab:gray", "tab:blue", "tab:green", "tab:red", "tab:purple")))
     for cell in summary["cells"].values():
         label = f"staleness {cell['staleness']}, {cell['mode']}"
         style = styles.get(cell["staleness"], "-.")
@@ -109,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=60, help="Learner steps per run.")
     parser.add_argument("--eval-every", type=int, default=10, help="Held-out accuracy every N steps (and the last).")
     parser.add_argument("--staleness", type=int, nargs="+", default=[0, 2, 8], help="ref_server.max_staleness values.")
-    parser.add_argument("--modes", nargs="+", default=list(MODES), help="algorithm.off_policy.mode values.")
+    parser.add_argument("--modes", nargs="+", default=list(MODES),
+                        help="algorithm.off_policy.mode values; 'bypass' for off_policy.bypass true.")
     parser.add_argument("--low", type=float, default=0.5, help="algorithm.off_policy.low of every run.")
     parser.add_argument("--high", type=float, default=2.0, help="algorithm.off_policy.high of every run.")
     parser.add_argument("--generator-dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"),
@@ -139,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[bench] {name} ...", flush=True)
             run = run_grpo(config, model_dir, "cpu", steps, args.eval_every, out / name, args.port, tree,
                            ref_server__max_staleness=staleness, generator__dtype=args.generator_dtype,
-                           algorithm__off_policy={"mode": mode, "low": args.low, "high": args.high})
+                           algorithm__off_policy=off_policy_settings(mode, args.low, args.high))
             finish_run(name, run, ev, out)
             summary["cells"][name] = {"staleness": staleness, "mode": mode,
                                       "accuracy": {str(k): v for k, v in run["accuracy"].items()},
@@ -152,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.figure:
         figure(summary, Path(args.figure))
     print(table(summary), flush=True)
+    final = {name: {"final_accuracy": list(cell["accuracy"].values())[-1]} for name, cell in summary["cells"].items()}
+    print("BENCH_JSON " + json.dumps({"start_accuracy": summary["start_accuracy"], **final}), flush=True)
     return 0
 
 
