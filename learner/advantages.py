@@ -27,8 +27,8 @@ from shared.grpo.advantages import (
     step_token_rewards,
 )
 from shared.grpo.kl import kl_penalty
-from shared.grpo.masks import lengths_to_mask, masked_mean, masked_min_max
 from shared.protocol.records import TrainBatch
+from shared.tensors.masks import lengths_to_mask, masked_mean, masked_min_max
 
 log = logging.getLogger("grpo.learner")
 

@@ -20,8 +20,8 @@ import math
 import torch
 
 from shared.grpo.kl import KL_ESTIMATORS, kl_k1, kl_k3, kl_penalty
-from shared.grpo.masks import lengths_to_mask
 from shared.registry import Registry
+from shared.tensors.masks import lengths_to_mask
 
 ADVANTAGE_ESTIMATORS: Registry = Registry("advantage estimator")
 TOKEN_ADVANTAGE_ESTIMATORS: Registry = Registry("token advantage estimator")
