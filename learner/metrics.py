@@ -15,6 +15,7 @@ from learner.advantages import advantage_metrics, algorithm_metrics
 from shared.config.schema import AlgorithmConfig, GRPOConfig
 from shared.progress import PROGRESS_MARK, eta_seconds, format_duration
 from shared.protocol.records import TrainBatch
+from shared.tensors.masks import completion_mask
 
 log = logging.getLogger("grpo.learner")
 
@@ -229,7 +230,7 @@ def batch_metrics(batch: TrainBatch, advantages: torch.Tensor, current_version: 
         "staleness_mean": float(staleness.mean()), "staleness_max": float(staleness.max()),
     }
     if batch.completion_mask is not None:  # multi-turn: the share of completion tokens an environment wrote
-        valid = torch.arange(batch.completion_mask.shape[1]) < batch.completion_lengths.unsqueeze(1)
+        valid = completion_mask(batch.completion_lengths, batch.completion_mask.shape[1])
         metrics["env_token_frac"] = float((valid & ~batch.completion_mask.bool()).sum()) / max(float(lengths.sum()), 1.0)
     for name, values in batch.reward_components.items():
         valid = values[~torch.isnan(values)]

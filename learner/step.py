@@ -20,7 +20,6 @@ from shared.config.schema import LossConfig, OffPolicyConfig
 from shared.forward.logprobs import sequence_logprobs
 from shared.forward.packing import PackingMode, split_by_token_budget
 from shared.forward.prefix_sharing import PrefixRows, shared_prefixes
-from shared.forward.row_lengths import to_device
 from shared.grpo.losses import PolicyLossOutput, compute_policy_loss, loss_normalizers
 from shared.grpo.off_policy import (
     MASKING_MODES,
@@ -29,10 +28,10 @@ from shared.grpo.off_policy import (
     mismatch_metrics,
     mismatch_sums,
     off_policy_weights,
-    valid_positions,
 )
-from shared.protocol.loss_mask import model_token_mask
 from shared.protocol.records import TrainBatch
+from shared.tensors.masks import completion_mask
+from shared.tensors.transfers import to_device
 
 # How each metric combines over micro-batches and ranks: token-weighted mean, min or max.
 _MIN_KEYS = {"ratio_min", "is_weight_min"}
@@ -57,7 +56,7 @@ class MicroBatch:
     host_completion_lengths: list[int]    # = completion_lengths
     host_loss_lengths: list[int]          # = loss_lengths
     old_logprobs: torch.Tensor | None = None
-    # multi-turn: [b, width_c] bool, True where the model wrote the token (shared.protocol.loss_mask); None: all
+    # multi-turn: [b, width_c] bool, True where the model wrote the token (shared.tensors.masks); None: all
     loss_mask: torch.Tensor | None = None
     layout: PackingMode = "padded"        # how the forward lays the rows out (shared.forward.packing.choose_layout)
     prefix: PrefixRows | None = None      # rows sharing a prompt: one pass of it (shared.forward.prefix_sharing)
@@ -215,7 +214,7 @@ def micro_batch_loss(model, mb: MicroBatch, loss_cfg: LossConfig, *, temperature
                                  num_tokens=num_tokens, num_seqs=num_seqs, token_mask=mb.loss_mask)
     result.metrics.update(behaviour_logprob_gap(logprobs, mb.behaviour_logprobs, mb.completion_lengths,
                                                 mb.loss_mask))
-    valid = valid_positions(mb.loss_lengths, logprobs.shape[1], mb.loss_mask)
+    valid = completion_mask(mb.loss_lengths, logprobs.shape[1], mb.loss_mask)
     keep = valid if mb.correction is None or old_mode == "behaviour" else mb.correction[1]
     lags = mb.lags if mb.lags is not None else torch.zeros_like(mb.loss_lengths)
     result.metrics.update(mismatch_sums(learner_old, mb.behaviour_logprobs, valid, keep, lags, lag_buckets))
@@ -234,8 +233,7 @@ def behaviour_logprob_gap(logprobs: torch.Tensor, behaviour: torch.Tensor, compl
     Masked arithmetic, no ``gap[mask]``: a boolean index has a data-dependent size, which a GPU must report back
     to the host (a wait for the device per micro-batch). ``token_mask`` (multi-turn): the environment's tokens were
     not sampled and have no behaviour logprob; only the model's count."""
-    mask = torch.arange(logprobs.shape[1], device=logprobs.device) < completion_lengths.unsqueeze(1)
-    mask = model_token_mask(token_mask, mask)
+    mask = completion_mask(completion_lengths, logprobs.shape[1], token_mask)
     # gaps are >= 0, so zeros in the masked-out places leave the maximum as it is (and make it 0 when empty)
     gap = torch.where(mask, (logprobs.detach() - behaviour).abs(), 0.0)
     largest = gap.amax() if gap.numel() else gap.new_zeros(())
@@ -295,8 +293,7 @@ def grpo_step(engine, micro_batches: list[MicroBatch], loss_cfg: LossConfig, *, 
             else:
                 sums[key] = sums.get(key, zero) + value * weight
         if entropy is not None:
-            mask = torch.arange(entropy.shape[1], device=device) < mb.completion_lengths.unsqueeze(1)
-            mask = model_token_mask(mb.loss_mask, mask)
+            mask = completion_mask(mb.completion_lengths, entropy.shape[1], mb.loss_mask)
             sums["entropy"] = sums.get("entropy", zero) + torch.where(mask, entropy.detach(), 0.0).double().sum()
             sums["entropy_tokens"] = sums.get("entropy_tokens", zero) + mask.sum().double()
     host = _gather_step_numbers(total_loss, nonfinite, sums, mins, maxs)  # the step's one synchronisation

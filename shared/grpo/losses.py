@@ -2,7 +2,7 @@
 and keep mask (:mod:`shared.grpo.off_policy`), beta * KL, and the aggregation over tokens.
 
 Per-token tensors are ``[B, L]`` over completion tokens, left-aligned; validity comes from
-``completion_lengths`` (see :mod:`shared.grpo.masks`). Everything a config can choose is a registry entry:
+``completion_lengths`` (see :mod:`shared.tensors.masks`). Everything a config can choose is a registry entry:
 
 * :data:`POLICY_LOSSES`: ``"grpo"`` (per-token ratio, DeepSeekMath) and ``"gspo"`` (per-sequence ratio);
 * :data:`AGGREGATIONS`: ``"token-mean"`` (DAPO), ``"seq-mean-token-mean"`` (original GRPO),
@@ -28,11 +28,17 @@ from functools import partial
 import torch
 
 from shared.config.schema import LossConfig
-from shared.forward.row_lengths import to_device
 from shared.grpo.kl import kl_penalty
-from shared.grpo.masks import lengths_to_mask, masked_mean, masked_min_max, masked_sum
-from shared.protocol.loss_mask import model_token_mask
 from shared.registry import Registry
+from shared.tensors.masks import (
+    completion_mask,
+    lengths_to_mask,
+    masked_mean,
+    masked_min_max,
+    masked_sum,
+    model_token_mask,
+)
+from shared.tensors.transfers import to_device
 
 POLICY_LOSSES: Registry = Registry("policy loss")
 AGGREGATIONS: Registry = Registry("loss aggregation")
@@ -172,7 +178,7 @@ def seq_mean_token_sum_norm(
 def loss_normalizers(completion_lengths: torch.Tensor, token_mask: torch.Tensor | None = None) -> tuple[int, int]:
     """``(num_tokens, num_seqs)`` of a (micro-)batch: the counts to sum over ranks and accumulation steps and
     pass back to :func:`compute_policy_loss` as the global normalisers. ``token_mask`` (``[B, L]``, multi-turn):
-    only the model's tokens count, and a sequence counts when it has one (:mod:`shared.protocol.loss_mask`)."""
+    only the model's tokens count, and a sequence counts when it has one (:mod:`shared.tensors.masks`)."""
     lengths = torch.as_tensor(completion_lengths)
     if token_mask is None:
         return int(lengths.clamp(min=0).sum()), int((lengths > 0).sum())
@@ -189,8 +195,7 @@ def _completion_mask(completion_lengths: torch.Tensor | Sequence[int], logprobs:
     width = logprobs.shape[1]
     if any(n < 0 or n > width for n in lengths):
         raise ValueError(f"completion lengths must be within 0..{width} (the logprobs' width), got {lengths}")
-    on_device = to_device(lengths, logprobs.device)
-    return torch.arange(width, device=logprobs.device) < on_device.unsqueeze(1)
+    return completion_mask(to_device(lengths, logprobs.device), width)
 
 
 @dataclass

@@ -34,6 +34,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from shared.registry import Registry
+from shared.tensors.masks import completion_mask
 
 # (d [N, T] float64, 0 outside valid; valid [N, T] bool; low; high) -> (weights [N, T] float64, keep [N, T] bool),
 # both meaningful on valid positions only (off_policy_weights zeroes the rest)
@@ -49,28 +50,22 @@ def _masking(fn: Correction) -> Correction:
     return fn
 
 
-def valid_positions(lengths: torch.Tensor, width: int, loss_mask: torch.Tensor | None) -> torch.Tensor:
-    """``[N, width]`` bool: position ``t`` of row ``i`` is before ``lengths[i]`` and (with a multi-turn
-    ``loss_mask``) a model token."""
-    valid = torch.arange(width, device=lengths.device) < lengths.unsqueeze(1)
-    if loss_mask is not None:
-        valid = valid & (loss_mask[:, :width].to(valid.device) != 0)
-    return valid
-
-
 @OFF_POLICY_CORRECTIONS.register("none")
 def _none(d, valid, low, high):
+    """w = 1, every token kept (no correction)."""
     return torch.ones_like(d), valid
 
 
 @OFF_POLICY_CORRECTIONS.register("token_tis")
 def _token_tis(d, valid, low, high):
+    """Truncated IS: w = min(r, high), every token kept."""
     return torch.exp(d).clamp(max=high), valid
 
 
 @OFF_POLICY_CORRECTIONS.register("token_mask")
 @_masking
 def _token_mask(d, valid, low, high):
+    """Token rejection (ICEPOP): keep iff low <= r <= high, w = 1."""
     ratio = torch.exp(d)
     return torch.ones_like(d), (ratio >= low) & (ratio <= high)
 
@@ -78,6 +73,7 @@ def _token_mask(d, valid, low, high):
 @OFF_POLICY_CORRECTIONS.register("token_is_mask")
 @_masking
 def _token_is_mask(d, valid, low, high):
+    """Masked IS: keep iff low <= r <= high, w = r."""
     ratio = torch.exp(d)
     return ratio, (ratio >= low) & (ratio <= high)
 
@@ -92,12 +88,14 @@ def _row_ratio(d: torch.Tensor, valid: torch.Tensor, *, mean: bool) -> torch.Ten
 
 @OFF_POLICY_CORRECTIONS.register("seq_tis")
 def _seq_tis(d, valid, low, high):
+    """Sequence IS: w = min(exp(sum d), high) on every token of the row."""
     return _row_ratio(d, valid, mean=False).clamp(max=high).expand_as(d), valid
 
 
 @OFF_POLICY_CORRECTIONS.register("seq_mask")
 @_masking
 def _seq_mask(d, valid, low, high):
+    """Sequence rejection: the row kept iff low <= exp(sum d) <= high, w = 1."""
     ratio = _row_ratio(d, valid, mean=False)
     return torch.ones_like(d), ((ratio >= low) & (ratio <= high)).expand_as(valid)
 
@@ -105,6 +103,7 @@ def _seq_mask(d, valid, low, high):
 @OFF_POLICY_CORRECTIONS.register("seq_geo_mask")
 @_masking
 def _seq_geo_mask(d, valid, low, high):
+    """Geometric sequence masking: the row kept iff low <= exp(mean d) <= high, w = 1."""
     ratio = _row_ratio(d, valid, mean=True)
     return torch.ones_like(d), ((ratio >= low) & (ratio <= high)).expand_as(valid)
 
@@ -150,7 +149,7 @@ def off_policy_weights(
         raise ValueError(f"loss_mask must be [N, >= T] = [{rows}, >= {width}], got shape {tuple(loss_mask.shape)}")
     if not 0 <= low <= high:
         raise ValueError(f"off-policy thresholds need 0 <= low <= high, got low {low}, high {high}")
-    valid = valid_positions(lengths, width, loss_mask)
+    valid = completion_mask(lengths, width, loss_mask)
     zero = torch.zeros((), dtype=torch.float64, device=old_logprobs.device)
     gap = torch.where(valid, old_logprobs.detach().double() - behaviour_logprobs.detach().double(), zero)
     weights, keep = correction(gap, valid, float(low), float(high))

@@ -192,7 +192,7 @@ def test_the_step_waits_for_the_device_once(distributed, tiny_model_dir, recorde
 
 def test_the_recorder_sees_each_kind_of_device_wait(recorder):
     """The detector itself: without this, a torch upgrade that renamed an op would let the step test pass blind."""
-    from shared.grpo.masks import lengths_to_mask
+    from shared.tensors.masks import lengths_to_mask
 
     x, mask, counts = torch.arange(6.0), torch.arange(6) % 2 == 0, torch.tensor([1, 2])
     with recorder:

@@ -16,8 +16,8 @@ from shared.grpo.off_policy import (
     mismatch_metrics,
     mismatch_sums,
     off_policy_weights,
-    valid_positions,
 )
+from shared.tensors.masks import completion_mask
 
 LN = math.log
 # row 0: d = [ln 3, ln 0.25, 0] (all valid); row 1: d = [ln 9, 0, junk] (length 2); row 2: empty;
@@ -143,7 +143,7 @@ def test_matches_the_reference_and_stays_finite_on_random_inputs(case, mode):
     behaviour64 = torch.tensor(behaviour, dtype=torch.float32).double().tolist()
     expected_w, expected_keep = reference(old64, behaviour64, lengths, mode, low, high, loss_mask)
     assert torch.isfinite(weights).all()
-    valid = valid_positions(torch.tensor(lengths), len(old[0]), mask_t)
+    valid = completion_mask(torch.tensor(lengths), len(old[0]), mask_t)
     assert not (keep & ~valid).any() and (weights[~valid] == 0).all() and (weights[~keep] == 0).all()
     expected = torch.tensor(expected_w, dtype=torch.float64)
     torch.testing.assert_close(weights.double(), expected, rtol=1e-6, atol=1e-30)
@@ -201,7 +201,7 @@ def test_mismatch_metrics_by_hand():
     old = torch.tensor([[LN(2.0), -1.0], [LN(0.5), 7.0]])
     behaviour = torch.tensor([[0.0, -1.0], [0.0, 0.0]])
     lengths = torch.tensor([2, 1])
-    valid = valid_positions(lengths, 2, None)
+    valid = completion_mask(lengths, 2, None)
     _, keep = off_policy_weights(old, behaviour, lengths, mode="token_mask", low=0.6, high=2.5)
     sums = mismatch_sums(old, behaviour, valid, keep, torch.tensor([0, 2]), lag_buckets=3)
     metrics = mismatch_metrics({k: float(v) for k, v in sums.items()})

@@ -9,10 +9,11 @@ from shared.config.schema import LossConfig
 from shared.forward.logprobs import sequence_logprobs
 from shared.forward.packing import pack_rows
 from shared.forward.prefix_sharing import prefix_rows
-from shared.forward.row_lengths import host_values, ragged_positions, row_lengths, to_device
+from shared.forward.row_lengths import ragged_positions, row_lengths
 from shared.grpo.losses import compute_policy_loss
-from shared.grpo.masks import lengths_to_mask, masked_min_max
 from shared.grpo.off_policy import off_policy_weights
+from shared.tensors.masks import lengths_to_mask, masked_min_max
+from shared.tensors.transfers import host_values, to_device
 
 
 @pytest.mark.parametrize("lengths", [[3, 0, 5, 1], [0, 0], [], [7]])

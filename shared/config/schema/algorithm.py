@@ -12,7 +12,7 @@ from shared.config.schema.base import StrictModel, check_registered
 class AdvantageConfig(StrictModel):
     """How rewards become advantages (shared/grpo/advantages.py)."""
 
-    supervision: Literal["outcome", "process"] = Field(
+    supervision: str = Field(
         "outcome",
         description="What the advantages come from. 'outcome': one reward per completion, normalised by "
         "'estimator', the same advantage on every token. 'process' (DeepSeekMath 4.1.3): the step rewards the "
@@ -38,6 +38,11 @@ class AdvantageConfig(StrictModel):
     @classmethod
     def _known_estimator(cls, value: str) -> str:
         return check_registered("shared.grpo.advantages", "ADVANTAGE_ESTIMATORS", value)
+
+    @field_validator("supervision")
+    @classmethod
+    def _known_supervision(cls, value: str) -> str:
+        return check_registered("learner.advantages", "SUPERVISIONS", value)
 
 
 class LossConfig(StrictModel):

@@ -66,7 +66,7 @@ class ChainOptions(StrictModel):
 class DatasetConfig(StrictModel):
     """Where prompts come from and how they are rendered."""
 
-    kind: Literal["arithmetic", "arithmetic_words", "chain", "jsonl", "hf"] = Field(
+    kind: str = Field(
         "arithmetic", description="'arithmetic' (built-in task), 'arithmetic_words' (the same in words for chat "
         "models: 'What is 23 plus 58? Reply with only the number.'), 'chain' (built-in multi-step task: "
         "'3+5-2=' -> '8\\n6', one running total per line; see the chain block), 'jsonl' (a file) or 'hf' (a "
@@ -88,6 +88,11 @@ class DatasetConfig(StrictModel):
                                  "seed) into the training pool.")
     chain: ChainOptions = Field(default_factory=ChainOptions, description="Settings of the 'chain' task (used "
                                 "only with kind 'chain').")
+
+    @field_validator("kind")
+    @classmethod
+    def _known_kind(cls, value: str) -> str:
+        return check_registered("generator.datasets", "DATASETS", value)
 
     @model_validator(mode="after")
     def _path_when_needed(self) -> DatasetConfig:
@@ -143,6 +148,12 @@ class EnvironmentConfig(StrictModel):
     on_error: float = Field(0.0, allow_inf_nan=False, description="Reward of a trajectory whose environment "
                             "raised, hung, or returned something other than text (it ends there).")
     args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the environment's class.")
+
+    @field_validator("name")
+    @classmethod
+    def _known_environment(cls, value: str) -> str:
+        return check_registered("generator.environments.base", "ENVIRONMENTS", value,
+                                user_code="a class as 'package.module:Class' or 'path/to/file.py:Class'")
 
 
 class GeneratorConfig(StrictModel):
