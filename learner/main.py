@@ -143,8 +143,7 @@ class Learner:
                                           # the hub's bound (its config is the one that counts)
                                           max_staleness=hub_stats["max_staleness"], start_version=self.version,
                                           version_after_batch=self.version_after_batch)
-        # the drift metrics' version lags 0..max_staleness (a fixed count: every rank reduces the same keys)
-        self.lag_buckets = int(hub_stats["max_staleness"]) + 1
+        self.lag_buckets = int(hub_stats["max_staleness"]) + 1  # drift by version lag 0..max_staleness, every rank
         self.fetched = None           # how the batch being trained was fetched (background times, for the metrics)
         self.clock = StepClock()
         self.timed_engine = LappedEngine(self.engine, self.clock)
@@ -296,12 +295,7 @@ class Learner:
             log.info("prefix sharing: %d prompt passes for %d rows in the first micro-batch (learner.prefix_sharing "
                      "%s)", micro[0].prefix.num_prompts, len(micro[0].prompt_lengths), cfg.prefix_sharing)
         clock.lap("host_to_device")
-        off_policy = algorithm.off_policy
-        old_mode = "behaviour" if off_policy.bypass else "recompute"
-        if not off_policy.bypass:
-            recompute_old_logprobs(self.engine.module, micro, batch.temperature, cfg.logprob_chunk_tokens)
-            apply_off_policy(micro, off_policy)
-            clock.lap("old_logprobs")
+        old_mode = self.old_logprobs(micro, batch.temperature)
         fetched, self.fetched = self.fetched, None
         first_step = self.step
         for _ in range(cfg.updates_per_batch):
@@ -334,6 +328,18 @@ class Learner:
         if cfg.checkpoint_every and self.step // cfg.checkpoint_every > first_step // cfg.checkpoint_every:
             self.checkpoint()
             clock.lap("checkpoint")
+
+    def old_logprobs(self, micro: list, temperature: float) -> str:
+        """pi_old of the batch's updates, as grpo_step's ``old_mode``: recomputed with the current weights and the
+        off-policy correction applied against the behaviour logprobs ('recompute'), or with
+        ``algorithm.off_policy.bypass`` the behaviour logprobs themselves ('behaviour', no forward pass)."""
+        off_policy = self.config.algorithm.off_policy
+        if off_policy.bypass:
+            return "behaviour"
+        recompute_old_logprobs(self.engine.module, micro, temperature, self.cfg.logprob_chunk_tokens)
+        apply_off_policy(micro, off_policy)
+        self.clock.lap("old_logprobs")
+        return "recompute"
 
     def version_after_batch(self) -> int:
         """The version this learner will hold once the batch it is about to train is applied: the last step of the

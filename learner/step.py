@@ -253,19 +253,7 @@ def grpo_step(engine, micro_batches: list[MicroBatch], loss_cfg: LossConfig, *, 
     tests/learner/test_host_syncs.py records both and lists theirs."""
     model = engine.module
     device = micro_batches[0].input_ids.device
-    # the global normalisers, counted on the host when the micro-batches were cut: host numbers for a world of one;
-    # otherwise one small all-reduce whose result stays on the device (the loss divides by it there)
-    local = [float(sum(mb.normalizers[i] for mb in micro_batches)) for i in (0, 1)]
-    num_tokens: float | torch.Tensor
-    num_seqs: float | torch.Tensor
-    if any(mb.kept_counts is not None for mb in micro_batches):
-        # a masking off-policy correction decided on the device which tokens stay in the loss: count those there
-        kept = torch.stack([torch.stack(mb.kept_counts) for mb in micro_batches]).sum(dim=0)
-        num_tokens, num_seqs = (all_reduce(kept) if world_size > 1 else kept).unbind()
-    elif world_size > 1:
-        num_tokens, num_seqs = all_reduce(to_device(local, device, torch.float64)).unbind()
-    else:
-        num_tokens, num_seqs = local
+    num_tokens, num_seqs = global_normalizers(micro_batches, world_size, device)
     zero = torch.zeros((), dtype=torch.float64, device=device)
     sums: dict[str, torch.Tensor] = {}
     mins: dict[str, torch.Tensor] = {}
@@ -304,6 +292,22 @@ def grpo_step(engine, micro_batches: list[MicroBatch], loss_cfg: LossConfig, *, 
         return StepOutcome(False, math.nan)
     engine.step()
     return StepOutcome(True, host["loss"], _step_metrics(host, grad_norm=engine.get_global_grad_norm()))
+
+
+def global_normalizers(micro_batches: list[MicroBatch], world_size: int,
+                       device: torch.device) -> tuple[float | torch.Tensor, float | torch.Tensor]:
+    """(tokens, sequences) in the loss over every micro-batch and rank: host numbers for a world of one, else one
+    small all-reduce whose result stays on the device (the loss divides by it there). With a masking off-policy
+    correction the counts are the kept tokens, which the device decided: counted and kept there."""
+    if any(mb.kept_counts is not None for mb in micro_batches):
+        kept = torch.stack([torch.stack(mb.kept_counts) for mb in micro_batches]).sum(dim=0)
+        tokens, seqs = (all_reduce(kept) if world_size > 1 else kept).unbind()
+        return tokens, seqs
+    local = [float(sum(mb.normalizers[i] for mb in micro_batches)) for i in (0, 1)]
+    if world_size > 1:
+        tokens, seqs = all_reduce(to_device(local, device, torch.float64)).unbind()
+        return tokens, seqs
+    return local[0], local[1]
 
 
 def _gather_step_numbers(total_loss, nonfinite, sums, mins, maxs) -> dict:

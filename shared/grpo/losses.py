@@ -198,6 +198,20 @@ def _completion_mask(completion_lengths: torch.Tensor | Sequence[int], logprobs:
     return completion_mask(to_device(lengths, logprobs.device), width)
 
 
+def _loss_tokens(completion_lengths: torch.Tensor | Sequence[int], logprobs: torch.Tensor,
+                 token_mask: torch.Tensor | None, correction: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """``[B, L]``: the tokens in the loss: valid, the model's (``token_mask``) and kept by the off-policy
+    ``correction``."""
+    mask = model_token_mask(token_mask, _completion_mask(completion_lengths, logprobs))
+    if correction is None:
+        return mask
+    weight, keep = correction
+    if weight.shape != logprobs.shape or keep.shape != logprobs.shape:
+        raise ValueError(f"off-policy weights and keep mask must be {list(logprobs.shape)} like the logprobs, got "
+                         f"{tuple(weight.shape)} and {tuple(keep.shape)}")
+    return mask & keep.to(mask.device)
+
+
 @dataclass
 class PolicyLossOutput:
     """The scalar loss to backpropagate, the per-token loss before aggregation (detached), and detached metric
@@ -236,13 +250,7 @@ def compute_policy_loss(
     """
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be [B, L], got shape {tuple(logprobs.shape)}")
-    mask = model_token_mask(token_mask, _completion_mask(completion_lengths, logprobs))
-    if correction is not None:
-        weight, keep = correction
-        if weight.shape != logprobs.shape or keep.shape != logprobs.shape:
-            raise ValueError(f"off-policy weights and keep mask must be {list(logprobs.shape)} like the logprobs, got "
-                             f"{tuple(weight.shape)} and {tuple(keep.shape)}")
-        mask = mask & keep.to(mask.device)
+    mask = _loss_tokens(completion_lengths, logprobs, token_mask, correction)
     advantages = per_token(advantages, logprobs)
     if cfg.beta > 0 and ref_logprobs is None:
         raise ValueError("beta > 0 needs ref_logprobs")
@@ -252,13 +260,9 @@ def compute_policy_loss(
     old = logprobs.detach() if old_logprobs is None else zero_padding(old_logprobs, mask, dtype).detach()
 
     terms = POLICY_LOSSES.get(cfg.policy_loss)(logprobs - old, advantages, mask, cfg)
-    token_loss = terms.loss
-    if correction is not None:
-        weight = zero_padding(correction[0], mask, dtype).detach()
-        token_loss = token_loss * weight
-    else:
-        weight = torch.ones_like(logprobs)
-    metrics = importance_weight_metrics(weight.detach(), mask)
+    weight = torch.ones_like(logprobs) if correction is None else zero_padding(correction[0], mask, dtype).detach()
+    token_loss = terms.loss if correction is None else terms.loss * weight
+    metrics = importance_weight_metrics(weight, mask)
 
     aggregate = partial(AGGREGATIONS.get(cfg.aggregation), num_tokens=num_tokens, num_seqs=num_seqs,
                         norm_len=cfg.norm_len)
