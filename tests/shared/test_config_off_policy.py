@@ -22,8 +22,9 @@ def test_tis_cap_becomes_token_tis(cap, mode, high):
     config = load({"algorithm": {"loss": {"tis_cap": cap}}})
     assert (config.algorithm.off_policy.mode, config.algorithm.off_policy.high) == (mode, high)
     assert config.algorithm.loss.tis_cap is None  # one meaning: only off_policy says it now
-    # the dumped config (what services read back) loads to the same thing
+    # the dumped config (what grpo run writes for its services, every field or only the set ones) loads the same
     assert load(config.model_dump(mode="json", exclude_defaults=True)).algorithm == config.algorithm
+    assert load(config.model_dump(mode="json")).algorithm == config.algorithm
 
 
 @pytest.mark.parametrize("old, bypass", [("behaviour", True), ("recompute", False)])
@@ -31,6 +32,7 @@ def test_learner_old_logprobs_becomes_bypass(old, bypass):
     config = load({"learner": {"old_logprobs": old}})
     assert config.algorithm.off_policy.bypass is bypass and config.learner.old_logprobs is None
     assert load(config.model_dump(mode="json", exclude_defaults=True)).algorithm.off_policy.bypass is bypass
+    assert load(config.model_dump(mode="json")).algorithm.off_policy.bypass is bypass
 
 
 @pytest.mark.parametrize("data, words", [

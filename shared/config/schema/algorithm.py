@@ -201,6 +201,8 @@ class AlgorithmConfig(StrictModel):
         if "tis_cap" not in self.loss.model_fields_set:
             return self
         if "off_policy" in self.model_fields_set:
+            if self.loss.tis_cap is None:  # a whole config written back (every field, tis_cap null): off_policy rules
+                return self
             raise ValueError("algorithm.loss.tis_cap is the old name of algorithm.off_policy {mode: token_tis, high: "
                              "CAP}: set one of them, not both")
         cap = self.loss.tis_cap
