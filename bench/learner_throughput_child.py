@@ -152,7 +152,8 @@ def measure_stage(args: argparse.Namespace) -> None:
     del model
 
     def step():
-        out = grpo_step(engine, micro, loss_cfg, temperature=batch.temperature, old_mode=cfg.old_logprobs,
+        # the step alone: pi_old from the behaviour logprobs, no recompute forward (bypass)
+        out = grpo_step(engine, micro, loss_cfg, temperature=batch.temperature, old_mode="behaviour",
                         world_size=1, log_entropy=cfg.log_entropy, chunk_tokens=cfg.logprob_chunk_tokens)
         sync()
         return out

@@ -75,7 +75,7 @@ def child(arm: str, model_dir: str, steps: int, zero_stage: int) -> dict:
 
     from learner.advantages import batch_advantages
     from learner.engine import create_engine, ensure_single_process_env, init_distributed
-    from learner.step import grpo_step, recompute_old_logprobs, split_micro_batches
+    from learner.step import apply_off_policy, grpo_step, recompute_old_logprobs, split_micro_batches
     from shared.config.loader import load_config
 
     config = load_config(ARMS[arm], [f"learner.model={model_dir}", f"learner.zero_stage={zero_stage}",
@@ -99,9 +99,12 @@ def child(arm: str, model_dir: str, steps: int, zero_stage: int) -> dict:
         micro = split_micro_batches(batch, advantages, cfg.micro_batches, cfg.mask_truncated, cpu,
                                     token_budget=cfg.micro_batch_tokens, packing=cfg.packing,
                                     prefix_sharing="off" if cfg.gradient_checkpointing else cfg.prefix_sharing)
-        if cfg.old_logprobs == "recompute":
+        bypass = algorithm.off_policy.bypass
+        if not bypass:  # as the learner does (learner/main.py: train_on)
             recompute_old_logprobs(engine.module, micro, batch.temperature, cfg.logprob_chunk_tokens)
-        outcome = grpo_step(engine, micro, algorithm.loss, temperature=batch.temperature, old_mode=cfg.old_logprobs,
+            apply_off_policy(micro, algorithm.off_policy)
+        outcome = grpo_step(engine, micro, algorithm.loss, temperature=batch.temperature,
+                            old_mode="behaviour" if bypass else "recompute",
                             world_size=1, log_entropy=cfg.log_entropy, chunk_tokens=cfg.logprob_chunk_tokens)
         times.append(time.perf_counter() - started)
         if not outcome.finite:

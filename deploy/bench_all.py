@@ -181,6 +181,9 @@ BENCHMARKS: list[Bench] = [
           why="scorers on this CPU, one thread each: the ratio of two to one"),
     Bench("lora_curves", None, None, _flat("LoRA vs full", ("gain_ratio",)),
           why="two SmolLM2 training runs and their evals (~45 min on this CPU), docs/lora.md: run it alone"),
+    Bench("off_policy", None, None, _flat("off-policy", ("final_accuracy",)),
+          why="a grid of 12 training runs (staleness x correction) and their evals (~40 min on this CPU), "
+          "docs/off-policy.md: run it alone"),
     Bench("lora_learner", None, None, _flat("LoRA / full learner", ("ratio",)),
           why="needs SmolLM2 (grpo fetch-model) and minutes per arm, docs/lora.md: run it alone"),
 ]

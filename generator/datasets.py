@@ -20,6 +20,10 @@ from generator.tasks.arithmetic_words import WordsArithmeticTask
 from generator.tasks.chain import ChainTask
 from shared.config.schema.generator import DatasetConfig
 from shared.errors import UsageError
+from shared.registry import Registry
+
+# generator.dataset.kind -> fn(cfg: DatasetConfig, seed: int) -> list[Example]: the built-in tasks, files, Hugging Face
+DATASETS: Registry = Registry("dataset kind")
 
 # DeepSeek-R1-Zero style system prompt (DeepSeek-R1, Guo et al. 2025; as in simple_GRPO), the default for math datasets.
 R1_SYSTEM_PROMPT = (
@@ -123,15 +127,36 @@ def _example(row: Any, question_field: str, answer_field: str | None, example_id
 
 def load_examples(cfg: DatasetConfig, seed: int) -> list[Example]:
     """The examples a dataset config names (the built-in tasks draw ``arithmetic_pool`` of them with ``seed``)."""
-    if cfg.kind == "arithmetic":
-        return arithmetic_examples(ArithmeticTask(**cfg.arithmetic), cfg.split, cfg.arithmetic_pool, seed)
-    if cfg.kind == "arithmetic_words":
-        return arithmetic_words_examples(WordsArithmeticTask(**cfg.arithmetic), cfg.split, cfg.arithmetic_pool,
-                                         seed)
-    if cfg.kind == "chain":
-        return chain_examples(ChainTask(**cfg.chain.model_dump()), cfg.split, cfg.arithmetic_pool, seed)
-    if cfg.kind == "jsonl":
-        return jsonl_examples(cfg.path, cfg.question_field, cfg.answer_field)
+    return DATASETS.get(cfg.kind)(cfg, seed)
+
+
+@DATASETS.register("arithmetic")
+def _arithmetic(cfg: DatasetConfig, seed: int) -> list[Example]:
+    """The built-in task: ``23+58=`` -> ``81`` (generator/tasks/arithmetic.py)."""
+    return arithmetic_examples(ArithmeticTask(**cfg.arithmetic), cfg.split, cfg.arithmetic_pool, seed)
+
+
+@DATASETS.register("arithmetic_words")
+def _arithmetic_words(cfg: DatasetConfig, seed: int) -> list[Example]:
+    """The built-in task in words for chat models (generator/tasks/arithmetic_words.py)."""
+    return arithmetic_words_examples(WordsArithmeticTask(**cfg.arithmetic), cfg.split, cfg.arithmetic_pool, seed)
+
+
+@DATASETS.register("chain")
+def _chain(cfg: DatasetConfig, seed: int) -> list[Example]:
+    """The built-in multi-step task, one running total per line (generator/tasks/chain.py)."""
+    return chain_examples(ChainTask(**cfg.chain.model_dump()), cfg.split, cfg.arithmetic_pool, seed)
+
+
+@DATASETS.register("jsonl")
+def _jsonl(cfg: DatasetConfig, seed: int) -> list[Example]:
+    """A JSONL file, one example per line."""
+    return jsonl_examples(cfg.path, cfg.question_field, cfg.answer_field)
+
+
+@DATASETS.register("hf")
+def _hf(cfg: DatasetConfig, seed: int) -> list[Example]:
+    """A Hugging Face dataset: a name for load_dataset or a save_to_disk folder."""
     return hf_examples(cfg.path, split=cfg.split, subset=cfg.subset, question_field=cfg.question_field,
                        answer_field=cfg.answer_field)
 

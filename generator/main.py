@@ -60,11 +60,11 @@ def build_engine(config: GRPOConfig):
             raise GeneratorSetupError(str(exc)) from None
         return VLLMEngine(cfg.model, tensor_parallel_size=cfg.tensor_parallel_size,
                           gpu_memory_utilization=cfg.gpu_memory_utilization, max_model_len=cfg.max_model_len,
-                          device=cfg.device, seed=config.seed, lora=lora)
+                          device=cfg.device, seed=config.seed, lora=lora, dtype=cfg.dtype)
     from generator.engines.hf import TransformersEngine
 
     device = resolve_device(cfg.device)
-    return TransformersEngine(cfg.model, device=str(device), dtype=default_dtype("auto", device))
+    return TransformersEngine(cfg.model, device=str(device), dtype=default_dtype(cfg.dtype, device))
 
 
 def check_environment(config: GRPOConfig) -> None:

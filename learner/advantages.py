@@ -27,8 +27,9 @@ from shared.grpo.advantages import (
     step_token_rewards,
 )
 from shared.grpo.kl import kl_penalty
-from shared.grpo.masks import lengths_to_mask, masked_mean, masked_min_max
 from shared.protocol.records import TrainBatch
+from shared.registry import Registry
+from shared.tensors.masks import lengths_to_mask, masked_mean, masked_min_max
 
 log = logging.getLogger("grpo.learner")
 
@@ -49,45 +50,81 @@ def batch_steps(batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return batch.step_rewards.float(), batch.step_index.long(), batch.step_end.long()
 
 
-def _outcome(batch: TrainBatch, cfg: AdvantageConfig) -> torch.Tensor:
-    batch_std = global_std(batch.rewards) if cfg.scale == "batch" else None
-    return compute_advantages(batch.rewards, batch.group_index, cfg.estimator, scale=cfg.scale, eps=cfg.eps,
-                              batch_std=batch_std)
+# algorithm.advantage.supervision -> what the advantages come from. An entry is a class with ``steps`` (whether it
+# reads the batch's step rewards: their metrics are reported) and two static methods: ``advantages(batch, cfg)``,
+# the advantages the loss uses without the KL in the reward (``[B]`` or ``[B, L]``), and ``token_rewards(batch, cfg,
+# width)``, the ``[B, width]`` rewards p_t the KL in the reward is added to (shared.grpo.advantages).
+SUPERVISIONS: Registry = Registry("advantage supervision")
 
 
-def batch_advantages(batch: TrainBatch, cfg: AdvantageConfig, kl: KLConfig | None = None) -> torch.Tensor:
-    """The advantages the loss uses: ``[B]`` or ``[B, L]`` (``L`` = the batch's completion width).
+@SUPERVISIONS.register("outcome")
+class OutcomeSupervision:
+    """One reward per completion, normalised by ``algorithm.advantage.estimator``; the same advantage on every token."""
 
-    * supervision ``outcome``, no KL in the reward: ``[B]``, one estimator call with the group index (verl's way);
-      the loss broadcasts each over its completion's tokens.
-    * supervision ``process``: ``A_{i,t} = sum_{j: e_ij >= t} r~_ij`` (``process_advantages``); rows without
-      steps get 0 (a warning when the whole batch has none: such a batch teaches nothing).
-    * ``kl.in_reward``: ``r_t = -beta k(t) + p_t`` and ``A_t = sum_{s >= t} r_s`` (``kl_in_reward_advantages``),
-      ``p`` = the outcome advantage at the completion's last token (outcome) or each step's r~ at its end
-      (process); ``k`` from the behaviour (sampler's) logprobs and the reference logprobs.
-    """
-    in_reward = kl is not None and kl.in_reward
-    if cfg.supervision == "outcome" and not in_reward:
-        return _outcome(batch, cfg)
-    lengths = batch.completion_lengths.long()
-    width = batch.behaviour_logprobs.shape[1]
-    if cfg.supervision == "outcome":
-        token_rewards = outcome_token_rewards(_outcome(batch, cfg), lengths, width=width)
-    else:
+    steps = False
+
+    @staticmethod
+    def advantages(batch: TrainBatch, cfg: AdvantageConfig) -> torch.Tensor:
+        """``[B]``, one estimator call with the group index (verl's way); the loss broadcasts each over its tokens."""
+        batch_std = global_std(batch.rewards) if cfg.scale == "batch" else None
+        return compute_advantages(batch.rewards, batch.group_index, cfg.estimator, scale=cfg.scale, eps=cfg.eps,
+                                  batch_std=batch_std)
+
+    @staticmethod
+    def token_rewards(batch: TrainBatch, cfg: AdvantageConfig, width: int) -> torch.Tensor:
+        """The outcome advantage at each completion's last token."""
+        return outcome_token_rewards(OutcomeSupervision.advantages(batch, cfg), batch.completion_lengths.long(),
+                                     width=width)
+
+
+@SUPERVISIONS.register("process")
+class ProcessSupervision:
+    """The step rewards (DeepSeekMath 4.1.3): a token's advantage sums the normalised rewards of the steps ending at
+    or after it; rows without steps get 0."""
+
+    steps = True
+
+    @staticmethod
+    def _steps(batch: TrainBatch, cfg: AdvantageConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float | None]:
+        """The batch's steps and the std ``scale: batch`` divides by; a warning when the batch has none (such a
+        batch teaches nothing)."""
         rewards, index, end = batch_steps(batch)
         if not rewards.numel():
             log.warning("algorithm.advantage.supervision is 'process' but no completion of batch %r has step "
                         "rewards: every advantage is 0 and this batch teaches nothing (do the rewards score steps?)",
                         batch.batch_id)
-        batch_std = global_std(rewards) if cfg.scale == "batch" else None
-        if not in_reward:
-            advantages = process_advantages(rewards, index, end, batch.group_index, lengths, scale=cfg.scale,
-                                            eps=cfg.eps, batch_std=batch_std)
-            return torch.nn.functional.pad(advantages, (0, width - advantages.shape[1]))
+        return rewards, index, end, global_std(rewards) if cfg.scale == "batch" else None
+
+    @staticmethod
+    def advantages(batch: TrainBatch, cfg: AdvantageConfig) -> torch.Tensor:
+        """``[B, L]``: ``A_{i,t} = sum_{j: e_ij >= t} r~_ij`` (``process_advantages``)."""
+        rewards, index, end, batch_std = ProcessSupervision._steps(batch, cfg)
+        advantages = process_advantages(rewards, index, end, batch.group_index, batch.completion_lengths.long(),
+                                        scale=cfg.scale, eps=cfg.eps, batch_std=batch_std)
+        return torch.nn.functional.pad(advantages, (0, batch.behaviour_logprobs.shape[1] - advantages.shape[1]))
+
+    @staticmethod
+    def token_rewards(batch: TrainBatch, cfg: AdvantageConfig, width: int) -> torch.Tensor:
+        """Each step's normalised reward r~ at its last token."""
+        rewards, index, end, batch_std = ProcessSupervision._steps(batch, cfg)
         normalised = normalised_step_rewards(rewards, index, batch.group_index, scale=cfg.scale, eps=cfg.eps,
                                              batch_std=batch_std)
-        token_rewards = step_token_rewards(normalised, index, end, lengths, width=width)
-    assert kl is not None
+        return step_token_rewards(normalised, index, end, batch.completion_lengths.long(), width=width)
+
+
+def batch_advantages(batch: TrainBatch, cfg: AdvantageConfig, kl: KLConfig | None = None) -> torch.Tensor:
+    """The advantages the loss uses: ``[B]`` or ``[B, L]`` (``L`` = the batch's completion width).
+
+    * without the KL in the reward: the supervision's own (:data:`SUPERVISIONS`): ``outcome`` ``[B]``, ``process``
+      ``[B, L]``;
+    * ``kl.in_reward``: ``r_t = -beta k(t) + p_t`` and ``A_t = sum_{s >= t} r_s`` (``kl_in_reward_advantages``),
+      ``p`` = the supervision's token rewards (the outcome advantage at the completion's last token, or each step's
+      r~ at its end); ``k`` from the behaviour (sampler's) logprobs and the reference logprobs.
+    """
+    supervision = SUPERVISIONS.get(cfg.supervision)
+    if kl is None or not kl.in_reward:
+        return supervision.advantages(batch, cfg)
+    token_rewards = supervision.token_rewards(batch, cfg, batch.behaviour_logprobs.shape[1])
     if batch.ref_logprobs is None:
         raise ValueError(f"algorithm.kl.in_reward needs reference logprobs, but batch {batch.batch_id!r} has none: "
                          "the ref server must load the reference model (start it with the same config)")
@@ -95,7 +132,8 @@ def batch_advantages(batch: TrainBatch, cfg: AdvantageConfig, kl: KLConfig | Non
     if batch.completion_mask is not None:  # multi-turn: equal logprobs at environment tokens, so their KL is 0
         environment = ~batch.completion_mask.bool()
         behaviour, ref = behaviour.masked_fill(environment, 0.0), ref.masked_fill(environment, 0.0)
-    return kl_in_reward_advantages(token_rewards, behaviour, ref, lengths, beta=kl.beta, estimator=kl.estimator)
+    return kl_in_reward_advantages(token_rewards, behaviour, ref, batch.completion_lengths.long(), beta=kl.beta,
+                                   estimator=kl.estimator)
 
 
 def advantage_metrics(batch: TrainBatch, advantages: torch.Tensor) -> dict[str, float]:
@@ -145,7 +183,7 @@ def algorithm_metrics(batch: TrainBatch, advantages: torch.Tensor, algorithm: Al
     """The advantage metrics, plus the step-reward ones (process supervision, or a batch with steps) and the
     KL-in-reward ones."""
     metrics = advantage_metrics(batch, advantages)
-    if algorithm.advantage.supervision == "process" or batch.step_rewards is not None:
+    if SUPERVISIONS.get(algorithm.advantage.supervision).steps or batch.step_rewards is not None:
         metrics.update(step_metrics(batch))
     if algorithm.kl.in_reward:
         metrics.update(kl_reward_metrics(batch, advantages, algorithm.kl))

@@ -38,6 +38,7 @@ from learner.prefetch import BatchPrefetcher, HubCalls
 from learner.session import SessionRefusedError, end_session, register_session
 from learner.step import (
     all_reduce,
+    apply_off_policy,
     grpo_step,
     recompute_old_logprobs,
     split_micro_batches,
@@ -119,7 +120,8 @@ class Learner:
                                            mask_truncated=cfg.mask_truncated) if cfg.advantages_jsonl else None)
         self.metrics = MetricsLogger(jsonl=cfg.metrics_jsonl, tensorboard_dir=cfg.tensorboard_dir,
                                      wandb_project=cfg.wandb_project, enabled=self.rank == 0,
-                                     total_steps=cfg.max_steps, run_config=config.model_dump(mode="json"))
+                                     total_steps=cfg.max_steps, run_config=config.model_dump(mode="json"),
+                                     warn_mismatch_kl=config.algorithm.off_policy.warn_mismatch_kl)
         # acknowledgements and lease renewals leave from a background thread (its own client)
         self.hub_calls = HubCalls(self._client())
         hub_stats = self.client.hub_stats()
@@ -141,6 +143,7 @@ class Learner:
                                           # the hub's bound (its config is the one that counts)
                                           max_staleness=hub_stats["max_staleness"], start_version=self.version,
                                           version_after_batch=self.version_after_batch)
+        self.lag_buckets = int(hub_stats["max_staleness"]) + 1  # drift by version lag 0..max_staleness, every rank
         self.fetched = None           # how the batch being trained was fetched (background times, for the metrics)
         self.clock = StepClock()
         self.timed_engine = LappedEngine(self.engine, self.clock)
@@ -285,22 +288,21 @@ class Learner:
         clock.lap("advantages")
         micro = split_micro_batches(batch, advantages, cfg.micro_batches, cfg.mask_truncated, self.device,
                                     token_budget=cfg.micro_batch_tokens, packing=cfg.packing,
-                                    prefix_sharing="off" if cfg.gradient_checkpointing else cfg.prefix_sharing)
+                                    prefix_sharing="off" if cfg.gradient_checkpointing else cfg.prefix_sharing,
+                                    learner_version=self.version)
         if micro[0].prefix is not None and not self._said_prefix:
             self._said_prefix = True
             log.info("prefix sharing: %d prompt passes for %d rows in the first micro-batch (learner.prefix_sharing "
                      "%s)", micro[0].prefix.num_prompts, len(micro[0].prompt_lengths), cfg.prefix_sharing)
         clock.lap("host_to_device")
-        if cfg.old_logprobs == "recompute":
-            recompute_old_logprobs(self.engine.module, micro, batch.temperature, cfg.logprob_chunk_tokens)
-            clock.lap("old_logprobs")
+        old_mode = self.old_logprobs(micro, batch.temperature)
         fetched, self.fetched = self.fetched, None
         first_step = self.step
         for _ in range(cfg.updates_per_batch):
             lr = float(self.engine.get_lr()[0])  # the rate this step uses (the scheduler advances in step())
             outcome = grpo_step(self.timed_engine, micro, algorithm.loss, temperature=batch.temperature,
-                                old_mode=cfg.old_logprobs, world_size=self.world, log_entropy=cfg.log_entropy,
-                                chunk_tokens=cfg.logprob_chunk_tokens)
+                                old_mode=old_mode, world_size=self.world, log_entropy=cfg.log_entropy,
+                                chunk_tokens=cfg.logprob_chunk_tokens, lag_buckets=self.lag_buckets)
             clock.lap("step_reduce")
             if not outcome.finite:
                 self._skip_nonfinite()
@@ -326,6 +328,18 @@ class Learner:
         if cfg.checkpoint_every and self.step // cfg.checkpoint_every > first_step // cfg.checkpoint_every:
             self.checkpoint()
             clock.lap("checkpoint")
+
+    def old_logprobs(self, micro: list, temperature: float) -> str:
+        """pi_old of the batch's updates, as grpo_step's ``old_mode``: recomputed with the current weights and the
+        off-policy correction applied against the behaviour logprobs ('recompute'), or with
+        ``algorithm.off_policy.bypass`` the behaviour logprobs themselves ('behaviour', no forward pass)."""
+        off_policy = self.config.algorithm.off_policy
+        if off_policy.bypass:
+            return "behaviour"
+        recompute_old_logprobs(self.engine.module, micro, temperature, self.cfg.logprob_chunk_tokens)
+        apply_off_policy(micro, off_policy)
+        self.clock.lap("old_logprobs")
+        return "recompute"
 
     def version_after_batch(self) -> int:
         """The version this learner will hold once the batch it is about to train is applied: the last step of the

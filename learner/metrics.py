@@ -15,11 +15,12 @@ from learner.advantages import advantage_metrics, algorithm_metrics
 from shared.config.schema import AlgorithmConfig, GRPOConfig
 from shared.progress import PROGRESS_MARK, eta_seconds, format_duration
 from shared.protocol.records import TrainBatch
+from shared.tensors.masks import completion_mask
 
 log = logging.getLogger("grpo.learner")
 
 # What the terminal's progress bar shows, in order (the JSONL/TensorBoard get everything).
-CONSOLE_KEYS = ("loss", "reward_mean", "kl_mean", "entropy", "clip_frac_high", "tokens_per_s")
+CONSOLE_KEYS = ("loss", "reward_mean", "kl_mean", "entropy", "clip_frac_high", "mismatch_kl", "tokens_per_s")
 
 # Where a learner step's wall time goes, in the order the training thread spends it. ``metrics`` is writing the
 # previous step's record (it cannot time its own write). Compute is what a faster control plane cannot remove.
@@ -61,10 +62,13 @@ class StepClock:
         return record
 
 
-def progress_line(step: int, total: int | None, metrics: dict[str, float], eta_s: float | None) -> str:
+def progress_line(step: int, total: int | None, metrics: dict[str, float], eta_s: float | None,
+                  warn_mismatch_kl: float | None = None) -> str:
     """The learner's per-step line: ``progress: step 12/150 (8%) | reward 0.531 | batch accuracy 53.1% | loss
     0.0123 | 2,345 tokens/s | ETA 3m05s``; a field the metrics lack (accuracy without a judging reward) or that is
-    not known yet (the ETA at the first step, any ETA without ``learner.max_steps``) is left out."""
+    not known yet (the ETA at the first step, any ETA without ``learner.max_steps``) is left out. When the step's
+    ``mismatch_kl`` is above ``warn_mismatch_kl`` (``algorithm.off_policy.warn_mismatch_kl``) the line ends with
+    ``WARNING mismatch_kl 0.0312 > 0.01 (rollouts drift from the learner: docs/off-policy.md)``."""
     fields = [f"step {step}/{total} ({100 * step / total:.0f}%)" if total else f"step {step}"]
     if "reward_mean" in metrics:
         fields.append(f"reward {metrics['reward_mean']:.3f}")
@@ -76,13 +80,26 @@ def progress_line(step: int, total: int | None, metrics: dict[str, float], eta_s
         fields.append(f"{metrics['tokens_per_s']:,.0f} tokens/s")
     if eta_s is not None and total:
         fields.append(f"ETA {format_duration(eta_s)}")
+    warning = drift_warning(metrics, warn_mismatch_kl)
+    if warning is not None:
+        fields.append(warning)
     return PROGRESS_MARK + " | ".join(fields)
+
+
+def drift_warning(metrics: dict[str, float], threshold: float | None) -> str | None:
+    """The warning a step whose ``mismatch_kl`` is above ``threshold`` gets on the console (None: below, or off)."""
+    drift = metrics.get("mismatch_kl")
+    if threshold is None or drift is None or not drift > threshold:
+        return None
+    return f"WARNING mismatch_kl {drift:.3g} > {threshold:g} (rollouts drift from the learner: docs/off-policy.md)"
 
 
 class MetricsLogger:
     def __init__(self, *, jsonl: str | None, tensorboard_dir: str | None, wandb_project: str | None,
-                 enabled: bool, total_steps: int | None, run_config: dict | None = None) -> None:
+                 enabled: bool, total_steps: int | None, run_config: dict | None = None,
+                 warn_mismatch_kl: float | None = None) -> None:
         self.enabled = enabled
+        self.warn_mismatch_kl = warn_mismatch_kl
         self._jsonl = None
         self._tb = None
         self._wandb = None
@@ -124,8 +141,11 @@ class MetricsLogger:
         if self._bar is not None:
             self._bar.n = step
             self._bar.set_postfix({k: round(metrics[k], 4) for k in CONSOLE_KEYS if k in metrics}, refresh=True)
+            warning = drift_warning(metrics, self.warn_mismatch_kl)
+            if warning is not None:
+                self._bar.write(f"step {step}: {warning}")
         else:
-            log.info("%s", progress_line(step, self.total_steps, metrics, self._eta(step)))
+            log.info("%s", progress_line(step, self.total_steps, metrics, self._eta(step), self.warn_mismatch_kl))
 
     def _eta(self, step: int) -> float | None:
         """Seconds to ``total_steps`` at this process's pace since its first logged step (a resumed run's pace
@@ -210,7 +230,7 @@ def batch_metrics(batch: TrainBatch, advantages: torch.Tensor, current_version: 
         "staleness_mean": float(staleness.mean()), "staleness_max": float(staleness.max()),
     }
     if batch.completion_mask is not None:  # multi-turn: the share of completion tokens an environment wrote
-        valid = torch.arange(batch.completion_mask.shape[1]) < batch.completion_lengths.unsqueeze(1)
+        valid = completion_mask(batch.completion_lengths, batch.completion_mask.shape[1])
         metrics["env_token_frac"] = float((valid & ~batch.completion_mask.bool()).sum()) / max(float(lengths.sum()), 1.0)
     for name, values in batch.reward_components.items():
         valid = values[~torch.isnan(values)]

@@ -16,18 +16,26 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from shared.config.schema import LossConfig
+from shared.config.schema import LossConfig, OffPolicyConfig
 from shared.forward.logprobs import sequence_logprobs
 from shared.forward.packing import PackingMode, split_by_token_budget
 from shared.forward.prefix_sharing import PrefixRows, shared_prefixes
-from shared.forward.row_lengths import to_device
 from shared.grpo.losses import PolicyLossOutput, compute_policy_loss, loss_normalizers
-from shared.protocol.loss_mask import model_token_mask
+from shared.grpo.off_policy import (
+    MASKING_MODES,
+    MISMATCH_MAX_KEY,
+    MISMATCH_SUM_PREFIX,
+    mismatch_metrics,
+    mismatch_sums,
+    off_policy_weights,
+)
 from shared.protocol.records import TrainBatch
+from shared.tensors.masks import completion_mask
+from shared.tensors.transfers import to_device
 
 # How each metric combines over micro-batches and ranks: token-weighted mean, min or max.
 _MIN_KEYS = {"ratio_min", "is_weight_min"}
-_MAX_KEYS = {"ratio_max", "is_weight_max", "logprob_diff_max"}
+_MAX_KEYS = {"ratio_max", "is_weight_max", "logprob_diff_max", MISMATCH_MAX_KEY}
 # summed over micro-batches and ranks, then turned into means in _step_metrics
 _SUM_KEYS = {"num_tokens", "pg_loss", "logprob_diff_sum", "sampled_tokens"}
 
@@ -48,11 +56,16 @@ class MicroBatch:
     host_completion_lengths: list[int]    # = completion_lengths
     host_loss_lengths: list[int]          # = loss_lengths
     old_logprobs: torch.Tensor | None = None
-    # multi-turn: [b, width_c] bool, True where the model wrote the token (shared.protocol.loss_mask); None: all
+    # multi-turn: [b, width_c] bool, True where the model wrote the token (shared.tensors.masks); None: all
     loss_mask: torch.Tensor | None = None
     layout: PackingMode = "padded"        # how the forward lays the rows out (shared.forward.packing.choose_layout)
     prefix: PrefixRows | None = None      # rows sharing a prompt: one pass of it (shared.forward.prefix_sharing)
     normalizers: tuple[int, int] = (0, 0)  # (loss tokens, loss sequences), counted on the host before the copy
+    lags: torch.Tensor | None = None      # [b] the learner's version minus the row's (None: all 0)
+    # (weights, keep) of the off-policy correction (apply_off_policy; None: no correction), and with a masking mode
+    # the (kept tokens, sequences with a kept token) on the device: the loss's normalisers then come from these
+    correction: tuple[torch.Tensor, torch.Tensor] | None = None
+    kept_counts: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -92,7 +105,8 @@ def micro_batch_rows(batch: TrainBatch, parts: int, token_budget: int | None = N
 
 def split_micro_batches(batch: TrainBatch, advantages: torch.Tensor, parts: int, mask_truncated: bool,
                         device: torch.device, *, token_budget: int | None = None,
-                        packing: PackingMode = "padded", prefix_sharing: str = "off") -> list[MicroBatch]:
+                        packing: PackingMode = "padded", prefix_sharing: str = "off",
+                        learner_version: int | None = None) -> list[MicroBatch]:
     """Split into micro-batches (:func:`micro_batch_rows`), each trimmed to its own widths.
 
     ``advantages`` is ``[B]``, one per completion (the loss broadcasts it over the completion's tokens), or
@@ -100,7 +114,9 @@ def split_micro_batches(batch: TrainBatch, advantages: torch.Tensor, parts: int,
     tensor and trimmed to the micro-batch's completion width like the logprobs.
     ``packing`` is how their forward lays the rows out (``learner.packing``); it also decides how the token
     budget counts a micro-batch. ``prefix_sharing`` (``learner.prefix_sharing``): rows of a micro-batch that
-    continue one prompt share one pass of it."""
+    continue one prompt share one pass of it. ``learner_version``: the version the learner holds, which makes each
+    row's version lag (for the drift metrics by staleness)."""
+    lags = None if learner_version is None else (learner_version - batch.policy_versions).clamp(min=0)
     loss_lengths = batch.completion_lengths.clone()
     if mask_truncated:
         loss_lengths[batch.truncated] = 0
@@ -126,7 +142,8 @@ def split_micro_batches(batch: TrainBatch, advantages: torch.Tensor, parts: int,
             ref_logprobs=take(batch.ref_logprobs, width_c), layout=packing if prefix is None else "padded",
             prefix=prefix, normalizers=loss_normalizers(loss_lengths[rows], mask_rows(batch, rows, width_c)),
             host_prompt_lengths=batch.prompt_lengths[rows].tolist(), host_completion_lengths=completion.tolist(),
-            host_loss_lengths=loss_lengths[rows].tolist(), loss_mask=take(batch.completion_mask, width_c)))
+            host_loss_lengths=loss_lengths[rows].tolist(), loss_mask=take(batch.completion_mask, width_c),
+            lags=take(lags)))
     return pieces
 
 
@@ -161,22 +178,46 @@ def recompute_old_logprobs(model, micro_batches: list[MicroBatch], temperature: 
         mb.old_logprobs, _ = policy_logprobs(model, mb, temperature, with_entropy=False, chunk_tokens=chunk_tokens)
 
 
+def apply_off_policy(micro_batches: list[MicroBatch], cfg: OffPolicyConfig) -> None:
+    """Each micro-batch's off-policy correction (:func:`shared.grpo.off_policy.off_policy_weights`) from its
+    recomputed old logprobs and the behaviour logprobs, over the tokens in the loss; with a masking mode also the
+    kept counts the loss's normalisers come from. Device arithmetic only (no host read)."""
+    for mb in micro_batches:
+        if mb.old_logprobs is None:
+            raise ValueError("an off-policy correction needs the recomputed old logprobs (recompute_old_logprobs)")
+        mb.correction = off_policy_weights(mb.old_logprobs, mb.behaviour_logprobs, mb.loss_lengths, mode=cfg.mode,
+                                           low=cfg.low, high=cfg.high, loss_mask=mb.loss_mask)
+        if cfg.mode in MASKING_MODES:
+            keep = mb.correction[1]
+            mb.kept_counts = (keep.sum().double(), keep.any(dim=1).sum().double())
+
+
 def micro_batch_loss(model, mb: MicroBatch, loss_cfg: LossConfig, *, temperature: float, old_mode: str,
                      num_tokens: float | torch.Tensor, num_seqs: float | torch.Tensor, log_entropy: bool = False,
-                     chunk_tokens: int | None = None) -> tuple[PolicyLossOutput, torch.Tensor | None]:
-    """The loss of one micro-batch, normalised by the global counts (``old_mode``: see learner.old_logprobs)."""
+                     chunk_tokens: int | None = None,
+                     lag_buckets: int = 1) -> tuple[PolicyLossOutput, torch.Tensor | None]:
+    """The loss of one micro-batch, normalised by the global counts. ``old_mode`` 'behaviour' (bypass): pi_old is
+    the behaviour logprobs; 'recompute': the recomputed ones, with the micro-batch's off-policy correction
+    (:func:`apply_off_policy`). The drift metrics (:func:`shared.grpo.off_policy.mismatch_sums`, ``lag_buckets``
+    version lags) compare the behaviour logprobs with the recomputed old logprobs, or in bypass with this forward's
+    (which are pi_old at the batch's only update)."""
     logprobs, entropy = policy_logprobs(model, mb, temperature, with_entropy=log_entropy, chunk_tokens=chunk_tokens)
     if old_mode == "behaviour":
-        old, behaviour = mb.behaviour_logprobs, None
+        old, learner_old = mb.behaviour_logprobs, logprobs.detach()
     else:
         if mb.old_logprobs is None:
             raise ValueError("old_logprobs='recompute' needs recompute_old_logprobs() before the first update")
-        old, behaviour = mb.old_logprobs, mb.behaviour_logprobs
+        old, learner_old = mb.old_logprobs, mb.old_logprobs
     result = compute_policy_loss(logprobs, mb.advantages, mb.host_loss_lengths, loss_cfg, old_logprobs=old,
-                                 behaviour_logprobs=behaviour, ref_logprobs=mb.ref_logprobs,
+                                 correction=mb.correction if old_mode != "behaviour" else None,
+                                 ref_logprobs=mb.ref_logprobs,
                                  num_tokens=num_tokens, num_seqs=num_seqs, token_mask=mb.loss_mask)
     result.metrics.update(behaviour_logprob_gap(logprobs, mb.behaviour_logprobs, mb.completion_lengths,
                                                 mb.loss_mask))
+    valid = completion_mask(mb.loss_lengths, logprobs.shape[1], mb.loss_mask)
+    keep = valid if mb.correction is None or old_mode == "behaviour" else mb.correction[1]
+    lags = mb.lags if mb.lags is not None else torch.zeros_like(mb.loss_lengths)
+    result.metrics.update(mismatch_sums(learner_old, mb.behaviour_logprobs, valid, keep, lags, lag_buckets))
     return result, entropy
 
 
@@ -192,8 +233,7 @@ def behaviour_logprob_gap(logprobs: torch.Tensor, behaviour: torch.Tensor, compl
     Masked arithmetic, no ``gap[mask]``: a boolean index has a data-dependent size, which a GPU must report back
     to the host (a wait for the device per micro-batch). ``token_mask`` (multi-turn): the environment's tokens were
     not sampled and have no behaviour logprob; only the model's count."""
-    mask = torch.arange(logprobs.shape[1], device=logprobs.device) < completion_lengths.unsqueeze(1)
-    mask = model_token_mask(token_mask, mask)
+    mask = completion_mask(completion_lengths, logprobs.shape[1], token_mask)
     # gaps are >= 0, so zeros in the masked-out places leave the maximum as it is (and make it 0 when empty)
     gap = torch.where(mask, (logprobs.detach() - behaviour).abs(), 0.0)
     largest = gap.amax() if gap.numel() else gap.new_zeros(())
@@ -201,7 +241,8 @@ def behaviour_logprob_gap(logprobs: torch.Tensor, behaviour: torch.Tensor, compl
 
 
 def grpo_step(engine, micro_batches: list[MicroBatch], loss_cfg: LossConfig, *, temperature: float,
-              old_mode: str, world_size: int, log_entropy: bool, chunk_tokens: int | None) -> StepOutcome:
+              old_mode: str, world_size: int, log_entropy: bool, chunk_tokens: int | None,
+              lag_buckets: int = 1) -> StepOutcome:
     """Forward/backward over the micro-batches, then one optimizer step (skipped if any loss is not finite).
 
     One host synchronisation per step: losses, finiteness flags and metrics stay on the device while the
@@ -212,15 +253,7 @@ def grpo_step(engine, micro_batches: list[MicroBatch], loss_cfg: LossConfig, *, 
     tests/learner/test_host_syncs.py records both and lists theirs."""
     model = engine.module
     device = micro_batches[0].input_ids.device
-    # the global normalisers, counted on the host when the micro-batches were cut: host numbers for a world of one;
-    # otherwise one small all-reduce whose result stays on the device (the loss divides by it there)
-    local = [float(sum(mb.normalizers[i] for mb in micro_batches)) for i in (0, 1)]
-    num_tokens: float | torch.Tensor
-    num_seqs: float | torch.Tensor
-    if world_size > 1:
-        num_tokens, num_seqs = all_reduce(to_device(local, device, torch.float64)).unbind()
-    else:
-        num_tokens, num_seqs = local
+    num_tokens, num_seqs = global_normalizers(micro_batches, world_size, device)
     zero = torch.zeros((), dtype=torch.float64, device=device)
     sums: dict[str, torch.Tensor] = {}
     mins: dict[str, torch.Tensor] = {}
@@ -230,7 +263,7 @@ def grpo_step(engine, micro_batches: list[MicroBatch], loss_cfg: LossConfig, *, 
         _start_zero3_micro_step(engine)
         result, entropy = micro_batch_loss(model, mb, loss_cfg, temperature=temperature, old_mode=old_mode,
                                            num_tokens=num_tokens, num_seqs=num_seqs, log_entropy=log_entropy,
-                                           chunk_tokens=chunk_tokens)
+                                           chunk_tokens=chunk_tokens, lag_buckets=lag_buckets)
         loss = result.loss.detach().double()
         nonfinite = nonfinite + (~torch.isfinite(loss)).double()
         engine.backward(result.loss * world_size, scale_wrt_gas=False)
@@ -243,13 +276,12 @@ def grpo_step(engine, micro_batches: list[MicroBatch], loss_cfg: LossConfig, *, 
                 mins[key] = torch.minimum(mins[key], value) if key in mins else value
             elif key in _MAX_KEYS:
                 maxs[key] = torch.maximum(maxs[key], value) if key in maxs else value
-            elif key in _SUM_KEYS:
+            elif key in _SUM_KEYS or key.startswith(MISMATCH_SUM_PREFIX):
                 sums[key] = sums.get(key, zero) + value
             else:
                 sums[key] = sums.get(key, zero) + value * weight
         if entropy is not None:
-            mask = torch.arange(entropy.shape[1], device=device) < mb.completion_lengths.unsqueeze(1)
-            mask = model_token_mask(mb.loss_mask, mask)
+            mask = completion_mask(mb.completion_lengths, entropy.shape[1], mb.loss_mask)
             sums["entropy"] = sums.get("entropy", zero) + torch.where(mask, entropy.detach(), 0.0).double().sum()
             sums["entropy_tokens"] = sums.get("entropy_tokens", zero) + mask.sum().double()
     host = _gather_step_numbers(total_loss, nonfinite, sums, mins, maxs)  # the step's one synchronisation
@@ -260,6 +292,22 @@ def grpo_step(engine, micro_batches: list[MicroBatch], loss_cfg: LossConfig, *, 
         return StepOutcome(False, math.nan)
     engine.step()
     return StepOutcome(True, host["loss"], _step_metrics(host, grad_norm=engine.get_global_grad_norm()))
+
+
+def global_normalizers(micro_batches: list[MicroBatch], world_size: int,
+                       device: torch.device) -> tuple[float | torch.Tensor, float | torch.Tensor]:
+    """(tokens, sequences) in the loss over every micro-batch and rank: host numbers for a world of one, else one
+    small all-reduce whose result stays on the device (the loss divides by it there). With a masking off-policy
+    correction the counts are the kept tokens, which the device decided: counted and kept there."""
+    if any(mb.kept_counts is not None for mb in micro_batches):
+        kept = torch.stack([torch.stack(mb.kept_counts) for mb in micro_batches]).sum(dim=0)
+        tokens, seqs = (all_reduce(kept) if world_size > 1 else kept).unbind()
+        return tokens, seqs
+    local = [float(sum(mb.normalizers[i] for mb in micro_batches)) for i in (0, 1)]
+    if world_size > 1:
+        tokens, seqs = all_reduce(to_device(local, device, torch.float64)).unbind()
+        return tokens, seqs
+    return local[0], local[1]
 
 
 def _gather_step_numbers(total_loss, nonfinite, sums, mins, maxs) -> dict:
@@ -292,7 +340,9 @@ def _start_zero3_micro_step(engine) -> None:
 def _step_metrics(host: dict, grad_norm) -> dict[str, float]:
     totals = host["sums"]
     tokens = max(totals.get("num_tokens", 0.0), 1.0)
-    metrics = {k: v / tokens for k, v in totals.items() if k not in _SUM_KEYS | {"entropy", "entropy_tokens"}}
+    metrics = {k: v / tokens for k, v in totals.items()
+               if k not in _SUM_KEYS | {"entropy", "entropy_tokens"} and not k.startswith(MISMATCH_SUM_PREFIX)}
+    metrics.update(mismatch_metrics(totals))
     metrics["pg_loss"] = totals.get("pg_loss", 0.0)
     if "sampled_tokens" in totals:
         metrics["logprob_diff_mean"] = totals["logprob_diff_sum"] / max(totals["sampled_tokens"], 1.0)

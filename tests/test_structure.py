@@ -155,3 +155,87 @@ def test_the_graph_sees_lazy_relative_and_submodule_imports():
     assert "deploy.launcher" in graph["deploy.cli"]                  # inside cmd_run
     assert "deploy.demo.warmup" in graph["deploy.demo.tiny_model"]   # module level, from a package
     assert strongly_connected({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+# -- one home for masks, one plug-in style (issue 35) ---------------------------------------------------------------
+def _package_edges(source: str, target: str) -> list[str]:
+    """The import edges from modules of package ``source`` into package ``target``."""
+    inside = lambda module, package: module == package or module.startswith(package + ".")  # noqa: E731
+    return [f"{module} -> {imported}" for module, targets in sorted(import_graph().items()) if inside(module, source)
+            for imported in sorted(targets) if inside(imported, target)]
+
+
+def test_the_math_and_the_forward_do_not_import_each_other():
+    """Their common helpers (masks, device moves) live on the ground floor, shared/tensors/."""
+    edges = _package_edges("shared.grpo", "shared.forward") + _package_edges("shared.forward", "shared.grpo")
+    assert not edges, _report("imports between shared/grpo and shared/forward", edges)
+
+
+def test_the_math_imports_no_wire_module():
+    edges = _package_edges("shared.grpo", "shared.protocol")
+    assert not edges, _report("shared/grpo importing shared/protocol", edges)
+
+
+def test_the_tensor_ground_floor_imports_nothing_of_the_product():
+    edges = [edge for package in ("shared", *SERVICES) for edge in _package_edges("shared.tensors", package)
+             if not edge.split(" -> ")[1].startswith("shared.tensors")]
+    assert not edges, _report("shared/tensors importing the product (it may import torch only)", edges)
+
+
+def _mask_comparisons(tree: ast.AST) -> list[int]:
+    """Lines of ``x < lengths.unsqueeze(1)`` (or ``.reshape(-1, 1)``): a mask from lengths written out."""
+    def column(node: ast.AST) -> bool:
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            return False
+        args = [a.value if isinstance(a, ast.Constant) else ast.unparse(a) for a in node.args]
+        return (node.func.attr, args) in (("unsqueeze", [1]), ("reshape", ["-1", 1]), ("view", ["-1", 1]))
+    return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Compare)
+            and [type(op) for op in node.ops] == [ast.Lt] and column(node.comparators[0])]
+
+
+def test_masks_from_lengths_are_built_in_one_place():
+    """``shared.tensors.masks.completion_mask`` (or ``lengths_to_mask``), not ``arange(w) < lengths.unsqueeze(1)``."""
+    home = ROOT / "shared" / "tensors" / "masks.py"
+    written = [f"{path.relative_to(ROOT)}:{line}" for path in product_modules().values() if path != home
+               for line in _mask_comparisons(ast.parse(path.read_text(), str(path)))]
+    assert not written, _report("masks from lengths written out (use shared.tensors.masks.completion_mask)", written)
+    assert _mask_comparisons(ast.parse("m = torch.arange(w) < n.unsqueeze(1)\nk = a < b.reshape(-1, 1)")) == [1, 2]
+
+
+def _registries() -> dict[str, str]:
+    """Every ``NAME = Registry(...)`` of the product: name -> the module defining it."""
+    found = {}
+    for module, path in product_modules().items():
+        for node in ast.parse(path.read_text(), str(path)).body:
+            target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
+            value = getattr(node, "value", None)
+            if (isinstance(target, ast.Name) and isinstance(value, ast.Call) and isinstance(value.func, ast.Name)
+                    and value.func.id == "Registry"):
+                found[target.id] = module
+    return found
+
+
+def test_every_registry_is_dispatched_and_checked_at_config_load():
+    """The one plug-in style (shared/registry.py): an entry is dispatched by ``NAME.get(name)`` in product code, and
+    the config field naming it is checked at load by ``check_registered("<its module>", "NAME", ...)``."""
+    registries = _registries()
+    assert {"ADVANTAGE_ESTIMATORS", "KL_ESTIMATORS", "POLICY_LOSSES", "AGGREGATIONS", "REWARDS", "ENVIRONMENTS",
+            "DATASETS", "SUPERVISIONS"} <= set(registries), sorted(registries)
+    dispatched, checked = set(), set()
+    for path in product_modules().values():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            if isinstance(func, ast.Attribute) and func.attr == "get" and isinstance(func.value, ast.Name):
+                dispatched.add(func.value.id)
+            if (isinstance(func, ast.Name) and func.id == "check_registered" and len(node.args) >= 2
+                    and all(isinstance(a, ast.Constant) for a in node.args[:2])):
+                checked.add((node.args[0].value, node.args[1].value))
+    unread = [f"{name} ({module}): no {name}.get(...) in product code" for name, module in sorted(registries.items())
+              if name not in dispatched]
+    unchecked = [f"{name} ({module}): no check_registered('{module}', '{name}', ...) in the config schema"
+                 for name, module in sorted(registries.items())
+                 if not any(n == name and (module == m or module.startswith(m + ".")) for m, n in checked)]
+    assert not unread + unchecked, _report("registries not dispatched or not checked at config load",
+                                           unread + unchecked)

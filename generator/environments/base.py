@@ -34,6 +34,7 @@ from typing import Any, Protocol
 
 from shared.config.schema.generator import EnvironmentConfig
 from shared.errors import UsageError
+from shared.registry import Registry
 from shared.user_code import load_object
 
 
@@ -54,22 +55,23 @@ class Environment(Protocol):
     def step(self, model_turn_text: str) -> str | StepResult | None: ...
 
 
-BUILT_IN = {"calculator": "generator.environments.calculator:Calculator",
-            "guess": "generator.environments.guess:DigitGuess",
-            "tools": "generator.environments.tools:ToolCalling"}
+# The built-in environments, by the name a config gives (``@ENVIRONMENTS.register("name")`` on the class); the
+# modules that define them are imported on the registry's first read. Any other name is user code.
+ENVIRONMENTS: Registry = Registry("environment", modules=(
+    "generator.environments.calculator",   # calculator
+    "generator.environments.guess",        # guess
+    "generator.environments.tools",        # tools: chat tool calling
+))
 
 
 def environment_factory(cfg: EnvironmentConfig, key: str = "generator.environment.name"):
     """The class the config names (a built-in name or user code), checked to have ``reset`` and ``step``; a
-    UsageError naming ``key`` otherwise. Called once at start-up so a typo stops the run there."""
-    spec = BUILT_IN.get(cfg.name, cfg.name)
-    if ":" not in spec:
-        raise UsageError(f"{key}: unknown environment {cfg.name!r}; built-in: {sorted(BUILT_IN)}, or name a class "
-                         "as 'package.module:Class' or 'path/to/file.py:Class'")
-    cls = load_object(spec, key)
+    UsageError naming ``key`` otherwise. Called once at start-up so that user code that does not load stops the run
+    there (an unknown built-in name already failed at config load)."""
+    cls = ENVIRONMENTS.get(cfg.name) if cfg.name in ENVIRONMENTS else load_object(cfg.name, key)
     missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
     if not callable(cls) or missing:
-        raise UsageError(f"{key}: {spec} must be a class with reset(sample) and step(model_turn_text) methods"
+        raise UsageError(f"{key}: {cfg.name} must be a class with reset(sample) and step(model_turn_text) methods"
                          + (f" (missing {', '.join(missing)})" if missing else ""))
     check_args = getattr(cls, "check_args", None)
     if callable(check_args):

@@ -15,6 +15,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from generator.environments.base import ENVIRONMENTS
+
 _CALL = re.compile(r"<calc>(.*?)</calc>", re.DOTALL)
 _TOKEN = re.compile(r"\s*(\d+|[-+*])")
 
@@ -68,6 +70,7 @@ def calculate(expression: str) -> str:
     return str(evaluate(expression))
 
 
+@ENVIRONMENTS.register("calculator")
 class Calculator:
     """One trajectory's calculator. ``args``: ``max_chars`` and ``max_digits`` of an expression."""
 

@@ -19,7 +19,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from generator.environments.base import StepResult
+from generator.environments.base import ENVIRONMENTS, StepResult
 
 _GUESS = re.compile(r"<guess>(.*?)</guess>", re.DOTALL)
 PROMPT = "Guess the {digits}-digit number. Write <guess>{example}</guess>, each hint shows the right digits.\n"
@@ -31,6 +31,7 @@ def hint(guess: str, secret: str) -> str:
     return "".join(g if g == s else "." for g, s in zip(guess, secret))
 
 
+@ENVIRONMENTS.register("guess")
 class DigitGuess:
     """One trajectory's game. ``args``: ``digits`` (length of the secret), ``secret_field`` (the example's key)."""
 

@@ -19,6 +19,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from generator.environments.base import ENVIRONMENTS
 from generator.environments.tool_chat import (
     CALL_CLOSE,
     ToolCall,
@@ -158,6 +159,7 @@ class ToolKit:
         return tool_messages_text(self.tokenizer, results, self.shown)
 
 
+@ENVIRONMENTS.register("tools")
 class ToolCalling:
     """One trajectory's tool calls. ``args``: ``tools`` (the functions), ``max_calls_per_turn`` (calls beyond it
     are answered with an error), ``max_result_chars`` (a longer result is cut)."""

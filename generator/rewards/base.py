@@ -5,7 +5,7 @@ model over HTTP can score it in one request): ``fn(prompt, completions, example)
 one value per completion: a float is an outcome score; a :class:`~generator.rewards.steps.StepScores` scores the
 completion step by step (process supervision, issue 23) and may carry an outcome score too.
 
-New rewards are one decorated factory in a module listed in ``generator/rewards/__init__.py``::
+New rewards are one decorated factory in a module listed in ``REWARDS``' ``modules`` (imported on its first read)::
 
     from generator.rewards.base import REWARDS, per_completion
     from generator.rewards.steps import StepScores
@@ -31,7 +31,12 @@ log = logging.getLogger("grpo.generator.rewards")
 
 Score = float | StepScores
 GroupReward = Callable[[str, Sequence[str], dict[str, Any]], list[Score]]
-REWARDS: Registry = Registry("reward")
+# The modules whose import registers the built-in rewards: imported on the registry's first read.
+REWARDS: Registry = Registry("reward", modules=(
+    "generator.rewards.builtin",    # format, math, arithmetic, final_number, code, http, python
+    "generator.rewards.chain",      # chain, chain_steps: the multi-step task (outcome and one reward per line)
+    "generator.rewards.prm",        # a process reward model behind vLLM's /pooling API
+))
 
 
 class RewardConfigError(UsageError, ValueError):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.protocol.records import RolloutGroup, TrainBatch
+from shared.tensors.masks import completion_mask
 
 
 @dataclass
@@ -33,7 +34,7 @@ class GroupRows:
         size, prompt = group.group_size, group.prompt_ids.long()
         lengths = group.completion_lengths.long()
         columns = group.completion_ids.shape[1]
-        valid = torch.arange(columns) < lengths.unsqueeze(1)
+        valid = completion_mask(lengths, columns)
         completion = group.completion_ids.long().masked_fill(~valid, 0)
         ref = None
         if ref_logprobs is not None:
@@ -44,7 +45,7 @@ class GroupRows:
         return cls(input_ids=torch.cat([prompt.expand(size, -1), completion], dim=1),
                    behaviour=group.behaviour_logprobs.float().masked_fill(~valid, 0.0), ref=ref,
                    width=prompt.numel() + longest, completion_width=longest,
-                   mask=group.completion_mask.bool() & valid if group.completion_mask is not None else None)
+                   mask=None if group.completion_mask is None else completion_mask(lengths, columns, group.completion_mask))
 
 
 def assemble_batch(groups: list[RolloutGroup], rows: list[GroupRows], *, batch_id: str) -> TrainBatch:

@@ -27,7 +27,7 @@ from ref_server.scoring.top_logprobs import sequence_top_logprobs
 from shared.forward.logprobs import sequence_logprobs
 from shared.forward.packing import PackingMode, micro_batch_cost
 from shared.forward.prefix_sharing import shared_prefixes
-from shared.forward.row_lengths import to_device
+from shared.tensors.transfers import to_device
 
 log = logging.getLogger("grpo.ref_server.scorer")
 

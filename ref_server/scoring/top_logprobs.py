@@ -16,7 +16,7 @@ from torch import nn
 
 from shared.forward.logprobs import chunk_tokens_for, final_logit_transform, fused_head_weight, run_backbone
 from shared.forward.packing import PackingMode
-from shared.grpo.masks import lengths_to_mask
+from shared.tensors.masks import lengths_to_mask
 
 
 @dataclass

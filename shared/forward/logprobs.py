@@ -37,7 +37,7 @@ from shared.forward.model_parts import split_model
 from shared.forward.packing import PackingMode, choose_layout, pack_rows
 from shared.forward.prefix_sharing import PrefixRows, shared_prefix_hidden
 from shared.forward.row_lengths import RowLengths, ragged_positions, row_lengths
-from shared.grpo.masks import lengths_to_mask
+from shared.tensors.masks import completion_mask, lengths_to_mask
 
 # Default working-set size of one chunk's fp32 logits on CPU. 128 MiB is 220 tokens at vocab 151936: big enough
 # that the LM-head matmul stays efficient, small enough that a chunk's temporaries are a few hundred MB at most.
@@ -209,7 +209,7 @@ def _run_backbone(model: nn.Module, input_ids: torch.Tensor, lengths: RowLengths
         return _Backbone(lengths, hidden, head, packed.offsets)
     # the mask from the device lengths (lengths_to_mask would read them back to check them: done on the host)
     on_device = lengths.prompt_on_device + lengths.completion_on_device
-    attention_mask = (torch.arange(input_ids.shape[1], device=input_ids.device) < on_device.unsqueeze(1)).long()
+    attention_mask = completion_mask(on_device, input_ids.shape[1]).long()
     hidden = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
     return _Backbone(lengths, hidden, head, None)
 

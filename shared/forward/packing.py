@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from shared.forward.model_parts import split_model
-from shared.forward.row_lengths import host_values, ragged_positions, to_device
+from shared.forward.row_lengths import ragged_positions
+from shared.tensors.transfers import host_values, to_device
 
 log = logging.getLogger("grpo.packing")
 

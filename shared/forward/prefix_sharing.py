@@ -22,7 +22,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from shared.forward.row_lengths import RowLengths, to_device
+from shared.forward.row_lengths import RowLengths
+from shared.tensors.masks import completion_mask
+from shared.tensors.transfers import to_device
 
 
 @dataclass
@@ -51,8 +53,7 @@ def prefix_rows(input_ids: torch.Tensor, prompt_lengths: torch.Tensor,
         first_of = torch.full((int(group.max()) + 1,), rows, dtype=torch.long, device=group.device)
         first_of = first_of.scatter_reduce(0, group, torch.arange(rows, device=group.device), reduce="amin")
         lead = first_of[group]
-        cols = torch.arange(width, device=input_ids.device)
-        in_prompt = cols.unsqueeze(0) < prompt_lengths.to(input_ids.device).unsqueeze(1)
+        in_prompt = completion_mask(prompt_lengths.to(input_ids.device), width)
         same = (prompt_lengths == prompt_lengths[lead]) & ((input_ids == input_ids[lead]) | ~in_prompt).all(1)
         if bool(same.all()):
             leads, row_prompt = torch.unique(lead, return_inverse=True)
@@ -143,9 +144,9 @@ def shared_prefix_hidden(body: nn.Module, head: nn.Module, input_ids: torch.Tens
     # the completions, right after each row's prompt (right-padded; padding is masked out and never read)
     c_cols = torch.arange(c_max, device=device)
     c_take = (lengths_on_device.unsqueeze(1) + c_cols.unsqueeze(0)).clamp(max=input_ids.shape[1] - 1)
-    completion_mask = c_cols.unsqueeze(0) < lengths.completion_on_device.unsqueeze(1)
-    completion_ids = input_ids.gather(1, c_take).masked_fill(~completion_mask, 0)
-    attention = torch.cat([prompt_mask[row_prompt], completion_mask], dim=1).long()
+    in_completion = completion_mask(lengths.completion_on_device, c_max)
+    completion_ids = input_ids.gather(1, c_take).masked_fill(~in_completion, 0)
+    attention = torch.cat([prompt_mask[row_prompt], in_completion], dim=1).long()
     completion_out = body(input_ids=completion_ids, attention_mask=attention,
                           position_ids=lengths_on_device.unsqueeze(1) + c_cols.unsqueeze(0),
                           past_key_values=prompt_out.past_key_values, use_cache=True)

@@ -4,7 +4,7 @@ On a GPU every read of a device value (``int(t.max())``, ``t.tolist()``, ``mask.
 blocks the host until the device has run everything queued before it; no more kernels are queued meanwhile. The
 lengths of a micro-batch's rows come from the host (the batch is cut there), so the checks, maxima, sums and widths
 are taken from host lists, and only small index tensors go to the device, as asynchronous copies
-(:func:`to_device`). Index tensors of data-dependent size are built on the device with their size given
+(:func:`shared.tensors.transfers.to_device`). Index tensors of data-dependent size are built on the device with their size given
 (``repeat_interleave(..., output_size=n)``), never discovered there (:func:`ragged_positions`).
 
 Lengths given as device tensors (other callers of the public functions) still work: both come to the host in one
@@ -18,27 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-
-def to_device(values: Sequence[int] | Sequence[float] | torch.Tensor, device: torch.device,
-              dtype: torch.dtype | None = torch.long) -> torch.Tensor:
-    """``values`` (a list or a host tensor) as a tensor on ``device`` without waiting for that device.
-
-    A blocking host-to-CUDA copy synchronises the stream first (it waits for every queued kernel); a non-blocking
-    copy from pinned memory is queued like a kernel. So for CUDA the values are staged in pinned memory (PyTorch's
-    caching host allocator keeps the block until the copy has run). A tensor already on ``device`` is returned as
-    is (cast to ``dtype`` when one is given)."""
-    device = torch.device(device)
-    if isinstance(values, torch.Tensor):
-        host = values if dtype is None else values.to(dtype)
-    else:
-        host = torch.tensor(values, dtype=dtype)
-    if host.device == device or (device.type == "cpu" and host.device.type == "cpu"):
-        return host
-    if host.device.type != "cpu":
-        return host.to(device)  # device to device: queued, no host wait
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
+from shared.tensors.transfers import host_values, to_device
 
 
 @dataclass(frozen=True)
@@ -56,22 +36,6 @@ class RowLengths:
     def totals(self) -> list[int]:
         """Tokens of each row (prompt + completion), on the host."""
         return [p + c for p, c in zip(self.prompt, self.completion)]
-
-
-def host_values(*lengths: Sequence[int] | torch.Tensor) -> list[list[int]]:
-    """Each argument as a list of ints. Tensors come to the host together, in one copy (one device wait at most)."""
-    tensors = [t for t in lengths if isinstance(t, torch.Tensor)]
-    fetched: list[list[int]] = []
-    if tensors:
-        flat = torch.cat([t.reshape(-1).long() for t in tensors]) if len(tensors) > 1 else tensors[0].reshape(-1)
-        values = flat.cpu().tolist()
-        for t in tensors:
-            fetched.append([int(v) for v in values[:t.numel()]])
-            values = values[t.numel():]
-    out = []
-    for item in lengths:
-        out.append(fetched.pop(0) if isinstance(item, torch.Tensor) else [int(v) for v in item])
-    return out
 
 
 def row_lengths(input_ids: torch.Tensor, prompt_lengths: Sequence[int] | torch.Tensor,

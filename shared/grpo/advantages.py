@@ -8,9 +8,11 @@ it over the completion's tokens.
 Estimators are registered by name in :data:`ADVANTAGE_ESTIMATORS`; a new one is one decorated function with the
 signature ``fn(rewards: Tensor[N], group_index: Tensor[N], *, scale: str, eps: float, batch_std) -> Tensor[N]``.
 
-Per-token advantages (process supervision, the KL penalty inside the reward) are in :data:`TOKEN_ADVANTAGE_ESTIMATORS`:
-``process`` (:func:`process_advantages`) and ``kl_in_reward`` (:func:`kl_in_reward_advantages`). They return
-``[N, T]``, left-aligned like every per-token tensor, 0 past each completion's length.
+Per-token advantages: :func:`process_advantages` (process supervision) and :func:`kl_in_reward_advantages` (the KL
+penalty inside the reward, on the token rewards :func:`outcome_token_rewards` or :func:`step_token_rewards` place).
+They return ``[N, T]``, left-aligned like every per-token tensor, 0 past each completion's length. The learner picks
+them by ``algorithm.advantage.supervision`` (its registry ``learner.advantages.SUPERVISIONS``) and
+``algorithm.kl.in_reward``.
 """
 
 from __future__ import annotations
@@ -20,11 +22,10 @@ import math
 import torch
 
 from shared.grpo.kl import KL_ESTIMATORS, kl_k1, kl_k3, kl_penalty
-from shared.grpo.masks import lengths_to_mask
 from shared.registry import Registry
+from shared.tensors.masks import lengths_to_mask
 
 ADVANTAGE_ESTIMATORS: Registry = Registry("advantage estimator")
-TOKEN_ADVANTAGE_ESTIMATORS: Registry = Registry("token advantage estimator")
 SCALE_MODES = ("group", "batch", "none")
 
 
@@ -238,7 +239,6 @@ def _width(lengths: torch.Tensor, width: int | None) -> int:
     return width
 
 
-@TOKEN_ADVANTAGE_ESTIMATORS.register("process")
 def process_advantages(step_rewards: torch.Tensor, step_index: torch.Tensor, step_end: torch.Tensor,
                        group_index: torch.Tensor, lengths: torch.Tensor, *, scale: str = "group", eps: float = 1e-6,
                        batch_std: float | None = None) -> torch.Tensor:
@@ -313,7 +313,6 @@ def _check_token_inputs(token_rewards: torch.Tensor, old_logprobs: torch.Tensor,
     return mask
 
 
-@TOKEN_ADVANTAGE_ESTIMATORS.register("kl_in_reward")
 def kl_in_reward_advantages(token_rewards: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
                             lengths: torch.Tensor, *, beta: float, estimator: str = "k1") -> torch.Tensor:
     """The KL penalty inside the reward (``kl.in_reward: true``; OpenRLHF's semantics): per token a reward of

@@ -1,8 +1,8 @@
-"""The GRPO policy loss: clipped surrogate (token or sequence ratio), dual clip, truncated importance weights,
-beta * KL, and the aggregation over tokens.
+"""The GRPO policy loss: clipped surrogate (token or sequence ratio), dual clip, the off-policy correction's weights
+and keep mask (:mod:`shared.grpo.off_policy`), beta * KL, and the aggregation over tokens.
 
 Per-token tensors are ``[B, L]`` over completion tokens, left-aligned; validity comes from
-``completion_lengths`` (see :mod:`shared.grpo.masks`). Everything a config can choose is a registry entry:
+``completion_lengths`` (see :mod:`shared.tensors.masks`). Everything a config can choose is a registry entry:
 
 * :data:`POLICY_LOSSES`: ``"grpo"`` (per-token ratio, DeepSeekMath) and ``"gspo"`` (per-sequence ratio);
 * :data:`AGGREGATIONS`: ``"token-mean"`` (DAPO), ``"seq-mean-token-mean"`` (original GRPO),
@@ -15,7 +15,8 @@ The full objective, per valid token t of completion i (minimised):
     \\ell_{i,t} = w_{i,t}\\,\\max\\big(-\\rho_{i,t} A_{i,t},\\; -\\mathrm{clip}(\\rho_{i,t}, 1-\\epsilon_{low},
     1+\\epsilon_{high}) A_{i,t}\\big) + \\beta\\,\\mathrm{KL}_{i,t}
 
-then aggregated. ``rho`` is ``pi_theta / pi_old``; ``w`` the truncated importance weight (1 when off).
+then aggregated over the kept tokens. ``rho`` is ``pi_theta / pi_old``; ``w`` the off-policy correction's weight
+(1 without one); a token the correction drops leaves the sum and the normaliser, as a loss-masked token does.
 """
 
 from __future__ import annotations
@@ -27,11 +28,17 @@ from functools import partial
 import torch
 
 from shared.config.schema import LossConfig
-from shared.forward.row_lengths import to_device
 from shared.grpo.kl import kl_penalty
-from shared.grpo.masks import lengths_to_mask, masked_mean, masked_min_max, masked_sum
-from shared.protocol.loss_mask import model_token_mask
 from shared.registry import Registry
+from shared.tensors.masks import (
+    completion_mask,
+    lengths_to_mask,
+    masked_mean,
+    masked_min_max,
+    masked_sum,
+    model_token_mask,
+)
+from shared.tensors.transfers import to_device
 
 POLICY_LOSSES: Registry = Registry("policy loss")
 AGGREGATIONS: Registry = Registry("loss aggregation")
@@ -171,7 +178,7 @@ def seq_mean_token_sum_norm(
 def loss_normalizers(completion_lengths: torch.Tensor, token_mask: torch.Tensor | None = None) -> tuple[int, int]:
     """``(num_tokens, num_seqs)`` of a (micro-)batch: the counts to sum over ranks and accumulation steps and
     pass back to :func:`compute_policy_loss` as the global normalisers. ``token_mask`` (``[B, L]``, multi-turn):
-    only the model's tokens count, and a sequence counts when it has one (:mod:`shared.protocol.loss_mask`)."""
+    only the model's tokens count, and a sequence counts when it has one (:mod:`shared.tensors.masks`)."""
     lengths = torch.as_tensor(completion_lengths)
     if token_mask is None:
         return int(lengths.clamp(min=0).sum()), int((lengths > 0).sum())
@@ -188,8 +195,21 @@ def _completion_mask(completion_lengths: torch.Tensor | Sequence[int], logprobs:
     width = logprobs.shape[1]
     if any(n < 0 or n > width for n in lengths):
         raise ValueError(f"completion lengths must be within 0..{width} (the logprobs' width), got {lengths}")
-    on_device = to_device(lengths, logprobs.device)
-    return torch.arange(width, device=logprobs.device) < on_device.unsqueeze(1)
+    return completion_mask(to_device(lengths, logprobs.device), width)
+
+
+def _loss_tokens(completion_lengths: torch.Tensor | Sequence[int], logprobs: torch.Tensor,
+                 token_mask: torch.Tensor | None, correction: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """``[B, L]``: the tokens in the loss: valid, the model's (``token_mask``) and kept by the off-policy
+    ``correction``."""
+    mask = model_token_mask(token_mask, _completion_mask(completion_lengths, logprobs))
+    if correction is None:
+        return mask
+    weight, keep = correction
+    if weight.shape != logprobs.shape or keep.shape != logprobs.shape:
+        raise ValueError(f"off-policy weights and keep mask must be {list(logprobs.shape)} like the logprobs, got "
+                         f"{tuple(weight.shape)} and {tuple(keep.shape)}")
+    return mask & keep.to(mask.device)
 
 
 @dataclass
@@ -209,7 +229,7 @@ def compute_policy_loss(
     cfg: LossConfig,
     *,
     old_logprobs: torch.Tensor | None = None,
-    behaviour_logprobs: torch.Tensor | None = None,
+    correction: tuple[torch.Tensor, torch.Tensor] | None = None,
     ref_logprobs: torch.Tensor | None = None,
     num_tokens: float | torch.Tensor | None = None,
     num_seqs: float | torch.Tensor | None = None, token_mask: torch.Tensor | None = None,
@@ -218,10 +238,10 @@ def compute_policy_loss(
 
     * ``old_logprobs``: pi_old of the ratio. ``None`` means one update per batch (old = current): the ratio is
       ``exp(logp - logp.detach())``, value 1 with the policy gradient flowing (as simple_GRPO computes it when pi_old = pi_theta).
-    * ``behaviour_logprobs``: the sampler's logprobs (vLLM). With ``cfg.tis_cap`` set, each token's loss is
-      weighted by the truncated importance weight ``w = min(pi_old / pi_behaviour, cap)`` (detached), which
-      corrects the mismatch between the sampler and the trainer. Pass ``None`` when ``old_logprobs`` already
-      are the behaviour logprobs (then the ratio itself corrects it).
+    * ``correction``: ``(weights, keep)`` of :func:`shared.grpo.off_policy.off_policy_weights` (old vs the
+      sampler's behaviour logprobs): each token's policy-gradient term is multiplied by its (detached) weight, and
+      tokens with keep False leave the loss like padding (their KL term too; the global normalisers must then count
+      kept tokens only). ``None``: no correction (``off_policy.mode: none`` gives bitwise the same loss).
     * ``ref_logprobs``: required when ``cfg.beta > 0``; the KL term is ``beta * KL_estimator``.
     * ``num_tokens`` / ``num_seqs``: the global normalisers from :func:`loss_normalizers` (host numbers, or
       device tensors, e.g. all-reduced over ranks: then they are not read back).
@@ -230,7 +250,7 @@ def compute_policy_loss(
     """
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be [B, L], got shape {tuple(logprobs.shape)}")
-    mask = model_token_mask(token_mask, _completion_mask(completion_lengths, logprobs))
+    mask = _loss_tokens(completion_lengths, logprobs, token_mask, correction)
     advantages = per_token(advantages, logprobs)
     if cfg.beta > 0 and ref_logprobs is None:
         raise ValueError("beta > 0 needs ref_logprobs")
@@ -240,13 +260,9 @@ def compute_policy_loss(
     old = logprobs.detach() if old_logprobs is None else zero_padding(old_logprobs, mask, dtype).detach()
 
     terms = POLICY_LOSSES.get(cfg.policy_loss)(logprobs - old, advantages, mask, cfg)
-    token_loss = terms.loss
-    if behaviour_logprobs is not None and cfg.tis_cap is not None:
-        weight = truncated_importance_weight(old, zero_padding(behaviour_logprobs, mask, dtype), cfg.tis_cap)
-        token_loss = token_loss * weight.detach()
-    else:
-        weight = torch.ones_like(logprobs)
-    metrics = importance_weight_metrics(weight.detach(), mask)
+    weight = torch.ones_like(logprobs) if correction is None else zero_padding(correction[0], mask, dtype).detach()
+    token_loss = terms.loss if correction is None else terms.loss * weight
+    metrics = importance_weight_metrics(weight, mask)
 
     aggregate = partial(AGGREGATIONS.get(cfg.aggregation), num_tokens=num_tokens, num_seqs=num_seqs,
                         norm_len=cfg.norm_len)
@@ -286,19 +302,8 @@ def zero_padding(values: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype) -
     return torch.where(mask, values.to(dtype), torch.zeros((), dtype=dtype, device=values.device))
 
 
-def truncated_importance_weight(old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor,
-                                cap: float) -> torch.Tensor:
-    """The per-token weight that corrects the sampler/trainer mismatch (truncated importance sampling):
-
-    .. math::  w = \\min\\big(\\exp(\\min(\\log\\pi_{old} - \\log\\pi_{behaviour},\\; 20)),\\; cap\\big)
-
-    (the inner clamp keeps exp() finite in float32; such ratios are far above any cap).
-    """
-    return torch.exp((old_logprobs - behaviour_logprobs).clamp(max=_MAX_LOG_RATIO)).clamp(max=cap)
-
-
 def importance_weight_metrics(weight: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Mean, min and max of the (detached) importance weights over the valid tokens."""
+    """Mean, min and max of the (detached) off-policy weights over the tokens in the loss."""
     w_min, w_max = masked_min_max(weight, mask)
     return dict(is_weight_mean=masked_mean(weight, mask), is_weight_min=w_min, is_weight_max=w_max)
 

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from shared.protocol.errors import ProtocolError, require
+from shared.tensors.masks import completion_mask
 
 MASK_FIELD = "completion_mask"
 
@@ -59,8 +60,7 @@ def check_mask(mask: torch.Tensor | None, completion_ids: torch.Tensor, completi
             row, col = (int(v) for v in bad[0])
             raise ProtocolError(f"{MASK_FIELD}: completion {row}, token {col} is {int(mask[row, col])}, not 0 or 1")
     lengths = completion_lengths.long()
-    valid = torch.arange(mask.shape[1]) < lengths.unsqueeze(1)
-    model_tokens = (mask.bool() & valid).sum(dim=1)
+    model_tokens = completion_mask(lengths, mask.shape[1], mask).sum(dim=1)
     empty = ((lengths > 0) & (model_tokens == 0)).nonzero()
     if empty.numel():
         row = int(empty[0])
@@ -90,14 +90,6 @@ def batch_mask(groups: Sequence[Any], width: int) -> torch.Tensor | None:
             continue
         part = torch.zeros(g.group_size, width, dtype=torch.bool)
         cols = min(width, g.completion_mask.shape[1])
-        valid = torch.arange(cols) < g.completion_lengths.long().unsqueeze(1)
-        part[:, :cols] = g.completion_mask[:, :cols].bool() & valid
+        part[:, :cols] = completion_mask(g.completion_lengths, cols, g.completion_mask)
         rows.append(part)
     return torch.cat(rows)
-
-
-def model_token_mask(mask: torch.Tensor | None, valid: torch.Tensor) -> torch.Tensor:
-    """``valid & mask`` (``valid`` as it is when there is no mask), the tokens a loss or metric counts."""
-    if mask is None:
-        return valid
-    return valid & mask[:, :valid.shape[1]].to(device=valid.device, dtype=torch.bool)

@@ -18,6 +18,7 @@ import torch
 
 from shared.protocol.errors import ProtocolError
 from shared.protocol.float32 import FLOAT32_OVERFLOW, finite_float32  # noqa: F401 - re-exported: one home, torch-free
+from shared.tensors.masks import completion_mask
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 # A sampled token had a probability > 0 in the sampler's dtype: > e^-104 in float32, > e^-745 in float64. Far below
@@ -77,7 +78,7 @@ def batch_problem(batch: Any, vocab_size: int | None) -> str | None:
         for name in ("behaviour_logprobs", "ref_logprobs"):
             values = getattr(batch, name)
             if values is not None:   # [B, L]: only the completion tokens count, padding means nothing
-                valid = torch.arange(values.shape[-1]) < batch.completion_lengths.reshape(-1, 1)
+                valid = completion_mask(batch.completion_lengths.reshape(-1), values.shape[-1])
                 as_float32(name, values, mask=valid if valid.shape == values.shape else None)
         if batch.step_rewards is not None:
             as_float32("step_rewards", batch.step_rewards)

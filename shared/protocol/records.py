@@ -20,6 +20,7 @@ from shared.protocol import steps as step_fields
 from shared.protocol.errors import ProtocolError
 from shared.protocol.errors import require as _require
 from shared.protocol.wire import WireError, decode, encode
+from shared.tensors.masks import completion_mask
 
 FINISH_REASONS = ("stop", "length")
 # Ids become file names (the hub's spool) and metric labels: letters, digits, '_', '-', '.', not starting with '.'.
@@ -192,7 +193,7 @@ class RolloutGroup:
         _require(self.behaviour_logprobs.shape == self.completion_ids.shape,
                  "behaviour_logprobs must have the shape of completion_ids")
         # every float is checked as the float32 the learner computes with (a float64 1e300 is inf there)
-        valid = torch.arange(self.completion_ids.shape[1]) < self.completion_lengths.unsqueeze(1)
+        valid = completion_mask(self.completion_lengths, self.completion_ids.shape[1])
         numbers.check_logprobs("behaviour_logprobs", self.behaviour_logprobs, mask=valid)
         _require(self.rewards.shape == (g,), f"rewards must be [{g}]")
         numbers.as_float32("rewards", self.rewards)

@@ -38,7 +38,7 @@ def test_check_config_prints_resolved_values(tmp_path, capsys):
 def test_config_reference_lists_every_field(capsys):
     assert main(["config-reference"]) == 0
     out = capsys.readouterr().out
-    assert "| `algorithm.loss.tis_cap` | `2.0` |" in out
+    assert "| `algorithm.off_policy.mode` | `\"token_tis\"` |" in out and "| `algorithm.off_policy.high` | `2.0` |" in out
 
 
 def test_config_reference_doc_is_current(capsys):

@@ -74,8 +74,9 @@ def test_environment_names_resolve_or_fail_naming_the_key(tmp_path):
     assert environment_factory(EnvironmentConfig(name=f"{path}:Echo")).__name__ == "Echo"
     with pytest.raises(UsageError, match=r"generator.environment.name: .*\(missing step\)"):
         environment_factory(EnvironmentConfig(name=f"{path}:Half"))
-    with pytest.raises(UsageError, match="unknown environment 'calculater'"):
-        environment_factory(EnvironmentConfig(name="calculater"))
+    with pytest.raises(ValueError, match="unknown environment 'calculater'; known: calculator, guess, tools, or a "
+                                         "class as 'package.module:Class'"):
+        EnvironmentConfig(name="calculater")  # at config load, before any environment is built
     with pytest.raises(UsageError, match="generator.environment.name: no such file"):
         environment_factory(EnvironmentConfig(name=f"{tmp_path}/nope.py:Echo"))
 
@@ -84,8 +85,8 @@ def test_environment_check_at_start_up_names_the_key_and_accepts_both_engines():
     from generator.main import check_environment
     from shared.config.schema import GRPOConfig
 
-    with pytest.raises(UsageError, match="unknown environment"):
-        check_environment(GRPOConfig.model_validate({"generator": {"environment": {"name": "nope"}}}))
+    with pytest.raises(ValueError, match="unknown environment 'nope'"):
+        GRPOConfig.model_validate({"generator": {"environment": {"name": "nope"}}})
     for engine in ("transformers", "vllm"):  # the vLLM engine samples turns too (tests/vllm/test_multiturn_vllm.py)
         check_environment(GRPOConfig.model_validate({"generator": {"engine": engine,
                                                                    "environment": {"name": "calculator"}}}))

@@ -34,8 +34,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import shared.forward.packing
-from learner.step import grpo_step, recompute_old_logprobs, split_micro_batches
-from shared.config.schema import LossConfig
+from learner.step import apply_off_policy, grpo_step, recompute_old_logprobs, split_micro_batches
+from shared.config.schema import LossConfig, OffPolicyConfig
 
 from .batches import advantages_of, batch_of, sampled_groups
 from .test_step import CPU, make_engine
@@ -151,31 +151,34 @@ def _batch(tiny_model_dir):
 ])
 def test_the_step_waits_for_the_device_once(distributed, tiny_model_dir, recorder, monkeypatch, prefix_sharing,
                                             packing, old_mode):
-    """Two micro-batches through ``grpo_step`` (entropy logged; the recompute case also recomputes pi_old and weighs
-    by truncated IS): exactly one read of a device value from learner/ and shared/ per step (the step's numbers),
+    """Two micro-batches through ``grpo_step`` (entropy logged; the recompute case also recomputes pi_old and applies
+    a masking off-policy correction, whose kept-token normalisers stay on the device; drift metrics by version lag):
+    exactly one read of a device value from learner/ and shared/ per step (the step's numbers),
     and no nonzero / masked_select / unique / boolean indexing from them. The first step warms up what is done once
     per process (the packing probe); the second is recorded."""
     batch = _batch(tiny_model_dir)
     engine = make_engine(tiny_model_dir, lr=1e-3, micro_batches=2, groups_per_step=2, grad_clip=1.0,
                          old_logprobs=old_mode)
+    batch.policy_versions = torch.tensor([0, 1, 2, 2, 0, 1, 3, 3])
     micro = split_micro_batches(batch, advantages_of(batch), 2, False, CPU, packing=packing,
-                                prefix_sharing=prefix_sharing)
+                                prefix_sharing=prefix_sharing, learner_version=3)
     assert all((mb.prefix is not None) == (prefix_sharing == "on") for mb in micro)
     packed_calls = []
     pack_rows = shared.forward.packing.pack_rows
     monkeypatch.setattr("shared.forward.logprobs.pack_rows", lambda *a, **k: packed_calls.append(1) or pack_rows(*a, **k))
-    loss_cfg = LossConfig(beta=0.0, tis_cap=2.0)
+    loss_cfg = LossConfig(beta=0.0)
 
     def step():
         if old_mode == "recompute":
             recompute_old_logprobs(engine.module, micro, 1.0, None)
+            apply_off_policy(micro, OffPolicyConfig(mode="token_mask", low=0.9, high=1.1))
         return grpo_step(engine, micro, loss_cfg, temperature=1.0, old_mode=old_mode, world_size=1,
-                         log_entropy=True, chunk_tokens=None)
+                         log_entropy=True, chunk_tokens=None, lag_buckets=4)
 
     assert step().finite
     with recorder:
         outcome = step()
-    assert outcome.finite and outcome.metrics["entropy"] > 0
+    assert outcome.finite and outcome.metrics["entropy"] > 0 and "mismatch_kl/lag_3" in outcome.metrics
     assert bool(packed_calls) == (packing == "packed")
     theirs = recorder.theirs()
     print(f"\n{prefix_sharing=} {packing=} {old_mode=}: outside the project, per step:")
@@ -189,7 +192,7 @@ def test_the_step_waits_for_the_device_once(distributed, tiny_model_dir, recorde
 
 def test_the_recorder_sees_each_kind_of_device_wait(recorder):
     """The detector itself: without this, a torch upgrade that renamed an op would let the step test pass blind."""
-    from shared.grpo.masks import lengths_to_mask
+    from shared.tensors.masks import lengths_to_mask
 
     x, mask, counts = torch.arange(6.0), torch.arange(6) % 2 == 0, torch.tensor([1, 2])
     with recorder:

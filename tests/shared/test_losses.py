@@ -13,10 +13,11 @@ from shared.grpo.losses import (
     compute_policy_loss,
     loss_normalizers,
 )
+from shared.grpo.off_policy import off_policy_weights
 
 
 def cfg(**kw):
-    return LossConfig(**{"beta": 0.0, "tis_cap": None, **kw})
+    return LossConfig(**{"beta": 0.0, **kw})
 
 
 def ratios_as_logprobs(ratios):
@@ -97,14 +98,19 @@ def test_gspo_clips_whole_sequence():
 def test_truncated_importance_weights():
     logp = torch.zeros(1, 3, requires_grad=True)
     behaviour = torch.tensor([[0.0, -1.0, 1.0]])  # w = exp(old - behaviour) = [1, e, 1/e], capped at 2
-    out = compute_policy_loss(logp, torch.tensor([1.0]), torch.tensor([3]), cfg(tis_cap=2.0),
-                              behaviour_logprobs=behaviour)
+    lengths = torch.tensor([3])
+    correction = off_policy_weights(logp.detach(), behaviour, lengths, mode="token_tis", low=0.5, high=2.0)
+    out = compute_policy_loss(logp, torch.tensor([1.0]), lengths, cfg(), correction=correction)
     weights = torch.tensor([1.0, 2.0, math.exp(-1)])
     assert out.loss.item() == pytest.approx(-(weights.sum() / 3).item())
     assert out.metrics["is_weight_max"].item() == pytest.approx(2.0)
     assert out.metrics["is_weight_min"].item() == pytest.approx(math.exp(-1))
-    off = compute_policy_loss(logp, torch.tensor([1.0]), torch.tensor([3]), cfg(), behaviour_logprobs=behaviour)
+    off = compute_policy_loss(logp, torch.tensor([1.0]), lengths, cfg())
     assert off.loss.item() == pytest.approx(-1.0) and off.metrics["is_weight_max"].item() == 1.0
+    # token_mask drops the two tokens outside [0.5, 2]: they leave the sum and the (local) normaliser
+    masked = off_policy_weights(logp.detach(), behaviour, lengths, mode="token_mask", low=0.5, high=2.0)
+    out = compute_policy_loss(logp, torch.tensor([1.0]), lengths, cfg(), correction=masked)
+    assert out.loss.item() == pytest.approx(-1.0) and out.metrics["num_tokens"].item() == 1
 
 
 def test_kl_term_added_with_beta():
@@ -139,7 +145,9 @@ def test_zero_length_and_garbage_padding_never_nan():
     for aggregation in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
         out = compute_policy_loss(logp, torch.tensor([1.0, nan]), lengths,
                                   cfg(aggregation=aggregation, norm_len=3, beta=0.5),
-                                  old_logprobs=old, behaviour_logprobs=old, ref_logprobs=ref)
+                                  old_logprobs=old, ref_logprobs=ref,
+                                  correction=off_policy_weights(old, old, lengths, mode="token_tis", low=0.5,
+                                                                high=2.0))
         logp.grad = None
         out.loss.backward()
         assert torch.isfinite(out.loss) and torch.isfinite(logp.grad).all()

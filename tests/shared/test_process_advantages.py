@@ -8,7 +8,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shared.grpo.advantages import (
-    TOKEN_ADVANTAGE_ESTIMATORS,
     group_advantages,
     kl_in_reward_advantages,
     normalised_step_rewards,
@@ -160,10 +159,14 @@ def test_zeros_past_lengths_and_empty_inputs():
     assert torch.equal(adv, t([[2.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]]))
 
 
-def test_registry():
-    assert TOKEN_ADVANTAGE_ESTIMATORS.names() == ["kl_in_reward", "process"]
-    assert TOKEN_ADVANTAGE_ESTIMATORS.get("process") is process_advantages
-    assert TOKEN_ADVANTAGE_ESTIMATORS.get("kl_in_reward") is kl_in_reward_advantages
+def test_supervisions_are_the_registry_the_config_checks():
+    from learner.advantages import SUPERVISIONS, OutcomeSupervision, ProcessSupervision
+    from shared.config.schema import AdvantageConfig
+
+    assert SUPERVISIONS.names() == ["outcome", "process"]
+    assert SUPERVISIONS.get("outcome") is OutcomeSupervision and SUPERVISIONS.get("process") is ProcessSupervision
+    with pytest.raises(ValueError, match="unknown advantage supervision 'steps'; known: outcome, process"):
+        AdvantageConfig(supervision="steps")
 
 
 @pytest.mark.parametrize("change, message", [

@@ -9,9 +9,11 @@ from shared.config.schema import LossConfig
 from shared.forward.logprobs import sequence_logprobs
 from shared.forward.packing import pack_rows
 from shared.forward.prefix_sharing import prefix_rows
-from shared.forward.row_lengths import host_values, ragged_positions, row_lengths, to_device
+from shared.forward.row_lengths import ragged_positions, row_lengths
 from shared.grpo.losses import compute_policy_loss
-from shared.grpo.masks import lengths_to_mask, masked_min_max
+from shared.grpo.off_policy import off_policy_weights
+from shared.tensors.masks import lengths_to_mask, masked_min_max
+from shared.tensors.transfers import host_values, to_device
 
 
 @pytest.mark.parametrize("lengths", [[3, 0, 5, 1], [0, 0], [], [7]])
@@ -114,11 +116,12 @@ def test_policy_loss_from_host_lengths_and_device_normalisers_equals_the_tensor_
     logprobs = -torch.rand(3, 5, generator=gen)
     old = logprobs - 0.1 * torch.rand(3, 5, generator=gen)
     advantages = torch.tensor([1.0, -0.5, 2.0])
-    cfg = LossConfig(beta=0.0, tis_cap=2.0, aggregation="seq-mean-token-mean")
+    cfg = LossConfig(beta=0.0, aggregation="seq-mean-token-mean")
     lengths = [5, 0, 2]
-    reference = compute_policy_loss(logprobs, advantages, torch.tensor(lengths), cfg, behaviour_logprobs=old,
+    correction = off_policy_weights(logprobs, old, torch.tensor(lengths), mode="token_tis", low=0.5, high=2.0)
+    reference = compute_policy_loss(logprobs, advantages, torch.tensor(lengths), cfg, correction=correction,
                                     old_logprobs=logprobs, num_tokens=9.0, num_seqs=4.0)
-    hosted = compute_policy_loss(logprobs, advantages, lengths, cfg, behaviour_logprobs=old, old_logprobs=logprobs,
+    hosted = compute_policy_loss(logprobs, advantages, lengths, cfg, correction=correction, old_logprobs=logprobs,
                                  num_tokens=torch.tensor(9.0, dtype=torch.float64),
                                  num_seqs=torch.tensor(4.0, dtype=torch.float64))
     assert torch.equal(hosted.loss, reference.loss) and hosted.loss.dtype == reference.loss.dtype

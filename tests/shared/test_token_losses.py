@@ -9,13 +9,14 @@ from hypothesis import strategies as st
 
 from shared.config.schema import LossConfig
 from shared.grpo.losses import AGGREGATIONS, POLICY_LOSSES, compute_policy_loss
+from shared.grpo.off_policy import off_policy_weights
 
 CASES = [(p, a) for p in ("grpo", "gspo") for a in AGGREGATIONS.names()]
 
 
 def cfg(policy_loss, aggregation, **kw):
     return LossConfig(**{"policy_loss": policy_loss, "aggregation": aggregation, "norm_len": 7, "beta": 0.0,
-                         "tis_cap": None, **kw})
+                         **kw})
 
 
 @st.composite
@@ -41,8 +42,9 @@ def test_constant_rows_equal_the_per_completion_path(batch, case, extras):
     per_row = torch.randn(rows, generator=gen)
     mask = torch.arange(width) < torch.tensor(lengths).unsqueeze(1)
     wide = torch.where(mask, per_row.unsqueeze(1).expand(rows, width), torch.randn(rows, width, generator=gen) * 50)
-    extra = dict(tis_cap=2.0, dual_clip=3.0, beta=0.04) if extras else {}
-    kwargs = dict(old_logprobs=old, ref_logprobs=ref, behaviour_logprobs=behaviour if extras else None,
+    extra = dict(dual_clip=3.0, beta=0.04) if extras else {}
+    correction = off_policy_weights(old, behaviour, torch.tensor(lengths), mode="token_tis", low=0.5, high=2.0)
+    kwargs = dict(old_logprobs=old, ref_logprobs=ref, correction=correction if extras else None,
                   num_tokens=11.0 if extras else None, num_seqs=3.0 if extras else None)
     config = cfg(*case, **extra)
     narrow_out = compute_policy_loss(logprobs, per_row, lengths, config, **kwargs)

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from shared.config.schema.algorithm import AdvantageConfig, AlgorithmConfig, KLConfig, LossConfig
+from shared.config.schema.algorithm import (
+    AdvantageConfig,
+    AlgorithmConfig,
+    KLConfig,
+    LossConfig,
+    OffPolicyConfig,
+)
 from shared.config.schema.base import StrictModel
 from shared.config.schema.demo import DemoConfig
 from shared.config.schema.evaluate import EvalConfig
@@ -15,7 +21,7 @@ from shared.config.schema.ref_server import RefServerConfig
 from shared.config.schema.run import PlacementConfig, RunConfig
 from shared.config.schema.weight_sync import WeightSyncConfig
 
-__all__ = ["AdvantageConfig", "AlgorithmConfig", "DatasetConfig", "DemoConfig", "EvalConfig", "GRPOConfig", "GeneratorConfig", "KLConfig", "LearnerConfig", "LossConfig",
+__all__ = ["AdvantageConfig", "AlgorithmConfig", "DatasetConfig", "DemoConfig", "EvalConfig", "GRPOConfig", "GeneratorConfig", "KLConfig", "LearnerConfig", "LossConfig", "OffPolicyConfig",
            "PlacementConfig", "RunConfig",
            "RefServerConfig", "RewardSpec", "SamplingConfig", "StrictModel", "WeightSyncConfig"]
 
@@ -55,6 +61,28 @@ class GRPOConfig(StrictModel):
             # vLLM's largest max_lora_rank (generator/engines/vllm_lora.py: VLLM_LORA_RANKS)
             raise ValueError(f"learner.lora.r: {lora.r} is above the largest rank the vllm engine serves (512); "
                              "lower it or set learner.lora.publish: merged")
+        return self
+
+    @model_validator(mode="after")
+    def _old_logprobs_in_one_place(self) -> GRPOConfig:
+        """``learner.old_logprobs`` (the old name) becomes ``algorithm.off_policy.bypass``; bypass needs one update
+        per batch (with mu > 1 the behaviour logprobs would stand in for a pi_old the later updates no longer see)."""
+        off_policy = self.algorithm.off_policy
+        if self.learner.old_logprobs is not None:
+            bypass = self.learner.old_logprobs == "behaviour"
+            if "bypass" in off_policy.model_fields_set and off_policy.bypass != bypass:
+                raise ValueError(f"learner.old_logprobs {self.learner.old_logprobs!r} (the old name of "
+                                 f"algorithm.off_policy.bypass) contradicts algorithm.off_policy.bypass "
+                                 f"{off_policy.bypass}: set only algorithm.off_policy.bypass")
+            # not through validate_assignment (it would run the validators again on a half-updated model)
+            off_policy.__dict__["bypass"] = bypass
+            off_policy.__pydantic_fields_set__.add("bypass")
+            self.learner.__dict__["old_logprobs"] = None
+        if off_policy.bypass and self.learner.updates_per_batch > 1:
+            raise ValueError(f"algorithm.off_policy.bypass uses the behaviour logprobs as pi_old and measures the drift "
+                             f"from the update's own forward, which only holds with learner.updates_per_batch 1 (got "
+                             f"{self.learner.updates_per_batch}): set bypass false (the learner recomputes pi_old once "
+                             "per batch) or updates_per_batch 1")
         return self
 
     @model_validator(mode="after")

@@ -12,7 +12,7 @@ from shared.config.schema.base import StrictModel, check_registered
 class AdvantageConfig(StrictModel):
     """How rewards become advantages (shared/grpo/advantages.py)."""
 
-    supervision: Literal["outcome", "process"] = Field(
+    supervision: str = Field(
         "outcome",
         description="What the advantages come from. 'outcome': one reward per completion, normalised by "
         "'estimator', the same advantage on every token. 'process' (DeepSeekMath 4.1.3): the step rewards the "
@@ -38,6 +38,11 @@ class AdvantageConfig(StrictModel):
     @classmethod
     def _known_estimator(cls, value: str) -> str:
         return check_registered("shared.grpo.advantages", "ADVANTAGE_ESTIMATORS", value)
+
+    @field_validator("supervision")
+    @classmethod
+    def _known_supervision(cls, value: str) -> str:
+        return check_registered("learner.advantages", "SUPERVISIONS", value)
 
 
 class LossConfig(StrictModel):
@@ -69,10 +74,10 @@ class LossConfig(StrictModel):
         None, gt=0, description="Clamp each token's KL estimate to [-v, v]. Off when null."
     )
     tis_cap: float | None = Field(
-        2.0,
+        None,
         gt=0,
-        description="Truncated importance sampling: weight each token by min(pi_old/pi_behaviour, cap) when the "
-        "old logprobs are recomputed by the trainer and differ from the sampler's. Off when null.",
+        description="Deprecated: algorithm.off_policy {mode: token_tis, high: CAP}, which a tis_cap set here becomes "
+        "(null: mode none). Setting both is an error.",
     )
     aggregation: str = Field(
         "token-mean",
@@ -130,6 +135,46 @@ class KLConfig(StrictModel):
     )
 
 
+class OffPolicyConfig(StrictModel):
+    """Off-policy correction (shared/grpo/off_policy.py): rollouts from earlier policy versions and from an engine
+    that computes other numbers than the learner, measured every step and corrected per token or per sequence."""
+
+    mode: str = Field(
+        "token_tis",
+        description="How d = log pi_old - log pi_behaviour (r = exp(d)) of each sampled token corrects the loss: "
+        "'none'; 'token_tis' (truncated IS, w = min(r, high)); 'token_mask' (ICEPOP token rejection: tokens "
+        "outside low <= r <= high leave the loss); 'token_is_mask' (w = r, tokens outside [low, high] leave the "
+        "loss); 'seq_tis' (w = min(exp(sum d), high) on the whole row); 'seq_mask' (a row leaves the loss unless "
+        "low <= exp(sum d) <= high); 'seq_geo_mask' (a row leaves the loss unless low <= exp(mean d) <= high). "
+        "Tokens that leave the loss leave its normaliser too. docs/off-policy.md says which to pick.",
+    )
+    low: float = Field(0.5, ge=0, allow_inf_nan=False,
+                       description="Lower bound of the kept ratios (the masking modes).")
+    high: float = Field(2.0, gt=0, allow_inf_nan=False,
+                        description="Upper bound of the kept ratios (masking modes) or the truncation cap (tis modes).")
+    bypass: bool = Field(
+        False,
+        description="Trust the generator's behaviour logprobs as pi_old and skip the learner's recompute of the old "
+        "logprobs (one forward pass less per batch): the ratio is then pi_theta / pi_behaviour, no correction "
+        "weights apply (d = 0 by definition), and the drift is still measured from the update's own forward. Only "
+        "with learner.updates_per_batch 1 (with more, later updates would no longer see pi_old).",
+    )
+    warn_mismatch_kl: float | None = Field(
+        0.01, gt=0, description="The learner's progress line warns when a step's mismatch_kl (mean k3 estimate of "
+        "KL(behaviour || learner) per token) exceeds this. Null: never.")
+
+    @field_validator("mode")
+    @classmethod
+    def _known_mode(cls, value: str) -> str:
+        return check_registered("shared.grpo.off_policy", "OFF_POLICY_CORRECTIONS", value)
+
+    @model_validator(mode="after")
+    def _ordered_bounds(self) -> OffPolicyConfig:
+        if self.low > self.high:
+            raise ValueError(f"algorithm.off_policy: low {self.low} is above high {self.high}")
+        return self
+
+
 class AlgorithmConfig(StrictModel):
     """The GRPO algorithm: advantages, loss, and where the KL penalty goes."""
 
@@ -137,6 +182,8 @@ class AlgorithmConfig(StrictModel):
     loss: LossConfig = Field(default_factory=LossConfig, description="Policy loss.")
     kl: KLConfig = Field(default_factory=KLConfig, description="The KL penalty in the reward (kl.in_reward) "
                          "instead of in the loss (loss.beta).")
+    off_policy: OffPolicyConfig = Field(default_factory=OffPolicyConfig, description="Off-policy correction: "
+                                        "the drift between the generators' and the learner's logprobs.")
 
     @property
     def needs_reference(self) -> bool:
@@ -147,6 +194,25 @@ class AlgorithmConfig(StrictModel):
     def token_advantages(self) -> bool:
         """Whether the advantages are per token (``[B, T]``) rather than per completion (``[B]``)."""
         return self.advantage.supervision == "process" or self.kl.in_reward
+
+    @model_validator(mode="after")
+    def _tis_cap_is_token_tis(self) -> AlgorithmConfig:
+        """``loss.tis_cap`` (the one knob before algorithm.off_policy) becomes ``off_policy``'s token_tis."""
+        if "tis_cap" not in self.loss.model_fields_set:
+            return self
+        if "off_policy" in self.model_fields_set:
+            if self.loss.tis_cap is None:  # a whole config written back (every field, tis_cap null): off_policy rules
+                return self
+            raise ValueError("algorithm.loss.tis_cap is the old name of algorithm.off_policy {mode: token_tis, high: "
+                             "CAP}: set one of them, not both")
+        cap = self.loss.tis_cap
+        loss = self.loss.model_copy(update={"tis_cap": None})
+        loss.__pydantic_fields_set__.discard("tis_cap")
+        # not through validate_assignment, which would run this validator again on a half-updated model
+        self.__dict__["loss"] = loss
+        self.__dict__["off_policy"] = (OffPolicyConfig(mode="none") if cap is None
+                                       else OffPolicyConfig(mode="token_tis", high=cap, low=min(0.5, cap)))
+        return self
 
     @model_validator(mode="after")
     def _kl_in_one_place(self) -> AlgorithmConfig:

@@ -13,9 +13,9 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-def check_registered(registry_module: str, registry_name: str, value: str) -> str:
+def check_registered(registry_module: str, registry_name: str, value: str, *, user_code: str | None = None) -> str:
+    """``value`` when the registry ``registry_module.registry_name`` (a :class:`shared.registry.Registry`) holds it,
+    else a ``ValueError`` listing the known names: the validator of every config field that names an entry.
+    ``user_code``: the field may name user code instead (:meth:`shared.registry.Registry.check`)."""
     # Looked up by module name at validation time: the registries' modules import the schema themselves.
-    registry = getattr(importlib.import_module(registry_module), registry_name)
-    if value not in registry:
-        raise ValueError(f"unknown {registry.kind} {value!r}; known: {', '.join(registry.names())}")
-    return value
+    return getattr(importlib.import_module(registry_module), registry_name).check(value, user_code=user_code)

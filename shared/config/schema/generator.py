@@ -66,7 +66,7 @@ class ChainOptions(StrictModel):
 class DatasetConfig(StrictModel):
     """Where prompts come from and how they are rendered."""
 
-    kind: Literal["arithmetic", "arithmetic_words", "chain", "jsonl", "hf"] = Field(
+    kind: str = Field(
         "arithmetic", description="'arithmetic' (built-in task), 'arithmetic_words' (the same in words for chat "
         "models: 'What is 23 plus 58? Reply with only the number.'), 'chain' (built-in multi-step task: "
         "'3+5-2=' -> '8\\n6', one running total per line; see the chain block), 'jsonl' (a file) or 'hf' (a "
@@ -88,6 +88,11 @@ class DatasetConfig(StrictModel):
                                  "seed) into the training pool.")
     chain: ChainOptions = Field(default_factory=ChainOptions, description="Settings of the 'chain' task (used "
                                 "only with kind 'chain').")
+
+    @field_validator("kind")
+    @classmethod
+    def _known_kind(cls, value: str) -> str:
+        return check_registered("generator.datasets", "DATASETS", value)
 
     @model_validator(mode="after")
     def _path_when_needed(self) -> DatasetConfig:
@@ -144,6 +149,12 @@ class EnvironmentConfig(StrictModel):
                             "raised, hung, or returned something other than text (it ends there).")
     args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the environment's class.")
 
+    @field_validator("name")
+    @classmethod
+    def _known_environment(cls, value: str) -> str:
+        return check_registered("generator.environments.base", "ENVIRONMENTS", value,
+                                user_code="a class as 'package.module:Class' or 'path/to/file.py:Class'")
+
 
 class GeneratorConfig(StrictModel):
     """A generator: samples groups of completions, scores them and uploads them to the hub."""
@@ -156,6 +167,10 @@ class GeneratorConfig(StrictModel):
                            "seeds its prompt order, so two generators draw different prompts.")
     hub_url: str = Field("http://127.0.0.1:8470", description="The ref server's address.")
     device: str = Field("auto", description="'auto', 'cpu' or 'cuda:N' (N indexes the node's visible GPUs).")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="The engine's weights and compute dtype: 'auto' is bfloat16 on a GPU (vLLM: the model's "
+        "own) and float32 on the CPU. A lower precision than the learner's (learner.precision) makes the behaviour "
+        "logprobs drift from the learner's: algorithm.off_policy measures and corrects it.")
     group_size: int = Field(8, ge=1, description="G: completions sampled per prompt.")
     prompts_per_batch: int = Field(4, ge=1, description="Prompts generated together in one engine call.")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="Sampling parameters.")

@@ -71,10 +71,9 @@ class LearnerConfig(StrictModel):
         "checkpointing is off; 'on': whenever rows share a prompt (not with gradient_checkpointing); 'off': never.")
     updates_per_batch: int = Field(1, ge=1, description="mu: optimizer steps on each pulled batch, with the old "
                                    "logprobs kept fixed (GRPO's iterations).")
-    old_logprobs: Literal["behaviour", "recompute"] = Field(
-        "behaviour", description="pi_old of the ratio: the generator's sampled-token logprobs ('behaviour'), or "
-        "recomputed by the learner before the first update of a batch ('recompute', then the truncated importance "
-        "weights of algorithm.loss.tis_cap correct the sampler/trainer mismatch).")
+    old_logprobs: Literal["behaviour", "recompute"] | None = Field(
+        None, description="Deprecated: algorithm.off_policy.bypass ('behaviour' is bypass true, 'recompute' false), "
+        "which a value set here becomes. Setting both differently is an error.")
     mask_truncated: bool = Field(False, description="Completions cut at max_tokens contribute no loss.")
     max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps (null: until "
                                   "stopped).")

@@ -5,17 +5,49 @@ EOS that ends every finished completion (and the model would never learn to stop
 
 Layout used across grpo-stack: per-token completion tensors are ``[B, L]``, left-aligned (column 0 is the
 first completion token of every row), right-padded, with ``L >= max(completion_lengths)``.
+
+Two ways to turn lengths into a mask:
+
+* :func:`completion_mask` compares on the lengths' device and checks nothing, so it never waits for a GPU
+  (check host lengths on the host first, then move them with :func:`shared.tensors.transfers.to_device`);
+* :func:`lengths_to_mask` checks the lengths first (negative, longer than the width), reading them back.
+
+Multi-turn completions hold the environment's tokens between the model's turns; the loss mask (``[B, >= L]``
+bool, True where the model wrote the token; None: all) marks which count (:mod:`shared.protocol.loss_mask` is its
+wire form). :func:`completion_mask` with a ``loss_mask`` gives the tokens a loss or metric counts.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 
-def lengths_to_mask(lengths: torch.Tensor, max_len: int | None = None) -> torch.Tensor:
-    """``mask[i, j] = j < lengths[i]`` as a bool tensor of shape ``[B, max_len]``.
+def completion_mask(lengths: torch.Tensor | Sequence[int], width: int,
+                    loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``mask[i, j] = j < lengths[i]`` (and, with ``loss_mask``, ``loss_mask[i, j]``), bool ``[N, width]``.
 
-    ``max_len`` defaults to ``max(lengths)`` (0 for an empty batch). Negative lengths are an error.
+    Compared where ``lengths`` is (a list becomes a host tensor), without any check or read-back. The attention
+    mask of right-padded rows is the same with the rows' total lengths."""
+    lengths = torch.as_tensor(lengths)
+    valid = torch.arange(width, device=lengths.device) < lengths.unsqueeze(1)
+    return model_token_mask(loss_mask, valid)
+
+
+def model_token_mask(loss_mask: torch.Tensor | None, valid: torch.Tensor) -> torch.Tensor:
+    """``valid & loss_mask`` (``valid`` as it is when there is no loss mask): the tokens a loss or metric counts.
+    ``loss_mask`` may be wider than ``valid`` (its first columns are used) and on another device (moved)."""
+    if loss_mask is None:
+        return valid
+    return valid & loss_mask[:, :valid.shape[1]].to(device=valid.device, dtype=torch.bool)
+
+
+def lengths_to_mask(lengths: torch.Tensor, max_len: int | None = None) -> torch.Tensor:
+    """``mask[i, j] = j < lengths[i]`` as a bool tensor of shape ``[B, max_len]``, the lengths checked first.
+
+    ``max_len`` defaults to ``max(lengths)`` (0 for an empty batch). Negative lengths are an error. The checks read
+    the lengths back (a wait for a GPU); :func:`completion_mask` does not.
     """
     lengths = torch.as_tensor(lengths)
     if lengths.dim() != 1:
@@ -26,8 +58,7 @@ def lengths_to_mask(lengths: torch.Tensor, max_len: int | None = None) -> torch.
         max_len = int(lengths.max()) if lengths.numel() else 0
     elif lengths.numel() and int(lengths.max()) > max_len:
         raise ValueError(f"a length {int(lengths.max())} exceeds max_len {max_len}")
-    positions = torch.arange(max_len, device=lengths.device)
-    return positions.unsqueeze(0) < lengths.unsqueeze(1)
+    return completion_mask(lengths, max_len)
 
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:

@@ -1,0 +1,79 @@
+"""The one plug-in style (shared/registry.py): modules imported on the first read, config checks that list the known
+names (and accept user code where a field allows it), descriptions for docs; and the extension points built on it."""
+
+import sys
+
+import pytest
+
+from shared.registry import Registry
+
+
+@pytest.fixture
+def plugin_module(tmp_path, monkeypatch):
+    """A module ``registry_plugin_<n>`` that registers ``late`` into ``holder.REG`` when imported."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    name = f"registry_plugin_{id(tmp_path)}"
+    (tmp_path / f"{name}.py").write_text(
+        "import holder\n\n@holder.REG.register('late')\ndef late():\n    '''Registered by the module.\n\n    more'''\n")
+    holder = type(sys)("holder")
+    monkeypatch.setitem(sys.modules, "holder", holder)
+    yield name, holder
+    sys.modules.pop(name, None)
+
+
+def test_the_modules_are_imported_on_the_first_read(plugin_module):
+    name, holder = plugin_module
+    holder.REG = registry = Registry("widget", modules=(name,))
+
+    @registry.register("early", "e")
+    def early():
+        """Defined beside the registry."""
+
+    assert name not in sys.modules                                  # registering is no read
+    assert registry.names() == ["e", "early", "late"] and name in sys.modules
+    assert registry.get("late").__name__ == "late" and "late" in registry and list(registry) == registry.names()
+    assert registry.describe() == {"e": "Defined beside the registry.", "early": "Defined beside the registry.",
+                                   "late": "Registered by the module."}
+    with pytest.raises(ValueError, match="widget 'late' is already registered"):
+        registry.register("late")(early)
+
+
+def test_a_module_that_fails_to_import_fails_every_read():
+    registry = Registry("widget", modules=("no_such_module_for_the_registry_test",))
+    for _ in range(2):  # never a partial table that looks complete
+        with pytest.raises(ModuleNotFoundError):
+            registry.names()
+
+
+def test_check_lists_the_known_names_and_takes_user_code_where_allowed():
+    registry = Registry("widget")
+    registry.register("b")(len)
+    registry.register("a")(len)
+    assert registry.check("a") == "a"
+    with pytest.raises(ValueError, match=r"^unknown widget 'c'; known: a, b$"):
+        registry.check("c")
+    with pytest.raises(KeyError, match="unknown widget 'c'; known: a, b"):
+        registry.get("c")
+    assert registry.check("pkg.mod:Widget", user_code="a class as 'module:Class'") == "pkg.mod:Widget"
+    with pytest.raises(ValueError, match="known: a, b, or a class as 'module:Class'"):
+        registry.check("c", user_code="a class as 'module:Class'")
+
+
+def test_dataset_kinds_are_a_registry_the_config_checks():
+    from generator.datasets import DATASETS, load_examples
+    from shared.config.schema.generator import DatasetConfig
+
+    assert DATASETS.names() == ["arithmetic", "arithmetic_words", "chain", "hf", "jsonl"]
+    with pytest.raises(ValueError, match="unknown dataset kind 'csv'; known: arithmetic, arithmetic_words, chain"):
+        DatasetConfig(kind="csv")
+    examples = load_examples(DatasetConfig(kind="chain", arithmetic_pool=3), seed=1)
+    assert len(examples) == 3 and all(e.example_id.startswith("chain:") for e in examples)
+
+
+def test_environments_and_rewards_are_complete_when_read():
+    from generator.environments.base import ENVIRONMENTS
+    from generator.environments.calculator import Calculator
+    from generator.rewards import REWARDS
+
+    assert ENVIRONMENTS.names() == ["calculator", "guess", "tools"] and ENVIRONMENTS.get("calculator") is Calculator
+    assert {"format", "math", "chain", "chain_steps", "prm", "python"} <= set(REWARDS.names())
