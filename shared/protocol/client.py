@@ -20,7 +20,7 @@ import random
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -219,7 +219,7 @@ class HubClient(ServiceClient):
         data = self.lease_batch(num_groups, wait_s=wait_s, min_version=min_version)
         return None if data is None else TrainBatch.from_bytes(data)
 
-    def release_batches(self, batch_ids: list[str], request_ids: list[str] = ()) -> dict[str, str]:
+    def release_batches(self, batch_ids: Sequence[str], request_ids: Sequence[str] = ()) -> dict[str, str]:
         """Hand back leases that will not be trained: by batch id, and by the ``request_id`` of a
         :meth:`lease_batch` call (whatever it was or will be granted). Per id ``released``, ``cancelled`` (a
         request granted nothing yet) or ``unknown``."""
