@@ -1,11 +1,12 @@
 """The FastAPI application: reference logprobs, rollout hub, weight relay, health and metrics.
 
 Each job has its routers: the hub (``ref_server/hub/routes.py``), scoring (``ref_server/scoring/*_routes.py``),
-the weight relay (``ref_server/relay/routes.py``), health and metrics (``ref_server/operations.py``); this module
-adds what they share: the request guard (:mod:`ref_server.limits`: bearer-token auth, body limits and deadlines,
-strict JSON, request metrics with 5xx and disconnects told apart), short error bodies and the lifespan hook. Every
-bad input is answered with a 4xx and a short ``{"detail": ...}`` naming the problem (OpenAI's ``{"error": ...}`` on
-the OpenAI-style routes: :func:`ref_server.http.error_body`), never echoing the input; the server keeps serving.
+the learner session (``ref_server/session_routes.py``), the weight relay (``ref_server/relay/routes.py``), health
+and metrics (``ref_server/operations.py``); this module adds what they share: the request guard
+(:mod:`ref_server.limits`: bearer-token auth, body limits and deadlines, strict JSON, request metrics with 5xx and
+disconnects told apart), short error bodies and the lifespan hook. Every bad input is answered with a 4xx and a
+short ``{"detail": ...}`` naming the problem (OpenAI's ``{"error": ...}`` on the OpenAI-style routes:
+:func:`ref_server.http.error_body`), never echoing the input; the server keeps serving.
 The API docs (``/docs``, ``/redoc``, ``/openapi.json``) open without the token unless ``ref_server.public_docs`` is
 false: a browser cannot send a bearer token to open them, and they describe the API, not its data.
 """
@@ -17,7 +18,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from ref_server import operations
+from ref_server import operations, session_routes
 from ref_server.http import install_short_errors
 from ref_server.hub import routes as hub_routes
 from ref_server.limits import RequestGuard
@@ -47,8 +48,8 @@ def create_app(state: ServerState, on_ready: Callable[[], None] | None = None) -
     metrics = ServerMetrics(state)
     app.state.server = state
     app.state.metrics = metrics
-    for module in (logprobs_routes, completions_routes, tokenizer_routes, scorer_routes, hub_routes, weights,
-                   operations):
+    for module in (logprobs_routes, completions_routes, tokenizer_routes, scorer_routes, hub_routes, session_routes,
+                   weights, operations):
         app.include_router(module.router)
     if state.prm is not None:  # vLLM's /pooling for a process reward model (ref_server.prm_model)
         app.state.prm = state.prm

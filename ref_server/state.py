@@ -10,6 +10,7 @@ from ref_server.hub.rollout_hub import RolloutHub
 from ref_server.scoring.pool import ScorerPool
 from ref_server.scoring.prm import PRMScorer
 from ref_server.scoring.tokenizer import ServedTokenizer
+from ref_server.session import LearnerSessionStore
 from shared.weight_sync.relay_store import WeightStore
 from shared.weight_sync.rendezvous import SyncRendezvous
 
@@ -20,6 +21,8 @@ class ServerState:
     scorer: ScorerPool | None
     hub: RolloutHub
     weights: WeightStore
+    # the registered learner (ref_server/session.py): whose reports and uploads the hub and the relay take
+    session: LearnerSessionStore
     model_name: str | None
     vocab_size: int | None
     max_context: int | None
