@@ -263,8 +263,7 @@ class Learner:
         self.ledger.forget(batch.batch_id)  # not renewed any more: its lease expires and the hub counts the failure
         self.prefetcher.set_aside()         # it does not count against max_steps: another batch is wanted
         if problem is None:
-            self.hub_calls.submit(lambda client, ids=[batch.batch_id]: client._request(  # noqa: SLF001
-                "POST", "/v1/batch/release", json={"batch_ids": ids}))
+            self.hub_calls.submit(lambda client, ids=[batch.batch_id]: client.release_batches(ids))
             return
         log.error("batch %s cannot be trained (%s): left unacknowledged; the hub quarantines the group after "
                   "ref_server.max_deliveries failed deliveries", batch.batch_id, problem)

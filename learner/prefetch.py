@@ -31,10 +31,8 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import requests
-
 from learner.delivery import DeliveryLedger
-from shared.protocol.client import HubClient, HubUnavailable
+from shared.protocol.client import HubClient, HubUnavailable, RetryPolicy
 from shared.protocol.records import TrainBatch
 
 log = logging.getLogger("grpo.learner")
@@ -195,14 +193,11 @@ class BatchPrefetcher:
                     return None
                 self._in_flight = request_id   # from here a close releases whatever this request is granted
             t0 = time.perf_counter()
-            params = {"num_groups": self.num_groups, "timeout": self.wait_s, "request_id": request_id}
-            if (min_version := self.min_version()) is not None:
-                params["min_version"] = min_version
-            response = self.client._request(  # noqa: SLF001 - the raw bytes, so that decoding is timed apart
-                "GET", "/v1/batch", params=params, ok=(200, 204), timeout_s=self.client.timeout_s + self.wait_s)
+            data = self.client.lease_batch(self.num_groups, wait_s=self.wait_s, min_version=self.min_version(),
+                                           request_id=request_id)  # the bytes: decoding is timed apart
             t1 = time.perf_counter()
-            if response.status_code == 200:
-                batch = TrainBatch.from_bytes(response.content)
+            if data is not None:
+                batch = TrainBatch.from_bytes(data)
                 return FetchedBatch(batch, fetch_s=t1 - t0, decode_s=time.perf_counter() - t1)
             with self._lock:
                 self._in_flight = None
@@ -214,16 +209,13 @@ class BatchPrefetcher:
 
     def _release(self, batch_ids: list[str], request_ids: list[str]) -> None:
         """Hand untrained leases back, by batch id and by the request id of a long poll in flight (one attempt: if
-        it fails, the leases expire on the hub instead). Its own HTTP session: the background thread may still be
-        in a request on the client's."""
+        it fails, the leases expire on the hub instead). Its own client: the background thread may still be in a
+        request on the prefetcher's."""
         for batch_id in batch_ids:
             self.ledger.forget(batch_id)
         try:
-            with requests.Session() as session:
-                session.headers.update(self.client.session.headers)
-                response = session.post(f"{self.client.base_url}/v1/batch/release", timeout=10,
-                                        json={"batch_ids": batch_ids, "request_ids": request_ids})
-                response.raise_for_status()
+            with self.client.sibling(timeout_s=10, retry=RetryPolicy(max_retry_s=0)) as client:
+                client.release_batches(batch_ids, request_ids)
         except Exception as exc:  # noqa: BLE001 - logged; the hub's lease timeout returns the groups anyway
             log.warning("could not hand batches %s (requests %s) back to the hub (%s); their groups return after "
                         "the lease timeout", batch_ids, request_ids, exc)

@@ -2,7 +2,8 @@
 
 Each job has its routers: the hub (``ref_server/hub/routes.py``), reference scoring
 (``ref_server/scoring/logprobs_routes.py``), joined scorers (``ref_server/scorer_pool/routes.py``), the endpoints in
-other tools' shapes (``ref_server/tool_api/*_routes.py``), the weight relay (``ref_server/relay/routes.py``), health and metrics (``ref_server/operations.py``); this module
+other tools' shapes (``ref_server/tool_api/*_routes.py``), the learner session (``ref_server/session_routes.py``),
+the weight relay (``ref_server/relay/routes.py``), health and metrics (``ref_server/operations.py``); this module
 adds what they share: the request guard (:mod:`ref_server.limits`: bearer-token auth, body limits and deadlines,
 strict JSON, request metrics with 5xx and disconnects told apart), short error bodies and the lifespan hook. Every
 bad input is answered with a 4xx and a short ``{"detail": ...}`` naming the problem (OpenAI's ``{"error": ...}`` on
@@ -18,7 +19,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from ref_server import operations
+from ref_server import operations, session_routes
 from ref_server.http import install_short_errors
 from ref_server.hub import routes as hub_routes
 from ref_server.limits import RequestGuard
@@ -44,8 +45,8 @@ def create_app(state: ServerState, on_ready: Callable[[], None] | None = None) -
     metrics = ServerMetrics(state)
     app.state.server = state
     app.state.metrics = metrics
-    for module in (logprobs_routes, completions_routes, tokenizer_routes, scorer_routes, hub_routes, weights,
-                   operations):
+    for module in (logprobs_routes, completions_routes, tokenizer_routes, scorer_routes, hub_routes, session_routes,
+                   weights, operations):
         app.include_router(module.router)
     if state.prm is not None:  # vLLM's /pooling for a process reward model (ref_server.prm_model)
         app.state.prm = state.prm

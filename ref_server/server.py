@@ -18,6 +18,7 @@ from ref_server.hub.rollout_hub import RolloutHub
 from ref_server.scorer_pool.job_wire import model_identity
 from ref_server.scorer_pool.pool import ScorerPool
 from ref_server.scoring.loading import ModelLoadError, load_reference_model, load_reference_scorer
+from ref_server.session import LearnerSessionStore
 from ref_server.state import ServerState
 from ref_server.tool_api.prm import PRMScorer
 from ref_server.tool_api.tokenizer import ServedTokenizer
@@ -77,8 +78,10 @@ def build_state(config: GRPOConfig) -> ServerState:
         device = resolve_device(cfg.device)
         prm = PRMScorer.load(cfg.prm_model, device, default_dtype(cfg.dtype, device),
                              max_tokens=cfg.max_request_tokens, max_request_bytes=cfg.max_request_bytes)
-    weights = WeightStore(cfg.weights_dir or scratch_relay(), keep=cfg.keep_weight_versions,
-                          max_bytes=cfg.max_weight_bytes, session_ttl_s=cfg.learner_session_ttl_s)
+    relay_dir = cfg.weights_dir or scratch_relay()
+    session = LearnerSessionStore(relay_dir, ttl_s=cfg.learner_session_ttl_s)  # learner.json beside the versions
+    weights = WeightStore(relay_dir, keep=cfg.keep_weight_versions, max_bytes=cfg.max_weight_bytes,
+                          layout=lambda: session.layout)
     if cfg.spool_dir is None:
         log.info("no ref_server.spool_dir (no run.run_dir): queued groups are kept in memory only")
     temperature = config.generator.sampling.temperature
@@ -88,10 +91,10 @@ def build_state(config: GRPOConfig) -> ServerState:
                      # 0 is greedy decoding, for evaluation only: no training group is sampled that way
                      temperature=temperature if temperature > 0 else None,
                      published_version=lambda: weights.current, max_context=max_context)
-    if weights.learner_version is not None:  # the registered learner's last version survives a hub restart
-        hub.report_version(weights.learner_version)
+    if session.learner_version is not None:  # the registered learner's last version survives a hub restart
+        hub.report_version(session.learner_version)
     return ServerState(
-        scorer=scorer, hub=hub, weights=weights, model_name=cfg.model, vocab_size=vocab_size,
+        scorer=scorer, hub=hub, weights=weights, session=session, model_name=cfg.model, vocab_size=vocab_size,
         max_context=max_context, max_request_bytes=cfg.max_request_bytes,
         max_request_tokens=cfg.max_request_tokens, max_long_poll_s=cfg.max_long_poll_s,
         token=cfg.resolved_token(), public_docs=cfg.public_docs,

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from ref_server.body_limits import BodyLimits
 from ref_server.hub.rollout_hub import RolloutHub
 from ref_server.scorer_pool.pool import ScorerPool
+from ref_server.session import LearnerSessionStore
 from ref_server.tool_api.prm import PRMScorer
 from ref_server.tool_api.tokenizer import ServedTokenizer
 from shared.weight_sync.relay_store import WeightStore
@@ -20,6 +21,8 @@ class ServerState:
     scorer: ScorerPool | None
     hub: RolloutHub
     weights: WeightStore
+    # the registered learner (ref_server/session.py): whose reports and uploads the hub and the relay take
+    session: LearnerSessionStore
     model_name: str | None
     vocab_size: int | None
     max_context: int | None

@@ -2,7 +2,8 @@
 
 README.md stays short (<= 200 lines; details live in docs/), every relative link in README.md and docs/*.md
 resolves to a file and, for ``#anchor`` links into Markdown, to a heading; every ``file.py:Name`` hop in
-"Follow one rollout" is a real function or method; the CLI table names every ``grpo`` subcommand; the tested
+"Follow one rollout" is a real function or method on the product's path (called by product code, or a route the
+hub serves); the CLI table names every ``grpo`` subcommand; the tested
 versions agree with what is pinned; every YAML config shown in README.md or docs/ is valid.
 """
 
@@ -27,6 +28,8 @@ MAX_README_LINES = 200
 
 LINK = re.compile(r"!?\[(?:[^\]\\]|\\.)*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 HOP = re.compile(r"`([\w/]+\.py):([A-Za-z_][\w.]*)`")
+PRODUCT = ("shared", "ref_server", "generator", "learner", "deploy")  # the product's code: not tests, not bench
+ROUTE_VERBS = {"get", "post", "put", "delete", "patch"}
 FENCE = re.compile(r"^\s*(```|~~~)")
 
 
@@ -113,6 +116,55 @@ def missing_hops(text: str, root: Path) -> list[str]:
     return problems
 
 
+def definition(tree: ast.Module, name: str) -> ast.AST | None:
+    """The node defining ``f`` or ``Cls.method`` in ``tree``."""
+    body, node = tree.body, None
+    for part in name.split("."):
+        node = next((n for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                     and n.name == part), None)
+        if node is None:
+            return None
+        body = node.body
+    return node
+
+
+def is_route(node: ast.AST) -> bool:
+    """A FastAPI route handler (``@router.post(...)``): the product reaches it over HTTP, by its path."""
+    return any(isinstance(d, ast.Call) and isinstance(d.func, ast.Attribute) and d.func.attr in ROUTE_VERBS
+               for d in getattr(node, "decorator_list", ()))
+
+
+def references(tree: ast.AST, name: str, outside: ast.AST | None = None) -> bool:
+    """Whether ``tree`` names ``name`` (a call or attribute ``x.name``, a bare ``name``, an import of it) anywhere
+    but inside ``outside`` (the definition itself: a recursive call does not count)."""
+    skip = range(outside.lineno, outside.end_lineno + 1) if outside is not None else range(0)
+    for node in ast.walk(tree):
+        used = ((isinstance(node, ast.Attribute) and node.attr == name)
+                or (isinstance(node, ast.Name) and node.id == name)
+                or (isinstance(node, ast.ImportFrom) and any(a.name == name for a in node.names)))
+        if used and node.lineno not in skip:
+            return True
+    return False
+
+
+def off_path_hops(text: str, root: Path, packages: tuple[str, ...] = PRODUCT) -> list[str]:
+    """Hops (that exist) whose function no product code calls: neither referenced by a product module outside its
+    own definition nor a route the hub serves (a function only tests call is not how a rollout goes)."""
+    sources = {path: path.read_text(encoding="utf-8") for package in packages for path in (root / package).rglob("*.py")}
+    problems = []
+    for path, name in HOP.findall(text):
+        file = root / path
+        tree = ast.parse(sources[file]) if file in sources else None
+        node = definition(tree, name) if tree is not None else None
+        if node is None or is_route(node):
+            continue  # missing_hops reports what does not exist
+        last = name.rpartition(".")[2]
+        if not any(last in source and references(ast.parse(source), last, node if other == file else None)
+                   for other, source in sources.items()):
+            problems.append(f"{path}:{name}: no product code calls it")
+    return problems
+
+
 def readme() -> str:
     return README.read_text(encoding="utf-8")
 
@@ -149,6 +201,7 @@ def test_follow_one_rollout_names_real_functions():
     hops = section(readme(), "Follow one rollout")
     assert len(HOP.findall(hops)) >= 9, "each hop of one rollout should name file.py:function"
     assert missing_hops(hops, ROOT) == []
+    assert off_path_hops(hops, ROOT) == []
 
 
 def test_cli_table_names_every_subcommand():
@@ -233,3 +286,17 @@ def test_missing_hops_are_found(tmp_path):
     assert missing_hops(text, tmp_path) == ["pkg/mod.py:C.gone: pkg/mod.py defines no C.gone",
                                             "pkg/mod.py:g: pkg/mod.py defines no g",
                                             "pkg/none.py:f: no file pkg/none.py"]
+
+
+def test_hops_off_the_products_path_are_found(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg/mod.py").write_text(
+        "def f():\n    return g()\n\ndef g():\n    pass\n\ndef lonely():\n    return lonely()\n\n"
+        "class C:\n    def m(self):\n        pass\n\n    def unused(self):\n        pass\n\n"
+        "@router.post('/v1/x')\nasync def route():\n    pass\n")
+    (tmp_path / "pkg/user.py").write_text("from pkg.mod import f\n\ndef use(c):\n    c.m()\n")
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests/test_mod.py").write_text("from pkg.mod import C\nC().unused()\n")
+    text = "`pkg/mod.py:f` `pkg/mod.py:g` `pkg/mod.py:C.m` `pkg/mod.py:route` `pkg/mod.py:lonely` `pkg/mod.py:C.unused`"
+    assert off_path_hops(text, tmp_path, ("pkg",)) == ["pkg/mod.py:lonely: no product code calls it",
+                                                       "pkg/mod.py:C.unused: no product code calls it"]

@@ -36,6 +36,12 @@ def product_modules() -> dict[str, Path]:
     return modules
 
 
+@cache
+def syntax_tree(path: Path) -> ast.Module:
+    """A file's syntax tree, parsed once for all the checks."""
+    return ast.parse(path.read_text(), str(path))
+
+
 def _known(name: str) -> str | None:
     """``name`` or its longest prefix that is a product module."""
     modules = product_modules()
@@ -51,7 +57,7 @@ def _imported(module: str, path: Path) -> set[str]:
     """The product modules that ``module`` (in file ``path``) imports anywhere in its body."""
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     targets: set[str | None] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(syntax_tree(path)):
         if isinstance(node, ast.Import):
             targets.update(_known(alias.name) for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -133,7 +139,7 @@ def test_no_product_file_is_over_400_lines():
 def test_no_product_function_is_over_60_lines():
     long_functions = []
     for path in product_modules().values():
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(syntax_tree(path)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not is_parser_builder(node.name):
                 lines = node.end_lineno - node.lineno + 1
                 if lines > MAX_FUNCTION_LINES:
@@ -197,7 +203,7 @@ def test_masks_from_lengths_are_built_in_one_place():
     """``shared.tensors.masks.completion_mask`` (or ``lengths_to_mask``), not ``arange(w) < lengths.unsqueeze(1)``."""
     home = ROOT / "shared" / "tensors" / "masks.py"
     written = [f"{path.relative_to(ROOT)}:{line}" for path in product_modules().values() if path != home
-               for line in _mask_comparisons(ast.parse(path.read_text(), str(path)))]
+               for line in _mask_comparisons(syntax_tree(path))]
     assert not written, _report("masks from lengths written out (use shared.tensors.masks.completion_mask)", written)
     assert _mask_comparisons(ast.parse("m = torch.arange(w) < n.unsqueeze(1)\nk = a < b.reshape(-1, 1)")) == [1, 2]
 
@@ -206,7 +212,7 @@ def _registries() -> dict[str, str]:
     """Every ``NAME = Registry(...)`` of the product: name -> the module defining it."""
     found = {}
     for module, path in product_modules().items():
-        for node in ast.parse(path.read_text(), str(path)).body:
+        for node in syntax_tree(path).body:
             target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
             value = getattr(node, "value", None)
             if (isinstance(target, ast.Name) and isinstance(value, ast.Call) and isinstance(value.func, ast.Name)
@@ -223,7 +229,7 @@ def test_every_registry_is_dispatched_and_checked_at_config_load():
             "DATASETS", "SUPERVISIONS"} <= set(registries), sorted(registries)
     dispatched, checked = set(), set()
     for path in product_modules().values():
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(syntax_tree(path)):
             if not isinstance(node, ast.Call):
                 continue
             func = node.func
@@ -239,3 +245,63 @@ def test_every_registry_is_dispatched_and_checked_at_config_load():
                  if not any(n == name and (module == m or module.startswith(m + ".")) for m, n in checked)]
     assert not unread + unchecked, _report("registries not dispatched or not checked at config load",
                                            unread + unchecked)
+
+
+# -- every process speaks the hub's protocol through one client ---------------------------------------------------
+# The modules that talk HTTP: the hub's clients (their retries, token, learner session and error handling in one
+# place) and wait_healthy, which polls a starting service's /healthz.
+HTTP_CLIENT_MODULES = {"shared.protocol.client", "shared.protocol.scorer_client", "shared.protocol.health"}
+# Product modules that talk HTTP to something that is not the hub, so not through its client.
+HTTP_ELSEWHERE = {
+    "generator.rewards.builtin": "the http reward posts each group to the user's own reward service",
+    "generator.rewards.prm": "the PRM reward calls a process reward model's /pooling endpoint (vLLM's API)",
+}
+
+
+def raw_http_uses(path: Path) -> list[str]:
+    """Where a module uses ``requests`` (an import, ``requests.x``) or calls a client's ``_request``, as
+    'line: what'."""
+    found = []
+    for node in ast.walk(syntax_tree(path)):
+        if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "requests" for a in node.names):
+            found.append(f"{node.lineno}: import requests")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "requests" and not node.level:
+            found.append(f"{node.lineno}: from {node.module} import ...")
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "requests":
+            found.append(f"{node.lineno}: requests.{node.attr}")
+        elif isinstance(node, ast.Call) and (getattr(node.func, "attr", None) == "_request"
+                                             or getattr(node.func, "id", None) == "_request"):
+            found.append(f"{node.lineno}: _request(...)")
+    return sorted(found, key=lambda use: int(use.partition(":")[0]))
+
+
+def test_only_the_clients_talk_http():
+    offenders = [f"{path.relative_to(ROOT)}:{use}" for module, path in product_modules().items()
+                 if module not in HTTP_CLIENT_MODULES and module not in HTTP_ELSEWHERE
+                 for use in raw_http_uses(path)]
+    assert not offenders, _report("HTTP spoken outside shared/protocol's clients (add a method to HubClient or "
+                                  "ScorerClient, or list a module that talks to another service in HTTP_ELSEWHERE)",
+                                  offenders)
+    stale = sorted(m for m in HTTP_CLIENT_MODULES | set(HTTP_ELSEWHERE)
+                   if m not in product_modules() or not raw_http_uses(product_modules()[m]))
+    assert not stale, _report("listed as talking HTTP, but no such module or no HTTP in it", stale)
+
+
+def test_raw_http_uses_are_found(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("import requests\nfrom requests.adapters import HTTPAdapter\nrequests.get('u')\n"
+                    "client._request('GET', '/v1/batch')\nself.requests.labels()\nrequest = 1\n")
+    assert raw_http_uses(path) == ["1: import requests", "2: from requests.adapters import ...",
+                                   "3: requests.get", "4: _request(...)"]
+
+
+def test_the_hub_and_the_relay_do_not_import_each_other():
+    """Both read the learner session (ref_server/session.py); neither reaches into the other."""
+    graph = import_graph()
+    halves = {"hub": "ref_server.hub", "relay": "ref_server.relay"}
+    offenders = [f"{module} -> {target}" for module, targets in sorted(graph.items())
+                 for name, prefix in halves.items() if module.startswith(prefix + ".") or module == prefix
+                 for other, other_prefix in halves.items() if other != name
+                 for target in sorted(targets) if target == other_prefix or target.startswith(other_prefix + ".")]
+    assert not offenders, _report("imports between ref_server/hub and ref_server/relay", offenders)
+    assert "ref_server.session_routes" in graph["ref_server.hub.routes"] & graph["ref_server.relay.routes"]

@@ -83,7 +83,7 @@ class RolloutHub:
     # -- learner ------------------------------------------------------------------------------------------
     def report_version(self, version: int, groups_per_step: int | None = None, reset: bool = False) -> int:
         """The learner's version (never lower than the last, :class:`ValueError`), or with ``reset`` (a learner
-        registering: ref_server/relay/routes.py) any version, also a lower one. Returns the groups made stale."""
+        registering: ref_server/session_routes.py) any version, also a lower one. Returns the groups made stale."""
         queue = self.queue
         if reset:
             with queue.cond:

@@ -13,7 +13,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ref_server.http import OCTET, State, binary_body, read_body
 from ref_server.hub.intake import HubFull
-from ref_server.relay.routes import check_learner
+from ref_server.session_routes import check_learner
 from shared.protocol.records import MAX_VERSION
 from shared.protocol.wire import WireError, decode_messages
 
@@ -159,7 +159,7 @@ async def learner_version(report: VersionReport, request: Request, state: State)
         dropped = await run_in_threadpool(state.hub.report_version, report.version, report.groups_per_step)
     except ValueError as exc:
         raise HTTPException(409, str(exc)) from None
-    await run_in_threadpool(state.weights.note_version, report.version)  # kept across hub restarts
+    await run_in_threadpool(state.session.note_version, report.version)  # kept across hub restarts
     return {"version": report.version, "dropped_stale": dropped, "queue_depth": state.hub.depth()}
 
 
@@ -171,5 +171,5 @@ async def hub_stats(state: State) -> dict:
             "leased_groups": leased, "capacity": hub.capacity, "learner_version": hub.learner_version,
             "groups_per_step": hub.groups_per_step,
             "max_staleness": hub.max_staleness, "lease_timeout_s": hub.lease_timeout_s,
-            "learner_session_ttl_s": state.weights.session_ttl_s,
+            "learner_session_ttl_s": state.session.ttl_s,
             "temperature": hub.temperature}

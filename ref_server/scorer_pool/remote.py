@@ -22,7 +22,8 @@ import time
 from ref_server.scorer_pool.job_wire import decode_job, encode_result
 from ref_server.scoring.scorer import ReferenceScorer
 from shared.errors import UsageError
-from shared.protocol.client import OCTET, HubClient, HubError
+from shared.protocol.client import HubError
+from shared.protocol.scorer_client import ScorerClient
 from shared.protocol.wire import WireError
 
 log = logging.getLogger("grpo.scorer")
@@ -33,7 +34,7 @@ class ScorerRefused(UsageError):
 
 
 class RemoteScorer:
-    def __init__(self, client: HubClient, scorer: ReferenceScorer, *, name: str, identity: dict,
+    def __init__(self, client: ScorerClient, scorer: ReferenceScorer, *, name: str, identity: dict,
                  concurrency: int = 2, poll_s: float = 5.0) -> None:
         self.client = client
         self.scorer = scorer
@@ -54,9 +55,8 @@ class RemoteScorer:
         with self._lock:
             if self.scorer_id is not None and self.scorer_id != stale_id:
                 return self.scorer_id
-            body = {"name": self.name, "vocab_size": self.scorer.vocab_size, **self.identity}
             try:
-                answer = self.client._request("POST", "/v1/scorers", json=body).json()
+                answer = self.client.register(self.name, self.scorer.vocab_size, self.identity)
             except HubError as exc:
                 if exc.status in (403, 404, 409):
                     raise self._refused(exc) from None
@@ -77,7 +77,7 @@ class RemoteScorer:
         if scorer_id is None:
             return
         try:
-            self.client._request("DELETE", f"/v1/scorers/{scorer_id}")
+            self.client.leave(scorer_id)
             log.info("left the hub (%d jobs, %d tokens scored)", self.jobs_scored, self.tokens_scored)
         except (HubError, ConnectionError) as exc:  # the hub drops us after a lease anyway
             log.warning("could not leave the hub: %s", exc)
@@ -114,7 +114,7 @@ class RemoteScorer:
         while not stop.wait(self.lease_s / 3):
             scorer_id = self.register()
             try:
-                self.client._request("POST", f"/v1/scorers/{scorer_id}/heartbeat")
+                self.client.heartbeat(scorer_id)
             except HubError as exc:
                 if exc.status == 403:   # quarantined for bad results: the hub says why
                     raise self._refused(exc) from None
@@ -127,9 +127,7 @@ class RemoteScorer:
         while not stop.is_set():
             scorer_id = self.register()
             try:
-                response = self.client._request(
-                    "GET", f"/v1/scorers/{scorer_id}/work", ok=(200, 204), params={"wait_s": self.poll_s},
-                    timeout_s=self.client.timeout_s + self.poll_s)
+                data = self.client.next_job(scorer_id, self.poll_s)
             except HubError as exc:
                 if exc.status == 403:
                     raise self._refused(exc) from None
@@ -137,9 +135,8 @@ class RemoteScorer:
                     raise
                 self.register(scorer_id)
                 continue
-            if response.status_code == 204:
-                continue
-            self._score(scorer_id, response.content)
+            if data is not None:
+                self._score(scorer_id, data)
 
     def _score(self, scorer_id: str, data: bytes) -> None:
         try:
@@ -151,8 +148,7 @@ class RemoteScorer:
         rows = self.scorer.score(job.rows, job.temperature, top_k=job.top_k)
         body = encode_result(job.job_id, rows)
         try:
-            answer = self.client._request("POST", f"/v1/scorers/{scorer_id}/results/{job.job_id}", data=body,
-                                          headers={"Content-Type": OCTET}).json()
+            answer = self.client.post_result(scorer_id, job.job_id, body)
         except HubError as exc:  # 404: the hub restarted (the job is in its spool again); 422: a bug here
             if exc.status == 403:
                 raise self._refused(exc) from None
@@ -177,7 +173,7 @@ def run_scorer(config, hub_url: str, name: str, device: str | None = None, concu
     if cfg.model is None:
         raise ModelLoadError("grpo scorer needs the reference model: ref_server.model (or --model)")
     scorer, _ = load_reference_scorer(cfg, device)
-    client = service_client(hub_url, cfg.resolved_token(), config.learner.retry_max_s)
+    client = service_client(hub_url, cfg.resolved_token(), config.learner.retry_max_s, ScorerClient)
     stop = threading.Event()
     stop_on_signals(stop, client, "finishing the jobs held, then leaving the hub")
     worker = RemoteScorer(client, scorer, name=name, identity=model_identity(cfg.model), concurrency=concurrency)

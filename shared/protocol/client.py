@@ -1,4 +1,6 @@
-"""HTTP client of the reference server / hub, used by generators, the learner and any other tool.
+"""HTTP clients of the reference server / hub: :class:`HubClient`, used by generators, the learner and any other
+tool, and (:mod:`shared.protocol.scorer_client`) the client of a joined reference scorer. Every call to the hub goes
+through one of them; both share :class:`ServiceClient`'s transport:
 
 * one ``requests.Session`` (connection reuse), a timeout on every call;
 * retries with exponential backoff (honouring ``Retry-After``) on connection errors, responses cut short after
@@ -6,7 +8,7 @@
   urllib3's ``Retry`` counts attempts, cannot retry a body truncated after its headers and knows no abort flag,
   so the loop is ours;
 * a server that stays unreachable raises :class:`HubUnavailable` after ``max_retry_s`` — it never looks like an
-  empty queue; an empty queue is ``None`` from :meth:`HubClient.get_batch` (HTTP 204);
+  empty queue; an empty queue is ``None`` from :meth:`HubClient.lease_batch` (HTTP 204);
 * any other 4xx raises :class:`HubError` carrying the server's ``detail``.
 """
 
@@ -18,7 +20,7 @@ import random
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,7 +76,9 @@ class RetryPolicy:
     max_backoff_s: float = 5.0
 
 
-class HubClient:
+class ServiceClient:
+    """The transport every client of the hub shares: a session, the token, retries within a budget."""
+
     def __init__(self, base_url: str, *, token: str | None = None, timeout_s: float = 60.0,
                  retry: RetryPolicy | None = None) -> None:
         self.base_url = base_url.rstrip("/")
@@ -83,13 +87,27 @@ class HubClient:
         self.session = requests.Session()
         # Set by a service that is shutting down: calls in flight finish, but failures are no longer retried.
         self.abort = threading.Event()
-        self._batch_upload = True  # False once the hub answered 404 to POST /v1/rollouts/batch
         self.learner: LearnerSession | None = None  # set on the learner's clients: requests name its session
         if token:
             self.session.headers["Authorization"] = f"Bearer {token}"
 
     def close(self) -> None:
         self.session.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def sibling(self, *, timeout_s: float | None = None, retry: RetryPolicy | None = None):
+        """A new client of the same server, with the same credentials and learner session, and its own HTTP
+        session (for another thread: a ``requests.Session`` is not meant to be shared between threads)."""
+        other = type(self)(self.base_url, timeout_s=self.timeout_s if timeout_s is None else timeout_s,
+                           retry=retry or self.retry)
+        other.session.headers.update(self.session.headers)
+        other.learner = self.learner
+        return other
 
     # -- transport ----------------------------------------------------------------------------------------
     def _request(self, method: str, path: str, *, ok: tuple[int, ...] = (200,), timeout_s: float | None = None,
@@ -131,6 +149,15 @@ class HubClient:
             time.sleep(wait)
             backoff = min(backoff * 2, self.retry.max_backoff_s)
 
+
+class HubClient(ServiceClient):
+    """The hub's API for generators, the learner and tools (reference logprobs, rollouts, batches, the learner
+    session, weights and the weight-sync rendezvous)."""
+
+    def __init__(self, base_url: str, **kwargs) -> None:
+        super().__init__(base_url, **kwargs)
+        self._batch_upload = True  # False once the hub answered 404 to POST /v1/rollouts/batch
+
     # -- reference logprobs ---------------------------------------------------------------------------------
     def health(self) -> dict:
         return self._request("GET", "/healthz").json()
@@ -170,16 +197,34 @@ class HubClient:
             return [self.upload_group(group) for group in groups]
         return response.json()["answers"]
 
-    def get_batch(self, num_groups: int, *, wait_s: float = 0.0, min_version: int | None = None) -> TrainBatch | None:
-        """A batch of ``num_groups`` groups leased to us, or None if the hub did not have them within ``wait_s``.
-        ``min_version``: groups older than this are stale for this batch (the hub drops them).
+    def lease_batch(self, num_groups: int, *, wait_s: float = 0.0, min_version: int | None = None,
+                    request_id: str | None = None) -> bytes | None:
+        """An encoded :class:`TrainBatch` of ``num_groups`` groups leased to us, or None if the hub did not have them
+        within ``wait_s``. The bytes, not the batch: the learner times their decoding apart from the transfer.
+        ``min_version``: groups older than this are stale for this batch (the hub drops them). ``request_id``: names
+        this call, so that :meth:`release_batches` can hand back what it grants even before its answer arrives.
 
-        Acknowledge it with :meth:`ack_batches` once trained on, or its groups return to the queue."""
+        Acknowledge it with :meth:`ack_batches` once trained on (or hand it back with :meth:`release_batches`), or
+        its groups return to the queue after the hub's lease timeout."""
         params = {"num_groups": num_groups, "timeout": wait_s}
         if min_version is not None:
             params["min_version"] = min_version
+        if request_id is not None:
+            params["request_id"] = request_id
         response = self._request("GET", "/v1/batch", params=params, ok=(200, 204), timeout_s=self.timeout_s + wait_s)
-        return None if response.status_code == 204 else TrainBatch.from_bytes(response.content)
+        return None if response.status_code == 204 else response.content
+
+    def get_batch(self, num_groups: int, *, wait_s: float = 0.0, min_version: int | None = None) -> TrainBatch | None:
+        """:meth:`lease_batch`, decoded (tools, benchmarks and tests: the learner decodes apart, to time it)."""
+        data = self.lease_batch(num_groups, wait_s=wait_s, min_version=min_version)
+        return None if data is None else TrainBatch.from_bytes(data)
+
+    def release_batches(self, batch_ids: Sequence[str], request_ids: Sequence[str] = ()) -> dict[str, str]:
+        """Hand back leases that will not be trained: by batch id, and by the ``request_id`` of a
+        :meth:`lease_batch` call (whatever it was or will be granted). Per id ``released``, ``cancelled`` (a
+        request granted nothing yet) or ``unknown``."""
+        return self._request("POST", "/v1/batch/release", json={"batch_ids": list(batch_ids),
+                                                                "request_ids": list(request_ids)}).json()["batches"]
 
     def ack_batches(self, batch_ids: list[str]) -> dict[str, str]:
         """Tell the hub these batches are applied; per id ``acked``, ``already``, ``late`` or ``unknown``."""
@@ -312,12 +357,13 @@ def _detail(response: requests.Response) -> object:
         return response.text[:500]
 
 
-def service_client(url: str, token: str | None, retry_max_s: float) -> HubClient:
-    """The client a service uses: the config's token or GRPO_TOKEN, and its retry budget."""
-    return HubClient(url, token=token or os.environ.get("GRPO_TOKEN"), retry=RetryPolicy(max_retry_s=retry_max_s))
+def service_client(url: str, token: str | None, retry_max_s: float, kind: type[ServiceClient] = HubClient):
+    """The client (a :class:`HubClient` unless ``kind`` says otherwise) a service uses: the config's token or
+    GRPO_TOKEN, and its retry budget."""
+    return kind(url, token=token or os.environ.get("GRPO_TOKEN"), retry=RetryPolicy(max_retry_s=retry_max_s))
 
 
-def stop_on_signals(stop: threading.Event, client: HubClient, what_happens: str) -> None:
+def stop_on_signals(stop: threading.Event, client: ServiceClient, what_happens: str) -> None:
     """SIGINT/SIGTERM (main thread only) set ``stop`` and make ``client`` stop retrying a dead hub, so a service
     finishes what it is doing and exits instead of waiting out its retry budget."""
     if threading.current_thread() is not threading.main_thread():

@@ -48,7 +48,7 @@ def test_a_refused_registration_stops_the_learner_and_a_resumed_one_takes_its_se
         second, refused = register(live.url, tmp_path / "other-ckpt", resume=False)
         assert second.id is None and "another learner's session is live" in refused
         error = SessionRefusedError(f"the hub refused this learner: {refused}")
-        assert error.exit_code == 1 and live.state.weights.session == first.id
+        assert error.exit_code == 1 and live.state.session.id == first.id
         # the first learner resumed from its checkpoint: the same session, the held batch acknowledged
         resumed, refused = register(live.url, tmp_path / "ckpt", resume=True, unacked=[held.batch_id])
         assert refused is None and resumed.id == first.id

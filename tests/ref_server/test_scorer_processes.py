@@ -15,6 +15,7 @@ import torch
 
 from ref_server.scoring.scorer import ReferenceScorer, Row
 from shared.protocol.client import HubClient
+from shared.protocol.scorer_client import ScorerClient
 from tests import service_forks as forks
 from tests.ref_server.conftest import PINNED
 from tests.ref_server.helpers import make_group
@@ -184,7 +185,7 @@ def test_a_scorer_registers_again_after_a_hub_restart(tmp_path, tiny_model, tiny
     body = {"input_ids": [[1, 2, 3, 4, 5]], "prompt_lengths": [2]}
     first = hub("a")
     scorer = ReferenceScorer(tiny_model, vocab_size=tiny_model.config.vocab_size, max_context=512)
-    worker = RemoteScorer(HubClient(first.url), scorer, name="t", identity=model_identity(str(tiny_model_dir)),
+    worker = RemoteScorer(ScorerClient(first.url), scorer, name="t", identity=model_identity(str(tiny_model_dir)),
                           poll_s=0.5)
     stop_worker = threading.Event()
     thread = threading.Thread(target=worker.run, args=(stop_worker,), daemon=True)

@@ -149,13 +149,13 @@ def test_grpo_scorers_loop_stops_with_the_hubs_reason_once_quarantined(server_fa
     """RemoteScorer (what `grpo scorer` runs) over a model that answers NaN: the hub quarantines it after three
     results and it stops with the hub's reason (exit 2 in the CLI) instead of scoring on."""
     from ref_server.scorer_pool.remote import RemoteScorer, ScorerRefused
-    from shared.protocol.client import HubClient
+    from shared.protocol.scorer_client import ScorerClient
 
     live = server_factory(local_scoring=False, scorer_max_bad_results=3, scoring_job_max_failures=10,
                           scorer_wait_s=60.0)
     model = NaNModel()
     model.vocab_size = live.state.vocab_size
-    worker = RemoteScorer(HubClient(live.url), model, name="nan-scorer", identity={}, concurrency=1, poll_s=0.5)
+    worker = RemoteScorer(ScorerClient(live.url), model, name="nan-scorer", identity={}, concurrency=1, poll_s=0.5)
     waiting, _ = in_background(lambda: live.post("/v1/logprobs", json=REQUEST))
     stop = threading.Event()
     failed: list = []

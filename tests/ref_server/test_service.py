@@ -15,6 +15,7 @@ import requests
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ref_server import session_routes
 from ref_server.app import create_app
 from ref_server.http import (
     MAX_ERROR_TEXT,
@@ -90,7 +91,7 @@ def test_the_openai_paths_are_exactly_the_openai_routers():
     for router in (completions_routes.router, tokenizer_routes.router, prm_routes.router):
         for route in router.routes:
             assert is_openai_path(route.path.replace("{model:path}", "some/model")), route.path
-    for router in (hub_routes.router, relay_routes.router, logprobs_routes.router):
+    for router in (hub_routes.router, session_routes.router, relay_routes.router, logprobs_routes.router):
         for route in router.routes:
             assert not is_openai_path(route.path), route.path
     assert not is_openai_path("/v1/models-x") and is_openai_path("/v1/models/a/b")
