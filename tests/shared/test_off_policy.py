@@ -215,3 +215,29 @@ def test_mismatch_metrics_by_hand():
     assert metrics["mismatch_kl/lag_2"] == pytest.approx(k3[2])
     assert metrics["mismatch_tokens/lag_2"] == 1 and "mismatch_kl/lag_1" not in metrics
     assert mismatch_metrics({}) == {}
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=cases(), mode=st.sampled_from(["token_mask", "seq_mask", "seq_geo_mask"]),
+       policy_loss=st.sampled_from(["grpo", "gspo"]),
+       aggregation=st.sampled_from(["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]))
+def test_masked_tokens_leave_every_loss_as_the_loss_mask_does(case, mode, policy_loss, aggregation):
+    """A correction that only masks (weights 1 where kept) gives every policy loss and aggregation exactly the loss of
+    the same batch with the dropped tokens marked as environment tokens (loss mask 0), gradients included."""
+    old, behaviour, lengths, loss_mask, low, high = case
+    logprobs = (torch.tensor(old) / 50 - 1).requires_grad_()
+    lengths_t = torch.tensor(lengths)
+    mask_t = None if loss_mask is None else torch.tensor(loss_mask, dtype=torch.bool)
+    weights, keep = off_policy_weights(logprobs.detach(), torch.tensor(behaviour) / 50 - 1, lengths_t, mode=mode,
+                                       low=low, high=high, loss_mask=mask_t)
+    advantages = torch.linspace(-1, 1, len(lengths))
+    cfg = LossConfig(beta=0.0, policy_loss=policy_loss, aggregation=aggregation, norm_len=len(old[0]))
+    old_t = torch.tensor(behaviour) / 60 - 1
+    corrected = compute_policy_loss(logprobs, advantages, lengths_t, cfg, old_logprobs=old_t,
+                                    correction=(weights, keep), token_mask=mask_t)
+    as_mask = compute_policy_loss(logprobs, advantages, lengths_t, cfg, old_logprobs=old_t, token_mask=keep)
+    torch.testing.assert_close(corrected.loss, as_mask.loss, rtol=0, atol=0)
+    (g1,) = torch.autograd.grad(corrected.loss, logprobs)
+    (g2,) = torch.autograd.grad(as_mask.loss, logprobs)
+    torch.testing.assert_close(g1, g2, rtol=0, atol=0)
+    assert (g1[~keep] == 0).all()
