@@ -76,6 +76,9 @@ def test_grpo_run_trains_publishes_and_shuts_down(tiny_model_dir, tmp_path):
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
     assert all(abs(m["loss"]) < 1e6 for m in metrics) and metrics[-1]["version"] == 6
+    # the default off-policy correction: pi_old recomputed, token_tis weights capped at 2, the drift every step
+    assert all(m["mismatch_kl"] >= 0 and m["is_weight_max"] <= 2.0 + 1e-6 for m in metrics)
+    assert metrics[0]["mismatch_tokens/lag_0"] > 0 and metrics[0]["time_old_logprobs_s"] > 0
     generator_log = (tmp_path / "run" / "logs" / "gen-0.log").read_text()
     assert "policy version 0 -> " in generator_log  # a published version reached the generator
     assert (tmp_path / "run" / "config.yaml").exists() and (tmp_path / "final" / "model.safetensors").exists()
