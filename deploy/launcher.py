@@ -25,7 +25,8 @@
   (``--resume``/``--fresh``, deploy/run_state.py); the last lines say where the model, logs, metrics and checkpoint
   are and how much disk the run uses.
 * The run ends when the learner finishes (exit 0), on Ctrl-C / SIGTERM (exit 130 / 143), or when any service dies
-  (its last log lines are shown; exit 1). Every service is then stopped: SIGTERM, then SIGKILL after
+  (its last log lines are shown; exit 2 when it exited 2, a problem the user can fix such as a generator whose
+  every group the hub refused, else 1). Every service is then stopped: SIGTERM, then SIGKILL after
   ``stop_grace_s``. Services run in their own process groups, so their children (torchrun ranks) go too.
 """
 
@@ -311,7 +312,7 @@ def run(config: GRPOConfig, *, resume: bool = False, fresh: bool = False, source
                 break
             dead = next((s for s in services if s.process.poll() is not None), None)
             if dead is not None:
-                status = 1
+                status = 2 if dead.process.returncode == 2 else 1   # 2: it stopped on something the user can fix
                 _say(console_lock, f"{dead.name} exited with status {dead.process.returncode}; its last lines:")
                 for line in list(dead.tail)[-config.run.tail_lines:]:
                     _say(console_lock, f"  {line}")

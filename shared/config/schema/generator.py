@@ -186,3 +186,8 @@ class GeneratorConfig(StrictModel):
             "a temporary folder removed when the generator exits"))
     retry_max_s: float = Field(600.0, gt=0, description="How long to keep retrying an unreachable hub before "
                                "exiting with an error (finished groups are kept meanwhile).")
+    max_refused_in_a_row: int = Field(
+        64, ge=0, description="Stop (exit 2, with the hub's reason) after this many groups in a row were refused "
+        "(by the hub, or by the generator's own check of what the hub would refuse) with none accepted: no group of "
+        "this config can be accepted (e.g. an environment's reset() text that fills max_total_tokens). Each "
+        "refused group is counted and dropped, never sent again. 0: never stop.")
