@@ -219,7 +219,7 @@ def plan(config: GRPOConfig, config_path: Path, run_dir: Path, *, resume: bool =
         gen_cmd = [*grpo, "generator", "--config", str(config_path), "--id", f"gen-{i}"]
         services.append(Service(f"gen-{i}", gen_cmd, gen_env, logs / f"gen-{i}.log",
                                 fork_argv=gen_cmd[3:] if fork_generators else None, console=config.run.console))
-    hub = f"http://{config.ref_server.host}:{config.ref_server.port}"
+    hub = config.ref_server.url
     for i, index in enumerate(scorer_gpus):  # several reference GPUs: one joined scorer on each
         scorer_env = {**base_env, **gpu_env([index], gpus, f"reference scorer {i}")}
         services.append(Service(f"scorer-{i}", [*grpo, "scorer", "--config", str(config_path), "--hub", hub,
@@ -245,7 +245,7 @@ def resolve_config(config: GRPOConfig) -> GRPOConfig:
     if config.run.run_dir is None:
         raise UsageError("run.run_dir is not set (`grpo run CONFIG` sets it to runs/<CONFIG's name>)")
     data = config.model_dump(mode="json")
-    hub = f"http://{config.ref_server.host}:{config.ref_server.port}"
+    hub = config.ref_server.url
     data["generator"]["hub_url"] = data["learner"]["hub_url"] = hub
     if len(config.run.placement.ref_server) > 1 and config.ref_server.local_scoring is None:
         data["ref_server"]["local_scoring"] = False  # several reference GPUs: a joined scorer on each
@@ -301,7 +301,7 @@ def run(config: GRPOConfig, *, resume: bool = False, fresh: bool = False, source
         if forked:
             for service in services:
                 service.start_reader(console_lock)
-        wait_ref_server(f"http://{config.ref_server.host}:{config.ref_server.port}", ref, config.run.health_timeout_s)
+        wait_ref_server(config.ref_server.url, ref, config.run.health_timeout_s)
         while True:
             if stop_signal:
                 status = 128 + stop_signal[0]
