@@ -120,3 +120,22 @@ def test_a_generator_whose_every_group_is_refused_stops_with_the_reason(tmp_path
         assert counters.rejected == 0 and counters.accepted == 0
         assert "0 refused as invalid, 5 dropped as unacceptable" in result.stderr
     assert result.stderr.count(reason) == 2, result.stderr[-3000:]   # logged once, then in the final error
+
+
+@pytest.mark.slow
+def test_an_environment_reward_runs_alone_in_the_generator(tmp_path, tiny_model_dir):
+    """reward: environment with no rewards listed: the generator uploads groups scored by the environment alone
+    (the default arithmetic reward, which fails on a guessing game's examples, is not run)."""
+    with LiveServer(make_config(tmp_path)) as live:
+        # no answer field: the default arithmetic reward failed on every completion here and stopped the run
+        config = write_config(tmp_path, live.url, tiny_model_dir, dataset="{kind: jsonl, answer_field: null, path: "
+                              + str(tmp_path / "secrets.jsonl") + "}",
+                              environment="{name: guess, reward: environment, max_turns: 2, stop: '\\n', "
+                                          "args: {secret_field: secret}}")
+        (tmp_path / "secrets.jsonl").write_text("".join(f'{{"question": "guess", "secret": "{n:03d}"}}\n'
+                                                        for n in range(5)))
+        result = forks.run([GRPO, "generator", "--config", str(config), "--max-groups", "2"], capture_output=True,
+                           text=True, timeout=300, env=ENV)
+        batch = HubClient(live.url).get_batch(2, wait_s=10)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert set(batch.reward_components) == {"environment"} and "arithmetic" not in result.stderr
