@@ -147,11 +147,18 @@ def test_the_learner_reports_a_refusal_of_its_own_weights_as_an_error(tmp_path, 
         _refused_after_takeover(live, tiny_model)
 
 
+def registered_publisher(live, model, learner: HubClient | None = None) -> tuple[HubClient, WeightPublisher]:
+    """A learner's client registered with the hub (``learner`` when given, already registered) and a publisher of
+    ``model`` over the HTTP relay in its session."""
+    if learner is None:
+        learner = client(live.url)
+        learner.register_learner(0, 2, layout_of(model).to_json())
+    return learner, WeightPublisher(model, lambda: client(live.url, learner.learner), HTTP, rank=0, world=1,
+                                    device=torch.device("cpu"), relay_version=None)
+
+
 def _refused_after_takeover(live, tiny_model):
-    learner = client(live.url)
-    learner.register_learner(0, 2, layout_of(tiny_model).to_json())
-    publisher = WeightPublisher(tiny_model, lambda: client(live.url, learner.learner), HTTP, rank=0, world=1,
-                                device=torch.device("cpu"), relay_version=None)
+    learner, publisher = registered_publisher(live, tiny_model)
     try:
         publisher.publish(1)
         assert publisher.sender.wait_idle(30) and publisher.sender.error is None
@@ -173,10 +180,7 @@ def test_an_upload_superseded_by_the_learners_own_newer_version_is_done(live, ti
     """The race: the upload of version 1 is sent again (its answer lost across a hub restart) after this learner's
     version 2 reached the relay. The relay answers 409 (not newer); the sender counts version 1 as done (the relay
     holds this learner's newer weights) instead of stopping the learner."""
-    learner = client(live.url)
-    learner.register_learner(0, 2, layout_of(tiny_model).to_json())
-    publisher = WeightPublisher(tiny_model, lambda: client(live.url, learner.learner), HTTP, rank=0, world=1,
-                                device=torch.device("cpu"), relay_version=None)
+    _, publisher = registered_publisher(live, tiny_model)
     sender = publisher.sender
     try:
         for version in (1, 2):
@@ -198,10 +202,7 @@ def test_an_upload_superseded_by_the_learners_own_newer_version_is_done(live, ti
 def test_a_resumed_learner_behind_the_relay_is_still_refused(live, tiny_model):
     """The other 409: the relay holds version 5 from before the learner's crash; the resumed learner (the same
     session, a new process) uploads version 3, which it never superseded itself: refused, the learner stops."""
-    first = client(live.url)
-    first.register_learner(0, 2, layout_of(tiny_model).to_json())
-    before = WeightPublisher(tiny_model, lambda: client(live.url, first.learner), HTTP, rank=0, world=1,
-                             device=torch.device("cpu"), relay_version=None)
+    first, before = registered_publisher(live, tiny_model)
     try:
         before.publish(5)
         assert before.sender.wait_idle(30) and before.sender.error is None
@@ -210,8 +211,7 @@ def test_a_resumed_learner_behind_the_relay_is_still_refused(live, tiny_model):
     resumed = client(live.url)
     resumed.register_learner(2, 2, resume_session=first.learner.id)
     assert resumed.learner.id == first.learner.id   # the same session: only the process tells them apart
-    after = WeightPublisher(tiny_model, lambda: client(live.url, resumed.learner), HTTP, rank=0, world=1,
-                            device=torch.device("cpu"), relay_version=None)
+    _, after = registered_publisher(live, tiny_model, resumed)
     try:
         after.publish(3)
         assert after.sender.wait_idle(30)
