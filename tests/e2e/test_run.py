@@ -76,6 +76,9 @@ def test_grpo_run_trains_publishes_and_shuts_down(tiny_model_dir, tmp_path):
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
     assert all(abs(m["loss"]) < 1e6 for m in metrics) and metrics[-1]["version"] == 6
+    # the default off-policy correction: pi_old recomputed, token_tis weights capped at 2, the drift every step
+    assert all(m["mismatch_kl"] >= 0 and m["is_weight_max"] <= 2.0 + 1e-6 for m in metrics)
+    assert metrics[0]["mismatch_tokens/lag_0"] > 0 and metrics[0]["time_old_logprobs_s"] > 0
     generator_log = (tmp_path / "run" / "logs" / "gen-0.log").read_text()
     assert "policy version 0 -> " in generator_log  # a published version reached the generator
     assert (tmp_path / "run" / "config.yaml").exists() and (tmp_path / "final" / "model.safetensors").exists()
@@ -93,7 +96,8 @@ def test_a_service_that_dies_stops_the_run_with_its_last_lines(tiny_model_dir, t
     config.write_text(json.dumps(data))
     result = forks.run([GRPO, "run", str(config)], capture_output=True, text=True, timeout=600,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    # the generator's 2 (the user fixes the reward) is the run's: not 1, a service that had to give up
+    assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
     assert "gen-0 exited with status 2; its last lines:" in result.stdout
     assert "label_xyz" in result.stdout
     assert stray_processes(str(config)) == []
