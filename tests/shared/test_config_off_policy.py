@@ -12,9 +12,15 @@ def load(data: dict) -> GRPOConfig:
     return GRPOConfig.model_validate(data)
 
 
-def test_defaults_recompute_with_token_tis():
+def test_defaults_bypass_with_one_update_and_recompute_with_token_tis_with_more():
     off_policy = GRPOConfig().algorithm.off_policy
-    assert (off_policy.mode, off_policy.low, off_policy.high, off_policy.bypass) == ("token_tis", 0.5, 2.0, False)
+    assert (off_policy.mode, off_policy.low, off_policy.high, off_policy.bypass) == ("token_tis", 0.5, 2.0, True)
+    assert load({"learner": {"updates_per_batch": 2}}).algorithm.off_policy.bypass is False
+    explicit = load({"algorithm": {"off_policy": {"bypass": False}}})
+    assert explicit.algorithm.off_policy.bypass is False
+    for config in (GRPOConfig(), explicit, load({"learner": {"updates_per_batch": 3}})):
+        for dump in (config.model_dump(mode="json"), config.model_dump(mode="json", exclude_defaults=True)):
+            assert load(dump).algorithm.off_policy == config.algorithm.off_policy
 
 
 @pytest.mark.parametrize("cap, mode, high", [(3.0, "token_tis", 3.0), (None, "none", 2.0), (0.2, "token_tis", 0.2)])

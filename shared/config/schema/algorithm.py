@@ -152,12 +152,14 @@ class OffPolicyConfig(StrictModel):
                        description="Lower bound of the kept ratios (the masking modes).")
     high: float = Field(2.0, gt=0, allow_inf_nan=False,
                         description="Upper bound of the kept ratios (masking modes) or the truncation cap (tis modes).")
-    bypass: bool = Field(
-        False,
+    bypass: bool | None = Field(
+        None,
         description="Trust the generator's behaviour logprobs as pi_old and skip the learner's recompute of the old "
-        "logprobs (one forward pass less per batch): the ratio is then pi_theta / pi_behaviour, no correction "
-        "weights apply (d = 0 by definition), and the drift is still measured from the update's own forward. Only "
-        "with learner.updates_per_batch 1 (with more, later updates would no longer see pi_old).",
+        "logprobs (one forward pass less per batch): the PPO ratio is then pi_theta / pi_behaviour and its clip is "
+        "the only correction (no mode applies: d = 0 by definition); the drift is still measured, from the update's "
+        "own forward. Only with learner.updates_per_batch 1 (with more, later updates would no longer see pi_old). "
+        "Null: true with updates_per_batch 1 (as good as or better than every mode in docs/off-policy.md's "
+        "measurements, and cheaper), false with more (pi_old recomputed, 'mode' applied).",
     )
     warn_mismatch_kl: float | None = Field(
         0.01, gt=0, description="The learner's progress line warns when a step's mismatch_kl (mean k3 estimate of "
