@@ -179,8 +179,31 @@ def cmd_export(args: argparse.Namespace) -> int:
     if not args.merge:
         raise UsageError("grpo export writes merged folders only: pass --merge (the checkpoint folder itself is "
                          "already a peft adapter folder: adapter_config.json + adapter_model.safetensors)")
+    check_export_paths(Path(args.checkpoint), Path(args.out), args.force)
     print(json.dumps(merge_checkpoint(args.checkpoint, args.out, args.base), indent=2))
     return 0
+
+
+def check_export_paths(checkpoint: Path, out: Path, force: bool) -> None:
+    """Before anything loads: the checkpoint is a folder that exists, and OUT is new or empty (or ``--force``, when
+    the weight files of what it held are removed first, so that no shard of an earlier model mixes with the new
+    one); OUT is never the checkpoint itself."""
+    if not checkpoint.exists():
+        raise UsageError(f"no checkpoint folder {checkpoint} (from {Path.cwd()}); give a checkpoint tag folder of a "
+                         "run with learner.lora, e.g. runs/NAME/learner/checkpoints/step00000050")
+    if not checkpoint.is_dir():
+        raise UsageError(f"{checkpoint} is a file, not a checkpoint folder")
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"OUT {out} is a file; name a folder to write the merged model to")
+    if out.exists() and out.resolve() == checkpoint.resolve():
+        raise UsageError(f"OUT {out} is the checkpoint folder itself; name another folder")
+    if out.is_dir() and any(out.iterdir()):
+        if not force:
+            raise UsageError(f"OUT {out} already exists and is not empty; pass --force to overwrite what it holds, "
+                             "or name a new folder")
+        for item in out.iterdir():
+            if item.is_file() and item.name.endswith((".safetensors", ".bin", ".index.json")):
+                item.unlink()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -257,7 +280,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--merge", action="store_true", help="Merge the adapter into the base weights (required).")
     p.add_argument("checkpoint", help="A checkpoint tag folder of a LoRA run (learner.checkpoint_dir/stepNNNNNNNN), "
                    "or any peft adapter folder.")
-    p.add_argument("out", help="Folder to write the merged model to (created if missing).")
+    p.add_argument("out", help="Folder to write the merged model to (created if missing; one that holds files is "
+                   "refused unless --force).")
+    p.add_argument("--force", action="store_true", help="Write into OUT although it holds files (the weight files "
+                   "there are replaced).")
     p.add_argument("--base", help="Base model folder (default: the one recorded in the adapter's "
                    "adapter_config.json).")
 

@@ -25,7 +25,8 @@
   (``--resume``/``--fresh``, deploy/run_state.py); the last lines say where the model, logs, metrics and checkpoint
   are and how much disk the run uses.
 * The run ends when the learner finishes (exit 0), on Ctrl-C / SIGTERM (exit 130 / 143), or when any service dies
-  (its last log lines are shown; exit 1). Every service is then stopped: SIGTERM, then SIGKILL after
+  (its last log lines are shown; exit 2 when it exited 2, a problem the user can fix such as a generator whose
+  every group the hub refused, else 1). Every service is then stopped: SIGTERM, then SIGKILL after
   ``stop_grace_s``. Services run in their own process groups, so their children (torchrun ranks) go too.
 """
 
@@ -218,7 +219,7 @@ def plan(config: GRPOConfig, config_path: Path, run_dir: Path, *, resume: bool =
         gen_cmd = [*grpo, "generator", "--config", str(config_path), "--id", f"gen-{i}"]
         services.append(Service(f"gen-{i}", gen_cmd, gen_env, logs / f"gen-{i}.log",
                                 fork_argv=gen_cmd[3:] if fork_generators else None, console=config.run.console))
-    hub = f"http://{config.ref_server.host}:{config.ref_server.port}"
+    hub = config.ref_server.url
     for i, index in enumerate(scorer_gpus):  # several reference GPUs: one joined scorer on each
         scorer_env = {**base_env, **gpu_env([index], gpus, f"reference scorer {i}")}
         services.append(Service(f"scorer-{i}", [*grpo, "scorer", "--config", str(config_path), "--hub", hub,
@@ -244,7 +245,7 @@ def resolve_config(config: GRPOConfig) -> GRPOConfig:
     if config.run.run_dir is None:
         raise UsageError("run.run_dir is not set (`grpo run CONFIG` sets it to runs/<CONFIG's name>)")
     data = config.model_dump(mode="json")
-    hub = f"http://{config.ref_server.host}:{config.ref_server.port}"
+    hub = config.ref_server.url
     data["generator"]["hub_url"] = data["learner"]["hub_url"] = hub
     if len(config.run.placement.ref_server) > 1 and config.ref_server.local_scoring is None:
         data["ref_server"]["local_scoring"] = False  # several reference GPUs: a joined scorer on each
@@ -300,7 +301,7 @@ def run(config: GRPOConfig, *, resume: bool = False, fresh: bool = False, source
         if forked:
             for service in services:
                 service.start_reader(console_lock)
-        wait_ref_server(f"http://{config.ref_server.host}:{config.ref_server.port}", ref, config.run.health_timeout_s)
+        wait_ref_server(config.ref_server.url, ref, config.run.health_timeout_s)
         while True:
             if stop_signal:
                 status = 128 + stop_signal[0]
@@ -311,7 +312,7 @@ def run(config: GRPOConfig, *, resume: bool = False, fresh: bool = False, source
                 break
             dead = next((s for s in services if s.process.poll() is not None), None)
             if dead is not None:
-                status = 1
+                status = 2 if dead.process.returncode == 2 else 1   # 2: it stopped on something the user can fix
                 _say(console_lock, f"{dead.name} exited with status {dead.process.returncode}; its last lines:")
                 for line in list(dead.tail)[-config.run.tail_lines:]:
                     _say(console_lock, f"  {line}")

@@ -21,12 +21,14 @@ from generator.engines.base import Engine, SampledCompletion
 from generator.environments.base import prompt_tools
 from generator.multiturn import MultiTurnRollouts
 from generator.progress import Progress
+from generator.refusals import GroupsRefused, RefusalCounter
 from generator.rewards import RewardSet
 from generator.stats import LoopStats
 from generator.step_tokens import group_token_steps, tokenizer_decode
 from shared.config.schema.generator import EnvironmentConfig, StepRewardsConfig
 from shared.config.schema.weight_sync import WeightSyncConfig
 from shared.protocol.client import HubClient, HubError, HubUnavailable
+from shared.protocol.errors import ProtocolError
 from shared.protocol.records import RolloutGroup, SamplingParams
 from shared.weight_sync.receiver import WeightReceiver
 
@@ -60,7 +62,7 @@ class RolloutLoop:
                  drop_constant_groups: bool = False, seed: int = 0, progress: Progress | None = None,
                  wait_for_budget: bool = True, budget_poll_s: float = 2.0,
                  step_rewards: StepRewardsConfig | None = None,
-                 environment: EnvironmentConfig | None = None) -> None:
+                 environment: EnvironmentConfig | None = None, max_refused_in_a_row: int = 64) -> None:
         self.engine, self.tokenizer, self.client = engine, tokenizer, client
         self.rewards, self.prompts, self.sampling = rewards, prompts, sampling
         self.group_size, self.prompts_per_batch = group_size, prompts_per_batch
@@ -74,6 +76,7 @@ class RolloutLoop:
         self.seed = seed
         self.policy_version = 0
         self.stats = LoopStats()
+        self.refusals = RefusalCounter(max_refused_in_a_row)   # groups never accepted: dropped once; a livelock stops
         self.progress = progress or Progress(enabled=False)
         self._batch_index = 0
         self.kept_fraction = 1.0   # running share of prompts whose group is kept (dynamic sampling drops the rest)
@@ -134,6 +137,12 @@ class RolloutLoop:
 
     def build_group(self, example: Example, prompt_ids: list[int], samples: list[SampledCompletion]
                     ) -> RolloutGroup | None:
+        """The group of ``samples``, scored; None when it is not uploaded: no signal (dynamic sampling), or one
+        the hub could never accept (counted and dropped here, see generator/refusals.py)."""
+        unusable = next((s.unusable for s in samples if s.unusable is not None), None)
+        if unusable is not None:
+            self._unacceptable(unusable)
+            return None
         texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
         scores = self.rewards.score_group(example.question, texts, example.data)
         if self.environment is not None:
@@ -149,7 +158,7 @@ class RolloutLoop:
         if self.drop_constant_groups and not carries_signal(scores.total, steps):
             self.stats.groups_dropped_constant += 1
             return None
-        return RolloutGroup.from_samples(
+        group = RolloutGroup.from_samples(
             prompt_ids=prompt_ids, completion_ids=[s.token_ids for s in samples],
             behaviour_logprobs=[s.logprobs for s in samples], rewards=scores.total,
             finish_reasons=[s.finish_reason for s in samples], policy_version=self.policy_version,
@@ -158,6 +167,15 @@ class RolloutLoop:
                  | {"example_id": example.example_id},
             steps=steps, masks=[s.mask for s in samples] if any(s.mask is not None for s in samples) else None,
         )
+        try:  # the hub's own checks of a group's content (its context and temperature are the hub's to check)
+            return group.validate()
+        except ProtocolError as exc:
+            self._unacceptable(str(exc))
+            return None
+
+    def _unacceptable(self, reason: str) -> None:
+        self.stats.groups_unacceptable += 1
+        self.refusals.refused("this generator's check of its groups (the hub would refuse them)", reason)
 
     def step(self, num_prompts: int | None = None) -> list[RolloutGroup]:
         """One engine call: ``num_prompts`` (default ``prompts_per_batch``) prompts x G completions, scored (not yet
@@ -194,6 +212,7 @@ class RolloutLoop:
     def _count(self, group: RolloutGroup, answer: dict) -> None:
         self.stats.last_queue_depth = answer.get("queue_depth")
         if answer.get("accepted"):
+            self.refusals.accepted()
             self.stats.groups_uploaded += 1
             self.stats.reward_sum += float(group.rewards.sum())
             self.stats.reward_count += group.group_size
@@ -206,7 +225,7 @@ class RolloutLoop:
             self.stats.groups_refused_stale += 1
         elif "refused" in answer:  # the hub refused this group alone (a batch upload); the others went on
             self.stats.groups_refused_invalid += 1
-            log.error("the hub refused group %s (%s): %s", group.group_id, answer.get("status"), answer["refused"])
+            self.refusals.refused(f"the hub ({answer.get('status')})", str(answer["refused"]))
 
     # -- the loop -------------------------------------------------------------------------------------------
     def run(self, stop: threading.Event, max_groups: int | None = None) -> LoopStats:
@@ -216,6 +235,9 @@ class RolloutLoop:
             if not stop.is_set():
                 raise
             log.warning("stopped while the hub was unreachable (%s)", exc)
+        except GroupsRefused:
+            self.progress.close(self.stats, self.policy_version)  # what was counted, then the reason
+            raise
         self.progress.close(self.stats, self.policy_version)
         return self.stats
 

@@ -92,7 +92,8 @@ def build_loop(config: GRPOConfig, engine, client: HubClient, progress: Progress
         prompts_per_batch=cfg.prompts_per_batch, generator_id=generator_id, weights_dir=cfg.weights_dir,
         system_prompt=system_prompt_for(cfg.dataset), template=cfg.dataset.template,
         drop_constant_groups=cfg.drop_constant_groups, seed=config.seed, progress=progress,
-        wait_for_budget=cfg.wait_for_budget, step_rewards=cfg.step_rewards, environment=cfg.environment)
+        wait_for_budget=cfg.wait_for_budget, step_rewards=cfg.step_rewards, environment=cfg.environment,
+        max_refused_in_a_row=cfg.max_refused_in_a_row)
 
 
 def run_generator(config: GRPOConfig, stop: threading.Event | None = None) -> LoopStats:

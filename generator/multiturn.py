@@ -77,6 +77,7 @@ class Trajectory:
     env_reward: float | None = None
     finish: str | None = None    # None while the trajectory goes on
     error: str | None = None
+    unusable: str | None = None  # why it can never be trained on (its reset text left no room for a model token)
 
     def append(self, ids: Sequence[int], logprobs: Sequence[float] | None, model: bool) -> None:
         self.tokens += list(ids)
@@ -85,7 +86,8 @@ class Trajectory:
 
     def completion(self) -> SampledCompletion:
         return SampledCompletion(self.tokens, self.logprobs, self.finish or "length", mask=self.mask,
-                                 env_reward=self.env_reward, env_failed=self.error is not None)
+                                 env_reward=self.env_reward, env_failed=self.error is not None,
+                                 unusable=self.unusable)
 
 
 def call_all(calls: list[Callable[[], Any]], timeout_s: float) -> list[tuple[Any, str | None]]:
@@ -171,6 +173,15 @@ class MultiTurnRollouts:
         self.stats.env_errors += 1
         log.warning("environment failed a trajectory: %s", why)
 
+    def _check_room(self, row: Trajectory) -> None:
+        """A trajectory whose reset() text alone reaches ``max_total_tokens`` ends before any model turn: it holds
+        no model token, so the hub refuses its group (generator/refusals.py drops it, once)."""
+        limit = self.cfg.max_total_tokens
+        if row.finish is None and len(row.tokens) >= limit:
+            row.finish = "length"
+            row.unusable = (f"the environment's reset() text is {len(row.tokens)} tokens, which leaves no room for a "
+                            f"model token within generator.environment.max_total_tokens = {limit}")
+
     def observation_tokens(self, text: str) -> list[int]:
         limit = self.cfg.max_env_tokens
         if len(text) > limit * CHARS_PER_TOKEN_LIMIT:
@@ -216,6 +227,7 @@ class MultiTurnRollouts:
                         rows[i].append(self.observation_tokens(value), None, model=False)
                     except EnvironmentFailure as exc:
                         self._fail(rows[i], f"reset() {exc}")
+                    self._check_room(rows[i])
         self._run_turns(rows, prompts, sampling, n, seed, first_turn_shared=shared_prompt)
         self.stats.trajectories += len(rows)
         for row in rows:

@@ -66,9 +66,10 @@ class Progress:
         if self.enabled:
             means = {k: round(v / max(stats.reward_count, 1), 3) for k, v in stats.component_sums.items()}
             log.info("done: %d groups uploaded, %d dropped (constant reward), %d refused as stale, %d refused as "
-                     "invalid, %d reward errors, %d engine calls put off for %.1fs (the learner could not use more "
+                     "invalid, %d dropped as unacceptable, %d reward errors, %d engine calls put off for %.1fs (the learner could not use more "
                      "groups yet), per-reward means %s, %s", stats.groups_uploaded, stats.groups_dropped_constant,
-                     stats.groups_refused_stale, stats.groups_refused_invalid, stats.reward_errors,
+                     stats.groups_refused_stale, stats.groups_refused_invalid, stats.groups_unacceptable,
+                     stats.reward_errors,
                      stats.budget_waits, stats.budget_wait_s, means,
                      self.summary(stats, version))
             if stats.weight_versions_vanished:

@@ -12,7 +12,8 @@ class LoopStats:
     groups_uploaded: int = 0
     groups_dropped_constant: int = 0
     groups_refused_stale: int = 0
-    groups_refused_invalid: int = 0  # refused by the hub alone in a batch upload (a value it cannot batch); logged
+    groups_refused_invalid: int = 0  # refused by the hub alone in a batch upload (a value it cannot batch)
+    groups_unacceptable: int = 0    # dropped before upload: the hub could never accept them (generator/refusals.py)
     prompts: int = 0
     completion_tokens: int = 0
     reward_errors: int = 0

@@ -177,7 +177,9 @@ class Learner:
         find the version to start from (registered with the hub once the publisher knows the layout). Returns the hub's
         newest weights version."""
         algorithm = self.config.algorithm
-        if self.config.hub_scores_reference and not self.client.health()["reference_model_loaded"]:
+        health = self.client.health()   # configured: a hub whose scorers join later scores the reference too
+        if self.config.hub_scores_reference and not health.get("reference_model_configured",
+                                                                health["reference_model_loaded"]):
             wants = (f"algorithm.loss.beta is {algorithm.loss.beta}" if algorithm.loss.beta > 0
                      else "algorithm.kl.in_reward is true")
             raise LearnerSetupError(

@@ -12,7 +12,12 @@ router = APIRouter(tags=["operations"])
 
 @router.get("/healthz")
 async def healthz(state: State) -> dict:
-    return {"status": "ok", "model": state.model_name, "reference_model_loaded": state.scorer is not None,
+    """``reference_model_loaded``: a scorer holds the reference model now (this process's own, or a joined one);
+    ``reference_model_configured``: this hub scores the reference at all (groups wait for a scorer meanwhile)."""
+    scorer = state.scorer
+    loaded = scorer is not None and (scorer.local is not None or scorer.scorers() > 0)
+    return {"status": "ok", "model": state.model_name, "reference_model_loaded": loaded,
+            "reference_model_configured": scorer is not None,
             "vocab_size": state.vocab_size, "max_context": state.max_context,
             "queue_depth": state.hub.depth(), "weights_version": state.weights.current,
             "learner_version": state.hub.learner_version,

@@ -9,6 +9,7 @@ so a wrong signature stops the run at start-up instead of scoring every completi
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import importlib
 import importlib.util
@@ -20,7 +21,7 @@ from typing import Any
 
 from shared.errors import UsageError
 
-__all__ = ["check_callable", "load_object", "split_spec"]
+__all__ = ["check_callable", "check_keyword_args", "load_object", "split_spec"]
 
 
 def split_spec(spec: str, key: str) -> tuple[str, str]:
@@ -103,3 +104,28 @@ def check_callable(fn: Any, key: str, *, keywords: Iterable[str], contract: str,
     except TypeError as exc:
         raise UsageError(f"{key}: {getattr(fn, '__qualname__', fn)}{signature} cannot be called as {contract} "
                          f"({exc})") from None
+
+
+def check_keyword_args(target: Any, args: dict[str, Any], key: str) -> None:
+    """Raise a UsageError naming ``key`` unless ``target`` (a class: its constructor) can be called with ``args``
+    as keyword arguments: an unknown name is named with the names it takes (and the closest one), a missing
+    required one too. Checked at start-up: a typo in args otherwise failed every trajectory at run time."""
+    try:
+        signature = inspect.signature(target)
+    except (TypeError, ValueError):
+        return  # no signature to check against: its first call checks
+    params = signature.parameters.values()
+    takes = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+             and not p.name.startswith("_")]
+    what = getattr(target, "__qualname__", repr(target))
+    if not any(p.kind is p.VAR_KEYWORD for p in params):
+        unknown = [name for name in args if name not in takes]
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], takes, n=1, cutoff=0.6)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise UsageError(f"{key}: unknown argument {unknown[0]!r}{hint}; {what} takes "
+                             f"{', '.join(takes) if takes else 'no arguments'}")
+    try:
+        signature.bind(**args)
+    except TypeError as exc:
+        raise UsageError(f"{key}: {what}{signature} cannot be called with {sorted(args)} ({exc})") from None

@@ -18,6 +18,7 @@ class SampledCompletion:
     mask: list[int] | None = None
     env_reward: float | None = None   # the sum of the environment's step rewards (None: it gave none)
     env_failed: bool = False          # the environment failed this trajectory (it ended there)
+    unusable: str | None = None       # why no group holding it can be trained on (no room for a model token)
 
 
 @dataclass

@@ -35,7 +35,7 @@ from typing import Any, Protocol
 from shared.config.schema.generator import EnvironmentConfig
 from shared.errors import UsageError
 from shared.registry import Registry
-from shared.user_code import load_object
+from shared.user_code import check_keyword_args, load_object
 
 
 @dataclass
@@ -76,6 +76,8 @@ def environment_factory(cfg: EnvironmentConfig, key: str = "generator.environmen
     check_args = getattr(cls, "check_args", None)
     if callable(check_args):
         check_args(cfg.args)
+    elif not callable(getattr(cls, "with_tokenizer", None)):   # built with args as keywords: check them now
+        check_keyword_args(cls, cfg.args, key.rpartition(".")[0] + ".args")
     return cls
 
 
@@ -90,7 +92,8 @@ def prompt_tools(cfg: EnvironmentConfig | None) -> list[dict] | None:
 
 def stop_strings(cfg: EnvironmentConfig, env_class) -> list[str]:
     """The strings that end a model turn: the config's, else the class's ``stop`` attribute (may be empty)."""
-    stop = cfg.stop if cfg.stop is not None else list(getattr(env_class, "stop", []) or [])
+    stop = cfg.stop if cfg.stop is not None else getattr(env_class, "stop", []) or []
+    stop = [stop] if isinstance(stop, str) else list(stop)   # stop = "</answer>": one string, not its characters
     if not all(isinstance(s, str) and s for s in stop):
         raise UsageError(f"generator.environment.stop: expected non-empty strings, got {stop!r}")
     return stop

@@ -97,8 +97,6 @@ class RewardSet:
     """The configured rewards; ``score_group`` gives totals, per-reward values and steps, errors contained."""
 
     def __init__(self, terms: list[RewardTerm]) -> None:
-        if not terms:
-            raise RewardConfigError("at least one reward is needed")
         names = [t.name for t in terms]
         if len(set(names)) != len(names):
             raise RewardConfigError(f"reward names must be unique, got {names} (use 'label' to tell two apart)")

@@ -7,6 +7,7 @@ registries when the config is loaded, not when a training step first uses them.
 
 from __future__ import annotations
 
+import difflib
 import json
 from pathlib import Path
 from typing import Any, get_args, get_origin
@@ -48,16 +49,36 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return tree
 
 
-def format_validation_error(exc: ValidationError, source: str) -> str:
-    """One line per problem, each naming the dotted key: ``algorithm.loss.bta: unknown key``."""
+def format_validation_error(exc: ValidationError, source: str, schema: type[BaseModel] = GRPOConfig) -> str:
+    """Every problem at once, one line each, naming the dotted key: ``algorithm.loss.bta: unknown key (did you mean
+    'beta'?)``."""
     lines = []
     for error in exc.errors():
         key = ".".join(str(part) for part in error["loc"]) or "<top level>"
         if error["type"] == "extra_forbidden":
-            lines.append(f"{key}: unknown key")
-        else:
-            lines.append(f"{key}: {error['msg']}")
+            lines.append(f"{key}: unknown key{did_you_mean(schema, error['loc'])}")
+            continue
+        message = error["msg"].removeprefix("Value error, ")   # a validator's own message names its keys
+        lines.append(message if message.startswith(f"{key}") and error["loc"] else f"{key}: {message}")
     return f"invalid config {source}:\n  " + "\n  ".join(lines)
+
+
+def did_you_mean(schema: type[BaseModel], loc: tuple) -> str:
+    """`` (did you mean 'x'?)`` for an unknown key at ``loc`` whose section has a key spelled like it; else
+    `` (known: ...)`` listing the section's keys."""
+    model: type[BaseModel] | None = schema
+    for part in loc[:-1]:
+        if isinstance(part, int):    # an entry of a list section (generator.rewards[0])
+            continue
+        field = model.model_fields.get(str(part)) if model is not None else None
+        model = _nested_model(field.annotation)[0] if field is not None else None
+    if model is None:
+        return ""
+    known = list(model.model_fields)
+    close = difflib.get_close_matches(str(loc[-1]), known, n=2, cutoff=0.6)
+    if close:
+        return " (did you mean " + " or ".join(repr(name) for name in close) + "?)"
+    return f" (known: {', '.join(known)})"
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
@@ -84,7 +105,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     try:
         return schema.model_validate(tree)
     except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc, source)) from None
+        raise ConfigError(format_validation_error(exc, source, schema)) from None
 
 
 def _nested_model(annotation: Any) -> tuple[type[BaseModel] | None, str]:

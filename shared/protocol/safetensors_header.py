@@ -64,8 +64,10 @@ def encode_header(tensors: Iterable[tuple[str, str, Sequence[int], int, int]],
 
 
 def read_header(data: bytes | memoryview, allowed: Collection[str]) -> dict[str, Any]:
-    """Parse and sanity-check the header at the start of ``data`` (size, JSON object, every tensor's dtype one of
-    ``allowed``) without touching the data section. Problems are :class:`HeaderError`."""
+    """Parse and sanity-check the header at the start of ``data`` (size, JSON object, metadata of strings, every
+    tensor entry an object of ``dtype`` (one of ``allowed``), ``shape`` and ``data_offsets`` of the JSON types they
+    must have) without touching the data section. Problems are :class:`HeaderError`: whatever JSON the header
+    holds, nothing else is raised."""
     if len(data) < 8:
         raise HeaderError("body is not safetensors: shorter than its 8-byte header size")
     (header_size,) = struct.unpack("<Q", bytes(data[:8]))
@@ -81,26 +83,43 @@ def read_header(data: bytes | memoryview, allowed: Collection[str]) -> dict[str,
     if not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
         raise HeaderError(f"body is not safetensors: {METADATA} is not an object of strings")
     for name, spec in header.items():
-        if name == METADATA:
-            continue
-        if not isinstance(spec, dict) or spec.get("dtype") not in allowed:
-            raise HeaderError(f"tensor {name!r}: unsupported or missing dtype")
+        if name != METADATA:
+            _check_tensor_entry(name, spec, allowed)
     return header
 
 
+def _check_tensor_entry(name: str, spec: object, allowed: Collection[str]) -> None:
+    """One tensor's entry, every field of the JSON type it must have (a list where a string belongs made
+    ``dtype not in allowed`` raise TypeError: a 500), before any reader looks at its values."""
+    if not isinstance(spec, dict):
+        raise HeaderError(f"tensor {name!r}: its entry is a JSON {_json_type(spec)}, not an object")
+    dtype = spec.get("dtype")
+    if not isinstance(dtype, str) or dtype not in allowed:
+        shown = dtype if isinstance(dtype, str) else f"a JSON {_json_type(dtype)}"
+        raise HeaderError(f"tensor {name!r}: unsupported or missing dtype ({shown!s:.40}); accepted: "
+                          f"{', '.join(sorted(allowed))}")
+    shape = spec.get("shape")
+    if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+        raise HeaderError(f"tensor {name!r} has no valid shape (a list of non-negative integers)")
+    offsets = spec.get("data_offsets")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int and o >= 0 for o in offsets)):
+        raise HeaderError(f"tensor {name!r} has no valid data_offsets [begin, end]")
+
+
+def _json_type(value: object) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number",
+            type(None): "null"}.get(type(value), type(value).__name__)
+
+
 def check_data_offsets(header: dict[str, Any]) -> int:
-    """Tensors' byte ranges must tile the data section exactly: each ``data_offsets`` a pair of integers, matching
-    its dtype (already checked by :func:`read_header`) and shape, contiguous and non-overlapping from 0. Returns
-    the data section's size."""
+    """Tensors' byte ranges must tile the data section exactly: each ``data_offsets`` matching its dtype and shape
+    (their types already checked by :func:`read_header`), contiguous and non-overlapping from 0. Returns the data
+    section's size."""
     ranges = []
     for name, spec in header.items():
         if name == METADATA:
             continue
-        offsets, shape = spec.get("data_offsets"), spec.get("shape")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
-            raise HeaderError(f"tensor {name!r} has no valid data_offsets [begin, end]")
-        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
-            raise HeaderError(f"tensor {name!r} has no valid shape")
+        offsets, shape = spec["data_offsets"], spec["shape"]
         begin, end = offsets
         numel = 1
         for d in shape:

@@ -105,6 +105,7 @@ class WeightSender:
         self.version_sent = False                # a transfer of the buffer's version started ("superseded")
         self.published_at: dict[int, float] = {}  # the buffer's version -> when it was complete
         self.relay_version = relay_version
+        self.highest_sent: int | None = None     # the newest version this sender itself sent to the relay
         self.announced: int | None = None
         self.error: WeightsRefusedError | None = None   # the hub refused our weights: raised at the next publish
         self.ready_event: torch.cuda.Event | None = None
@@ -321,6 +322,13 @@ class WeightSender:
                 log.warning("weight sync: version %d not delivered to the hub: %s", version, exc)
                 self.stopping.wait(1.0)
 
+    def _superseded_by_own(self, version: int, current: int | None) -> bool:
+        """A 409 for ``version`` that means done: the relay's ``current`` version is this one (an earlier attempt of
+        this upload landed, its answer lost and the request sent again, e.g. across a hub restart) or a newer one
+        this sender itself sent (the retry arrived after it). A relay ahead of everything this sender sent (a
+        resumed learner behind the relay, another learner's weights) is a refusal."""
+        return current is not None and self.highest_sent is not None and version <= current <= self.highest_sent
+
     def upload_relay(self, version: int) -> None:
         """Upload ``version`` from the buffer (the caller added "relay" to the transfers). A refusal is kept in
         :attr:`error` (the learner raises it at its next publish), never taken for "already there"."""
@@ -329,6 +337,7 @@ class WeightSender:
             self.wait_buffer_ready()
             with self.lock:
                 self.version_sent = self.version_sent or version == self.version
+                self.highest_sent = max(self.highest_sent or 0, version)
             header = self.layout.safetensors_header(self.metadata | {"grpo_version": str(version)})
             self.client.upload_weights_stream(version, SafetensorsStream(header, self.buffer))
             with self.lock:
@@ -338,9 +347,8 @@ class WeightSender:
                     self.counters.last_transfer_s = time.perf_counter() - self.published_at[version]
             log.info("weight sync: version %d on the relay (%.2fs)", version, time.perf_counter() - started)
         except HubError as exc:
-            # the relay holds exactly this version when an earlier attempt of this upload landed (its answer was
-            # lost and the request sent again): that is done. Any other refusal is an error the learner reports.
-            if exc.status != 409 or self.client.weights_version() != version:
+            current = self.client.weights_version() if exc.status == 409 else None
+            if not self._superseded_by_own(version, current):
                 refused = WeightsRefusedError(f"the hub refused weights version {version}: {exc.detail}")
                 log.error("weight sync: %s", refused)
                 with self.lock:  # raised on the learner's thread at its next publish (every rank stops)
@@ -348,6 +356,11 @@ class WeightSender:
                     self.lock.notify_all()
                 return
             with self.lock:
-                self.relay_version = max(self.relay_version or 0, version)
+                self.relay_version = max(self.relay_version or 0, current)
+                if current > version:
+                    self.counters.relay_superseded += 1
+            if current > version:
+                log.info("weight sync: version %d was superseded on the relay by this learner's version %d",
+                         version, current)
         finally:
             self.transfer_done("relay")

@@ -28,6 +28,7 @@ class SyncCounters:
     superseded: int = 0             # versions overwritten before any transfer of them started
     refused_nonfinite: int = 0      # publishes refused: NaN/inf in the weights
     relay_uploads: int = 0
+    relay_superseded: int = 0       # relay uploads found done: this learner's newer version was there already
     served: int = 0                 # (member, version) transfers completed
     dropped: int = 0                # members dropped after a failed / timed-out transfer
     members: int = 0                # members holding a group now

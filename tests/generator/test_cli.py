@@ -88,3 +88,54 @@ def test_sigterm_with_a_dead_hub_exits_promptly(tmp_path, tiny_model_dir):
     assert proc.returncode == 0, stderr[-2000:]
     assert time.monotonic() - started < 30
     assert "stopped while the hub was unreachable" in stderr or "groups uploaded" in stderr
+
+
+LONG_RESET = Path(__file__).with_name("long_reset_env.py")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shared", [False, True], ids=["own-reset-fills-max_total_tokens", "shared-reset-past-context"])
+def test_a_generator_whose_every_group_is_refused_stops_with_the_reason(tmp_path, tiny_model_dir, shared):
+    """The livelock: every group of this config is refused (a reset() text that leaves no room for a model token,
+    dropped by the generator's own check; or, joined to the prompt, one longer than the model's 256-token context,
+    refused 422 by the hub). Each is counted and dropped once, the reason logged once, and after
+    max_refused_in_a_row refusals in a row the generator stops with it, exit 2, instead of sampling forever."""
+    with LiveServer(make_config(tmp_path, tiny_model_dir)) as live:
+        environment = (f"{{name: '{LONG_RESET}:LongReset', max_env_tokens: 400, max_total_tokens: 32, "
+                       f"args: {{length: 300, shared: {str(shared).lower()}}}}}")
+        config = write_config(tmp_path, live.url, tiny_model_dir, environment=environment, max_refused_in_a_row=5)
+        started = time.monotonic()
+        result = forks.run([GRPO, "generator", "--config", str(config), "--max-groups", "3"], capture_output=True,
+                           text=True, timeout=300, env=ENV)
+        counters = live.state.hub.counters
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert time.monotonic() - started < 200 and "Traceback" not in result.stderr
+    assert "refused the last 5 groups and accepted none" in result.stderr
+    if shared:   # the hub's reason, refused by the hub: every group sent once
+        reason = "exceed the model's context of 256"
+        assert counters.rejected == 6 and counters.accepted == 0   # 3 engine calls of 2 prompts, none sent again
+        assert "5 refused as invalid, 0 dropped as unacceptable" in result.stderr
+    else:        # the generator's own check: nothing sent
+        reason = "reset() text is 300 tokens, which leaves no room for a model token"
+        assert counters.rejected == 0 and counters.accepted == 0
+        assert "0 refused as invalid, 5 dropped as unacceptable" in result.stderr
+    assert result.stderr.count(reason) == 2, result.stderr[-3000:]   # logged once, then in the final error
+
+
+@pytest.mark.slow
+def test_an_environment_reward_runs_alone_in_the_generator(tmp_path, tiny_model_dir):
+    """reward: environment with no rewards listed: the generator uploads groups scored by the environment alone
+    (the default arithmetic reward, which fails on a guessing game's examples, is not run)."""
+    with LiveServer(make_config(tmp_path)) as live:
+        # no answer field: the default arithmetic reward failed on every completion here and stopped the run
+        config = write_config(tmp_path, live.url, tiny_model_dir, dataset="{kind: jsonl, answer_field: null, path: "
+                              + str(tmp_path / "secrets.jsonl") + "}",
+                              environment="{name: guess, reward: environment, max_turns: 2, stop: '\\n', "
+                                          "args: {secret_field: secret}}")
+        (tmp_path / "secrets.jsonl").write_text("".join(f'{{"question": "guess", "secret": "{n:03d}"}}\n'
+                                                        for n in range(5)))
+        result = forks.run([GRPO, "generator", "--config", str(config), "--max-groups", "2"], capture_output=True,
+                           text=True, timeout=300, env=ENV)
+        batch = HubClient(live.url).get_batch(2, wait_s=10)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert set(batch.reward_components) == {"environment"} and "arithmetic" not in result.stderr

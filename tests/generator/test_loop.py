@@ -80,7 +80,7 @@ def test_a_group_the_hub_refuses_is_counted_and_logged_and_the_loop_goes_on(engi
         groups[0].rewards[1] = float("inf")   # as a reward of 1e39 became before the generator contained it
         loop.upload(groups)
         assert loop.stats.groups_uploaded == 1 and loop.stats.groups_refused_invalid == 1
-        assert f"the hub refused group {groups[0].group_id} (422): rewards[1] = inf" in caplog.text
+        assert "the hub (422) refused a group: rewards[1] = inf" in caplog.text
         stats = loop.run(threading.Event(), max_groups=3)   # and the run goes on
         assert stats.groups_uploaded == 3 and live.state.hub.depth() == 3
 

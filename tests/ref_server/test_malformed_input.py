@@ -56,6 +56,37 @@ def test_weights_with_broken_headers_are_400(server_factory, spec, reason):
     assert live.get("/v1/weights").json()["version"] is None
 
 
+# every JSON type where a header field belongs: each was a TypeError (a 500) somewhere ("dtype": [..] on every route)
+ODD_ENTRIES = [
+    {"dtype": ["F32"], "shape": [2], "data_offsets": [0, 8]},
+    {"dtype": {"F32": 1}, "shape": [2], "data_offsets": [0, 8]},
+    {"dtype": None, "shape": [2], "data_offsets": [0, 8]},
+    {"dtype": "F32", "shape": {"0": 2}, "data_offsets": [0, 8]},
+    {"dtype": "F32", "shape": [2], "data_offsets": [[0], 8]},
+    ["F32", [2], [0, 8]],
+]
+
+
+@pytest.mark.parametrize("entry", ODD_ENTRIES, ids=lambda e: json.dumps(e)[:40])
+def test_header_fields_of_any_json_type_are_4xx_on_every_route(shared_server, entry):
+    """The one header parser answers every route that reads safetensors bytes: /v1/logprobs (binary),
+    /v1/rollouts, /v1/rollouts/batch (a bad container, and a bad group inside a good one) and the weight upload."""
+    live = shared_server
+    blob = _weights_blob({"t": entry}, b"\0" * 8)
+    for path in ("/v1/logprobs", "/v1/rollouts", "/v1/rollouts/batch"):
+        response = live.post(path, data=blob, headers=OCTET)
+        assert response.status_code == 400 and "tensor 't'" in response.json()["detail"], (path, response.text)
+    response = _put(live, "/v1/weights/1", blob)
+    assert response.status_code == 400 and "tensor 't'" in response.json()["detail"], response.text
+    from shared.protocol.wire import encode_messages
+    inner = live.post("/v1/rollouts/batch", data=encode_messages([blob]), headers=OCTET)
+    assert inner.status_code == 200, inner.text
+    (answer,) = inner.json()["answers"]
+    assert answer["status"] == 400 and "tensor 't'" in answer["refused"]
+    metrics = live.get("/metrics").text
+    assert 'status="500"' not in metrics
+
+
 def test_weights_with_overlapping_or_gapped_tensors_are_400(server_factory):
     live = server_factory(model=False)
     overlap = {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},

@@ -73,13 +73,16 @@ def test_two_scorers_score_like_local_and_one_killed_mid_run_loses_nothing(serve
                                                                            tmp_path):
     live = server_factory(local_scoring=False, scorer_lease_s=2.0, queue_capacity=64)
     pool = live.state.scorer
-    assert live.get("/healthz").json()["scoring"] == "no scorer"
+    health = live.get("/healthz").json()   # no scorer yet: the reference model is loaded nowhere
+    assert (health["scoring"], health["reference_model_loaded"], health["reference_model_configured"]) == \
+        ("no scorer", False, True)
     scorers = [start_scorer(live.url, tiny_model_dir, name, tmp_path) for name in ("s-a", "s-b")]
     direct = ReferenceScorer(tiny_model, vocab_size=tiny_model.config.vocab_size, max_context=512)
     client = HubClient(live.url)
     try:
         wait_for(lambda: pool.scorers() == 2, 300, "two scorers to join")  # ~5 s on an idle machine
-        assert live.get("/healthz").json()["scoring"] == "2 joined"
+        health = live.get("/healthz").json()
+        assert (health["scoring"], health["reference_model_loaded"]) == ("2 joined", True)
         groups = [make_group(seed=i, group_size=8, prompt=tuple(range(1, 33)), lengths=(60, 50, 40, 64, 55, 45, 30, 64))
                   for i in range(24)]
         for group in groups[:12]:

@@ -6,6 +6,8 @@ import struct
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import save
 
 from shared.protocol import safetensors_header as sth
@@ -91,8 +93,8 @@ def test_read_header_keeps_every_check():
       "b": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, "starts at byte 4, expected 8"),
 ])
 def test_data_offsets_must_tile_the_data_section(tensors, message):
-    with pytest.raises(sth.HeaderError, match=message):
-        sth.check_data_offsets({"__metadata__": {"format": "pt"}, **tensors})
+    with pytest.raises(sth.HeaderError, match=message):  # the types by read_header, the ranges by check_data_offsets
+        sth.check_data_offsets(sth.read_header(_raw({"__metadata__": {"format": "pt"}, **tensors}), ALL))
 
 
 def test_data_offsets_of_a_valid_file_give_its_data_size():
@@ -100,3 +102,54 @@ def test_data_offsets_of_a_valid_file_give_its_data_size():
     header = sth.read_header(blob, ALL)
     header_size = struct.unpack("<Q", blob[:8])[0]
     assert 8 + header_size + sth.check_data_offsets(header) == len(blob)
+
+
+# -- any JSON in any field: a HeaderError naming it, never another exception (a list as dtype was a 500) -----------
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats(allow_nan=False,
+                    allow_infinity=False) | st.text(max_size=8),
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+                    max_leaves=12)
+FIELD = st.sampled_from(["dtype", "shape", "data_offsets"])
+
+
+@pytest.mark.parametrize(("entry", "message"), [
+    ({"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]}, r"dtype \(a JSON array\)"),
+    ({"dtype": {"F32": 1}, "shape": [1], "data_offsets": [0, 4]}, r"dtype \(a JSON object\)"),
+    ({"dtype": 7, "shape": [1], "data_offsets": [0, 4]}, r"dtype \(a JSON number\)"),
+    ({"shape": [1], "data_offsets": [0, 4]}, r"dtype \(a JSON null\)"),
+    ({"dtype": "F32", "shape": "1", "data_offsets": [0, 4]}, "no valid shape"),
+    ({"dtype": "F32", "shape": [True], "data_offsets": [0, 4]}, "no valid shape"),
+    ({"dtype": "F32", "shape": [1], "data_offsets": {"0": 4}}, "no valid data_offsets"),
+    ({"dtype": "F32", "shape": [1], "data_offsets": [-4, 0]}, "no valid data_offsets"),
+    (["F32", [1], [0, 4]], "entry is a JSON array, not an object"),
+])
+def test_every_field_of_the_wrong_json_type_is_named(entry, message):
+    with pytest.raises(sth.HeaderError, match=message):
+        sth.read_header(_raw({"t": entry}), ALL)
+    with pytest.raises(wire.WireError, match=message):   # the rollout wire's form (every route's parser)
+        wire.decode_messages(_raw({"__metadata__": {"grpo_format": "rollout_groups/v1"}, "message/0": entry}), 4)
+
+
+@settings(max_examples=300, deadline=None)
+@given(header=st.dictionaries(st.text(max_size=6), JSON, max_size=3) | JSON,
+       entry=st.dictionaries(FIELD, JSON, max_size=3), field=FIELD, value=JSON)
+def test_arbitrary_json_headers_are_rejected_cleanly_or_read(header, entry, field, value):
+    """Whatever JSON a header holds (any value in any field of a tensor entry, in the metadata, or as the whole
+    header), reading it either succeeds with every field of its type or raises HeaderError: never TypeError,
+    KeyError, AttributeError... (each a 500 on the routes that read headers)."""
+    valid = {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}
+    for candidate in (header, {"t": entry}, {"t": {**valid, field: value}}, {"__metadata__": value, "t": valid}):
+        blob = _raw(candidate) + bytes(64)
+        for allowed in (ALL, wire.ALLOWED_DTYPES, {"F32"}):
+            try:
+                parsed = sth.read_header(blob, allowed)
+                sth.check_data_offsets(parsed)
+            except sth.HeaderError:
+                continue
+            for name, spec in parsed.items():
+                if name != sth.METADATA:
+                    assert spec["dtype"] in allowed and all(type(d) is int for d in spec["shape"])
+        try:
+            wire.decode(blob, "rollout_group/v1")
+        except wire.WireError:
+            pass

@@ -147,11 +147,18 @@ def test_the_learner_reports_a_refusal_of_its_own_weights_as_an_error(tmp_path, 
         _refused_after_takeover(live, tiny_model)
 
 
+def registered_publisher(live, model, learner: HubClient | None = None) -> tuple[HubClient, WeightPublisher]:
+    """A learner's client registered with the hub (``learner`` when given, already registered) and a publisher of
+    ``model`` over the HTTP relay in its session."""
+    if learner is None:
+        learner = client(live.url)
+        learner.register_learner(0, 2, layout_of(model).to_json())
+    return learner, WeightPublisher(model, lambda: client(live.url, learner.learner), HTTP, rank=0, world=1,
+                                    device=torch.device("cpu"), relay_version=None)
+
+
 def _refused_after_takeover(live, tiny_model):
-    learner = client(live.url)
-    learner.register_learner(0, 2, layout_of(tiny_model).to_json())
-    publisher = WeightPublisher(tiny_model, lambda: client(live.url, learner.learner), HTTP, rank=0, world=1,
-                                device=torch.device("cpu"), relay_version=None)
+    learner, publisher = registered_publisher(live, tiny_model)
     try:
         publisher.publish(1)
         assert publisher.sender.wait_idle(30) and publisher.sender.error is None
@@ -167,3 +174,51 @@ def _refused_after_takeover(live, tiny_model):
     finally:
         publisher.close()
     assert live.state.weights.current == 1
+
+
+def test_an_upload_superseded_by_the_learners_own_newer_version_is_done(live, tiny_model):
+    """The race: the upload of version 1 is sent again (its answer lost across a hub restart) after this learner's
+    version 2 reached the relay. The relay answers 409 (not newer); the sender counts version 1 as done (the relay
+    holds this learner's newer weights) instead of stopping the learner."""
+    _, publisher = registered_publisher(live, tiny_model)
+    sender = publisher.sender
+    try:
+        for version in (1, 2):
+            publisher.publish(version)
+            assert sender.wait_idle(30) and sender.error is None
+        assert live.state.weights.current == 2
+        with sender.lock:
+            sender.transfers.add("relay")
+        sender.upload_relay(1)   # the late retry of version 1: 409 "not newer than the current version 2"
+        assert sender.error is None and sender.counters.relay_superseded == 1 and sender.relay_version == 2
+        publisher.publish(3)     # the learner goes on
+        assert sender.wait_idle(30) and sender.error is None
+        publisher.finish(3)
+    finally:
+        publisher.close()
+    assert live.state.weights.current == 3
+
+
+def test_a_resumed_learner_behind_the_relay_is_still_refused(live, tiny_model):
+    """The other 409: the relay holds version 5 from before the learner's crash; the resumed learner (the same
+    session, a new process) uploads version 3, which it never superseded itself: refused, the learner stops."""
+    first, before = registered_publisher(live, tiny_model)
+    try:
+        before.publish(5)
+        assert before.sender.wait_idle(30) and before.sender.error is None
+    finally:
+        before.close()
+    resumed = client(live.url)
+    resumed.register_learner(2, 2, resume_session=first.learner.id)
+    assert resumed.learner.id == first.learner.id   # the same session: only the process tells them apart
+    _, after = registered_publisher(live, tiny_model, resumed)
+    try:
+        after.publish(3)
+        assert after.sender.wait_idle(30)
+        with pytest.raises(WeightsRefusedError) as refused:
+            after.publish(4)
+        assert "version 3" in str(refused.value) and "not newer than the current version 5" in str(refused.value)
+        assert after.sender.counters.relay_superseded == 0
+    finally:
+        after.close()
+    assert live.state.weights.current == 5

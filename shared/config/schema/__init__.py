@@ -86,6 +86,15 @@ class GRPOConfig(StrictModel):
         return self
 
     @model_validator(mode="after")
+    def _hub_urls_from_the_ref_server(self) -> GRPOConfig:
+        """A hub_url the config does not set is the ref server's own address, so that a changed ref_server.port
+        (or host) reaches every process that derives its address from it."""
+        for section in (self.generator, self.learner):
+            if "hub_url" not in section.model_fields_set:
+                section.__dict__["hub_url"] = self.ref_server.url   # not through validate_assignment
+        return self
+
+    @model_validator(mode="after")
     def _state_paths_under_run_dir(self) -> GRPOConfig:
         """Every state path's ``<run_dir>`` replaced here, in one place, so every service agrees on it."""
         for section, key in STATE_PATHS:

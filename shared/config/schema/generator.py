@@ -140,14 +140,23 @@ class EnvironmentConfig(StrictModel):
                                   "of a trajectory; one that reaches it ends with finish reason 'length'.")
     timeout_s: float = Field(5.0, gt=0, description="Wall-clock limit of one reset() or step() call; a call past "
                              "it fails the trajectory (counted in env_errors; the call's thread is abandoned).")
-    stop: list[str] | None = Field(None, description="Strings that end a model turn (e.g. ['</calc>']); null: the "
-                                   "environment class's own 'stop' attribute.")
+    stop: list[str] | None = Field(None, description="Strings that end a model turn (e.g. ['</calc>']; one string "
+                                   "alone is one stop string, not its characters); null: the environment class's "
+                                   "own 'stop' attribute.")
     reward: Literal["environment", "rewards"] = Field(
         "rewards", description="'rewards': the configured reward functions score the whole trajectory's text "
         "(model and environment tokens); 'environment': the sum of the rewards its step() returned.")
     on_error: float = Field(0.0, allow_inf_nan=False, description="Reward of a trajectory whose environment "
                             "raised, hung, or returned something other than text (it ends there).")
-    args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the environment's class.")
+    args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the environment's class "
+                                 "(checked against its constructor at start-up: an unknown one is named).")
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _one_stop_string(cls, value: Any) -> Any:
+        """``stop: "</answer>"`` is the one stop string users mean (a list of its characters would end every turn
+        at its first '<')."""
+        return [value] if isinstance(value, str) else value
 
     @field_validator("name")
     @classmethod
@@ -165,7 +174,9 @@ class GeneratorConfig(StrictModel):
         "and a GPU is visible, else transformers.")
     id: str | None = Field(None, description="Generator name in provenance and logs (default: host-pid). Also "
                            "seeds its prompt order, so two generators draw different prompts.")
-    hub_url: str = Field("http://127.0.0.1:8470", description="The ref server's address.")
+    hub_url: str = Field("http://127.0.0.1:8470", description="The ref server's address; when not set, the "
+                         "address of this config's ref_server (host and port), so --set ref_server.port=N moves it "
+                         "too.")
     device: str = Field("auto", description="'auto', 'cpu' or 'cuda:N' (N indexes the node's visible GPUs).")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="The engine's weights and compute dtype: 'auto' is bfloat16 on a GPU (vLLM: the model's "
@@ -177,7 +188,9 @@ class GeneratorConfig(StrictModel):
     dataset: DatasetConfig = Field(default_factory=DatasetConfig, description="Prompt source.")
     rewards: list[RewardSpec] = Field(
         default_factory=lambda: [RewardSpec(name="arithmetic")],
-        description="Rewards, summed with their weights; each is reported separately too.")
+        description="Rewards, summed with their weights; each is reported separately too. With "
+        "environment.reward 'environment' the environment's rewards alone score (none of these runs): listing "
+        "rewards there is an error.")
     drop_constant_groups: bool = Field(
         False, description="Dynamic sampling: do not upload groups without signal, counted: their outcome totals "
         "are all equal and, when they carry steps, their step rewards have fewer than two distinct values.")
@@ -201,3 +214,26 @@ class GeneratorConfig(StrictModel):
             "a temporary folder removed when the generator exits"))
     retry_max_s: float = Field(600.0, gt=0, description="How long to keep retrying an unreachable hub before "
                                "exiting with an error (finished groups are kept meanwhile).")
+    max_refused_in_a_row: int = Field(
+        64, ge=0, description="Stop (exit 2, with the hub's reason) after this many groups in a row were refused "
+        "(by the hub, or by the generator's own check of what the hub would refuse) with none accepted: no group of "
+        "this config can be accepted (e.g. an environment's reset() text that fills max_total_tokens). Each "
+        "refused group is counted and dropped, never sent again. 0: never stop.")
+
+    @model_validator(mode="after")
+    def _one_source_of_rewards(self) -> GeneratorConfig:
+        """``environment.reward: environment`` scores with the environment's step rewards alone: the default reward
+        list is not run (it was, and a reward for another task then failed the run); rewards listed explicitly
+        beside it are a contradiction, named. Otherwise at least one reward is needed."""
+        by_environment = self.environment is not None and self.environment.reward == "environment"
+        if by_environment and "rewards" in self.model_fields_set and self.rewards:
+            names = [spec.label or spec.name for spec in self.rewards]
+            raise ValueError(f"generator.rewards lists {names}, but generator.environment.reward is 'environment', "
+                             "which scores trajectories by the environment's step rewards alone: remove "
+                             "generator.rewards, or set generator.environment.reward: rewards to score with them")
+        if by_environment:
+            self.__dict__["rewards"] = []   # not through validate_assignment: it would run this validator again
+        elif not self.rewards:
+            raise ValueError("generator.rewards is empty: at least one reward is needed (or a multi-turn "
+                             "environment with reward: environment)")
+        return self

@@ -44,7 +44,9 @@ class LearnerConfig(StrictModel):
     """The learner: pulls batches from the hub, applies the GRPO step with DeepSpeed, publishes weights."""
 
     model: str | None = Field(None, description="Initial policy folder (the same model the generators start from).")
-    hub_url: str = Field("http://127.0.0.1:8470", description="The ref server's address.")
+    hub_url: str = Field("http://127.0.0.1:8470", description="The ref server's address; when not set, the "
+                         "address of this config's ref_server (host and port), so --set ref_server.port=N moves it "
+                         "too.")
     groups_per_step: int = Field(4, ge=1, description="Groups each rank pulls per optimizer step (the global "
                                  "batch is groups_per_step x ranks).")
     micro_batches: int = Field(1, ge=1, description="Gradient accumulation: each rank's batch is split into this "

@@ -152,6 +152,12 @@ class RefServerConfig(StrictModel):
             raise ValueError(f"core {repeated[0]} is listed more than once")
         return cores
 
+    @property
+    def url(self) -> str:
+        """The address other processes reach it at (a wildcard bind address is reached on the loopback)."""
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.host, self.host)
+        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
+
     def resolved_token(self) -> str | None:
         """The hub's bearer token: ``token``, else the GRPO_TOKEN environment variable, else None (no auth)."""
         return self.token or os.environ.get("GRPO_TOKEN") or None
