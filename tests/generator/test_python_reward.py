@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from generator.datasets import Example, PromptStream
 from generator.engines.hf import TransformersEngine
-from generator.loop import RolloutLoop
 from generator.failures import FailureRateExceeded, FailureRule
+from generator.loop import RolloutLoop
 from generator.rewards import RewardConfigError, RewardSet
 from shared.config.schema import RewardSpec
 from shared.protocol.client import HubClient
