@@ -237,8 +237,11 @@ class GeneratorConfig(StrictModel):
         "(by the hub, or by the generator's own check of what the hub would refuse) with none accepted: no group of "
         "this config can be accepted (e.g. an environment's reset() text that fills max_total_tokens). Each "
         "refused group is counted and dropped, never sent again. 0: never stop.")
-    failures: FailuresConfig = Field(default_factory=FailuresConfig, description="When rewards and environments "
-                                     "that fail stop the run, and how a reward service that is down pauses it.")
+    failures: FailuresConfig = Field(default_factory=FailuresConfig, description="Rewards and environments that "
+                                     "fail (raise, time out, return garbage) score on_error, until a full window "
+                                     "holds max_rate failures or everything so far failed: the generator then stops, "
+                                     "exit 2, with the first failure's file:line. A PRM or HTTP reward service that "
+                                     "is down (connection refused, timeout, 5xx, 429) pauses generation instead.")
 
     @model_validator(mode="after")
     def _one_source_of_rewards(self) -> GeneratorConfig:
