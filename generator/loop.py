@@ -5,6 +5,10 @@ Stopping: :meth:`RolloutLoop.run` checks ``stop`` between steps, so Ctrl-C / SIG
 current upload finish. An unreachable hub is retried by the client with backoff while the finished groups wait;
 when the retry budget runs out, :class:`shared.protocol.client.HubUnavailable` propagates and the command exits with a
 message — never silently.
+
+User code that fails (rewards, the environment) is scored ``on_error`` per completion or trajectory, under one rule
+that stops the generator when a source fails too often; a reward service that is down pauses generation on the
+group waiting for it (generator/failures.py, ``generator.failures``).
 """
 
 from __future__ import annotations

@@ -5,18 +5,17 @@ when the server answers again. The rule itself: tests/generator/test_failures.py
 
 from __future__ import annotations
 
-import json
 import signal
 import string
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, HTTPServer
+from http.server import HTTPServer
 
 import pytest
 
 from shared.protocol.client import HubClient
 from tests import service_forks as forks
 from tests.generator.test_cli import ENV, GRPO, write_config
+from tests.generator.test_rewards import _reward_server
 from tests.live_server import LiveServer, make_config
 
 FLAKY = """import itertools
@@ -46,17 +45,23 @@ def line_of(source: str, text: str) -> int:
     return next(i for i, line in enumerate(source.splitlines(), 1) if text in line)
 
 
+def generator_run(tmp_path, model_dir, **generator):
+    """`grpo generator` with these generator settings against a live hub, to its end: (its result, the groups the
+    hub accepted)."""
+    with LiveServer(make_config(tmp_path)) as live:
+        config = write_config(tmp_path, live.url, model_dir, **generator)
+        result = forks.run([GRPO, "generator", "--config", str(config)], capture_output=True, text=True,
+                           timeout=300, env=ENV)
+        return result, live.state.hub.counters.accepted
+
+
 @pytest.mark.slow
 def test_a_reward_that_starts_failing_after_good_batches_stops_the_generator_with_its_line(tmp_path, tiny_model_dir):
     """Two batches of 6 completions with one failure each (17%, under the rule: the run goes on and uploads them),
     then every completion fails: 7 of the last 12 (58% >= 50%) stop the generator before that batch is uploaded."""
     (tmp_path / "flaky.py").write_text(FLAKY)
-    with LiveServer(make_config(tmp_path)) as live:
-        config = write_config(tmp_path, live.url, tiny_model_dir, failures="{window: 12, max_rate: 0.5}",
-                              rewards=f"[{{name: python, args: {{function: {tmp_path}/flaky.py:score}}}}]")
-        result = forks.run([GRPO, "generator", "--config", str(config)], capture_output=True, text=True,
-                           timeout=300, env=ENV)
-        accepted = live.state.hub.counters.accepted
+    result, accepted = generator_run(tmp_path, tiny_model_dir, failures="{window: 12, max_rate: 0.5}",
+                                     rewards=f"[{{name: python, args: {{function: {tmp_path}/flaky.py:score}}}}]")
     assert result.returncode == 2, result.stderr[-3000:]
     where = f"{tmp_path}/flaky.py:{line_of(FLAKY, 'raise ValueError')} in score"
     assert result.stderr.strip().splitlines()[-1] == (
@@ -71,12 +76,8 @@ def test_a_reward_that_starts_failing_after_good_batches_stops_the_generator_wit
 def test_an_environment_whose_step_raises_for_every_trajectory_stops_the_generator(tmp_path, tiny_model_dir):
     (tmp_path / "broken_env.py").write_text(BROKEN_STEP)
     name = f"{tmp_path}/broken_env.py:BrokenStep"
-    with LiveServer(make_config(tmp_path)) as live:
-        config = write_config(tmp_path, live.url, tiny_model_dir,
-                              environment=f"{{name: '{name}', max_turns: 2, on_error: -1.0}}")
-        result = forks.run([GRPO, "generator", "--config", str(config)], capture_output=True, text=True,
-                           timeout=300, env=ENV)
-        accepted = live.state.hub.counters.accepted
+    result, accepted = generator_run(tmp_path, tiny_model_dir,
+                                     environment=f"{{name: '{name}', max_turns: 2, on_error: -1.0}}")
     assert result.returncode == 2, result.stderr[-3000:]
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith(f"grpo generator: error: environment '{name}' failed on all 6 trajectories it was given "
@@ -88,23 +89,8 @@ def test_an_environment_whose_step_raises_for_every_trajectory_stops_the_generat
 
 
 def reward_server(port: int = 0) -> HTTPServer:
-    """An HTTP reward model on 127.0.0.1: scores each completion by its length mod 3."""
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            payload = json.dumps({"scores": [len(c) % 3 for c in body["completions"]]}).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.end_headers()
-            self.wfile.write(payload)
-
-        def log_message(self, *args):
-            pass
-
-    server = HTTPServer(("127.0.0.1", port), Handler)   # allow_reuse_address: the same port again after a stop
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
+    """An HTTP reward model that scores each completion by its length mod 3."""
+    return _reward_server(lambda body: [len(c) % 3 for c in body["completions"]], port)
 
 
 def wait_for(condition, what: str, timeout_s: float = 120) -> None:
