@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import sys
 import sysconfig
 import threading
@@ -43,15 +44,20 @@ from shared.errors import ServiceError, UsageError
 log = logging.getLogger("grpo.generator")
 
 _PROJECT = Path(__file__).resolve().parent.parent
-_OURS = tuple(str(_PROJECT / package) for package in ("generator", "shared", "learner", "ref_server", "deploy"))
-_LIBRARIES = tuple({sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")})
+# folders (with their separator: a user's "generator_rewards/" is not "generator/") whose frames are not the user's
+_OURS = tuple(os.path.join(_PROJECT, package, "") for package in ("generator", "shared", "learner", "ref_server",
+                                                                    "deploy"))
+_LIBRARIES = tuple({os.path.join(Path(sysconfig.get_paths()[key]).resolve(), "")
+                    for key in ("stdlib", "platstdlib", "purelib", "platlib")})
 TRACE_FRAMES = 8   # frames of a failure's traceback that are kept (the innermost)
 
 
 def is_user_file(filename: str) -> bool:
     """Whether a frame's file is the user's: not grpo-stack's packages, the standard library or an installed one."""
-    path = str(Path(filename).resolve()) if not filename.startswith("<") else filename
-    return not path.startswith(_OURS) and not path.startswith(_LIBRARIES) and not filename.startswith("<frozen")
+    if filename.startswith("<"):   # <frozen importlib._bootstrap>, <string>: not a file of anyone's
+        return False
+    path = str(Path(filename).resolve())
+    return not path.startswith(_OURS) and not path.startswith(_LIBRARIES)
 
 
 def user_place(frames: Sequence[traceback.FrameSummary]) -> str | None:

@@ -9,10 +9,20 @@ import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
 
 import pytest
+import requests
 
-from generator.failures import Failure, FailureRateExceeded, FailureRule, ServiceDown, ServicePause
+import generator
+from generator.failures import (
+    Failure,
+    FailureRateExceeded,
+    FailureRule,
+    ServiceDown,
+    ServicePause,
+    is_user_file,
+)
 from generator.rewards import RewardSet
 from shared.config.schema import RewardSpec
 
@@ -83,6 +93,15 @@ def test_a_failure_names_the_innermost_line_of_the_users_code_not_the_librarys()
     line = parse.__code__.co_firstlineno + 1
     assert failure.where == f"{__file__}:{line} in parse"
     assert failure.what.startswith("JSONDecodeError: ") and "json/decoder.py" in failure.trace
+
+
+def test_user_files_are_those_outside_grpo_stack_the_standard_library_and_installed_packages():
+    project = Path(generator.__file__).resolve().parent.parent
+    assert not is_user_file(str(project / "generator" / "loop.py"))
+    assert is_user_file(str(project / "generator_rewards" / "mine.py"))   # a folder that only starts alike
+    assert is_user_file(__file__) and is_user_file("/somewhere/else/reward.py")
+    assert not is_user_file(json.__file__) and not is_user_file(requests.__file__)
+    assert not is_user_file("<string>")
 
 
 def test_service_pause_waits_for_the_service_and_resumes(caplog):
