@@ -13,8 +13,9 @@ Ends: EOS (``stop``); ``max_turns`` model turns (``length`` when the last turn a
 string); a turn cut at ``max_turn_tokens`` or the trajectory reaching ``max_total_tokens`` (``length``); the
 environment answering None or ``done`` (``stop``); a failure of the environment (``stop``, rewarded ``on_error``,
 counted, and kept as a :class:`~generator.failures.Failure` with its file:line for the rule that stops a run whose
-environment fails too often: generator/failures.py). The environment is called after every model turn that ended at EOS or a stop string, also after the last
-allowed turn (its reward counts); observations after the trajectory is over are not appended.
+environment fails too often: generator/failures.py). The environment is called after every model turn that ended at
+EOS or a stop string, also after the last allowed turn (its reward counts); observations after the trajectory is
+over are not appended.
 """
 
 from __future__ import annotations
