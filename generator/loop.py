@@ -85,7 +85,7 @@ class RolloutLoop:
         self.refusals = RefusalCounter(max_refused_in_a_row)   # groups never accepted: dropped once; a livelock stops
         failures = failures or FailuresConfig()
         self.failures = FailureRule(failures.window, failures.max_rate)   # rewards, environments failing too often
-        self.service_pause = ServicePause(failures.service_retry_s)      # a reward service that is down: wait
+        self.service_pause = self.stats.service_pause = ServicePause(failures.service_retry_s)  # a service down
         self.stop = threading.Event()   # run() takes the caller's: a stop ends a pause
         self.progress = progress or Progress(enabled=False)
         self._batch_index = 0

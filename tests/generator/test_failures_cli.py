@@ -133,5 +133,6 @@ def test_a_reward_server_that_goes_down_pauses_generation_until_it_answers_again
     assert log.count("pausing generation") == 1, log[-3000:]   # one line for the pause, not one per retry
     assert f"HTTP reward at http://127.0.0.1:{port}/ unreachable (ConnectionError" in log
     assert f"HTTP reward at http://127.0.0.1:{port}/ answers again: generation resumes" in log
+    assert "reward services: generation paused 1 time(s) while one was down" in log   # the summary at the end
     assert -7.0 not in batch.rewards.tolist()   # no group scored on_error: the down server failed none
     assert "Traceback" not in log
