@@ -35,7 +35,7 @@ from typing import Any, Literal
 
 import requests
 
-from generator.failures import ServiceDown
+from generator.failures import Failure, ServiceDown
 from generator.rewards.base import REWARDS, GroupReward, RewardConfigError
 from generator.rewards.steps import StepScores
 
@@ -224,11 +224,14 @@ def prm_reward(url: str, model: str | None = None, step_separator: str = "\n\n",
     def group(prompt: str, completions: Sequence[str], example: dict[str, Any]) -> list[StepScores | float]:
         steps = [step_pieces(c, step_separator) for c in completions]
         results: list[StepScores | float] = [StepScores((), separator=step_separator) for _ in completions]
+        group.failures = [None] * len(completions)   # what the reward set reports for a NaN here
         sent = [i for i, s in enumerate(steps) if 0 < len(s) <= max_steps]
         for i, s in enumerate(steps):
             if len(s) > max_steps:
                 log.warning("prm: completion %d has %d steps (max_steps %d); scored on_error", i, len(s), max_steps)
                 results[i] = math.nan
+                group.failures[i] = Failure(f"a completion of {len(s)} steps, more than the prm reward's "
+                                            f"max_steps = {max_steps}, was not sent")
         if not sent:
             return results
         rendered = [render(prompt, steps[i]) for i in sent]
@@ -238,4 +241,5 @@ def prm_reward(url: str, model: str | None = None, step_separator: str = "\n\n",
         return results
 
     group.__name__ = "prm"
+    group.failures = []
     return group

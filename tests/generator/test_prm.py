@@ -96,6 +96,11 @@ def test_too_many_steps_scores_that_completion_nan(scorer):
         results = reward(PROBLEM, ["a\n\nb\n\nc", "a\n\nb"], {})
     assert math.isnan(results[0])
     assert len(results[1].rewards) == 2
+    assert reward.failures[0].what == "a completion of 3 steps, more than the prm reward's max_steps = 2, was not sent"
+    assert reward.failures[1] is None
+    rewards = RewardSet([RewardTerm("prm", reward, weight=1.0, on_error=-1.0)])
+    scores = rewards.score_group(PROBLEM, ["a\n\nb\n\nc"], {})   # nothing sent: the server is gone already
+    assert scores.total == [-1.0] and str(scores.failures["prm"][0]).startswith("a completion of 3 steps")
 
 
 # ---- retries, a server that is down, RewardSet ----------------------------------------------------------------
