@@ -14,7 +14,7 @@ outcome score) or a :class:`StepScores`:
   ``"\\n\\n"``); their weighted rewards are then summed step by step. Different boundaries have no meaningful sum:
   that completion's steps are dropped with a logged error and counted (its outcome scores are kept).
 
-Containment (a reward never stops the generator): an exception for the whole group scores every completion
+Containment (a reward's failure never leaves :meth:`RewardSet.score_group`): an exception for the whole group scores every completion
 ``on_error``; a value that is not finite in float32 once weighted (NaN, inf, 1e39: the group carries float32, where
 1e39 is inf) or unconvertible, or a StepScores that does not fit its completion (a separator
 splitting the text into a different number of steps than the rewards, an end past the text), scores that completion
