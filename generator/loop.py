@@ -5,6 +5,10 @@ Stopping: :meth:`RolloutLoop.run` checks ``stop`` between steps, so Ctrl-C / SIG
 current upload finish. An unreachable hub is retried by the client with backoff while the finished groups wait;
 when the retry budget runs out, :class:`shared.protocol.client.HubUnavailable` propagates and the command exits with a
 message — never silently.
+
+User code that fails (rewards, the environment) is scored ``on_error`` per completion or trajectory, under one rule
+that stops the generator when a source fails too often; a reward service that is down pauses generation on the
+group waiting for it (generator/failures.py, ``generator.failures``).
 """
 
 from __future__ import annotations
@@ -19,13 +23,14 @@ from pathlib import Path
 from generator.datasets import Example, PromptStream, render_prompt
 from generator.engines.base import Engine, SampledCompletion
 from generator.environments.base import prompt_tools
+from generator.failures import FailureRateExceeded, FailureRule, ServicePause
 from generator.multiturn import MultiTurnRollouts
 from generator.progress import Progress
 from generator.refusals import GroupsRefused, RefusalCounter
-from generator.rewards import RewardSet
+from generator.rewards import GroupScores, RewardSet
 from generator.stats import LoopStats
 from generator.step_tokens import group_token_steps, tokenizer_decode
-from shared.config.schema.generator import EnvironmentConfig, StepRewardsConfig
+from shared.config.schema.generator import EnvironmentConfig, FailuresConfig, StepRewardsConfig
 from shared.config.schema.weight_sync import WeightSyncConfig
 from shared.protocol.client import HubClient, HubError, HubUnavailable
 from shared.protocol.errors import ProtocolError
@@ -62,7 +67,8 @@ class RolloutLoop:
                  drop_constant_groups: bool = False, seed: int = 0, progress: Progress | None = None,
                  wait_for_budget: bool = True, budget_poll_s: float = 2.0,
                  step_rewards: StepRewardsConfig | None = None,
-                 environment: EnvironmentConfig | None = None, max_refused_in_a_row: int = 64) -> None:
+                 environment: EnvironmentConfig | None = None, max_refused_in_a_row: int = 64,
+                 failures: FailuresConfig | None = None) -> None:
         self.engine, self.tokenizer, self.client = engine, tokenizer, client
         self.rewards, self.prompts, self.sampling = rewards, prompts, sampling
         self.group_size, self.prompts_per_batch = group_size, prompts_per_batch
@@ -77,6 +83,10 @@ class RolloutLoop:
         self.policy_version = 0
         self.stats = LoopStats()
         self.refusals = RefusalCounter(max_refused_in_a_row)   # groups never accepted: dropped once; a livelock stops
+        failures = failures or FailuresConfig()
+        self.failures = FailureRule(failures.window, failures.max_rate)   # rewards, environments failing too often
+        self.service_pause = self.stats.service_pause = ServicePause(failures.service_retry_s)  # a service down
+        self.stop = threading.Event()   # run() takes the caller's: a stop ends a pause
         self.progress = progress or Progress(enabled=False)
         self._batch_index = 0
         self.kept_fraction = 1.0   # running share of prompts whose group is kept (dynamic sampling drops the rest)
@@ -144,7 +154,11 @@ class RolloutLoop:
             self._unacceptable(unusable)
             return None
         texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
-        scores = self.rewards.score_group(example.question, texts, example.data)
+        scores = self.service_pause.call(lambda: self.rewards.score_group(example.question, texts, example.data),
+                                         self.stop)
+        if scores is None:   # stopped while a reward service was down
+            return None
+        self.record_failures(scores, samples)
         if self.environment is not None:
             environment_rewards(scores, samples, self.environment)
         self.stats.reward_errors += sum(scores.errors.values())
@@ -173,6 +187,14 @@ class RolloutLoop:
             self._unacceptable(str(exc))
             return None
 
+    def record_failures(self, scores: GroupScores, samples: list[SampledCompletion]) -> None:
+        """What failed in this group, for the rule that stops the run (generator/failures.py)."""
+        for term in self.rewards.terms:
+            self.failures.record(f"reward {term.name!r}", scores.failures[term.name])
+        if self.environment is not None:
+            self.failures.record(f"environment {self.environment.name!r}", [s.env_failure for s in samples],
+                                 "trajectories")
+
     def _unacceptable(self, reason: str) -> None:
         self.stats.groups_unacceptable += 1
         self.refusals.refused("this generator's check of its groups (the hub would refuse them)", reason)
@@ -197,8 +219,7 @@ class RolloutLoop:
             self.stats.completion_tokens += sum(len(s.token_ids) for s in group_samples)
             if group is not None:
                 groups.append(group)
-        if self._batch_index == 1:
-            self.rewards.raise_if_never_scored()  # a reward that failed on every completion: stop, do not train
+        self.failures.check()   # a reward or environment failing too often: stop before uploading this batch
         # an exponential average over engine calls, weighted by their prompts
         weight = min(1.0, len(examples) / 64)
         self.kept_fraction += weight * (len(groups) / max(len(examples), 1) - self.kept_fraction)
@@ -229,13 +250,14 @@ class RolloutLoop:
 
     # -- the loop -------------------------------------------------------------------------------------------
     def run(self, stop: threading.Event, max_groups: int | None = None) -> LoopStats:
+        self.stop = stop
         try:
             self._run(stop, max_groups)
         except HubUnavailable as exc:
             if not stop.is_set():
                 raise
             log.warning("stopped while the hub was unreachable (%s)", exc)
-        except GroupsRefused:
+        except (GroupsRefused, FailureRateExceeded):
             self.progress.close(self.stats, self.policy_version)  # what was counted, then the reason
             raise
         self.progress.close(self.stats, self.policy_version)

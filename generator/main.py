@@ -93,7 +93,7 @@ def build_loop(config: GRPOConfig, engine, client: HubClient, progress: Progress
         system_prompt=system_prompt_for(cfg.dataset), template=cfg.dataset.template,
         drop_constant_groups=cfg.drop_constant_groups, seed=config.seed, progress=progress,
         wait_for_budget=cfg.wait_for_budget, step_rewards=cfg.step_rewards, environment=cfg.environment,
-        max_refused_in_a_row=cfg.max_refused_in_a_row)
+        max_refused_in_a_row=cfg.max_refused_in_a_row, failures=cfg.failures)
 
 
 def run_generator(config: GRPOConfig, stop: threading.Event | None = None) -> LoopStats:

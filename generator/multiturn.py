@@ -12,8 +12,10 @@ run in parallel threads, each bounded by ``timeout_s``.
 Ends: EOS (``stop``); ``max_turns`` model turns (``length`` when the last turn asked for more, i.e. ended at a stop
 string); a turn cut at ``max_turn_tokens`` or the trajectory reaching ``max_total_tokens`` (``length``); the
 environment answering None or ``done`` (``stop``); a failure of the environment (``stop``, rewarded ``on_error``,
-counted). The environment is called after every model turn that ended at EOS or a stop string, also after the last
-allowed turn (its reward counts); observations after the trajectory is over are not appended.
+counted, and kept as a :class:`~generator.failures.Failure` with its file:line for the rule that stops a run whose
+environment fails too often: generator/failures.py). The environment is called after every model turn that ended at
+EOS or a stop string, also after the last allowed turn (its reward counts); observations after the trajectory is
+over are not appended.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 
 from generator.engines.base import SampledCompletion, SampledTurn
 from generator.environments.base import StepResult, environment_factory, stop_strings
+from generator.failures import Failure, thread_frame
 from shared.config.schema.generator import EnvironmentConfig
 from shared.protocol.records import SamplingParams
 
@@ -76,7 +79,7 @@ class Trajectory:
     turns: int = 0
     env_reward: float | None = None
     finish: str | None = None    # None while the trajectory goes on
-    error: str | None = None
+    error: Failure | None = None  # what failed it (its environment)
     unusable: str | None = None  # why it can never be trained on (its reset text left no room for a model token)
 
     def append(self, ids: Sequence[int], logprobs: Sequence[float] | None, model: bool) -> None:
@@ -86,20 +89,21 @@ class Trajectory:
 
     def completion(self) -> SampledCompletion:
         return SampledCompletion(self.tokens, self.logprobs, self.finish or "length", mask=self.mask,
-                                 env_reward=self.env_reward, env_failed=self.error is not None,
+                                 env_reward=self.env_reward, env_failure=self.error,
                                  unusable=self.unusable)
 
 
-def call_all(calls: list[Callable[[], Any]], timeout_s: float) -> list[tuple[Any, str | None]]:
-    """Run ``calls`` in parallel daemon threads; for each, ``(value, None)`` or ``(None, why it failed)`` (raised,
-    or still running ``timeout_s`` after the start: its thread is abandoned, Python cannot stop it)."""
+def call_all(calls: list[Callable[[], Any]], timeout_s: float) -> list[tuple[Any, Failure | None]]:
+    """Run ``calls`` in parallel daemon threads; for each, ``(value, None)`` or ``(None, what failed)`` (raised,
+    or still running ``timeout_s`` after the start: where it was then; its thread is abandoned, Python cannot stop
+    it)."""
     boxes: list[dict] = [{} for _ in calls]
 
     def run(call, box):
         try:
             box["value"] = call()
         except Exception as exc:  # noqa: BLE001 - any error of user code fails its trajectory only
-            box["error"] = f"raised {type(exc).__name__}: {str(exc)[:200]}"
+            box["error"] = Failure.of(exc, "raised ")
 
     threads = [threading.Thread(target=run, args=(c, b), daemon=True, name="grpo-env") for c, b in zip(calls, boxes)]
     deadline = time.monotonic() + timeout_s
@@ -107,14 +111,14 @@ def call_all(calls: list[Callable[[], Any]], timeout_s: float) -> list[tuple[Any
         thread.start()
     for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()))
-    results: list[tuple[Any, str | None]] = []
+    results: list[tuple[Any, Failure | None]] = []
     for thread, box in zip(threads, boxes):
         if thread.is_alive():
-            results.append((None, f"took longer than timeout_s = {timeout_s}"))
+            results.append((None, Failure.hung(f"took longer than timeout_s = {timeout_s}", thread_frame(thread.ident))))
         elif "error" in box:
             results.append((None, box["error"]))
         elif "value" not in box:
-            results.append((None, "ended without returning"))
+            results.append((None, Failure("ended without returning")))
         else:
             results.append((box["value"], None))
     return results
@@ -162,16 +166,17 @@ class MultiTurnRollouts:
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
-    def _calls(self, calls: list[Callable[[], Any]]) -> list[tuple[Any, str | None]]:
+    def _calls(self, calls: list[Callable[[], Any]]) -> list[tuple[Any, Failure | None]]:
         started = time.perf_counter()
         results = call_all(calls, self.cfg.timeout_s)
         self.stats.env_time_s += time.perf_counter() - started
         return results
 
-    def _fail(self, trajectory: Trajectory, why: str) -> None:
-        trajectory.error, trajectory.finish = why, "stop"
+    def _fail(self, trajectory: Trajectory, why: Failure | str) -> None:
+        """``why``: what failed (a Failure, or the reason when no code of the environment raised)."""
+        trajectory.error, trajectory.finish = why if isinstance(why, Failure) else Failure(why), "stop"
         self.stats.env_errors += 1
-        log.warning("environment failed a trajectory: %s", why)
+        log.warning("environment failed a trajectory: %s", trajectory.error)
 
     def _check_room(self, row: Trajectory) -> None:
         """A trajectory whose reset() text alone reaches ``max_total_tokens`` ends before any model turn: it holds
@@ -201,7 +206,7 @@ class MultiTurnRollouts:
         for row, (env, error) in zip(rows, created):
             row.env = env
             if error is not None:
-                self._fail(row, f"creating the environment {error}")
+                self._fail(row, error.prefixed("creating the environment "))
         live = [i for i, r in enumerate(rows) if r.finish is None]
         resets = dict(zip(live, self._calls([lambda r=rows[i], s=samples[i // n]: r.env.reset(s) for i in live])))
         prompts = [list(p) for p in prompts]
@@ -211,7 +216,7 @@ class MultiTurnRollouts:
             for i in range(p * n, (p + 1) * n):
                 value, error = resets.get(i, (None, None))
                 if error is not None:
-                    self._fail(rows[i], f"reset() {error}")
+                    self._fail(rows[i], error.prefixed("reset() "))
                 elif value is not None and not isinstance(value, str):
                     self._fail(rows[i], f"reset() returned {type(value).__name__}, not str or None")
                 else:
@@ -281,9 +286,10 @@ class MultiTurnRollouts:
                                for i, _ in asking])
         for (i, ended), (value, error) in zip(asking, answers):
             row = rows[i]
+            if error is not None:
+                self._fail(row, error.prefixed("step() "))
+                continue
             try:
-                if error is not None:
-                    raise EnvironmentFailure(f"step() {error}")
                 result = parse_step(value)
             except EnvironmentFailure as exc:
                 self._fail(row, str(exc))

@@ -72,6 +72,10 @@ class Progress:
                      stats.reward_errors,
                      stats.budget_waits, stats.budget_wait_s, means,
                      self.summary(stats, version))
+            pause = stats.service_pause
+            if pause is not None and pause.pauses:
+                log.info("reward services: generation paused %d time(s) while one was down, %.0fs in all",
+                         pause.pauses, pause.paused_s)
             if stats.weight_versions_vanished:
                 log.info("weight sync: %d versions the hub named were gone from the relay when asked for (the "
                          "current one was loaded instead)", stats.weight_versions_vanished)

@@ -29,6 +29,7 @@ class LoopStats:
     component_sums: dict[str, float] = field(default_factory=dict)
     last_queue_depth: int | None = None
     environment: Any = None         # multi-turn: the rollouts' generator.multiturn.EnvStats (None: single-turn)
+    service_pause: Any = None       # the loop's generator.failures.ServicePause (pauses for a reward service down)
 
     @property
     def mean_reward(self) -> float:

@@ -383,16 +383,16 @@ class Learner:
         self.ledger.checkpointed()
 
     def finish(self) -> None:
-        """A last checkpoint where one is due, and the Hugging Face folder.
-
-        Stopped by a signal: always (what a resume continues from). Finished: with checkpoint_every set, unless the
-        newest step has one (a checkpoint acknowledges its batches); with it null, none (disk use is what the config
-        asks for: the model folder alone, its batches acknowledged as they trained)."""
+        """A last checkpoint where one is due, and the Hugging Face folder; neither before a first step (a run stopped
+        before it trained, say by a failing reward, has nothing to resume or export). Stopped by a signal: always.
+        Finished: with checkpoint_every set, unless the newest step has one (a checkpoint acknowledges its batches);
+        with it null, none (disk use is what the config asks for: the model folder alone)."""
         cfg = self.cfg
-        if self.stop.is_set() or (cfg.checkpoint_every and self.step % cfg.checkpoint_every):
+        if self.step and (self.stop.is_set() or (cfg.checkpoint_every and self.step % cfg.checkpoint_every)):
             self.checkpoint()
         self.publisher.finish(self.version, stopping=self.stop.is_set())  # the last version reaches the relay
-        export_hf_folder(self.engine, cfg.model, cfg.output_dir, rank=self.rank)
+        if self.step:
+            export_hf_folder(self.engine, cfg.model, cfg.output_dir, rank=self.rank)
 
 
 def run_learner(config: GRPOConfig, *, resume: bool = False, stop: threading.Event | None = None) -> LearnerResult:

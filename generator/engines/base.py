@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from generator.failures import Failure
 from shared.protocol.records import SamplingParams
 
 
@@ -17,8 +18,12 @@ class SampledCompletion:
     # multi-turn (generator/multiturn.py): 1 = the model wrote the token, 0 = the environment did; None: all model
     mask: list[int] | None = None
     env_reward: float | None = None   # the sum of the environment's step rewards (None: it gave none)
-    env_failed: bool = False          # the environment failed this trajectory (it ended there)
+    env_failure: Failure | None = None   # what failed this trajectory in its environment (it ended there)
     unusable: str | None = None       # why no group holding it can be trained on (no room for a model token)
+
+    @property
+    def env_failed(self) -> bool:
+        return self.env_failure is not None
 
 
 @dataclass

@@ -18,8 +18,8 @@ from generator.rewards.base import (
     REWARDS,
     GroupReward,
     RewardConfigError,
-    RewardFailedError,
     Score,
+    ServiceDown,
     as_score,
     per_completion,
 )
@@ -27,5 +27,5 @@ from generator.rewards.builtin import digit_agreement, gold_answer
 from generator.rewards.reward_set import GroupScores, RewardSet, RewardTerm, merge_term_steps
 from generator.rewards.steps import StepScores
 
-__all__ = ["REWARDS", "GroupReward", "GroupScores", "RewardConfigError", "RewardFailedError", "RewardSet", "RewardTerm",
-           "Score", "StepScores", "as_score", "digit_agreement", "gold_answer", "merge_term_steps", "per_completion"]
+__all__ = ["REWARDS", "GroupReward", "GroupScores", "RewardConfigError", "RewardSet", "RewardTerm", "Score",
+           "ServiceDown", "StepScores", "as_score", "digit_agreement", "gold_answer", "merge_term_steps", "per_completion"]

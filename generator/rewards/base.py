@@ -23,6 +23,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from generator.failures import Failure, ServiceDown
 from generator.rewards.steps import StepScores
 from shared.errors import UsageError
 from shared.registry import Registry
@@ -43,11 +44,6 @@ class RewardConfigError(UsageError, ValueError):
     """A reward that cannot be built from its config (unknown function, bad arguments, duplicate name)."""
 
 
-class RewardFailedError(UsageError):
-    """A reward that failed on every completion of the generator's first batch: the run stops with its error
-    instead of training on ``on_error`` scores alone."""
-
-
 def as_score(value: Any) -> Score:
     """A reward's value for one completion: a StepScores as it is, anything else as a float (``TypeError`` /
     ``ValueError`` when it is neither)."""
@@ -57,22 +53,24 @@ def as_score(value: Any) -> Score:
 def per_completion(fn: Callable[[str, str, dict[str, Any]], Score]) -> GroupReward:
     """Lift ``fn(prompt, completion, example) -> float | StepScores`` to a group reward; an exception on one
     completion becomes NaN there (scored with the reward's ``on_error``), the others keep their values. The group
-    reward's ``first_error`` attribute keeps the first exception (``"Type: message"``), for the error that stops a
-    run whose reward never succeeds (:meth:`generator.rewards.RewardSet.raise_if_never_scored`)."""
-
-    def one(prompt: str, completion: str, example: dict[str, Any]) -> Score:
-        try:
-            return as_score(fn(prompt, completion, example))
-        except Exception as exc:  # noqa: BLE001 - contained per completion; NaN marks it for on_error
-            log.warning("reward %s failed on one completion (%s: %s)", getattr(fn, "__name__", "?"),
-                        type(exc).__name__, exc)
-            if group.first_error is None:
-                group.first_error = f"{type(exc).__name__}: {exc}"
-            return math.nan
+    reward's ``failures`` attribute holds, for its last call, each completion's :class:`~generator.failures.Failure`
+    (None where it scored), for the rule on failing rewards (generator/failures.py). A :class:`ServiceDown` is not
+    contained: the group waits for the service (generator/loop.py)."""
 
     def group(prompt: str, completions: Sequence[str], example: dict[str, Any]) -> list[Score]:
-        return [one(prompt, completion, example) for completion in completions]
+        group.failures = [None] * len(completions)
+        values: list[Score] = []
+        for i, completion in enumerate(completions):
+            try:
+                values.append(as_score(fn(prompt, completion, example)))
+            except ServiceDown:
+                raise
+            except Exception as exc:  # noqa: BLE001 - contained per completion; NaN marks it for on_error
+                log.warning("reward %s failed on one completion (%s: %s)", group.__name__, type(exc).__name__, exc)
+                group.failures[i] = Failure.of(exc)
+                values.append(math.nan)
+        return values
 
     group.__name__ = getattr(fn, "__name__", "reward")
-    group.first_error = None
+    group.failures = []
     return group

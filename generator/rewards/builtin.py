@@ -14,6 +14,7 @@ from typing import Any
 
 import requests
 
+from generator.failures import ServiceDown
 from generator.rewards.base import REWARDS, GroupReward, per_completion
 from generator.tasks.arithmetic import check_answer, extract_answer, normalize_int
 from generator.tasks.arithmetic_words import final_number_correct
@@ -136,15 +137,23 @@ def code_reward(timeout_s: float = 5.0, memory_mb: int = 512, tests_field: str =
 def http_reward(url: str, timeout_s: float = 30.0, token: str | None = None) -> GroupReward:
     """A reward model behind HTTP: ``POST url {"prompts": [...], "completions": [...]}`` -> ``{"scores": [...]}``.
 
-    One request per group. A wrong number of scores is an error (scored ``on_error``), never a silent zero.
+    One request per group. A server that does not answer (connection refused, a timeout, 5xx, 429) is down: the
+    generator pauses until it answers (:class:`~generator.rewards.base.ServiceDown`). One that answers something
+    unusable (4xx, not JSON, a wrong number of scores) fails the group (scored ``on_error``, counted under the rule
+    on failing rewards), never a silent zero.
     """
     session = requests.Session()
     if token:
         session.headers["Authorization"] = f"Bearer {token}"
 
     def group(prompt: str, completions: Sequence[str], example: dict[str, Any]) -> list[float]:
-        response = session.post(url, json={"prompts": [prompt] * len(completions),
-                                           "completions": list(completions)}, timeout=timeout_s)
+        try:
+            response = session.post(url, json={"prompts": [prompt] * len(completions),
+                                               "completions": list(completions)}, timeout=timeout_s)
+        except (requests.ConnectionError, requests.Timeout) as exc:
+            raise ServiceDown("HTTP reward", url, f"{type(exc).__name__}: {exc}") from None
+        if response.status_code >= 500 or response.status_code == 429:
+            raise ServiceDown("HTTP reward", url, f"HTTP {response.status_code}: {response.text[:200]}")
         response.raise_for_status()
         scores = response.json().get("scores")
         if not isinstance(scores, list) or len(scores) != len(completions):

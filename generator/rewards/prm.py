@@ -18,9 +18,11 @@ vLLM has returned two shapes: one row per step tag (STEP pooling with ``step_tag
 the second the rows at the tag's positions are taken, the positions found through vLLM's ``POST /tokenize``.
 ``chat: messages`` sends the chat as ``messages`` and the server applies the model's chat template (vLLM's pooling
 chat request holds one conversation, so that is one request per completion). A malformed answer (wrong count,
-shape, non-finite or out-of-range value) is a :class:`PRMError` naming the reason, never a silent zero; network
-failures, 5xx and 429 are retried with backoff, then raised naming the URL (RewardSet scores the group
-``on_error`` and counts it; the group is still uploaded).
+shape, non-finite or out-of-range value) or a refusal (4xx) is a :class:`PRMError` naming the reason, never a
+silent zero: the group is scored ``on_error`` and counted under the rule on failing rewards (generator/failures.py).
+Network failures, timeouts, 5xx and 429 are retried with backoff, then raised as
+:class:`~generator.rewards.base.ServiceDown` naming the URL: the PRM is down, and the generator pauses until it
+answers (generator/loop.py) instead of uploading groups without step rewards.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import Any, Literal
 
 import requests
 
+from generator.failures import Failure, ServiceDown
 from generator.rewards.base import REWARDS, GroupReward, RewardConfigError
 from generator.rewards.steps import StepScores
 
@@ -78,7 +81,8 @@ class PRMClient:
         self._tag_id: int | None = None
 
     def post(self, path: str, payload: dict[str, Any]) -> Any:
-        """The JSON answer of ``POST url+path``; transient failures retried, then a :class:`PRMError`."""
+        """The JSON answer of ``POST url+path``; transient failures retried, then :class:`ServiceDown`; a refusal or
+        an answer that is not JSON: a :class:`PRMError`."""
         where = self.url + path
         failure = ""
         for attempt in range(self.retries + 1):
@@ -99,7 +103,7 @@ class PRMClient:
                 return response.json()
             except ValueError:
                 raise PRMError(f"PRM at {where} answered non-JSON: {response.text[:200]!r}") from None
-        raise PRMError(f"PRM at {where} failed after {self.retries + 1} attempts; last: {failure}")
+        raise ServiceDown("PRM", where, f"{self.retries + 1} attempts; the last: {failure}")
 
     def _with_model(self, body: dict[str, Any]) -> dict[str, Any]:
         if self.model is not None:
@@ -220,11 +224,14 @@ def prm_reward(url: str, model: str | None = None, step_separator: str = "\n\n",
     def group(prompt: str, completions: Sequence[str], example: dict[str, Any]) -> list[StepScores | float]:
         steps = [step_pieces(c, step_separator) for c in completions]
         results: list[StepScores | float] = [StepScores((), separator=step_separator) for _ in completions]
+        group.failures = [None] * len(completions)   # what the reward set reports for a NaN here
         sent = [i for i, s in enumerate(steps) if 0 < len(s) <= max_steps]
         for i, s in enumerate(steps):
             if len(s) > max_steps:
                 log.warning("prm: completion %d has %d steps (max_steps %d); scored on_error", i, len(s), max_steps)
                 results[i] = math.nan
+                group.failures[i] = Failure(f"a completion of {len(s)} steps, more than the prm reward's "
+                                            f"max_steps = {max_steps}, was not sent")
         if not sent:
             return results
         rendered = [render(prompt, steps[i]) for i in sent]
@@ -234,4 +241,5 @@ def prm_reward(url: str, model: str | None = None, step_separator: str = "\n\n",
         return results
 
     group.__name__ = "prm"
+    group.failures = []
     return group

@@ -14,7 +14,7 @@ outcome score) or a :class:`StepScores`:
   ``"\\n\\n"``); their weighted rewards are then summed step by step. Different boundaries have no meaningful sum:
   that completion's steps are dropped with a logged error and counted (its outcome scores are kept).
 
-Containment (a reward never stops the generator): an exception for the whole group scores every completion
+Containment (a reward's failure never leaves :meth:`RewardSet.score_group`): an exception for the whole group scores every completion
 ``on_error``; a value that is not finite in float32 once weighted (NaN, inf, 1e39: the group carries float32, where
 1e39 is inf) or unconvertible, or a StepScores that does not fit its completion (a separator
 splitting the text into a different number of steps than the rewards, an end past the text), scores that completion
@@ -23,9 +23,11 @@ completion's steps are dropped too (its process signal is unknown, and a partial
 summed step reward that overflows float32 although each term fitted is scored like a failure of every term there
 (``on_error`` each, counted under ``"total"``; the steps dropped), so that the group can still be uploaded.
 
-Containment has one limit: a term that has failed on every completion so far (a wrong signature, a missing field,
-a bug) would train the model on ``on_error`` alone. The generator calls :meth:`RewardSet.raise_if_never_scored`
-after its first batch, which stops the run with the term's first error.
+Containment has one limit: a term that fails on most completions (a wrong field name, a bug) would train the model
+on ``on_error`` alone. ``GroupScores.failures`` says, per term and completion, what failed (a
+:class:`~generator.failures.Failure`, with its file:line) and the generator's :class:`~generator.failures.FailureRule`
+stops the run when a term fails too often. A :class:`~generator.rewards.base.ServiceDown` (a PRM or HTTP reward that
+does not answer) is not contained: it leaves :meth:`RewardSet.score_group`, and the generator waits for the service.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from generator.rewards.base import REWARDS, GroupReward, RewardConfigError, RewardFailedError, Score, as_score
+from generator.failures import Failure, ServiceDown
+from generator.rewards.base import REWARDS, GroupReward, RewardConfigError, Score, as_score
 from generator.rewards.steps import StepScores
 from shared.errors import UsageError
 from shared.protocol.float32 import finite_float32
@@ -53,18 +56,22 @@ class RewardTerm:
     weight: float
     on_error: float
     gives_steps: bool = False   # set once the term has returned a StepScores: its failures then drop steps
-    scored: int = 0             # completions it has scored (a value that fits float32)
-    failed: int = 0             # completions it failed on (an exception, NaN, inf, not a number)
-    first_error: str | None = None   # what went wrong the first time, for RewardSet.raise_if_never_scored
 
 
 @dataclass
 class GroupScores:
     total: list[float]                    # weighted outcome sum per completion
     components: dict[str, list[float]]    # reward name -> unweighted outcome per completion
-    errors: dict[str, int]                # reward name -> completions scored with on_error
+    # reward name (every term; "total" when a weighted sum overflowed) -> per completion what failed, None: scored
+    failures: dict[str, list[Failure | None]]
     steps: list[CharSteps | None] | None = None   # see the module docstring; None: an outcome-only group
     step_errors: int = 0                  # completions whose steps were dropped (a failed step reward, a mismatch)
+
+    @property
+    def errors(self) -> dict[str, int]:
+        """Reward name -> completions scored with its on_error (names with none left out)."""
+        counts = {name: sum(f is not None for f in failed) for name, failed in self.failures.items()}
+        return {name: count for name, count in counts.items() if count}
 
 
 @dataclass
@@ -125,17 +132,18 @@ class RewardSet:
         n = len(completions)
         total = [0.0] * n
         components: dict[str, list[float]] = {}
-        errors: dict[str, int] = {}
+        failures: dict[str, list[Failure | None]] = {}
         found = _TermSteps(parts=[{} for _ in range(n)], failed=[False] * n)
         for term in self.terms:
-            values = self._safe(term, prompt, completions, example, errors)
+            values, failures[term.name] = self._safe(term, prompt, completions, example)
             term.gives_steps = term.gives_steps or any(isinstance(v, StepScores) for v in values)
-            outcomes = [self._outcome(term, i, v, completions[i], found, errors) for i, v in enumerate(values)]
+            outcomes = [self._outcome(term, i, v, completions[i], found, failures[term.name])
+                        for i, v in enumerate(values)]
             components[term.name] = outcomes
             total = [t + term.weight * v for t, v in zip(total, outcomes)]
-        self._contain_overflow(total, found, errors)
+        self._contain_overflow(total, found, failures)
         if not found.any_steps:
-            return GroupScores(total, components, errors)
+            return GroupScores(total, components, failures)
         steps: list[CharSteps | None] = []
         for i in range(n):
             merged = None
@@ -145,19 +153,10 @@ class RewardSet:
                 except ValueError as exc:
                     log.warning("completion %d: %s; it carries no steps", i, exc)
             steps.append(merged)
-        return GroupScores(total, components, errors, steps, sum(s is None for s in steps))
+        return GroupScores(total, components, failures, steps, sum(s is None for s in steps))
 
-    def raise_if_never_scored(self) -> None:
-        """A :class:`RewardFailedError` naming the first term that has failed on every completion it was given (at
-        least one), with its first error: called after the generator's first batch, so that a broken reward stops
-        the run instead of training it on ``on_error`` alone."""
-        for term in self.terms:
-            if term.failed and not term.scored:
-                raise RewardFailedError(
-                    f"reward {term.name!r} failed on all {term.failed} completions of the first batch, so training "
-                    f"would learn from its on_error score alone; the first failure: {term.first_error}")
-
-    def _contain_overflow(self, total: list[float], found: _TermSteps, errors: dict[str, int]) -> None:
+    def _contain_overflow(self, total: list[float], found: _TermSteps,
+                          failures: dict[str, list[Failure | None]]) -> None:
         """Totals that overflow float32 (each term fitted, their sum does not): ``on_error`` of every term, counted
         under ``"total"``, the completion's steps dropped."""
         for i, value in enumerate(total):
@@ -165,12 +164,13 @@ class RewardSet:
                 total[i] = sum(term.weight * term.on_error for term in self.terms)
                 log.warning("completion %d: the weighted total %.6g is not finite in float32; scoring it %s with no "
                             "steps", i, value, total[i])
-                errors["total"] = errors.get("total", 0) + 1
+                failures.setdefault("total", [None] * len(total))[i] = Failure(
+                    f"the weighted total {value:.6g} is not finite in float32")
                 found.failed[i] = True
 
     @staticmethod
     def _outcome(term: RewardTerm, i: int, value: Score, text: str, found: _TermSteps,
-                 errors: dict[str, int]) -> float:
+                 failed: list[Failure | None]) -> float:
         """The term's outcome for completion ``i``; records its steps (or their failure) in ``found``."""
         if not isinstance(value, StepScores):
             if math.isnan(value) and term.gives_steps:
@@ -183,46 +183,46 @@ class RewardSet:
         except ValueError as exc:
             log.warning("reward %r: bad step scores for completion %d (%s); scoring it %s with no steps",
                         term.name, i, exc, term.on_error)
-            errors[term.name] = errors.get(term.name, 0) + 1
+            failed[i] = Failure(f"bad step scores: {exc}")
             found.failed[i] = True
             return term.on_error
         found.parts[i][term.name] = (ends, [term.weight * r for r in value.rewards])
         return 0.0 if value.outcome is None else float(value.outcome)
 
     @staticmethod
-    def _safe(term: RewardTerm, prompt: str, completions: Sequence[str], example: dict[str, Any],
-              errors: dict[str, int]) -> list[Score]:
-        """The term's values, one per completion; a failed one is NaN (already counted in ``errors``)."""
+    def _safe(term: RewardTerm, prompt: str, completions: Sequence[str], example: dict[str, Any]
+              ) -> tuple[list[Score], list[Failure | None]]:
+        """The term's values, one per completion, a failed one NaN; and per completion what failed (None: it
+        scored). A ServiceDown is not contained."""
+        n = len(completions)
         try:
             raw = list(term.fn(prompt, completions, example))
-            if len(raw) != len(completions):
-                raise ValueError(f"returned {len(raw)} values for {len(completions)} completions")
+            if len(raw) != n:
+                raise ValueError(f"returned {len(raw)} values for {n} completions")
+        except ServiceDown:
+            raise
         except Exception as exc:  # noqa: BLE001 - a reward must never take the generator down
             log.warning("reward %r failed on a group (%s: %s); scoring it %s", term.name, type(exc).__name__,
                         exc, term.on_error)
-            errors[term.name] = errors.get(term.name, 0) + len(completions)
-            term.failed += len(completions)
-            term.first_error = term.first_error or f"{type(exc).__name__}: {exc}"
-            return [math.nan] * len(completions)
+            return [math.nan] * n, [Failure.of(exc)] * n
+        # per_completion's lift says what raised on each completion; otherwise the value itself was the failure
+        raised = getattr(term.fn, "failures", None)
+        raised = raised if isinstance(raised, list) and len(raised) == n else [None] * n
         values: list[Score] = []
-        for value in raw:
+        failures: list[Failure | None] = []
+        for value, error in zip(raw, raised):
             try:
-                values.append(as_score(value))
+                score = as_score(value)
             except (TypeError, ValueError):
-                values.append(math.nan)
-                term.first_error = term.first_error or f"returned {value!r}, not a number"
-        bad = [i for i, v in enumerate(values) if not _fits_float32(term.weight, v)]
-        term.failed += len(bad)
-        term.scored += len(values) - len(bad)
-        if bad:
+                score, error = math.nan, error or Failure(f"returned {value!r}, not a number")
+            if error is None and not _fits_float32(term.weight, score):
+                error = Failure(f"returned {value!r}, not finite in float32 once weighted by {term.weight}")
+            values.append(math.nan if error is not None else score)
+            failures.append(error)
+        if any(failures):
             log.warning("reward %r failed or was not finite in float32 (weighted) for %d completions; scoring them %s",
-                        term.name, len(bad), term.on_error)
-            errors[term.name] = errors.get(term.name, 0) + len(bad)
-            # per_completion keeps the first exception; else the value itself was the failure
-            term.first_error = (term.first_error or getattr(term.fn, "first_error", None)
-                                or f"returned {raw[bad[0]]!r}, not finite in float32 once weighted by {term.weight}")
-            values = [math.nan if i in bad else v for i, v in enumerate(values)]
-        return values
+                        term.name, sum(f is not None for f in failures), term.on_error)
+        return values, failures
 
 
 def _fits_float32(weight: float, value: Score) -> bool:

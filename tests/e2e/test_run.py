@@ -90,7 +90,8 @@ def test_a_service_that_dies_stops_the_run_with_its_last_lines(tiny_model_dir, t
     config = write_config(tmp_path, tiny_model_dir, free_port())
     data = json.loads(config.read_text())
     # a death the checks before start cannot see (they import the reward and check its signature): a reward that
-    # raises on every completion stops the generator after its first batch
+    # raises on every completion stops the generator after its first batch (generator/failures.py), exit 2 (the
+    # user's to fix), and the run with it, naming the line that raised; the learner never trained: no checkpoint
     (tmp_path / "boom.py").write_text("def score(prompt, completion, example):\n    raise KeyError('label_xyz')\n")
     data["generator"]["rewards"] = [{"name": "python", "args": {"function": f"{tmp_path}/boom.py:score"}}]
     config.write_text(json.dumps(data))
@@ -99,7 +100,12 @@ def test_a_service_that_dies_stops_the_run_with_its_last_lines(tiny_model_dir, t
     # the generator's 2 (the user fixes the reward) is the run's: not 1, a service that had to give up
     assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
     assert "gen-0 exited with status 2; its last lines:" in result.stdout
-    assert "label_xyz" in result.stdout
+    assert ("reward 'python' failed on all 8 completions it was given so far: the rule is to stop at 50% of a window "
+            "of 64") in result.stdout
+    assert f"the first failure in the window: KeyError: 'label_xyz' (at {tmp_path}/boom.py:2 in score)" in result.stdout
+    assert f'File "{tmp_path}/boom.py", line 2, in score' in result.stdout   # its traceback, on the console
+    assert "checkpoint: none" in result.stdout and "model: none written" in result.stdout
+    assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").glob("step*"))
     assert stray_processes(str(config)) == []
 
 

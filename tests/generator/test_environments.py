@@ -48,8 +48,13 @@ def test_call_all_contains_raise_hang_and_value():
     results = call_all([lambda: "ok", boom, hang, lambda: None], timeout_s=0.5)
     assert time.monotonic() - started < 5
     assert results[0] == ("ok", None) and results[3] == (None, None)
-    assert results[1][1] == "raised RuntimeError: broken tool"
-    assert results[2][1] == "took longer than timeout_s = 0.5"
+    raised, hung = results[1][1], results[2][1]
+    line = boom.__code__.co_firstlineno + 1
+    assert raised.what == "raised RuntimeError: broken tool" and raised.where == f"{__file__}:{line} in boom"
+    assert "Traceback (most recent call last)" in raised.trace
+    # a call that hangs: where it was when its time ran out (the sleep in hang, the user's line)
+    assert hung.what == "took longer than timeout_s = 0.5"
+    assert hung.where == f"{__file__}:{hang.__code__.co_firstlineno + 1} in hang"
 
 
 def test_parse_step_accepts_the_contract_and_refuses_garbage():

@@ -13,7 +13,7 @@ from fastapi.responses import Response
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from generator.rewards import RewardSet, RewardTerm
+from generator.rewards import RewardSet, RewardTerm, ServiceDown
 from generator.rewards.prm import PRMError, prm_reward, step_pieces
 from generator.rewards.steps import StepScores
 from ref_server.tool_api.prm import PRMScorer
@@ -96,6 +96,11 @@ def test_too_many_steps_scores_that_completion_nan(scorer):
         results = reward(PROBLEM, ["a\n\nb\n\nc", "a\n\nb"], {})
     assert math.isnan(results[0])
     assert len(results[1].rewards) == 2
+    assert reward.failures[0].what == "a completion of 3 steps, more than the prm reward's max_steps = 2, was not sent"
+    assert reward.failures[1] is None
+    rewards = RewardSet([RewardTerm("prm", reward, weight=1.0, on_error=-1.0)])
+    scores = rewards.score_group(PROBLEM, ["a\n\nb\n\nc"], {})   # nothing sent: the server is gone already
+    assert scores.total == [-1.0] and str(scores.failures["prm"][0]).startswith("a completion of 3 steps")
 
 
 # ---- retries, a server that is down, RewardSet ----------------------------------------------------------------
@@ -126,10 +131,10 @@ def test_retries_then_success():
 
 
 @pytest.mark.slow
-def test_retries_exhausted_and_4xx_are_clear_errors():
+def test_retries_exhausted_are_service_down_and_4xx_a_clear_error():
     app, seen = flaky_app([503] * 10, {})
     with AppServer(app) as server:
-        with pytest.raises(PRMError, match=r"/pooling failed after 3 attempts; last: HTTP 503"):
+        with pytest.raises(ServiceDown, match=r"/pooling unreachable \(3 attempts; the last: HTTP 503"):
             prm_reward(url=server.url, retries=2, backoff_s=0.01)(PROBLEM, ["x"], {})
         assert len(seen) == 3
         app_400, _ = flaky_app([400], {})
@@ -144,15 +149,17 @@ def closed_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_server_down_is_a_clear_error_and_rewardset_keeps_the_group():
+def test_a_server_that_is_down_is_service_down_which_the_reward_set_does_not_contain():
+    """Down (connection refused) is not a failure of the reward: no on_error scores, the generator waits for it
+    (generator/failures.py ServicePause; tests/generator/test_failures_cli.py runs that against a real server)."""
     url = f"http://127.0.0.1:{closed_port()}"
     reward = prm_reward(url=url, retries=2, backoff_s=0.01, timeout_s=2)
-    with pytest.raises(PRMError, match=rf"PRM at {url}/pooling failed after 3 attempts; last: ConnectionError"):
+    with pytest.raises(ServiceDown, match=rf"PRM at {url}/pooling unreachable \(3 attempts; the last: "
+                                          "ConnectionError"):
         reward(PROBLEM, ["a\n\nb"], {})
     rewards = RewardSet([RewardTerm("prm", reward, weight=1.0, on_error=-0.5)])
-    scores = rewards.score_group(PROBLEM, ["a\n\nb", "c", "d"], {})
-    assert scores.total == [-0.5, -0.5, -0.5]
-    assert scores.errors == {"prm": 3}
+    with pytest.raises(ServiceDown):
+        rewards.score_group(PROBLEM, ["a\n\nb", "c", "d"], {})
 
 
 def test_a_group_without_steps_sends_nothing():

@@ -1,5 +1,6 @@
 """Your own reward: named as path/to/file.py:fn or module:fn, its signature checked against the documented contract
-when it is built, and a reward that fails on a whole first batch stopping the generator with its error."""
+when it is built, and a reward that fails on a whole first batch stopping the generator with its error and line
+(the rule for later windows and environments: tests/generator/test_failures.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from hypothesis import strategies as st
 
 from generator.datasets import Example, PromptStream
 from generator.engines.hf import TransformersEngine
+from generator.failures import FailureRateExceeded, FailureRule
 from generator.loop import RolloutLoop
-from generator.rewards import RewardConfigError, RewardFailedError, RewardSet
+from generator.rewards import RewardConfigError, RewardSet
 from shared.config.schema import RewardSpec
 from shared.protocol.client import HubClient
 from shared.protocol.numbers import finite_float32
@@ -68,23 +70,37 @@ def test_config_args_reach_the_function_and_are_part_of_its_signature(tmp_path):
 
 
 def raises_always(prompt, completion, example):
-    return example["no_such_field"]
+    return example["no_such_field"]   # the line a stopped run names
+
+
+RAISES_AT = f"{__file__}:{raises_always.__code__.co_firstlineno + 1} in raises_always"
+
+
+def scored(rewards: RewardSet, *groups: list[str], rule: FailureRule | None = None) -> FailureRule:
+    """The rule on failing rewards after ``rewards`` scored ``groups`` (as the rollout loop records them)."""
+    rule = rule or FailureRule(window=64, max_rate=0.5)
+    for group in groups:
+        scores = rewards.score_group("p", group, {"answer": "1"})
+        for term in rewards.terms:
+            rule.record(f"reward {term.name!r}", scores.failures[term.name])
+    return rule
 
 
 def fails_sometimes(prompt, completion, example):
     return 1.0 / len(completion)   # ZeroDivisionError on an empty completion
 
 
-def test_a_reward_that_never_scored_stops_with_its_first_error():
+def test_a_reward_that_never_scored_stops_with_its_first_error_and_line():
     rewards = RewardSet.from_specs([RewardSpec(name="format"), python_spec(
         "tests.generator.test_python_reward:raises_always")])
-    rewards.raise_if_never_scored()   # nothing scored yet: nothing to say
-    rewards.score_group("p", ["a", "b"], {"answer": "1"})
-    rewards.score_group("p", ["c"], {"answer": "1"})
-    with pytest.raises(RewardFailedError) as info:
-        rewards.raise_if_never_scored()
-    assert str(info.value) == ("reward 'python' failed on all 3 completions of the first batch, so training would "
-                               "learn from its on_error score alone; the first failure: KeyError: 'no_such_field'")
+    scored(rewards).check()   # nothing scored yet: nothing to say
+    rule = scored(rewards, ["a", "b"], ["c"])
+    with pytest.raises(FailureRateExceeded) as info:
+        rule.check()
+    assert str(info.value) == (
+        "reward 'python' failed on all 3 completions it was given so far: the rule is to stop at 50% of a window "
+        "of 64 (generator.failures.max_rate and .window), since training would learn from on_error scores alone; "
+        f"the first failure in the window: KeyError: 'no_such_field' (at {RAISES_AT})")
     assert info.value.exit_code == 2
 
 
@@ -92,11 +108,10 @@ def test_a_reward_that_failed_only_sometimes_or_returned_garbage():
     sometimes = RewardSet.from_specs([python_spec("tests.generator.test_python_reward:fails_sometimes")])
     scores = sometimes.score_group("p", ["", "ab"], {})
     assert scores.components["python"] == [0.0, 0.5] and scores.errors == {"python": 1}
-    sometimes.raise_if_never_scored()   # it scored one: the run goes on
+    scored(sometimes, ["", "ab"]).check()   # it scored one, and the window is not full: the run goes on
     nan = RewardSet.from_specs([python_spec("tests.generator.test_python_reward:all_nan", per_group=True)])
-    nan.score_group("p", ["x", "y"], {})
-    with pytest.raises(RewardFailedError, match=r"failed on all 2 completions .* returned nan, not finite"):
-        nan.raise_if_never_scored()
+    with pytest.raises(FailureRateExceeded, match=r"failed on all 2 completions .* returned nan, not finite"):
+        scored(nan, ["x", "y"]).check()
 
 
 def all_nan(prompt, completions, example):
@@ -107,16 +122,19 @@ def all_nan(prompt, completions, example):
 @given(outcomes=st.lists(st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.none()), min_size=1,
                          max_size=12))
 def test_never_scored_is_exactly_every_value_unusable(outcomes):
-    """Property: the run stops iff no completion got a usable value (a float finite in float32)."""
+    """Property: before a window is full, the run stops iff no completion got a usable value (a float finite in
+    float32)."""
     values = iter(outcomes)
     rewards = RewardSet.from_specs([python_spec("tests.generator.test_python_reward:from_list")])
-    rewards.score_group("p", ["c"] * len(outcomes), {"values": values})
+    scores = rewards.score_group("p", ["c"] * len(outcomes), {"values": values})
+    rule = FailureRule(window=64, max_rate=0.5)
+    rule.record("reward 'python'", scores.failures["python"])
     usable = [v for v in outcomes if v is not None and finite_float32(v)]
     if usable:
-        rewards.raise_if_never_scored()
+        rule.check()
     else:
-        with pytest.raises(RewardFailedError):
-            rewards.raise_if_never_scored()
+        with pytest.raises(FailureRateExceeded):
+            rule.check()
 
 
 def from_list(prompt, completion, example):
@@ -137,7 +155,7 @@ def test_the_generator_stops_after_a_first_batch_its_reward_never_scored(tiny_mo
                                                              generator_id="g"),
                        sampling=SamplingParams(temperature=1.0, max_tokens=4), group_size=3, prompts_per_batch=2,
                        generator_id="g", weights_dir=tmp_path / "w")
-    with pytest.raises(RewardFailedError, match="failed on all 6 completions of the first batch.*KeyError"):
+    with pytest.raises(FailureRateExceeded, match="failed on all 6 completions it was given so far.*KeyError"):
         loop.step()
     assert loop.stats.prompts == 2 and loop.stats.reward_errors == 6
 
@@ -159,6 +177,9 @@ def test_grpo_generator_exits_2_with_the_rewards_error_and_uploads_nothing(tmp_p
         accepted = live.state.hub.counters.accepted
     assert result.returncode == 2, result.stderr[-3000:]
     assert result.stderr.strip().splitlines()[-1] == (
-        "grpo generator: error: reward 'python' failed on all 6 completions of the first batch, so training would "
-        "learn from its on_error score alone; the first failure: KeyError: 'label'")
+        "grpo generator: error: reward 'python' failed on all 6 completions it was given so far: the rule is to stop "
+        "at 50% of a window of 64 (generator.failures.max_rate and .window), since training would learn from "
+        f"on_error scores alone; the first failure in the window: KeyError: 'label' (at {tmp_path}/broken.py:2 in "
+        "score)")
+    assert "Traceback (most recent call last)" in result.stderr   # logged with the error, the user's line in it
     assert accepted == 0

@@ -86,7 +86,10 @@ def test_extract_code_takes_last_block():
     assert extract_code("```py\na = 1\n```\ntext\n```python\nb = 2\n```") == "b = 2\n"
 
 
-def _reward_server(scores):
+def _reward_server(scores, port: int = 0):
+    """An HTTP reward model on 127.0.0.1 answering ``{"scores": scores(body)}`` (``port`` again after a stop: the
+    server reuses the address)."""
+
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self):  # noqa: N802
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -99,7 +102,7 @@ def _reward_server(scores):
         def log_message(self, *args):
             pass
 
-    server = HTTPServer(("127.0.0.1", 0), Handler)
+    server = HTTPServer(("127.0.0.1", port), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
 

@@ -122,6 +122,24 @@ class StepRewardsConfig(StrictModel):
                                   "step ('final_step' only).")
 
 
+class FailuresConfig(StrictModel):
+    """The rule for user code that fails (generator/failures.py): each reward and the environment keep the outcome of
+    their last ``window`` completions or trajectories; a failure there (an exception, a timeout, a value that is no
+    number, a reward service answering garbage) is scored ``on_error`` and the run goes on, until a full window
+    holds ``max_rate`` failures or more, or everything given so far failed (a broken reward's first batch): the
+    generator then stops, exit 2, with the first failure's file:line, and `grpo run` with it. A reward service that
+    does not answer (connection refused, timeout, 5xx, 429) is down, not failing: generation pauses and retries."""
+
+    window: int = Field(64, ge=0, description="Completions (rewards) or trajectories (the environment) each "
+                        "source's failure rate is measured over, the most recent ones. 0: never stop (every failure "
+                        "is still scored on_error and counted).")
+    max_rate: float = Field(0.5, gt=0, le=1, description="Stop when at least this share of a full window failed "
+                            "(1: only when every one in it failed).")
+    service_retry_s: float = Field(10.0, gt=0, allow_inf_nan=False, description="While a PRM or HTTP reward "
+                                   "service is down, how often the group waiting for it is scored again (generation "
+                                   "is paused meanwhile; it resumes when the service answers).")
+
+
 class EnvironmentConfig(StrictModel):
     """Multi-turn rollouts (generator/multiturn.py, docs/multi-turn.md): the model's turns alternate with an
     environment's observations, appended as tokens, and only the model's tokens are trained on."""
@@ -219,6 +237,11 @@ class GeneratorConfig(StrictModel):
         "(by the hub, or by the generator's own check of what the hub would refuse) with none accepted: no group of "
         "this config can be accepted (e.g. an environment's reset() text that fills max_total_tokens). Each "
         "refused group is counted and dropped, never sent again. 0: never stop.")
+    failures: FailuresConfig = Field(default_factory=FailuresConfig, description="Rewards and environments that "
+                                     "fail (raise, time out, return garbage) score on_error, until a full window "
+                                     "holds max_rate failures or everything so far failed: the generator then stops, "
+                                     "exit 2, with the first failure's file:line. A PRM or HTTP reward service that "
+                                     "is down (connection refused, timeout, 5xx, 429) pauses generation instead.")
 
     @model_validator(mode="after")
     def _one_source_of_rewards(self) -> GeneratorConfig:
