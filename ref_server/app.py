@@ -8,7 +8,8 @@ adds what they share: the request guard (:mod:`ref_server.limits`: bearer-token 
 strict JSON, request metrics with 5xx and disconnects told apart), short error bodies and the lifespan hook. Every
 bad input is answered with a 4xx and a short ``{"detail": ...}`` naming the problem (OpenAI's ``{"error": ...}`` on
 the OpenAI-style routes: :func:`ref_server.http.error_body`), never echoing the input; the server keeps serving.
-The API docs (``/docs``, ``/redoc``, ``/openapi.json``) open without the token unless ``ref_server.public_docs`` is
+The API docs (``/docs``, ``/redoc``, ``/openapi.json``; their scripts and styles served by this server,
+:mod:`ref_server.api_docs`, so they render offline) open without the token unless ``ref_server.public_docs`` is
 false: a browser cannot send a bearer token to open them, and they describe the API, not its data.
 """
 
@@ -20,6 +21,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from ref_server import operations, session_routes
+from ref_server.api_docs import install_api_docs
 from ref_server.http import install_short_errors
 from ref_server.hub import routes as hub_routes
 from ref_server.limits import RequestGuard
@@ -40,8 +42,9 @@ def create_app(state: ServerState, on_ready: Callable[[], None] | None = None) -
             on_ready()
         yield
 
-    app = FastAPI(title="grpo-stack reference server", version="1", lifespan=lifespan,
+    app = FastAPI(title="grpo-stack reference server", version="1", lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Reference logprobs for any tool, the rollout hub and the weight relay.")
+    docs_paths = install_api_docs(app)
     metrics = ServerMetrics(state)
     app.state.server = state
     app.state.metrics = metrics
@@ -55,7 +58,7 @@ def create_app(state: ServerState, on_ready: Callable[[], None] | None = None) -
     install_short_errors(app)
     open_paths = {"/healthz"}
     if state.public_docs:
-        open_paths |= {app.docs_url, app.redoc_url, app.openapi_url, app.swagger_ui_oauth2_redirect_url}
+        open_paths |= {app.openapi_url, *docs_paths}
     if state.token is not None:
         _document_bearer_auth(app, open_paths)
     app.add_middleware(RequestGuard, state=state, metrics=metrics, router=app.router,
