@@ -17,6 +17,7 @@ there is anything to resume before it imports them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import random
@@ -60,11 +61,12 @@ def save_checkpoint(engine, directory: str | Path, *, step: int, version: int, k
     rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
-    engine.save_checkpoint(str(directory), tag=tag, client_state={"step": step, "version": version, "rng": rng},
-                           save_latest=False, exclude_frozen_parameters=lora is not None)
-    if lora is not None:
-        from learner.lora import save_adapter
+    from learner.lora import save_adapter, trainable_state_only
 
+    with trainable_state_only(engine) if lora is not None else contextlib.nullcontext():
+        engine.save_checkpoint(str(directory), tag=tag, client_state={"step": step, "version": version, "rng": rng},
+                               save_latest=False, exclude_frozen_parameters=lora is not None)
+    if lora is not None:
         save_adapter(engine.module, lora, base_model, Path(directory) / tag, is_writer=rank == 0)
     (Path(directory) / tag / f"consumed-rank{rank:05d}.json").write_text(json.dumps(list(consumed)))
     (Path(directory) / tag / f"unacked-rank{rank:05d}.json").write_text(json.dumps(list(unacknowledged)))

@@ -108,6 +108,32 @@ def adapters_disabled(model: torch.nn.Module) -> Iterator[None]:
             layer._disable_adapters = flag  # noqa: SLF001
 
 
+@contextlib.contextmanager
+def trainable_state_only(engine) -> Iterator[None]:
+    """While a LoRA checkpoint is written, the DeepSpeed engine's module state holds no frozen parameter at all.
+
+    DeepSpeed's ``exclude_frozen_parameters`` drops the frozen names ``named_parameters()`` yields, and that names a
+    tied weight once: the tied copy (``lm_head.weight`` of ``model.embed_tokens.weight``) stayed, most of a small
+    model's checkpoint (113 of 152 MB for SmolLM2). Buffers stay; a resume takes the frozen weights from the base
+    model (:func:`learner.checkpoint.load_latest` loads non-strict)."""
+    full = engine.module_state_dict
+    frozen = {name for name, p in engine.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+    def trainable(destination=None, prefix="", keep_vars=False, exclude_frozen_parameters=False):
+        state = full(destination=destination, prefix=prefix, keep_vars=keep_vars,
+                     exclude_frozen_parameters=exclude_frozen_parameters)
+        if exclude_frozen_parameters:
+            for name in frozen:
+                state.pop(prefix + name, None)
+        return state
+
+    engine.module_state_dict = trainable
+    try:
+        yield
+    finally:
+        del engine.module_state_dict  # the class's method again
+
+
 def peft_name(name: str) -> str:
     """Our parameter name -> the key peft saves (``base_model.model.`` prefix, no adapter name)."""
     return "base_model.model." + name.replace(f".{ADAPTER}.", ".")

@@ -55,6 +55,19 @@ def test_lora_checkpoint_resumes_and_exports_a_merged_folder(distributed, tiny_m
     model_bytes = sum(p.numel() * 4 for p in engine.module.parameters())
     module_file = next(folder.glob("mp_rank_00_model_states.pt"))
     assert module_file.stat().st_size < model_bytes / 4
+    # no frozen parameter under any name, the tied lm_head.weight included (a model tied like SmolLM2)
+    names = dict(engine.module.named_parameters(remove_duplicate=False))
+    assert names["lm_head.weight"] is names["model.embed_tokens.weight"]
+    saved = torch.load(module_file, map_location="cpu", weights_only=False)["module"]
+    assert set(saved) == {n for n, p in names.items() if p.requires_grad} == {n for n, _ in adapter_parameters(
+        engine.module)}
+    adapter_bytes = sum(p.numel() * 4 for _, p in adapter_parameters(engine.module))
+    tied_bytes = names["lm_head.weight"].numel() * 4
+    # the module file: the adapter and ~24 kB of client state (RNG states); with the tied copy it was 66 kB more
+    assert module_file.stat().st_size < adapter_bytes + 30_000 < adapter_bytes + tied_bytes
+    # the tag folder: the adapter twice (DeepSpeed's file, peft's), fp32 master and two Adam moments, bookkeeping
+    folder_bytes = sum(f.stat().st_size for f in folder.iterdir())
+    assert folder_bytes < 5 * adapter_bytes + 50_000 < 5 * adapter_bytes + tied_bytes
 
     trained = {n: p.detach().clone() for n, p in adapter_parameters(engine.module)}
     state = optimizer_state(engine)
@@ -64,6 +77,8 @@ def test_lora_checkpoint_resumes_and_exports_a_merged_folder(distributed, tiny_m
     assert client["step"] == 2 and client["consumed"] == ["g1"]
     for name, param in adapter_parameters(resumed.module):
         assert torch.equal(param, trained[name]), name
+    whole = dict(engine.module.named_parameters(remove_duplicate=False))  # the frozen ones from the base model
+    assert all(torch.equal(p, whole[n]) for n, p in resumed.module.named_parameters(remove_duplicate=False))
     resumed_state = optimizer_state(resumed)
     assert len(resumed_state) == len(state) > 0
     assert all(torch.equal(a, b) for a, b in zip(state, resumed_state))
