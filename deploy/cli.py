@@ -85,7 +85,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from deploy.console import echo_logs
     from deploy.preflight import require_models
 
-    config = load_with_flags(args, {"split": "eval.split", "num_examples": "eval.num_examples", "k": "eval.k"})
+    config = load_with_flags(args, {"split": "eval.split", "path": "eval.path", "num_examples": "eval.num_examples",
+                                    "k": "eval.k"})
     require_models({"--model": args.model})  # before the engine's imports, and never a model-hub retry
     from generator.evaluate import evaluate
 
@@ -254,6 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
             "(vLLM when available, else transformers).")
     p.add_argument("--model", required=True, help="Model folder to evaluate.")
     p.add_argument("--split", help="Dataset split (overrides eval.split).")
+    p.add_argument("--path", help="Evaluation JSONL file or Hugging Face dataset (overrides eval.path; required for "
+                   "a JSONL training dataset).")
     p.add_argument("--num-examples", type=int, help="Examples to evaluate (overrides eval.num_examples).")
     p.add_argument("--k", type=int, help="pass@k samples (overrides eval.k).")
     p.add_argument("--out", help="Also write the result JSON here.")

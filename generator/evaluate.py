@@ -1,7 +1,9 @@
 """Held-out evaluation: greedy accuracy and pass@k, scored with the training rewards.
 
 Training rollout rewards are not accuracy (they are sampled, on the training split, and may include shaping terms);
-this evaluates a model folder on the evaluation split with greedy decoding and with k samples per example.
+this evaluates a model folder on the evaluation split (or the file ``eval.path``: a JSONL training file has no
+held-out split, :func:`eval_dataset`) with greedy decoding and with k samples per example, and says what it
+evaluated (:func:`describe`, the result's ``evaluated``).
 
 With ``generator.environment`` set, the same environment runs (generator/multiturn.py): every trajectory is scored
 as in training (the reward functions on the whole trajectory's text, or the environment's reward with ``reward:
@@ -18,6 +20,7 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from generator.datasets import render_prompt
 from generator.environments.base import prompt_tools
@@ -25,6 +28,7 @@ from generator.loop import environment_rewards
 from generator.main import build_engine, load_examples, system_prompt_for
 from generator.rewards import RewardSet
 from shared.config.schema import GRPOConfig
+from shared.config.schema.generator import DatasetConfig
 from shared.errors import UsageError
 from shared.progress import Ticker
 from shared.protocol.records import SamplingParams
@@ -43,6 +47,7 @@ class EvalResult:
     greedy_mean_reward: float
     greedy_rewards: dict[str, float]
     accuracy_reward: str
+    evaluated: str                              # what: "the first 200 examples of data/eval.jsonl"
     # multi-turn only (None without an environment), over the greedy trajectories
     tool_call_rate: float | None = None         # share with >= 1 observation appended
     turns_per_trajectory: float | None = None   # model turns
@@ -51,7 +56,8 @@ class EvalResult:
     def as_dict(self) -> dict:
         out = {"greedy_accuracy": self.greedy_accuracy, f"pass@{self.k}": self.pass_at_k, "k": self.k,
                "num_examples": self.num_examples, "greedy_mean_reward": self.greedy_mean_reward,
-               "greedy_rewards": self.greedy_rewards, "accuracy_reward": self.accuracy_reward}
+               "greedy_rewards": self.greedy_rewards, "accuracy_reward": self.accuracy_reward,
+               "evaluated": self.evaluated}
         if self.tool_call_rate is not None:
             out.update(tool_call_rate=self.tool_call_rate, turns_per_trajectory=self.turns_per_trajectory,
                        env_errors=self.env_errors)
@@ -120,11 +126,42 @@ def sample(engine, examples: list, prompts: list[list[int]], config: GRPOConfig,
     return greedy, sampled, greedy_env
 
 
+def eval_dataset(config: GRPOConfig) -> DatasetConfig:
+    """The dataset ``grpo eval`` reads: the training dataset's ``eval.split``, or the file/dataset ``eval.path``
+    names. A JSONL training file has no held-out part: evaluating its first lines as if they were test examples
+    would report training accuracy, so without ``eval.path`` it is refused, naming the key."""
+    cfg, dataset = config.eval, config.generator.dataset
+    update: dict = {"split": cfg.split, "arithmetic_pool": min(dataset.arithmetic_pool, cfg.num_examples)}
+    if cfg.path is not None:
+        if dataset.kind not in ("jsonl", "hf"):
+            raise UsageError(f"eval.path applies to generator.dataset.kind jsonl or hf, not {dataset.kind!r}: the "
+                             f"{dataset.kind} task's held-out examples are eval.split (now {cfg.split!r})")
+        if dataset.kind == "jsonl" and not Path(cfg.path).is_file():
+            raise UsageError(f"eval.path {cfg.path} is not a file (a JSONL file of evaluation examples)")
+        update["path"] = cfg.path
+    elif dataset.kind == "jsonl":
+        raise UsageError(f"generator.dataset is the JSONL file {dataset.path}, which has no held-out split: set "
+                         "eval.path to a JSONL file of evaluation examples (grpo eval --path FILE, or --set "
+                         f"eval.path=FILE); --path {dataset.path} evaluates the training file's first lines")
+    return dataset.model_copy(update=update)
+
+
+def describe(dataset: DatasetConfig, count: int, training: DatasetConfig) -> str:
+    """What is evaluated, for the progress line and the result: the file, or the dataset and split, and how many."""
+    if dataset.kind == "jsonl":
+        same = " (the training file)" if Path(dataset.path).resolve() == Path(training.path).resolve() else ""
+        return f"the first {count} examples of {dataset.path}{same}"
+    if dataset.kind == "hf":
+        subset = f" ({dataset.subset})" if dataset.subset else ""
+        return f"{count} examples of {dataset.path}{subset}, split {dataset.split!r}"
+    return f"{count} examples of the {dataset.kind} task's {dataset.split!r} split"
+
+
 def evaluate(config: GRPOConfig, model_dir: str) -> EvalResult:
     cfg, gen = config.eval, config.generator
-    dataset = gen.dataset.model_copy(update={"split": cfg.split,
-                                             "arithmetic_pool": min(gen.dataset.arithmetic_pool, cfg.num_examples)})
+    dataset = eval_dataset(config)
     examples = load_examples(dataset, seed=config.seed + 1)[:cfg.num_examples]
+    evaluated = describe(dataset, len(examples), gen.dataset)
     rewards = RewardSet.from_specs(gen.rewards)
     environment = gen.environment
     names = ["environment"] if environment is not None and environment.reward == "environment" else \
@@ -144,7 +181,7 @@ def evaluate(config: GRPOConfig, model_dir: str) -> EvalResult:
         tools = prompt_tools(environment)   # tool calling: the schemas the chat template shows
         prompts = [tokenizer(render_prompt(tokenizer, e.question, system, gen.dataset.template, tools),
                              add_special_tokens=not chat)["input_ids"] for e in examples]
-        ticker = Ticker(f"evaluating {model_dir} on {len(prompts)} {cfg.split} examples", len(prompts) * (1 + cfg.k),
+        ticker = Ticker(f"evaluating {model_dir} on {evaluated}", len(prompts) * (1 + cfg.k),
                         log.info, every_s=PROGRESS_EVERY_S, unit="sequences")
         greedy, sampled, greedy_env = sample(engine, examples, prompts, config, ticker)
     finally:
@@ -164,7 +201,7 @@ def evaluate(config: GRPOConfig, model_dir: str) -> EvalResult:
         pass_sum += pass_at_k(len(s), hits, cfg.k)
     n = len(examples)
     result = EvalResult(correct / n, pass_sum / n, cfg.k, n, total_reward / n, {k: v / n for k, v in totals.items()},
-                        judge)
+                        judge, evaluated)
     if greedy_env is not None:
         result.tool_call_rate = sum(0 in (g[0].mask or []) for g in greedy) / n
         result.turns_per_trajectory = greedy_env.turns / max(greedy_env.trajectories, 1)

@@ -83,7 +83,8 @@ def test_evaluation_says_how_far_it_is(tiny_model_dir, caplog):
     with caplog.at_level(logging.INFO, logger="grpo.eval"):
         evaluate(config, str(tiny_model_dir))
     lines = [r.getMessage() for r in caplog.records if r.name == "grpo.eval"]
-    assert lines[-1].startswith(f"evaluating {tiny_model_dir} on 3 test examples: 9/9 sequences (100%), in ")
+    assert lines[-1].startswith(f"evaluating {tiny_model_dir} on 3 examples of the arithmetic task's 'test' split: "
+                                "9/9 sequences (100%), in ")
 
 
 def final_after_result(prompt, completion, example):
@@ -107,7 +108,7 @@ def test_eval_with_the_calculator_counts_tool_calls_and_scores_whole_trajectorie
                           "function": "tests.generator.test_evaluate:final_after_result"}}],
                       "sampling": {"max_tokens": 24},
                       "environment": {"name": "calculator", "max_turns": 3}},
-        "eval": {"num_examples": len(questions), "k": 1, "engine": "transformers", "split": "train"}})
+        "eval": {"num_examples": len(questions), "k": 1, "engine": "transformers", "path": str(data)}})
     result = evaluate(config, str(calc_model_dir))
     # an independent count: the same greedy trajectories, scored by the arithmetic reward on their text
     engine = TransformersEngine(calc_model_dir)
@@ -127,3 +128,49 @@ def test_eval_with_the_calculator_counts_tool_calls_and_scores_whole_trajectorie
     assert result.turns_per_trajectory == pytest.approx(runner.stats.turns / len(questions)) and result.turns_per_trajectory >= 4 * 2 / len(questions)
     assert {"tool_call_rate", "turns_per_trajectory", "env_errors"} <= set(result.as_dict())
     assert "tool_call_rate" not in replace(result, tool_call_rate=None).as_dict()  # single-turn results: absent
+    assert result.evaluated == f"the first {len(questions)} examples of {data} (the training file)"
+
+
+def write_jsonl(path: Path, questions: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"question": q, "answer": str(eval(q[:-1]))}) + "\n" for q in questions))
+    return path
+
+
+@pytest.mark.slow  # two `grpo eval` processes of the tiny model
+def test_eval_on_a_jsonl_dataset_takes_an_eval_file_and_says_what_it_evaluates(tiny_model_dir, tmp_path):
+    train = write_jsonl(tmp_path / "train.jsonl", ["1+1=", "2+2=", "3+3=", "4+4="])
+    held_out = write_jsonl(tmp_path / "eval.jsonl", ["5+5=", "6+6=", "7+7="])
+    config = tmp_path / "run.yaml"
+    config.write_text(json.dumps({"generator": {"dataset": {"kind": "jsonl", "path": str(train)},
+                                                "rewards": [{"name": "arithmetic"}], "sampling": {"max_tokens": 4}},
+                                  "eval": {"k": 1, "engine": "transformers"}}))
+    base = [GRPO, "eval", "--model", str(tiny_model_dir), "--config", str(config)]
+    # no eval file: refused before any model loads, naming the key, never the training lines as "test examples"
+    refused = forks.run(base, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
+    assert f"generator.dataset is the JSONL file {train}, which has no held-out split: set eval.path" in refused.stderr
+    assert refused.stdout == ""
+    done = forks.run([*base, "--path", str(held_out), "--num-examples", "10"], capture_output=True, text=True,
+                     timeout=300)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["num_examples"] == 3 and result["evaluated"] == f"the first 3 examples of {held_out}"
+    assert f"evaluating {tiny_model_dir} on the first 3 examples of {held_out}: " in done.stderr
+    assert "test examples" not in done.stderr
+
+
+def test_eval_path_is_checked_against_the_dataset_kind(tmp_path):
+    from generator.evaluate import eval_dataset
+
+    arithmetic = GRPOConfig.model_validate({"eval": {"path": str(tmp_path / "x.jsonl")}})
+    with pytest.raises(UsageError, match="eval.path applies to generator.dataset.kind jsonl or hf, not 'arithmetic'"):
+        eval_dataset(arithmetic)
+    train = write_jsonl(tmp_path / "train.jsonl", ["1+1="])
+    missing = GRPOConfig.model_validate({"generator": {"dataset": {"kind": "jsonl", "path": str(train)}},
+                                         "eval": {"path": str(tmp_path / "nope.jsonl")}})
+    with pytest.raises(UsageError, match=f"eval.path {tmp_path / 'nope.jsonl'} is not a file"):
+        eval_dataset(missing)
+    hf = GRPOConfig.model_validate({"generator": {"dataset": {"kind": "hf", "path": "gsm8k", "subset": "main"}},
+                                    "eval": {"path": "my/gsm8k-eval", "split": "validation"}})
+    assert (eval_dataset(hf).path, eval_dataset(hf).split, eval_dataset(hf).subset) == (
+        "my/gsm8k-eval", "validation", "main")

@@ -8,11 +8,17 @@ from shared.config.schema.base import StrictModel
 
 
 class EvalConfig(StrictModel):
-    """Held-out evaluation: greedy accuracy and pass@k on the dataset's evaluation split."""
+    """Held-out evaluation: greedy accuracy and pass@k on the dataset's evaluation split or file."""
 
-    split: str = Field("test", description="Split to evaluate ('test' is the arithmetic task's held-out split).")
-    num_examples: int = Field(200, ge=1, description="Examples evaluated (the first N of the split; arithmetic: N "
-                              "drawn with a fixed seed).")
+    split: str = Field("test", description="Split to evaluate ('test' is the arithmetic task's held-out split; "
+                       "a Hugging Face dataset's split name). A JSONL file has no splits: see eval.path.")
+    path: str | None = Field(
+        None, description="What to evaluate instead of the training dataset: with generator.dataset.kind jsonl an "
+        "evaluation JSONL file (required there: a JSONL file has no held-out split; give the training file itself "
+        "to evaluate its first lines), with kind hf a Hugging Face dataset name or folder (its eval.split). Null: "
+        "the training dataset's eval.split.")
+    num_examples: int = Field(200, ge=1, description="Examples evaluated (the first N of the split or file; "
+                              "arithmetic: N drawn with a fixed seed).")
     k: int = Field(4, ge=1, description="pass@k: k samples per example at eval temperature.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature of the pass@k samples.")
     accuracy_reward: str | None = Field(
