@@ -11,10 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import fastapi_offline
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html, get_swagger_ui_oauth2_redirect_html
-from fastapi.responses import HTMLResponse
-from fastapi.staticfiles import StaticFiles
+from fastapi.responses import FileResponse, HTMLResponse
 
 DOCS_URL = "/docs"
 REDOC_URL = "/redoc"
@@ -53,5 +52,10 @@ def install_api_docs(app: FastAPI) -> frozenset[str]:
                               redoc_js_url=asset(request, "redoc.standalone.js"),
                               redoc_favicon_url=asset(request, "favicon.png"), with_google_fonts=False)
 
-    app.mount(ASSETS, StaticFiles(directory=ASSET_DIR), name="docs-assets")
+    @app.get(f"{ASSETS}/{{name}}", include_in_schema=False)
+    async def docs_asset(name: str) -> FileResponse:
+        if name not in ASSET_FILES:  # only the package's files: no path is ever joined from the request
+            raise HTTPException(404, f"no API docs asset {name!r}")
+        return FileResponse(ASSET_DIR / name)
+
     return frozenset({DOCS_URL, REDOC_URL, OAUTH2_REDIRECT_URL, *(f"{ASSETS}/{name}" for name in ASSET_FILES)})
