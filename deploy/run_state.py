@@ -9,7 +9,8 @@ A run never mixes with an earlier one by accident:
 * ``--fresh``: that state and the old logs are deleted first (never anything else in the folder: a model built
   there, a summary, files of the user's);
 * ``--resume``: the learner continues from the newest complete checkpoint (its step, version and trained group
-  ids), the hub from its spool (queued groups), the generators from the relay's newest weights.
+  ids), the hub from its spool (queued groups), the generators from the relay's newest weights; a run whose newest
+  checkpoint is at ``learner.max_steps`` is finished: refused at once (exit 2), with how to train further.
 """
 
 from __future__ import annotations
@@ -68,9 +69,10 @@ def newest_checkpoint(config: GRPOConfig) -> tuple[str, dict] | None:
     return tags[-1], record
 
 
-def prepare_run_dir(config: GRPOConfig, *, resume: bool, fresh: bool) -> str | None:
+def prepare_run_dir(config: GRPOConfig, *, resume: bool, fresh: bool, source: str | None = None) -> str | None:
     """Check the run folder against the flags before anything starts; delete the old state for ``fresh``. Returns a
-    line to show (what is resumed or deleted), or None. A :class:`UsageError` (exit 2) names the flags."""
+    line to show (what is resumed or deleted), or None. A :class:`UsageError` (exit 2) names the flags; ``source``:
+    the config as named (in the line that says how to continue a finished run)."""
     if resume and fresh:
         raise UsageError("--resume and --fresh exclude each other: continue the earlier run, or start over")
     run_dir = config.run.run_dir
@@ -85,6 +87,7 @@ def prepare_run_dir(config: GRPOConfig, *, resume: bool, fresh: bool) -> str | N
                    "writes one only when a run is stopped)")
             raise UsageError(f"nothing to resume in {run_dir}: {why}; start it without --resume (or with --fresh)")
         tag, record = newest
+        refuse_finished(config, record["step"], source)
         changed = changed_settings(config)
         return (f"resuming {run_dir}: the learner from checkpoint {tag} (step {record['step']}, weights version "
                 f"{record['version']}), the hub from its spool, the generators from the relay's weights"
@@ -94,6 +97,19 @@ def prepare_run_dir(config: GRPOConfig, *, resume: bool, fresh: bool) -> str | N
         raise UsageError(f"{run_dir} holds an earlier run's state ({shown}): continue it with --resume, or delete "
                          "it and start over with --fresh (or set another run.run_dir / --run-dir)")
     return None
+
+
+def refuse_finished(config: GRPOConfig, step: int, source: str | None) -> None:
+    """A :class:`UsageError` (exit 2) when the newest checkpoint is already at ``learner.max_steps``: resuming would
+    start every service to train nothing. Said at once, with the two ways on."""
+    max_steps = config.learner.max_steps
+    if max_steps is None or step < max_steps:
+        return
+    again = f"grpo run {source or 'CONFIG'}"
+    raise UsageError(f"{config.run.run_dir} is finished: its learner reached step {step} of learner.max_steps "
+                     f"{max_steps}, nothing is left to resume; train further with `{again} --resume --set "
+                     f"learner.max_steps={step + max_steps}` (any value above {step}), or start over with `{again} "
+                     "--fresh`")
 
 
 # A checkpoint holds the weights (or the adapter) of one model trained one way: these settings cannot change under it.

@@ -2,7 +2,11 @@
 deletes the run's state and nothing else, --resume needs a checkpoint, and the last lines say where things are."""
 
 import json
+import os
 import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -229,3 +233,40 @@ def test_weight_copies_go_only_when_nothing_can_resume_from_them(tmp_path):
     assert drop_unneeded_weights(config, 0) == ("no checkpoint to resume from: the relay's weight copies are "
                                                 "deleted (4.0 KB)")
     assert list(run.rglob("v*.safetensors")) == [] and (relay / "learner.json").exists()
+
+
+def test_resume_of_a_finished_run_is_refused_with_how_to_train_further(tmp_path):
+    config = config_for(tmp_path / "r", "learner.max_steps=5")
+    (tmp_path / "r/checkpoints/step00000005").mkdir(parents=True)
+    (tmp_path / "r/checkpoints/step00000005/COMPLETE").write_text(json.dumps({"step": 5, "version": 5}))
+    with pytest.raises(UsageError) as err:
+        prepare_run_dir(config, resume=True, fresh=False, source="my.yaml")
+    assert str(err.value) == (
+        f"{tmp_path / 'r'} is finished: its learner reached step 5 of learner.max_steps 5, nothing is left to "
+        "resume; train further with `grpo run my.yaml --resume --set learner.max_steps=10` (any value above 5), "
+        "or start over with `grpo run my.yaml --fresh`")
+    raised = config_for(tmp_path / "r", "learner.max_steps=6")  # one step left: resumed
+    assert prepare_run_dir(raised, resume=True, fresh=False).startswith("resuming")
+    unbounded = config_for(tmp_path / "r", "learner.max_steps=null")  # until stopped: never finished
+    assert prepare_run_dir(unbounded, resume=True, fresh=False).startswith("resuming")
+
+
+@pytest.mark.slow  # a subprocess: the command as typed
+def test_grpo_run_resume_of_a_finished_run_says_so_at_once_and_starts_nothing(tmp_path, tiny_model_dir):
+    """The real command, as a user types it: one line, exit 2, in seconds, no service started (no logs folder)."""
+    config = tmp_path / "train.yaml"
+    config.write_text(valid_config(tiny_model_dir) + f"run: {{run_dir: {tmp_path / 'r'}}}\n")
+    (tmp_path / "r/checkpoints/step00000003").mkdir(parents=True)
+    (tmp_path / "r/checkpoints/step00000003/COMPLETE").write_text(json.dumps({"step": 3, "version": 3}))
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "deploy.cli", "run", str(config), "--resume", "--set",
+                           "learner.max_steps=3"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    elapsed = time.monotonic() - started
+    assert done.returncode == 2, done.stderr
+    assert done.stdout == "" and done.stderr.count("\n") == 1
+    assert done.stderr.startswith(f"grpo run: error: {tmp_path / 'r'} is finished: its learner reached step 3 of "
+                                  "learner.max_steps 3")
+    assert f"grpo run {config} --resume --set learner.max_steps=6" in done.stderr
+    assert not (tmp_path / "r/logs").exists() and not (tmp_path / "r/config.yaml").exists()
+    assert elapsed < 60  # was ~63 s of services starting and stopping on the 2-core machine
