@@ -218,13 +218,7 @@ def summary_lines(config: GRPOConfig, status: int, source: str | None = None) ->
         lines.append(f"metrics: {cfg.metrics_jsonl}" + (f", TensorBoard {cfg.tensorboard_dir}"
                                                        if cfg.tensorboard_dir and Path(cfg.tensorboard_dir).exists()
                                                        else ""))
-    newest = newest_checkpoint(config)
-    if newest is not None:
-        again = f"grpo run {source} --resume" if source else "grpo run CONFIG --resume"
-        lines.append(f"checkpoint: {Path(cfg.checkpoint_dir) / newest[0]} (step {newest[1]['step']}); continue "
-                     f"with: {again}")
-    else:
-        lines.append("checkpoint: none")
+    lines += _weights_lines(config, source)
     paths = {run_dir.resolve(): run_dir, **{s.path.resolve(): s.path for s in state_paths(config)}}
     roots = [p for p in paths if not any(q in p.parents for q in paths)]  # each file counted once
     existing = [p for p in roots if p.exists()]
@@ -234,21 +228,51 @@ def summary_lines(config: GRPOConfig, status: int, source: str | None = None) ->
 
 
 def drop_unneeded_weights(config: GRPOConfig, status: int) -> str | None:
-    """After a run that finished (exit 0) with no checkpoint to resume from, the relay's and the generators' weight
-    copies serve nothing (the model folder is the result): deleted, so disk use is what the config asks for. With a
-    checkpoint they stay: a resumed run's generators start from them."""
-    if status != 0 or newest_checkpoint(config) is not None:
+    """After a run that finished (exit 0), the weight copies nothing will read are deleted: the generators' downloads
+    (a resumed generator downloads again from the relay), and the relay's versions: every one when there is no
+    checkpoint to resume from (the model folder is the result), all but the newest when there is (a resumed run's
+    generators start from the newest; the relay keeps older ones only for generators still downloading them). A run
+    stopped early keeps them all."""
+    if status != 0:
         return None
+    keep_newest = newest_checkpoint(config) is not None
     dropped = 0
-    for folder in (config.ref_server.weights_dir, config.generator.weights_dir):
+    for folder, keep in ((config.ref_server.weights_dir, keep_newest), (config.generator.weights_dir, False)):
         if folder is None or not Path(folder).is_dir():
             continue
-        for weights in Path(folder).glob("v*.safetensors"):
+        versions = sorted(Path(folder).glob("v*.safetensors"))  # v + ten digits: in version order
+        for weights in versions[:-1] if keep else versions:
             dropped += weights.stat().st_size
             weights.unlink()
     if not dropped:
         return None
+    if keep_newest:
+        return (f"weight copies no resume needs are deleted ({_size(dropped)}); the relay keeps the newest version, "
+                "which a --resume's generators start from")
     return f"no checkpoint to resume from: the relay's weight copies are deleted ({_size(dropped)})"
+
+
+def _weights_lines(config: GRPOConfig, source: str | None) -> list[str]:
+    """The checkpoint (its size, and all the kept checkpoints' when several) and the relay's weights left."""
+    cfg = config.learner
+    newest = newest_checkpoint(config)
+    lines = []
+    if newest is not None:
+        root = Path(cfg.checkpoint_dir)
+        kept = complete_tags(root)
+        again = f"grpo run {source} --resume" if source else "grpo run CONFIG --resume"
+        size = _size(disk_bytes(root / newest[0])) + (
+            f"; {len(kept)} kept (learner.keep_checkpoints), {_size(disk_bytes(root))} in {root}"
+            if len(kept) > 1 else "")
+        lines.append(f"checkpoint: {root / newest[0]} (step {newest[1]['step']}, {size}); continue with: {again}")
+    else:
+        lines.append("checkpoint: none")
+    relay = Path(config.ref_server.weights_dir) if config.ref_server.weights_dir else None
+    held = sorted(relay.glob("v*.safetensors")) if relay is not None and relay.is_dir() else []
+    if held:
+        lines.append(f"relay: {relay} ({len(held)} weights version{'s' if len(held) > 1 else ''}, "
+                     f"{_size(sum(p.stat().st_size for p in held))})")
+    return lines
 
 
 def finish_run(config: GRPOConfig, status: int, source: str | None = None) -> list[str]:

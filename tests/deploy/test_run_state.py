@@ -165,14 +165,27 @@ def test_summary_says_where_the_model_logs_metrics_and_checkpoint_are(tmp_path):
     (run / "metrics.jsonl").write_text("{}\n")
     (run / "checkpoints/step00000002").mkdir(parents=True)
     (run / "checkpoints/step00000002/COMPLETE").write_text(json.dumps({"step": 2, "version": 2}))
+    (run / "checkpoints/step00000002/mp_rank_00_model_states.pt").write_bytes(b"\0" * 2000)
     lines = summary_lines(config, 130, "my.yaml")
+    checkpoint_bytes = 2000 + len(json.dumps({"step": 2, "version": 2}))
     assert lines == [
         f"model: {run / 'model'} (Hugging Face folder, 2.9 KB)",
         f"logs: {run / 'logs'}",
         f"metrics: {run / 'metrics.jsonl'}",
-        f"checkpoint: {run / 'checkpoints/step00000002'} (step 2); continue with: grpo run my.yaml --resume",
-        f"disk: 3.0 KB in {run}; exit status 130",
+        f"checkpoint: {run / 'checkpoints/step00000002'} (step 2, {checkpoint_bytes / 1024:.1f} KB); continue with: "
+        "grpo run my.yaml --resume",
+        f"disk: 4.9 KB in {run}; exit status 130",
     ]
+    (run / "checkpoints/step00000004").mkdir(parents=True)  # two kept: their sum, and the key that says how many
+    (run / "checkpoints/step00000004/COMPLETE").write_text(json.dumps({"step": 4, "version": 4}))
+    (run / "checkpoints/step00000004/mp_rank_00_model_states.pt").write_bytes(b"\0" * 2000)
+    (run / "ref_server/relay").mkdir(parents=True)
+    (run / "ref_server/relay/v0000000004.safetensors").write_bytes(b"\0" * 1024)
+    lines = summary_lines(config, 0)
+    assert lines[3:5] == [
+        f"checkpoint: {run / 'checkpoints/step00000004'} (step 4, 2.0 KB; 2 kept (learner.keep_checkpoints), "
+        f"4.0 KB in {run / 'checkpoints'}); continue with: grpo run CONFIG --resume",
+        f"relay: {run / 'ref_server/relay'} (1 weights version, 1.0 KB)"]
 
 
 def valid_config(model_dir) -> str:
@@ -224,11 +237,16 @@ def test_weight_copies_go_only_when_nothing_can_resume_from_them(tmp_path):
         folder.mkdir(parents=True)
         (folder / "v0000000003.safetensors").write_bytes(b"\0" * 2048)
     (relay / "learner.json").write_text("{}")
+    (relay / "v0000000002.safetensors").write_bytes(b"\0" * 1024)  # the relay keeps the two newest
     assert drop_unneeded_weights(config, 130) is None  # stopped: a checkpoint is written, a resume needs them
+    assert len(list(run.rglob("v*.safetensors"))) == 3
     (run / "checkpoints/step00000003").mkdir(parents=True)
     (run / "checkpoints/step00000003/COMPLETE").write_text(json.dumps({"step": 3, "version": 3}))
-    assert drop_unneeded_weights(config, 0) is None  # finished with a checkpoint: kept for a resume
-    assert len(list(run.rglob("v*.safetensors"))) == 2
+    # finished with a checkpoint: the relay's newest stays for a resume's generators, no other copy does
+    assert drop_unneeded_weights(config, 0) == ("weight copies no resume needs are deleted (3.0 KB); the relay keeps "
+                                                "the newest version, which a --resume's generators start from")
+    assert list(run.rglob("v*.safetensors")) == [relay / "v0000000003.safetensors"]
+    (gen / "v0000000003.safetensors").write_bytes(b"\0" * 2048)
     shutil.rmtree(run / "checkpoints")
     assert drop_unneeded_weights(config, 0) == ("no checkpoint to resume from: the relay's weight copies are "
                                                 "deleted (4.0 KB)")

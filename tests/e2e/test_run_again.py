@@ -113,7 +113,7 @@ def test_resume_after_ctrl_c_continues_step_and_version(tiny_model_dir, tmp_path
     assert proc.returncode == 130, out[-3000:]
     stopped = metrics(run_dir)[-1]
     step, version = stopped["step"], stopped["version"]
-    assert f"checkpoint: {run_dir / 'checkpoints' / f'step{step:08d}'} (step {step})" in out
+    assert f"checkpoint: {run_dir / 'checkpoints' / f'step{step:08d}'} (step {step}, " in out
     assert f"continue with: grpo run {config} --resume" in out
 
     resumed = grpo_run(config, "--resume", "--set", f"learner.max_steps={step + 2}")
