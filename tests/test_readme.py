@@ -16,9 +16,6 @@ from pathlib import Path
 
 import pytest
 
-# The schema checks reward names against the generator's registry, whose module imports torch (seconds on a busy
-# machine): imported here, once, at collection, so the config tests time only the validation.
-import generator.rewards.reward_set  # noqa: F401
 from deploy.cli import build_parser
 from shared.config.loader import ConfigError, load_config
 
