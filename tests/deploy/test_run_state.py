@@ -2,7 +2,11 @@
 deletes the run's state and nothing else, --resume needs a checkpoint, and the last lines say where things are."""
 
 import json
+import os
 import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -161,14 +165,27 @@ def test_summary_says_where_the_model_logs_metrics_and_checkpoint_are(tmp_path):
     (run / "metrics.jsonl").write_text("{}\n")
     (run / "checkpoints/step00000002").mkdir(parents=True)
     (run / "checkpoints/step00000002/COMPLETE").write_text(json.dumps({"step": 2, "version": 2}))
+    (run / "checkpoints/step00000002/mp_rank_00_model_states.pt").write_bytes(b"\0" * 2000)
     lines = summary_lines(config, 130, "my.yaml")
+    checkpoint_bytes = 2000 + len(json.dumps({"step": 2, "version": 2}))
     assert lines == [
         f"model: {run / 'model'} (Hugging Face folder, 2.9 KB)",
         f"logs: {run / 'logs'}",
         f"metrics: {run / 'metrics.jsonl'}",
-        f"checkpoint: {run / 'checkpoints/step00000002'} (step 2); continue with: grpo run my.yaml --resume",
-        f"disk: 3.0 KB in {run}; exit status 130",
+        f"checkpoint: {run / 'checkpoints/step00000002'} (step 2, {checkpoint_bytes / 1024:.1f} KB); continue with: "
+        "grpo run my.yaml --resume",
+        f"disk: 4.9 KB in {run}; exit status 130",
     ]
+    (run / "checkpoints/step00000004").mkdir(parents=True)  # two kept: their sum, and the key that says how many
+    (run / "checkpoints/step00000004/COMPLETE").write_text(json.dumps({"step": 4, "version": 4}))
+    (run / "checkpoints/step00000004/mp_rank_00_model_states.pt").write_bytes(b"\0" * 2000)
+    (run / "ref_server/relay").mkdir(parents=True)
+    (run / "ref_server/relay/v0000000004.safetensors").write_bytes(b"\0" * 1024)
+    lines = summary_lines(config, 0)
+    assert lines[3:5] == [
+        f"checkpoint: {run / 'checkpoints/step00000004'} (step 4, 2.0 KB; 2 kept (learner.keep_checkpoints), "
+        f"4.0 KB in {run / 'checkpoints'}); continue with: grpo run CONFIG --resume",
+        f"relay: {run / 'ref_server/relay'} (1 weights version, 1.0 KB)"]
 
 
 def valid_config(model_dir) -> str:
@@ -220,12 +237,54 @@ def test_weight_copies_go_only_when_nothing_can_resume_from_them(tmp_path):
         folder.mkdir(parents=True)
         (folder / "v0000000003.safetensors").write_bytes(b"\0" * 2048)
     (relay / "learner.json").write_text("{}")
+    (relay / "v0000000002.safetensors").write_bytes(b"\0" * 1024)  # the relay keeps the two newest
     assert drop_unneeded_weights(config, 130) is None  # stopped: a checkpoint is written, a resume needs them
+    assert len(list(run.rglob("v*.safetensors"))) == 3
     (run / "checkpoints/step00000003").mkdir(parents=True)
     (run / "checkpoints/step00000003/COMPLETE").write_text(json.dumps({"step": 3, "version": 3}))
-    assert drop_unneeded_weights(config, 0) is None  # finished with a checkpoint: kept for a resume
-    assert len(list(run.rglob("v*.safetensors"))) == 2
+    # finished with a checkpoint: the relay's newest stays for a resume's generators, no other copy does
+    assert drop_unneeded_weights(config, 0) == ("weight copies no resume needs are deleted (3.0 KB); the relay keeps "
+                                                "the newest version, which a --resume's generators start from")
+    assert list(run.rglob("v*.safetensors")) == [relay / "v0000000003.safetensors"]
+    (gen / "v0000000003.safetensors").write_bytes(b"\0" * 2048)
     shutil.rmtree(run / "checkpoints")
     assert drop_unneeded_weights(config, 0) == ("no checkpoint to resume from: the relay's weight copies are "
                                                 "deleted (4.0 KB)")
     assert list(run.rglob("v*.safetensors")) == [] and (relay / "learner.json").exists()
+
+
+def test_resume_of_a_finished_run_is_refused_with_how_to_train_further(tmp_path):
+    config = config_for(tmp_path / "r", "learner.max_steps=5")
+    (tmp_path / "r/checkpoints/step00000005").mkdir(parents=True)
+    (tmp_path / "r/checkpoints/step00000005/COMPLETE").write_text(json.dumps({"step": 5, "version": 5}))
+    with pytest.raises(UsageError) as err:
+        prepare_run_dir(config, resume=True, fresh=False, source="my.yaml")
+    assert str(err.value) == (
+        f"{tmp_path / 'r'} is finished: its learner reached step 5 of learner.max_steps 5, nothing is left to "
+        "resume; train further with `grpo run my.yaml --resume --set learner.max_steps=10` (any value above 5), "
+        "or start over with `grpo run my.yaml --fresh`")
+    raised = config_for(tmp_path / "r", "learner.max_steps=6")  # one step left: resumed
+    assert prepare_run_dir(raised, resume=True, fresh=False).startswith("resuming")
+    unbounded = config_for(tmp_path / "r", "learner.max_steps=null")  # until stopped: never finished
+    assert prepare_run_dir(unbounded, resume=True, fresh=False).startswith("resuming")
+
+
+@pytest.mark.slow  # a subprocess: the command as typed
+def test_grpo_run_resume_of_a_finished_run_says_so_at_once_and_starts_nothing(tmp_path, tiny_model_dir):
+    """The real command, as a user types it: one line, exit 2, in seconds, no service started (no logs folder)."""
+    config = tmp_path / "train.yaml"
+    config.write_text(valid_config(tiny_model_dir) + f"run: {{run_dir: {tmp_path / 'r'}}}\n")
+    (tmp_path / "r/checkpoints/step00000003").mkdir(parents=True)
+    (tmp_path / "r/checkpoints/step00000003/COMPLETE").write_text(json.dumps({"step": 3, "version": 3}))
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "deploy.cli", "run", str(config), "--resume", "--set",
+                           "learner.max_steps=3"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    elapsed = time.monotonic() - started
+    assert done.returncode == 2, done.stderr
+    assert done.stdout == "" and done.stderr.count("\n") == 1
+    assert done.stderr.startswith(f"grpo run: error: {tmp_path / 'r'} is finished: its learner reached step 3 of "
+                                  "learner.max_steps 3")
+    assert f"grpo run {config} --resume --set learner.max_steps=6" in done.stderr
+    assert not (tmp_path / "r/logs").exists() and not (tmp_path / "r/config.yaml").exists()
+    assert elapsed < 60  # was ~63 s of services starting and stopping on the 2-core machine

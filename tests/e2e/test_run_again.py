@@ -4,6 +4,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -113,7 +114,7 @@ def test_resume_after_ctrl_c_continues_step_and_version(tiny_model_dir, tmp_path
     assert proc.returncode == 130, out[-3000:]
     stopped = metrics(run_dir)[-1]
     step, version = stopped["step"], stopped["version"]
-    assert f"checkpoint: {run_dir / 'checkpoints' / f'step{step:08d}'} (step {step})" in out
+    assert f"checkpoint: {run_dir / 'checkpoints' / f'step{step:08d}'} (step {step}, " in out
     assert f"continue with: grpo run {config} --resume" in out
 
     resumed = grpo_run(config, "--resume", "--set", f"learner.max_steps={step + 2}")
@@ -126,4 +127,37 @@ def test_resume_after_ctrl_c_continues_step_and_version(tiny_model_dir, tmp_path
     # the learner's exit checkpoint of the resumed run is there too (it stopped at max_steps: checkpoint_every is
     # null, so no new one is written on a normal finish; the one it resumed from is kept)
     assert (run_dir / "checkpoints" / f"step{step:08d}" / "COMPLETE").is_file()
+    assert stray_processes(str(config)) == []
+
+
+@pytest.mark.slow
+def test_a_finished_run_keeps_what_a_resume_needs_and_says_so_when_resumed_as_is(tiny_model_dir, tmp_path):
+    """A finished run with checkpoints: ``keep_checkpoints`` of them stay, the relay keeps its newest version alone
+    (no generator copy), the last lines give sizes; ``--resume`` as is says the run is finished at once, and with a
+    raised ``learner.max_steps`` it trains on from the kept checkpoint and relay version."""
+    config = write_config(tmp_path, tiny_model_dir, max_steps=3, checkpoint_every=1)
+    config.write_text(config.read_text().replace('"batch_wait_s": 1.0', '"batch_wait_s": 1.0, "keep_checkpoints": 1'))
+    run_dir = tmp_path / "run"
+    first = grpo_run(config)
+    assert first.returncode == 0, first.stdout[-3000:]
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step*")) == ["step00000003"]
+    relay = sorted(p.name for p in (run_dir / "ref_server" / "relay").glob("v*.safetensors"))
+    assert relay == ["v0000000003.safetensors"] and not list(run_dir.glob("generator/weights/v*"))
+    out = first.stdout
+    assert f"[grpo run] checkpoint: {run_dir / 'checkpoints' / 'step00000003'} (step 3, " in out
+    assert re.search(r"\(step 3, \d+\.\d (KB|MB)\); continue with", out), out[-2000:]
+    assert re.search(rf"\[grpo run\] relay: {re.escape(str(run_dir / 'ref_server' / 'relay'))} \(1 weights "
+                     r"version, \d+\.\d (KB|MB)\)", out), out[-2000:]
+
+    started = time.monotonic()
+    again = grpo_run(config, "--resume", timeout=120)
+    assert again.returncode == 2 and again.stdout == "", again.stdout[-2000:]
+    assert again.stderr.startswith(f"grpo run: error: {run_dir} is finished: its learner reached step 3 of "
+                                   "learner.max_steps 3"), again.stderr
+    assert time.monotonic() - started < 60
+
+    further = grpo_run(config, "--resume", "--set", "learner.max_steps=4")
+    assert further.returncode == 0, further.stdout[-3000:]
+    assert [m["step"] for m in metrics(run_dir)] == [1, 2, 3, 4]
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step*")) == ["step00000004"]
     assert stray_processes(str(config)) == []

@@ -77,3 +77,41 @@ def test_environments_and_rewards_are_complete_when_read():
 
     assert ENVIRONMENTS.names() == ["calculator", "guess", "tools"] and ENVIRONMENTS.get("calculator") is Calculator
     assert {"format", "math", "chain", "chain_steps", "prm", "python"} <= set(REWARDS.names())
+
+
+def _schema_checks() -> set[tuple[str, str]]:
+    """Every ``check_registered("module", "NAME", ...)`` of the config schema."""
+    import ast
+    from pathlib import Path
+
+    schema = Path(__file__).resolve().parents[2] / "shared" / "config" / "schema"
+    return {(node.args[0].value, node.args[1].value) for path in schema.glob("*.py")
+            for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Call)
+            and getattr(node.func, "id", None) == "check_registered" and len(node.args) >= 2
+            and all(isinstance(a, ast.Constant) for a in node.args[:2])}
+
+
+def test_the_names_read_from_the_source_are_the_registries_names():
+    """What a config load accepts without importing a registry's module is exactly what the imported registry holds,
+    for every registry the schema checks (aliases and the entries of its ``modules`` included)."""
+    import importlib
+
+    from shared.registry import declared_names
+
+    checks = _schema_checks()
+    assert len(checks) >= 9, checks
+    for module, name in sorted(checks):
+        assert declared_names(module, name) == set(getattr(importlib.import_module(module), name).names()), name
+    assert {"k1", "kl", "low_var_kl"} <= declared_names("shared.grpo.kl", "KL_ESTIMATORS")
+    assert declared_names("shared.grpo.kl", "NO_SUCH_REGISTRY") == frozenset()
+
+
+def test_a_name_the_source_does_not_declare_is_asked_of_the_registry(monkeypatch):
+    """An entry registered at run time passes (its module is imported); an unknown name lists the known ones."""
+    from shared.config.schema.base import check_registered
+    from shared.grpo.kl import KL_ESTIMATORS
+
+    with pytest.raises(ValueError, match="unknown KL estimator 'k9'; known: k1, k2, k3, kl, low_var_kl, mse"):
+        check_registered("shared.grpo.kl", "KL_ESTIMATORS", "k9")
+    monkeypatch.setitem(KL_ESTIMATORS._entries, "k9", lambda *a: None)
+    assert check_registered("shared.grpo.kl", "KL_ESTIMATORS", "k9") == "k9"

@@ -1,0 +1,29 @@
+"""``learner.keep_checkpoints`` is what stays on disk: each checkpoint written prunes the complete ones beyond the
+newest N (and an older one left half-written), with a real DeepSpeed engine writing real checkpoints."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from learner.checkpoint import MARKER, complete_tags, load_latest, save_checkpoint
+from learner.engine import create_engine
+from shared.config.schema import LearnerConfig
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("keep", [1, 2])
+def test_only_the_newest_keep_checkpoints_stay(distributed, tiny_model_dir, tmp_path, keep):
+    cfg = LearnerConfig(model=str(tiny_model_dir), tensorboard_dir=None, metrics_jsonl=None, keep_checkpoints=keep)
+    engine = create_engine(cfg, AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32),
+                           torch.device("cpu"))
+    root = tmp_path / "ckpt"
+    (root / "step00000000").mkdir(parents=True)  # a checkpoint a kill interrupted: never complete
+    (root / "step00000000" / "mp_rank_00_model_states.pt").write_bytes(b"half")
+    for step in (1, 2, 3, 4):
+        save_checkpoint(engine, root, step=step, version=step, keep=cfg.keep_checkpoints, rank=0)
+        assert complete_tags(root) == [f"step{s:08d}" for s in range(max(1, step - keep + 1), step + 1)]
+    assert sorted(p.name for p in root.iterdir()) == [f"step{s:08d}" for s in range(5 - keep, 5)]
+    assert json.loads((root / "step00000004" / MARKER).read_text()) == {"step": 4, "version": 4}
+    assert load_latest(engine, root)["step"] == 4  # what is kept still resumes
