@@ -144,8 +144,7 @@ class Learner:
                                           max_staleness=hub_stats["max_staleness"], start_version=self.version,
                                           version_after_batch=self.version_after_batch)
         self.lag_buckets = int(hub_stats["max_staleness"]) + 1  # drift by version lag 0..max_staleness, every rank
-        self.fetched = None           # how the batch being trained was fetched (background times, for the metrics)
-        self.clock = StepClock()
+        self.fetched, self.clock = None, StepClock()   # fetched: how the batch in training came (background times)
         self.timed_engine = LappedEngine(self.engine, self.clock)
         self.skipped = self.nonfinite_in_row = 0
         self._said_prefix = False
@@ -165,6 +164,9 @@ class Learner:
         if _agree(refused is not None, self.device):
             raise SessionRefusedError(f"the hub at {self.cfg.hub_url} refused this learner: {refused}"
                                       if refused else "the hub refused rank 0's registration (its log says why)")
+        # resumed ahead of the relay: joining generators need these weights (older ones sample only stale groups)
+        if _agree(resume and self.step > 0 and (self.relay_at_start or 0) < self.version, self.device):
+            self.publisher.publish(self.version)
 
     def _client(self) -> HubClient:
         """A client of this learner's (one per thread: a requests session is not meant to be shared)."""
@@ -331,9 +333,8 @@ class Learner:
             clock.lap("checkpoint")
 
     def old_logprobs(self, micro: list, temperature: float) -> str:
-        """pi_old of the batch's updates, as grpo_step's ``old_mode``: recomputed with the current weights and the
-        off-policy correction applied against the behaviour logprobs ('recompute'), or with
-        ``algorithm.off_policy.bypass`` the behaviour logprobs themselves ('behaviour', no forward pass)."""
+        """grpo_step's ``old_mode``: 'recompute' (pi_old recomputed, the off-policy correction applied against the
+        behaviour logprobs) or, with ``algorithm.off_policy.bypass``, 'behaviour' (no forward pass)."""
         off_policy = self.config.algorithm.off_policy
         if off_policy.bypass:
             return "behaviour"
@@ -383,10 +384,9 @@ class Learner:
         self.ledger.checkpointed()
 
     def finish(self) -> None:
-        """A last checkpoint where one is due, and the Hugging Face folder; neither before a first step (a run stopped
-        before it trained, say by a failing reward, has nothing to resume or export). Stopped by a signal: always.
-        Finished: with checkpoint_every set, unless the newest step has one (a checkpoint acknowledges its batches);
-        with it null, none (disk use is what the config asks for: the model folder alone)."""
+        """A last checkpoint where one is due, and the Hugging Face folder; neither before a first step (nothing to
+        resume or export). Stopped by a signal: always. Finished: with checkpoint_every set, unless the newest step has
+        one (a checkpoint acknowledges its batches); with it null, none (the model folder alone)."""
         cfg = self.cfg
         if self.step and (self.stop.is_set() or (cfg.checkpoint_every and self.step % cfg.checkpoint_every)):
             self.checkpoint()

@@ -238,3 +238,33 @@ def test_sigterm_after_the_hub_died_exits_promptly(tiny_model_dir, tmp_path):
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 0, stderr[-3000:]
     assert time.monotonic() - started < 60
+
+
+@pytest.mark.slow
+def test_a_learner_resumed_ahead_of_the_relay_publishes_its_restored_weights_at_once(tiny_model_dir, tmp_path):
+    """Killed before its newest version reached the relay (or resumed beside a hub whose relay is empty), a learner
+    must hand its restored weights to the relay before it waits for groups: generators that join load the relay's
+    version, and from an older one every group they sample is already too stale to train (the hub's pacing gives
+    them no budget), so the run would wait forever (seen in the chaos run)."""
+    with LiveServer(make_config(tmp_path / "first", tiny_model_dir)) as live:
+        fill_hub(live.url, tiny_model_dir, 4)
+        result = run_learner(learner_config(tmp_path, live.url, tiny_model_dir, max_steps=2, checkpoint_every=1))
+        assert result.returncode == 0, result.stderr[-3000:]
+    with LiveServer(make_config(tmp_path / "second", tiny_model_dir)) as live:  # its relay holds nothing
+        hub = HubClient(live.url)
+        assert hub.weights_version() is None
+        config = learner_config(tmp_path, live.url, tiny_model_dir, max_steps=3, checkpoint_every=1,
+                                batch_wait_s=60.0)
+        proc = forks.popen([GRPO, "learner", "--config", str(config), "--resume"], stderr=subprocess.PIPE,
+                           text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        try:
+            deadline = time.monotonic() + 120
+            while hub.weights_version() != 2:  # before any group arrives: the hub is empty
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    proc.kill()  # its stderr can be read only once it has ended
+                    pytest.fail(f"the relay holds {hub.weights_version()}: {proc.communicate(timeout=60)[1][-3000:]}")
+                time.sleep(0.2)
+            assert hub.hub_stats()["queue_depth"] == 0 and proc.poll() is None
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.communicate(timeout=120)
