@@ -49,7 +49,7 @@ def off_policy_settings(mode: str, low: float, high: float) -> dict:
     pi_old, no recompute: the PPO ratio against them is the only correction)."""
     if mode == "bypass":
         return {"mode": "none", "bypass": True}
-    return {"mode": mode, "low": low, "high": high}
+    return {"mode": mode, "low": low, "high": high, "bypass": False}  # bypass left null would be true with mu 1
 
 
 def cell_name(staleness: int, mode: str) -> str:
