@@ -18,7 +18,7 @@ What runs, in this order (one at a time, so they do not share the machine with e
    ``--repeats N`` runs 2 and 3 alternately N times (TRL, grpo, TRL, grpo, ...), so both see the same machine
    conditions; each repeat's ratio and their median are reported. ``--curves`` then adds two more runs for
    off-policy correctness at equal samples: on-policy (``ref_server.max_staleness 0``) and generators ahead
-   (``max_staleness 2``, old logprobs recomputed, truncated importance sampling with ``algorithm.loss.tis_cap``).
+   (``max_staleness 2``, old logprobs recomputed, ``algorithm.off_policy`` mode ``token_tis``).
 
 The runs (2 and 3) are bench/vs_trl_runs.py; this script evaluates their snapshots and reports.
 
@@ -279,8 +279,9 @@ def main(argv: list[str] | None = None) -> int:
         variants["grpo_on_policy"] = {"ref_server__max_staleness": 0}
         if config.ref_server.max_staleness != 2:
             variants["grpo_ahead_2"] = {"ref_server__max_staleness": 2}
-        variants["grpo_ahead_tis"] = {"ref_server__max_staleness": 2, "learner__old_logprobs": "recompute",
-                                      "algorithm__loss__tis_cap": config.algorithm.loss.tis_cap or 2.0}
+        off_policy = config.algorithm.off_policy  # its mode and bounds, with pi_old recomputed
+        variants["grpo_ahead_tis"] = {"ref_server__max_staleness": 2, "algorithm__off_policy": {
+            "mode": "token_tis", "low": off_policy.low, "high": off_policy.high, "bypass": False}}
     for name, changes in variants.items():
         print(f"[bench] {name} ({changes}) ...", flush=True)
         runs[name] = run_grpo(config, model_dir, args.device, steps, every, out / name, args.port, tree, **changes)
