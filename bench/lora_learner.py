@@ -99,7 +99,7 @@ def child(arm: str, model_dir: str, steps: int, zero_stage: int) -> dict:
         micro = split_micro_batches(batch, advantages, cfg.micro_batches, cfg.mask_truncated, cpu,
                                     token_budget=cfg.micro_batch_tokens, packing=cfg.packing,
                                     prefix_sharing="off" if cfg.gradient_checkpointing else cfg.prefix_sharing)
-        bypass = algorithm.off_policy.bypass
+        bypass = config.off_policy_bypass
         if not bypass:  # as the learner does (learner/main.py: train_on)
             recompute_old_logprobs(engine.module, micro, batch.temperature, cfg.logprob_chunk_tokens)
             apply_off_policy(micro, algorithm.off_policy)

@@ -334,12 +334,11 @@ class Learner:
 
     def old_logprobs(self, micro: list, temperature: float) -> str:
         """grpo_step's ``old_mode``: 'recompute' (pi_old recomputed, the off-policy correction applied against the
-        behaviour logprobs) or, with ``algorithm.off_policy.bypass``, 'behaviour' (no forward pass)."""
-        off_policy = self.config.algorithm.off_policy
-        if off_policy.bypass:
+        behaviour logprobs) or, with ``GRPOConfig.off_policy_bypass``, 'behaviour' (no forward pass)."""
+        if self.config.off_policy_bypass:
             return "behaviour"
         recompute_old_logprobs(self.engine.module, micro, temperature, self.cfg.logprob_chunk_tokens)
-        apply_off_policy(micro, off_policy)
+        apply_off_policy(micro, self.config.algorithm.off_policy)
         self.clock.lap("old_logprobs")
         return "recompute"
 

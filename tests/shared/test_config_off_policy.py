@@ -14,13 +14,18 @@ def load(data: dict) -> GRPOConfig:
 
 def test_defaults_bypass_with_one_update_and_recompute_with_token_tis_with_more():
     off_policy = GRPOConfig().algorithm.off_policy
-    assert (off_policy.mode, off_policy.low, off_policy.high, off_policy.bypass) == ("token_tis", 0.5, 2.0, True)
-    assert load({"learner": {"updates_per_batch": 2}}).algorithm.off_policy.bypass is False
+    assert (off_policy.mode, off_policy.low, off_policy.high, GRPOConfig().off_policy_bypass) == \
+        ("token_tis", 0.5, 2.0, True)
+    assert load({"learner": {"updates_per_batch": 2}}).off_policy_bypass is False
     explicit = load({"algorithm": {"off_policy": {"bypass": False}}})
-    assert explicit.algorithm.off_policy.bypass is False
+    assert explicit.off_policy_bypass is False
     for config in (GRPOConfig(), explicit, load({"learner": {"updates_per_batch": 3}})):
         for dump in (config.model_dump(mode="json"), config.model_dump(mode="json", exclude_defaults=True)):
             assert load(dump).algorithm.off_policy == config.algorithm.off_policy
+            assert load(dump).off_policy_bypass is config.off_policy_bypass
+    # a config written back with the default, then given more updates per batch, recomputes (it is not pinned)
+    written = GRPOConfig().model_dump(mode="json", exclude_defaults=True)
+    assert load({**written, "learner": {**written.get("learner", {}), "updates_per_batch": 2}}).off_policy_bypass is False
 
 
 @pytest.mark.parametrize("cap, mode, high", [(3.0, "token_tis", 3.0), (None, "none", 2.0), (0.2, "token_tis", 0.2)])
@@ -37,8 +42,9 @@ def test_tis_cap_becomes_token_tis(cap, mode, high):
 def test_learner_old_logprobs_becomes_bypass(old, bypass):
     config = load({"learner": {"old_logprobs": old}})
     assert config.algorithm.off_policy.bypass is bypass and config.learner.old_logprobs is None
-    assert load(config.model_dump(mode="json", exclude_defaults=True)).algorithm.off_policy.bypass is bypass
-    assert load(config.model_dump(mode="json")).algorithm.off_policy.bypass is bypass
+    assert config.off_policy_bypass is bypass
+    assert load(config.model_dump(mode="json", exclude_defaults=True)).off_policy_bypass is bypass
+    assert load(config.model_dump(mode="json")).off_policy_bypass is bypass
 
 
 @pytest.mark.parametrize("data, words", [

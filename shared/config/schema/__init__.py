@@ -47,6 +47,14 @@ class GRPOConfig(StrictModel):
         reference and the learner does not score it itself (``learner.lora.reference: learner``)."""
         return self.algorithm.needs_reference and not self.learner.reference_in_learner
 
+    @property
+    def off_policy_bypass(self) -> bool:
+        """Whether the learner trusts the behaviour logprobs as pi_old (``algorithm.off_policy.bypass``; left null:
+        true with one update per batch, false with more). Derived, not stored, so a config written back and changed
+        (say ``learner.updates_per_batch``) resolves it again."""
+        bypass = self.algorithm.off_policy.bypass
+        return self.learner.updates_per_batch == 1 if bypass is None else bypass
+
     @model_validator(mode="after")
     def _adapter_publish_over_the_relay(self) -> GRPOConfig:
         lora = self.learner.lora
@@ -65,9 +73,9 @@ class GRPOConfig(StrictModel):
 
     @model_validator(mode="after")
     def _old_logprobs_in_one_place(self) -> GRPOConfig:
-        """``learner.old_logprobs`` (the old name) becomes ``algorithm.off_policy.bypass``; a bypass left null is true
-        with one update per batch, false with more; bypass true needs one update per batch (with mu > 1 the behaviour
-        logprobs would stand in for a pi_old the later updates no longer see)."""
+        """``learner.old_logprobs`` (the old name) becomes ``algorithm.off_policy.bypass``; bypass true needs one
+        update per batch (with mu > 1 the behaviour logprobs would stand in for a pi_old the later updates no longer
+        see). A bypass left null stays null: :attr:`off_policy_bypass` resolves it where it is read."""
         off_policy = self.algorithm.off_policy
         if self.learner.old_logprobs is not None:
             bypass = self.learner.old_logprobs == "behaviour"
@@ -79,9 +87,7 @@ class GRPOConfig(StrictModel):
             off_policy.__dict__["bypass"] = bypass
             off_policy.__pydantic_fields_set__.add("bypass")
             self.learner.__dict__["old_logprobs"] = None
-        if off_policy.bypass is None:  # resolved here, once, for every service (not a field the user set)
-            off_policy.__dict__["bypass"] = self.learner.updates_per_batch == 1
-        if off_policy.bypass and self.learner.updates_per_batch > 1:
+        if off_policy.bypass is True and self.learner.updates_per_batch > 1:
             raise ValueError(f"algorithm.off_policy.bypass uses the behaviour logprobs as pi_old and measures the drift "
                              f"from the update's own forward, which only holds with learner.updates_per_batch 1 (got "
                              f"{self.learner.updates_per_batch}): set bypass false (the learner recomputes pi_old once "
