@@ -150,11 +150,17 @@ def off_policy_weights(
     if not 0 <= low <= high:
         raise ValueError(f"off-policy thresholds need 0 <= low <= high, got low {low}, high {high}")
     valid = completion_mask(lengths, width, loss_mask)
-    zero = torch.zeros((), dtype=torch.float64, device=old_logprobs.device)
-    gap = torch.where(valid, old_logprobs.detach().double() - behaviour_logprobs.detach().double(), zero)
+    gap = log_ratio(old_logprobs, behaviour_logprobs, valid)
     weights, keep = correction(gap, valid, float(low), float(high))
     keep = keep & valid
-    return torch.where(keep, weights, zero).to(old_logprobs.dtype), keep
+    return torch.where(keep, weights, torch.zeros_like(weights)).to(old_logprobs.dtype), keep
+
+
+def log_ratio(old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``d = old - behaviour`` in float64, without gradient, exactly 0 where ``valid`` is False (padding there may be
+    -inf or NaN and is never read)."""
+    zero = torch.zeros((), dtype=torch.float64, device=old_logprobs.device)
+    return torch.where(valid, old_logprobs.detach().double() - behaviour_logprobs.detach().double(), zero)
 
 
 # ---- measuring the drift ---------------------------------------------------------------------------------------
@@ -173,7 +179,7 @@ def mismatch_sums(old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, 
     the row's, clamped into ``0..lag_buckets-1``, so every rank reports the same keys); and the largest ratio under
     :data:`MISMATCH_MAX_KEY`. :func:`mismatch_metrics` turns the reduced sums into the metrics."""
     zero = torch.zeros((), dtype=torch.float64, device=old_logprobs.device)
-    gap = torch.where(valid, old_logprobs.detach().double() - behaviour_logprobs.detach().double(), zero)
+    gap = log_ratio(old_logprobs, behaviour_logprobs, valid)
     ratio = torch.exp(gap)
     k3 = torch.where(valid, ratio - 1.0 - gap, zero)  # r - 1 - log r
     abs_gap = gap.abs()
