@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import os
 import re
 from pathlib import Path
 
@@ -308,8 +309,11 @@ def test_make_demo_says_what_it_installs_and_ends_with_the_line_that_puts_grpo_o
 
     if shutil.which("make") is None:
         pytest.skip("no make on this machine")
-    commands = subprocess.run(["make", "-n", "-B", "demo"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.splitlines()
+    # Under `make test` this is a sub-make: drop the parent's MAKEFLAGS/MAKELEVEL, which would add
+    # "make[1]: Entering/Leaving directory" lines around the commands.
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS", "MAKEOVERRIDES")}
+    commands = subprocess.run(["make", "--no-print-directory", "-n", "-B", "demo"], cwd=ROOT, env=env,
+                              capture_output=True, text=True, check=True).stdout.splitlines()
     installs = [i for i, line in enumerate(commands) if "pip install" in line]
     assert len(installs) == 3, commands
     for i in installs:
