@@ -20,6 +20,9 @@ class SampledCompletion:
     env_reward: float | None = None   # the sum of the environment's step rewards (None: it gave none)
     env_failure: Failure | None = None   # what failed this trajectory in its environment (it ended there)
     unusable: str | None = None       # why no group holding it can be trained on (no room for a model token)
+    # the policy version that sampled each token (continuous schedule: weights change in flight); None: every
+    # token was sampled with the version the loop records for the whole group
+    versions: list[int] | None = None
 
     @property
     def env_failed(self) -> bool:
@@ -47,3 +50,46 @@ class Engine(Protocol):
 
     def close(self) -> None:
         ...
+
+
+@dataclass(frozen=True)
+class SequenceRequest:
+    """One sequence for a continuous engine: a prompt (token ids) and how to sample its completion."""
+
+    request_id: str              # unique among the engine's unfinished requests
+    prompt_ids: list[int]
+    sampling: SamplingParams     # max_tokens caps this completion
+    seed: int | None = None      # this sequence's sampling seed (engines that can seed per request)
+
+
+@dataclass
+class FinishedSequence:
+    request_id: str
+    completion: SampledCompletion   # its ``versions`` say which policy version sampled each token
+
+
+class ContinuousEngine(Protocol):
+    """The continuous schedule (generator/continuous/): sequences are submitted one by one and come back as each
+    finishes, so the engine never waits for the longest completion of a call. ``step`` is synchronous: between two
+    calls no forward pass runs, which is the safe point where the loop swaps weights (through the base engine's
+    ``load_weights`` / ``apply_adapter`` / ``receive_weight_version``) and then calls ``weights_changed``."""
+
+    name: str
+
+    def submit(self, requests: list[SequenceRequest]) -> None:
+        """Queue sequences; the engine starts them at its next steps, up to its capacity."""
+
+    def step(self) -> list[FinishedSequence]:
+        """Advance every running sequence by (about) one decoding step, admitting queued ones; returns the
+        sequences that finished (EOS or ``max_tokens``)."""
+
+    def num_unfinished(self) -> int:
+        """Sequences submitted and not yet returned by ``step`` (queued or running)."""
+
+    def weights_changed(self, version: int) -> None:
+        """The model's weights are now ``version``: unfinished sequences continue with them (keys and values of
+        their prefix recomputed, so a greedy continuation equals what ``version`` alone would produce from that
+        prefix), and every token sampled from now on carries ``version`` (version 0 before the first call)."""
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Drop unfinished sequences; they are never returned."""
