@@ -52,6 +52,7 @@ from shared.weight_sync.adapter import file_kind
 from shared.weight_sync.layout import KIND_ADAPTER
 
 log = logging.getLogger("grpo.generator.weights")
+RELOAD_POLL_S = 1.0  # how often a generator holding partly updated weights asks the relay for a whole version
 MAX_VANISHED = 3  # versions that vanish in a row within one sync before the generator keeps what it serves
 
 
@@ -180,8 +181,7 @@ class WeightReceiver:
                 self._vanished(relay)
                 loaded = self._from_relay(have, force=self.inconsistent)
         if self.inconsistent:
-            raise WeightSyncError("weights were partly updated by a failed transfer and the relay holds no "
-                                  "version to reload")
+            loaded = self._reload_whole_version(have)
         try:
             self.engine.connect_weight_group(offer.model_dump(mode="json"))
         except (RuntimeError, ValueError, ConnectionError, TimeoutError) as exc:
@@ -211,14 +211,33 @@ class WeightReceiver:
             log.warning("weight sync: receiving a new version failed (%s); reloading the relay's version, then "
                         "rejoining", exc)
             self._disconnect()
-            loaded = self._from_relay(have, force=True)
-            if self.inconsistent:
-                raise WeightSyncError("weights were partly updated by a failed transfer and the relay holds no "
-                                      "version to reload") from exc
-            return loaded
+            return self._reload_whole_version(have)
         self.last_load_s = time.perf_counter() - started
         log.info("weight sync: version %d received in %.3fs", version, self.last_load_s)
         return version if version != have else None
+
+    def _reload_whole_version(self, have: int) -> int | None:
+        """After a failed receive the engine holds partly updated weights: nothing may be sampled with them until a
+        whole version is loaded. The relay's current version; while the relay holds none (a learner that sends
+        through a group writes to the relay only at its start and for late joiners), wait for one: a learner that
+        was killed mid-transfer publishes its restored weights there as soon as it is back. Gives up after the
+        client's retry budget (generator.retry_max_s), as for an unreachable hub."""
+        waited_since = time.monotonic()
+        warned = False
+        while True:
+            loaded = self._from_relay(have, force=True)
+            if not self.inconsistent:
+                return loaded
+            waited = time.monotonic() - waited_since
+            if waited >= self.client.retry.max_retry_s:
+                raise WeightSyncError(f"weights were partly updated by a failed transfer and the relay held no "
+                                      f"version to reload for {waited:.0f}s (generator.retry_max_s)")
+            if not warned:
+                warned = True
+                log.warning("weight sync: weights were partly updated by a failed transfer and the relay holds no "
+                            "whole version yet: waiting for one (the learner publishes its weights there when it "
+                            "is back), generating nothing meanwhile")
+            time.sleep(RELOAD_POLL_S)
 
     def _from_relay(self, have: int, force: bool = False) -> int | None:
         """The relay's current version if it is newer than ``have`` (or ``force``, or the hub moved back below

@@ -17,7 +17,7 @@ from shared.config.schema import WeightSyncConfig
 from shared.protocol.client import HubClient, RetryPolicy
 from shared.protocol.weight_sync_messages import SenderWork
 from shared.weight_sync.publisher import WeightPublisher
-from shared.weight_sync.receiver import WeightReceiver
+from shared.weight_sync.receiver import WeightReceiver, WeightSyncError
 from tests.live_server import LiveServer, make_config
 
 pytestmark = pytest.mark.slow  # every test runs a live hub (LiveServer); one a subprocess receiver
@@ -327,3 +327,44 @@ def test_a_generator_that_asks_is_served_without_the_sender_hearing_from_the_hub
             assert sender.counters.dropped == 0 and gen.receiver.failed_receives == 0
         finally:
             publisher.close()
+
+
+class BrokenMidTransfer(TransformersEngine):
+    """A group receive that fails half-way (the learner killed mid-transfer): half the parameters already changed."""
+
+    def receive_weight_version(self) -> int:
+        params = list(self.model.parameters())
+        with torch.no_grad():
+            for p in params[:len(params) // 2]:
+                p.add_(1.0)
+        raise ConnectionError("Connection reset by peer")
+
+
+def test_a_receive_broken_half_way_waits_for_a_whole_version_on_an_empty_relay(tiny_model_dir, learner_model,
+                                                                             tmp_path):
+    """The chaos run's case: a learner sending through a group is killed mid-transfer while the relay holds no
+    version. The generator must neither sample with its half-updated weights nor exit: it waits until the learner,
+    back, publishes a whole version there, and loads it; with no version within its retry budget it stops, saying
+    so."""
+    with LiveServer(make_config(tmp_path)) as live:
+        engine = BrokenMidTransfer(tiny_model_dir)
+        receiver = WeightReceiver(engine, client(live.url), WeightSyncConfig(**CFG), "gen", tmp_path / "w")
+        perturb(learner_model, seed=5)
+        path = tmp_path / "v5.safetensors"
+        save_file({k: v.contiguous() for k, v in learner_model.state_dict().items() if k != "lm_head.weight"},
+                  str(path))
+        threading.Timer(1.5, lambda: HubClient(live.url).upload_weights(5, path)).start()
+        started = time.monotonic()
+        assert receiver._receive(3) == 5
+        assert time.monotonic() - started >= 1.0 and not receiver.inconsistent and receiver.failed_receives == 1
+        assert_same_weights(learner_model, engine)
+
+        empty = LiveServer(make_config(tmp_path / "second"))
+        with empty:
+            impatient = HubClient(empty.url, retry=RetryPolicy(max_retry_s=2, initial_backoff_s=0.05,
+                                                               max_backoff_s=0.2))
+            receiver = WeightReceiver(engine, impatient, WeightSyncConfig(**CFG), "gen", tmp_path / "w2")
+            started = time.monotonic()
+            with pytest.raises(WeightSyncError, match=r"held no version to reload for \d+s \(generator.retry_max_s\)"):
+                receiver._receive(5)
+            assert 2.0 <= time.monotonic() - started < 10.0
