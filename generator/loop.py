@@ -60,6 +60,17 @@ def environment_rewards(scores, samples: list[SampledCompletion], cfg: Environme
     scores.total = [cfg.on_error if s.env_failed else total for s, total in zip(samples, scores.total)]
 
 
+def sample_versions(samples: list[SampledCompletion], version: int) -> dict:
+    """``policy_version`` (and per-token ``versions``) of a group: samples without per-token versions were all
+    sampled with ``version``; with them, the group's version is the oldest of its tokens (staleness is judged by
+    it) and the per-token ones travel with the group."""
+    if all(s.versions is None for s in samples):
+        return {"policy_version": version}
+    rows = [s.versions if s.versions is not None else [version] * len(s.token_ids) for s in samples]
+    oldest = min((v for row in rows for v in row), default=version)
+    return {"policy_version": oldest, "versions": rows}
+
+
 class RolloutLoop:
     def __init__(self, *, engine: Engine, tokenizer, client: HubClient, rewards: RewardSet, prompts: PromptStream,
                  sampling: SamplingParams, group_size: int, prompts_per_batch: int, generator_id: str,
@@ -113,27 +124,38 @@ class RolloutLoop:
         return True
 
     # -- pacing -------------------------------------------------------------------------------------------------
-    def prompts_wanted(self) -> int:
-        """Prompts for the next engine call: ``prompts_per_batch``, or fewer when the learner can use only that
-        many more groups within the staleness bound (ref_server/hub/pacing.py), divided by the share of prompts whose
-        group is kept (so dynamic sampling does not leave a tail of small engine calls); waits up to
-        ``budget_poll_s`` on the hub while it can use none, and then returns 0 (sync weights and ask again)."""
+    def hub_wanted(self, wait_s: float) -> int | None:
+        """The groups the learner can use within the staleness bound (ref_server/hub/pacing.py), waiting up to
+        ``wait_s`` on the hub while it can use none; None: no pacing (switched off, an older hub without the route,
+        or a learner that has not said how many groups a step takes yet)."""
         if not self.wait_for_budget:
-            return self.prompts_per_batch
-        started = time.perf_counter()
+            return None
         try:
-            answer = self.client.rollout_budget(self.policy_version, wait_s=self.budget_poll_s)
+            answer = self.client.rollout_budget(self.policy_version, wait_s=wait_s)
         except HubError as exc:
             if exc.status != 404:
                 raise
             log.warning("the hub has no /v1/rollouts/budget (an older ref server): generating without pacing")
             self.wait_for_budget = False
+            return None
+        return answer["wanted"]
+
+    def prompts_for(self, groups: int) -> int:
+        """Prompts to start for ``groups`` kept groups: a prompt gives at most one group and dynamic sampling
+        drops some, so divide by the share of prompts whose group is kept."""
+        return math.ceil(groups / max(self.kept_fraction, 0.1))
+
+    def prompts_wanted(self) -> int:
+        """Prompts for the next engine call: ``prompts_per_batch``, or fewer when the learner can use only that
+        many more groups (:meth:`hub_wanted`, divided by the kept share so dynamic sampling does not leave a tail
+        of small engine calls); waits up to ``budget_poll_s`` on the hub while it can use none, and then returns
+        0 (sync weights and ask again)."""
+        started = time.perf_counter()
+        wanted = self.hub_wanted(self.budget_poll_s)
+        if wanted is None:
             return self.prompts_per_batch
-        wanted = answer["wanted"]
-        if wanted is None:  # the learner has not said how many groups a step takes yet
-            return self.prompts_per_batch
-        if wanted > 0:  # a prompt gives at most one group; dynamic sampling drops some: ask for enough prompts
-            return min(self.prompts_per_batch, math.ceil(wanted / max(self.kept_fraction, 0.1)))
+        if wanted > 0:
+            return min(self.prompts_per_batch, self.prompts_for(wanted))
         self.stats.budget_waits += 1
         self.stats.budget_wait_s += time.perf_counter() - started
         return 0
@@ -145,10 +167,12 @@ class RolloutLoop:
         # a chat template already contains the special tokens it wants
         return self.tokenizer(text, add_special_tokens=not chat)["input_ids"]
 
-    def build_group(self, example: Example, prompt_ids: list[int], samples: list[SampledCompletion]
-                    ) -> RolloutGroup | None:
+    def build_group(self, example: Example, prompt_ids: list[int], samples: list[SampledCompletion],
+                    policy_version: int | None = None) -> RolloutGroup | None:
         """The group of ``samples``, scored; None when it is not uploaded: no signal (dynamic sampling), or one
-        the hub could never accept (counted and dropped here, see generator/refusals.py)."""
+        the hub could never accept (counted and dropped here, see generator/refusals.py). ``policy_version``: the
+        version that sampled every token (default: the loop's current one) when the samples carry no per-token
+        ``versions``; with them (the continuous schedule), the group's version is the oldest of its tokens."""
         unusable = next((s.unusable for s in samples if s.unusable is not None), None)
         if unusable is not None:
             self._unacceptable(unusable)
@@ -175,7 +199,8 @@ class RolloutLoop:
         group = RolloutGroup.from_samples(
             prompt_ids=prompt_ids, completion_ids=[s.token_ids for s in samples],
             behaviour_logprobs=[s.logprobs for s in samples], rewards=scores.total,
-            finish_reasons=[s.finish_reason for s in samples], policy_version=self.policy_version,
+            finish_reasons=[s.finish_reason for s in samples],
+            **sample_versions(samples, self.policy_version if policy_version is None else policy_version),
             generator_id=self.generator_id, sampling=self.sampling, reward_components=scores.components,
             task={k: str(v) for k, v in example.data.items() if isinstance(v, (str, int, float))}
                  | {"example_id": example.example_id},
@@ -220,10 +245,13 @@ class RolloutLoop:
             if group is not None:
                 groups.append(group)
         self.failures.check()   # a reward or environment failing too often: stop before uploading this batch
-        # an exponential average over engine calls, weighted by their prompts
-        weight = min(1.0, len(examples) / 64)
-        self.kept_fraction += weight * (len(groups) / max(len(examples), 1) - self.kept_fraction)
+        self.record_kept(len(examples), len(groups))
         return groups
+
+    def record_kept(self, prompts: int, kept: int) -> None:
+        """The running share of prompts whose group is kept: an exponential average weighted by prompts."""
+        weight = min(1.0, prompts / 64)
+        self.kept_fraction += weight * (kept / max(prompts, 1) - self.kept_fraction)
 
     def upload(self, groups: list[RolloutGroup]) -> None:
         """One request for the groups of an engine call (retried by the client on 429 / 5xx / connection errors)."""

@@ -96,6 +96,19 @@ def build_loop(config: GRPOConfig, engine, client: HubClient, progress: Progress
         max_refused_in_a_row=cfg.max_refused_in_a_row, failures=cfg.failures)
 
 
+def continuous_rollouts(loop: RolloutLoop, engine, config: GRPOConfig):
+    """``generator.schedule.mode: continuous``: the engine kept full (generator/continuous/)."""
+    from generator.continuous.engines import continuous_engine
+    from generator.continuous.schedule import ContinuousRollouts
+
+    cfg = config.generator
+    schedule = cfg.schedule
+    max_in_flight = schedule.max_in_flight or cfg.prompts_per_batch * cfg.group_size
+    return ContinuousRollouts(loop, continuous_engine(engine, max_in_flight), max_in_flight=max_in_flight,
+                              upload_interval_s=schedule.upload_interval_s,
+                              check_interval_s=schedule.check_interval_s)
+
+
 def run_generator(config: GRPOConfig, stop: threading.Event | None = None) -> LoopStats:
     """Run until ``max_groups`` are uploaded or a stop is requested (SIGINT/SIGTERM in the main thread)."""
     stop = stop or threading.Event()
@@ -119,6 +132,8 @@ def run_generator(config: GRPOConfig, stop: threading.Event | None = None) -> Lo
         log.info("generator %s: engine %s, G=%d, %d prompts per batch, hub %s", loop.generator_id, engine.name,
                  cfg.group_size, cfg.prompts_per_batch, cfg.hub_url)
         try:
+            if cfg.schedule.mode == "continuous":
+                return continuous_rollouts(loop, engine, config).run(stop, max_groups=cfg.max_groups)
             return loop.run(stop, max_groups=cfg.max_groups)
         finally:
             loop.receiver.close()

@@ -76,6 +76,12 @@ class Progress:
             if pause is not None and pause.pauses:
                 log.info("reward services: generation paused %d time(s) while one was down, %.0fs in all",
                          pause.pauses, pause.paused_s)
+            schedule = stats.schedule
+            if schedule is not None and schedule.steps:
+                log.info("continuous schedule: %d engine steps, %.1f sequences in the engine per step, %.1fs "
+                         "stepping, %.1fs with the engine empty, %.1fs swapping weights", schedule.steps,
+                         schedule.slot_steps / schedule.steps, schedule.step_s, schedule.idle_s,
+                         schedule.weight_swap_s)
             if stats.weight_versions_vanished:
                 log.info("weight sync: %d versions the hub named were gone from the relay when asked for (the "
                          "current one was loaded instead)", stats.weight_versions_vanished)

@@ -30,6 +30,7 @@ class LoopStats:
     last_queue_depth: int | None = None
     environment: Any = None         # multi-turn: the rollouts' generator.multiturn.EnvStats (None: single-turn)
     service_pause: Any = None       # the loop's generator.failures.ServicePause (pauses for a reward service down)
+    schedule: Any = None            # continuous schedule: its generator.continuous.schedule.ScheduleStats
 
     @property
     def mean_reward(self) -> float:

@@ -183,6 +183,26 @@ class EnvironmentConfig(StrictModel):
                                 user_code="a class as 'package.module:Class' or 'path/to/file.py:Class'")
 
 
+class ScheduleConfig(StrictModel):
+    """How the engine is fed (generator/continuous/): call at a time, or kept full."""
+
+    mode: Literal["batch", "continuous"] = Field(
+        "batch", description="'batch': one engine call of prompts_per_batch prompts x G at a time; it waits for its "
+        "longest completion and new weights are loaded between calls. 'continuous': sequences are submitted one by "
+        "one and replaced as they finish, each group is scored and uploaded as soon as its G completions are done, "
+        "and new weights are taken between two decoding steps (unfinished sequences continue with them; every token "
+        "records the version that sampled it). Single-turn rollouts only for now.")
+    max_in_flight: int | None = Field(
+        None, ge=1, description="continuous: the most sequences in the engine at once (null: prompts_per_batch x "
+        "group_size, what one engine call holds in 'batch'). At least one group's G.")
+    upload_interval_s: float = Field(
+        0.5, ge=0, description="continuous: the least time between two uploads; complete groups wait and go "
+        "together (keeps the hub's request rate sane).")
+    check_interval_s: float = Field(
+        0.2, gt=0, description="continuous: how often the hub is asked for a new weights version and for its "
+        "budget while the engine runs (each is one small request).")
+
+
 class GeneratorConfig(StrictModel):
     """A generator: samples groups of completions, scores them and uploads them to the hub."""
 
@@ -203,6 +223,8 @@ class GeneratorConfig(StrictModel):
     group_size: int = Field(8, ge=1, description="G: completions sampled per prompt.")
     prompts_per_batch: int = Field(4, ge=1, description="Prompts generated together in one engine call.")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="Sampling parameters.")
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig, description="How the engine is fed: one call "
+                                     "at a time, or kept full with weights updated in flight.")
     dataset: DatasetConfig = Field(default_factory=DatasetConfig, description="Prompt source.")
     rewards: list[RewardSpec] = Field(
         default_factory=lambda: [RewardSpec(name="arithmetic")],
@@ -254,6 +276,9 @@ class GeneratorConfig(StrictModel):
             raise ValueError(f"generator.rewards lists {names}, but generator.environment.reward is 'environment', "
                              "which scores trajectories by the environment's step rewards alone: remove "
                              "generator.rewards, or set generator.environment.reward: rewards to score with them")
+        if self.environment is not None and self.schedule.mode == "continuous":
+            raise ValueError("generator.schedule.mode is 'continuous', which drives single-turn rollouts only for "
+                             "now: use generator.schedule.mode: batch with generator.environment")
         if by_environment:
             self.__dict__["rewards"] = []   # not through validate_assignment: it would run this validator again
         elif not self.rewards:

@@ -1,0 +1,73 @@
+"""Groups in flight: each prompt's G sequences are submitted together; the group is complete when all G finished."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+from generator.datasets import Example
+from generator.engines.base import FinishedSequence, SampledCompletion, SequenceRequest
+from shared.protocol.records import SamplingParams
+
+
+@dataclass
+class OpenGroup:
+    example: Example
+    prompt_ids: list[int]
+    samples: list[SampledCompletion | None]
+    opened_version: int                  # the policy version when its sequences were submitted
+    opened_at: float = 0.0               # time.monotonic() at submission
+    done: int = field(default=0)
+
+    @property
+    def complete(self) -> bool:
+        return self.done == len(self.samples)
+
+
+def sequence_seed(seed: int, generator_id: str, group_index: int, sample: int) -> int:
+    """A reproducible per-sequence seed (Python's hash() is salted per process)."""
+    digest = hashlib.sha256(f"{seed}/{generator_id}/{group_index}/{sample}".encode()).digest()
+    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
+
+
+class GroupsInFlight:
+    """Request ids are ``"<group index>/<sample index>"``: the finished sequence says which slot it fills."""
+
+    def __init__(self, group_size: int, seed: int, generator_id: str) -> None:
+        self.group_size, self.seed, self.generator_id = group_size, seed, generator_id
+        self.open: dict[int, OpenGroup] = {}
+        self._next = 0
+
+    @property
+    def sequences_unfinished(self) -> int:
+        return sum(self.group_size - g.done for g in self.open.values())
+
+    def submit(self, example: Example, prompt_ids: list[int], sampling: SamplingParams, version: int,
+               now: float) -> list[SequenceRequest]:
+        """Open a group for ``example``: its G requests, each with its own seed."""
+        index = self._next
+        self._next += 1
+        self.open[index] = OpenGroup(example, prompt_ids, [None] * self.group_size, version, now)
+        return [SequenceRequest(f"{index}/{j}", list(prompt_ids), sampling,
+                                sequence_seed(self.seed, self.generator_id, index, j))
+                for j in range(self.group_size)]
+
+    def finish(self, finished: FinishedSequence) -> OpenGroup | None:
+        """Record a finished sequence; the group, removed from the open ones, when it was its last. A sequence of a
+        group no longer open (aborted) or one already recorded is an engine fault: it raises."""
+        index, _, sample = finished.request_id.partition("/")
+        group = self.open.get(int(index))
+        if group is None or group.samples[int(sample)] is not None:
+            raise RuntimeError(f"the engine returned sequence {finished.request_id!r}, which is not in flight")
+        group.samples[int(sample)] = finished.completion
+        group.done += 1
+        if not group.complete:
+            return None
+        return self.open.pop(int(index))
+
+    def abandon(self) -> list[str]:
+        """Forget every open group; the request ids of their unfinished sequences (to abort in the engine)."""
+        ids = [f"{index}/{j}" for index, group in self.open.items()
+               for j, sample in enumerate(group.samples) if sample is None]
+        self.open.clear()
+        return ids
