@@ -122,3 +122,12 @@ def batch_versions(groups: Sequence[Any]) -> dict[str, torch.Tensor]:
             part[:, :cols] = torch.where(valid, g.token_versions[:, :cols].long(), g.policy_version)
         rows.append(part)
     return {VERSIONS_FIELD: torch.cat(rows)}
+
+
+def newest_version(group: Any) -> int:
+    """The newest version that sampled a token of ``group`` (its policy_version without token versions)."""
+    if group.token_versions is None:
+        return group.policy_version
+    valid = completion_mask(group.completion_lengths.long(), group.token_versions.shape[1])
+    values = group.token_versions.long().masked_fill(~valid, group.policy_version)
+    return max(group.policy_version, int(values.max()) if values.numel() else 0)
