@@ -8,25 +8,19 @@ from hypothesis import strategies as st
 
 from shared.protocol.errors import ProtocolError
 from shared.protocol.numbers import batch_problem
-from shared.protocol.records import RolloutGroup, SamplingParams, TrainBatch
+from shared.protocol.records import RolloutGroup, TrainBatch
 from shared.protocol.token_versions import MAX_VERSION, newest_version
 from shared.protocol.wire import decode, encode
+
+from .groups import random_group
 
 LENGTHS = (4, 2, 5, 0)
 # completion 0 crossed two weight switches, completion 2 one; completion 1 all at the oldest; 3 is empty
 VERSIONS = ([3, 3, 4, 6], None, [3, 5, 5, 5, 5], [])
 
 
-def group_of(versions=VERSIONS, lengths=LENGTHS, policy_version=3, seed=0, masks=None) -> RolloutGroup:
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(4, 40, (len(lengths), max(lengths)), generator=gen)
-    logprobs = -torch.rand(len(lengths), max(lengths), generator=gen)
-    return RolloutGroup.from_samples(
-        prompt_ids=[1, 2, 3], completion_ids=[ids[i, :n].tolist() for i, n in enumerate(lengths)],
-        behaviour_logprobs=[logprobs[i, :n].tolist() for i, n in enumerate(lengths)],
-        rewards=[float(i % 2) for i in range(len(lengths))], finish_reasons=["stop"] * len(lengths),
-        policy_version=policy_version, generator_id="gen", sampling=SamplingParams(max_tokens=8), versions=versions,
-        masks=masks, group_id=f"g{seed}")
+def group_of(versions=VERSIONS, lengths=LENGTHS, policy_version=3, seed=0) -> RolloutGroup:
+    return random_group(lengths, seed, policy_version=policy_version, versions=versions, group_id=f"g{seed}")
 
 
 def rows_of(tensor: torch.Tensor, lengths) -> list[list[int]]:
