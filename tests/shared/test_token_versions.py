@@ -166,3 +166,25 @@ def test_property_any_valid_versions_survive_both_wires(drawn):
     assert batch_problem(batch, None) is None
     if batch.token_versions is not None:
         assert rows_of(batch.token_versions, lengths) == rows
+
+
+_DTYPES = [torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.float32, torch.float64]
+
+
+@settings(max_examples=150, deadline=None)
+@given(dtype=st.sampled_from(_DTYPES), rows=st.just(4) | st.integers(0, 5), cols=st.just(5) | st.integers(0, 6),
+       values=st.lists(st.integers(-2**63, 2**63 - 1) | st.integers(-3, 9), min_size=30, max_size=30))
+def test_property_any_token_versions_tensor_is_a_group_or_a_protocol_error(dtype, rows, cols, values):
+    """Whatever tensor a sender puts under token_versions: a valid group that obeys every rule, or a ProtocolError
+    (the hub's 4xx), never another exception."""
+    flat = torch.tensor(values[:rows * cols], dtype=torch.int64)
+    versions = (flat.to(dtype) if dtype.is_floating_point or dtype == torch.bool
+                else flat.clamp(torch.iinfo(dtype).min, torch.iinfo(dtype).max).to(dtype)).reshape(rows, cols)
+    try:
+        group = RolloutGroup.from_bytes(_with_versions(versions))
+    except ProtocolError:
+        return
+    assert group.token_versions.shape == (4, 5) and not group.token_versions.is_floating_point()
+    valid = rows_of(group.token_versions, LENGTHS)
+    assert min(v for row in valid for v in row) == 3 and all(row == sorted(row) for row in valid)
+    assert max(v for row in valid for v in row) < MAX_VERSION
