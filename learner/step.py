@@ -25,9 +25,11 @@ from shared.grpo.off_policy import (
     MASKING_MODES,
     MISMATCH_MAX_KEY,
     MISMATCH_SUM_PREFIX,
+    TOKEN_SPREAD_MAX_KEY,
     mismatch_metrics,
     mismatch_sums,
     off_policy_weights,
+    version_lag_sums,
 )
 from shared.protocol.records import TrainBatch
 from shared.tensors.masks import completion_mask
@@ -35,7 +37,7 @@ from shared.tensors.transfers import to_device
 
 # How each metric combines over micro-batches and ranks: token-weighted mean, min or max.
 _MIN_KEYS = {"ratio_min", "is_weight_min"}
-_MAX_KEYS = {"ratio_max", "is_weight_max", "logprob_diff_max", MISMATCH_MAX_KEY}
+_MAX_KEYS = {"ratio_max", "is_weight_max", "logprob_diff_max", MISMATCH_MAX_KEY, TOKEN_SPREAD_MAX_KEY}
 # summed over micro-batches and ranks, then turned into means in _step_metrics
 _SUM_KEYS = {"num_tokens", "pg_loss", "logprob_diff_sum", "sampled_tokens"}
 
@@ -62,6 +64,7 @@ class MicroBatch:
     prefix: PrefixRows | None = None      # rows sharing a prompt: one pass of it (shared.forward.prefix_sharing)
     normalizers: tuple[int, int] = (0, 0)  # (loss tokens, loss sequences), counted on the host before the copy
     lags: torch.Tensor | None = None      # [b] the learner's version minus the row's (None: all 0)
+    token_lags: torch.Tensor | None = None  # [b, width_c] the same per token (batch.token_versions; None: the row's)
     # (weights, keep) of the off-policy correction (apply_off_policy; None: no correction), and with a masking mode
     # the (kept tokens, sequences with a kept token) on the device: the loss's normalisers then come from these
     correction: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -115,8 +118,10 @@ def split_micro_batches(batch: TrainBatch, advantages: torch.Tensor, parts: int,
     ``packing`` is how their forward lays the rows out (``learner.packing``); it also decides how the token
     budget counts a micro-batch. ``prefix_sharing`` (``learner.prefix_sharing``): rows of a micro-batch that
     continue one prompt share one pass of it. ``learner_version``: the version the learner holds, which makes each
-    row's version lag (for the drift metrics by staleness)."""
+    row's version lag (for the drift metrics by staleness) and, when the batch has token versions, each token's."""
     lags = None if learner_version is None else (learner_version - batch.policy_versions).clamp(min=0)
+    token_lags = (None if learner_version is None or batch.token_versions is None
+                  else (learner_version - batch.token_versions).clamp(min=0))
     loss_lengths = batch.completion_lengths.clone()
     if mask_truncated:
         loss_lengths[batch.truncated] = 0
@@ -143,7 +148,7 @@ def split_micro_batches(batch: TrainBatch, advantages: torch.Tensor, parts: int,
             prefix=prefix, normalizers=loss_normalizers(loss_lengths[rows], mask_rows(batch, rows, width_c)),
             host_prompt_lengths=batch.prompt_lengths[rows].tolist(), host_completion_lengths=completion.tolist(),
             host_loss_lengths=loss_lengths[rows].tolist(), loss_mask=take(batch.completion_mask, width_c),
-            lags=take(lags)))
+            lags=take(lags), token_lags=take(token_lags, width_c)))
     return pieces
 
 
@@ -218,6 +223,7 @@ def micro_batch_loss(model, mb: MicroBatch, loss_cfg: LossConfig, *, temperature
     keep = valid if mb.correction is None or old_mode == "behaviour" else mb.correction[1]
     lags = mb.lags if mb.lags is not None else torch.zeros_like(mb.loss_lengths)
     result.metrics.update(mismatch_sums(learner_old, mb.behaviour_logprobs, valid, keep, lags, lag_buckets))
+    result.metrics.update(version_lag_sums(valid, lags, mb.token_lags))
     return result, entropy
 
 

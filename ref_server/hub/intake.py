@@ -35,6 +35,7 @@ from ref_server.scoring.scorer import ReferenceScorer, Row
 from shared.protocol import strict_json
 from shared.protocol.errors import ProtocolError
 from shared.protocol.records import RolloutGroup
+from shared.protocol.token_versions import newest_version
 from shared.protocol.wire import JSON_KEY, WireError, read_header
 
 log = logging.getLogger("grpo.ref_server.hub")
@@ -210,9 +211,10 @@ class Intake:
         except ContextTooLong as exc:  # counted in ``rejected`` by the caller (trust-numbers' put/put_many)
             raise GroupRejected(str(exc)) from None
         newest = max(queue.learner_version, self._published_version() or 0)
-        if group.policy_version > newest:
-            raise GroupRejected(f"policy_version {group.policy_version} is newer than any version the learner has "
-                                f"published ({newest})")
+        sampled = newest_version(group)  # its newest token's version (policy_version, the oldest, without them)
+        if sampled > newest:
+            what = "policy_version" if group.token_versions is None else "token version"
+            raise GroupRejected(f"{what} {sampled} is newer than any version the learner has published ({newest})")
 
     def _spool_write(self, groups: list[tuple[str, bytes]]) -> list[Path] | None:
         """The groups' bytes, durable on disk under temporary names after one wait for the disk (None without a

@@ -23,12 +23,14 @@ normaliser), by the mode named in ``algorithm.off_policy.mode``, one entry of :d
 =================  =================================================================================================
 
 :func:`mismatch_sums` measures the drift (the k3 estimate of KL(behaviour || learner), mean ``|d|``, the largest
-ratio, what the correction masks, split by the rows' version lag); :func:`mismatch_metrics` turns the step's summed
-numbers into the reported metrics.
+ratio, what the correction masks, split by the rows' version lag), :func:`version_lag_sums` how old the tokens are
+(per token when a continuous generator switched weights mid-completion); :func:`mismatch_metrics` turns the step's
+summed numbers into the reported metrics.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 
 import torch
@@ -167,6 +169,7 @@ def log_ratio(old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, vali
 
 MISMATCH_SUM_PREFIX = "mismatch_sum/"   # step.py sums every key with this prefix over micro-batches and ranks
 MISMATCH_MAX_KEY = "mismatch_ratio_max"  # step.py takes the max of this one
+TOKEN_SPREAD_MAX_KEY = "token_version_spread_max"  # and of this one
 
 
 def mismatch_sums(old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, valid: torch.Tensor,
@@ -201,11 +204,30 @@ def mismatch_sums(old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, 
     return sums
 
 
+def version_lag_sums(valid: torch.Tensor, lags: torch.Tensor, token_lags: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """How old the tokens of one (micro-)batch are, as device tensors that add up over micro-batches and ranks: the
+    sum over ``valid`` tokens of each token's version lag (``token_lags`` ``[N, T]``, the learner's version minus
+    the version that sampled the token; None: every token has its row's lag, ``lags`` ``[N]``), and under
+    :data:`TOKEN_SPREAD_MAX_KEY` the largest ``newest - oldest`` token version within a row (0 without
+    ``token_lags``). :func:`mismatch_metrics` turns the sum into ``token_version_lag_mean``."""
+    zero = torch.zeros((), dtype=torch.float64, device=valid.device)
+    if token_lags is None:
+        per_row = valid.sum(dim=1).double() * lags.to(valid.device).double()
+        return {MISMATCH_SUM_PREFIX + "token_lag": per_row.sum(), TOKEN_SPREAD_MAX_KEY: zero}
+    lag = token_lags.to(valid.device).double()
+    oldest = torch.where(valid, lag, zero).amax(dim=1)             # lags are >= 0: the oldest token lags most
+    newest = torch.where(valid, lag, math.inf).amin(dim=1)
+    spread = torch.where(valid.any(dim=1), oldest - newest, zero)
+    return {MISMATCH_SUM_PREFIX + "token_lag": torch.where(valid, lag, zero).sum(),
+            TOKEN_SPREAD_MAX_KEY: spread.amax() if spread.numel() else zero}
+
+
 def mismatch_metrics(sums: Mapping[str, float]) -> dict[str, float]:
     """The step's drift metrics from the reduced :func:`mismatch_sums`: ``mismatch_kl`` (mean k3 per token),
     ``mismatch_abs_logprob_diff`` (mean ``|old - behaviour|``), ``off_policy_masked_token_frac`` and
     ``off_policy_masked_row_frac``, and per version lag present in the batch ``mismatch_kl/lag_K``,
-    ``mismatch_abs_logprob_diff/lag_K`` and ``mismatch_tokens/lag_K``."""
+    ``mismatch_abs_logprob_diff/lag_K`` and ``mismatch_tokens/lag_K``; with :func:`version_lag_sums`
+    ``token_version_lag_mean`` (mean version lag of the tokens)."""
     def total(key: str) -> float:
         return float(sums.get(MISMATCH_SUM_PREFIX + key, 0.0))
 
@@ -215,6 +237,8 @@ def mismatch_metrics(sums: Mapping[str, float]) -> dict[str, float]:
     metrics = {"mismatch_kl": total("kl") / tokens, "mismatch_abs_logprob_diff": total("abs_diff") / tokens,
                "off_policy_masked_token_frac": total("masked_tokens") / tokens,
                "off_policy_masked_row_frac": total("masked_rows") / max(total("rows"), 1.0)}
+    if MISMATCH_SUM_PREFIX + "token_lag" in sums:
+        metrics["token_version_lag_mean"] = total("token_lag") / tokens
     lag = 0
     while MISMATCH_SUM_PREFIX + f"tokens/lag_{lag}" in sums:
         count = total(f"tokens/lag_{lag}")

@@ -86,6 +86,11 @@ def batch_problem(batch: Any, vocab_size: int | None) -> str | None:
             from shared.protocol.loss_mask import check_mask
 
             check_mask(batch.completion_mask, batch.behaviour_logprobs, batch.completion_lengths)
+        if batch.token_versions is not None:  # continuous generation: no token older than its row's version
+            from shared.protocol.token_versions import check_versions
+
+            check_versions(batch.token_versions, batch.completion_lengths, batch.policy_versions,
+                           tuple(batch.behaviour_logprobs.shape))
     except ProtocolError as exc:
         return str(exc)
     return None

@@ -6,7 +6,6 @@ lengths tensor; padding values carry no meaning and masks always come from the l
 
 from __future__ import annotations
 
-import math
 import re
 import uuid
 from collections.abc import Mapping, Sequence
@@ -17,52 +16,16 @@ import torch
 
 from shared.protocol import loss_mask, numbers
 from shared.protocol import steps as step_fields
-from shared.protocol.errors import ProtocolError
+from shared.protocol import token_versions as versions_field
 from shared.protocol.errors import require as _require
+from shared.protocol.sampling import MIN_TEMPERATURE, SamplingParams, check_temperature  # noqa: F401 - re-exported
+from shared.protocol.token_versions import MAX_VERSION
 from shared.protocol.wire import WireError, decode, encode
 from shared.tensors.masks import completion_mask
 
 FINISH_REASONS = ("stop", "length")
 # Ids become file names (the hub's spool) and metric labels: letters, digits, '_', '-', '.', not starting with '.'.
 SAFE_ID = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}$")
-# Sampling temperatures below this make logits / T overflow float32 (1e-300 gives inf logprobs, not an error).
-MIN_TEMPERATURE = 1e-3
-# policy_version is an int64 tensor in a train batch and a JSON number in answers: keep it exact in both.
-MAX_VERSION = 2**53
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def check_temperature(value: object) -> float:
-    """A sampling/scoring temperature: a finite number >= MIN_TEMPERATURE (else ProtocolError naming it)."""
-    _require(_is_number(value), f"temperature must be a number, got {value!r}")
-    try:
-        temperature = float(value)
-    except OverflowError:
-        raise ProtocolError(f"temperature {value} is out of range") from None
-    _require(math.isfinite(temperature) and MIN_TEMPERATURE <= temperature <= numbers.FLOAT32_MAX,
-             f"temperature must be a finite float32 >= {MIN_TEMPERATURE}, got {value!r}")
-    return temperature
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Sampling settings; the ref server and learner must use the same temperature (and top-p/top-k)."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1  # -1: disabled
-    max_tokens: int = 64
-
-    def validate(self) -> SamplingParams:
-        check_temperature(self.temperature)
-        _require(_is_number(self.top_p) and 0 < float(self.top_p) <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
-        _require(type(self.top_k) is int and self.top_k >= -1, f"top_k must be an integer >= -1, got {self.top_k!r}")
-        _require(type(self.max_tokens) is int and 1 <= self.max_tokens <= 2**31,
-                 f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        return self
 
 
 def _check_ragged(name: str, values: torch.Tensor, lengths: torch.Tensor, rows: int) -> None:
@@ -97,7 +60,7 @@ class RolloutGroup:
     behaviour_logprobs: torch.Tensor    # [G, L] float32, sampler's logprob of each sampled token
     rewards: torch.Tensor               # [G] float32, total (weighted) reward per completion
     finish_reasons: list[str]           # G entries, "stop" (EOS or stop string) or "length" (cut at max_tokens)
-    policy_version: int                 # weights version that sampled this group
+    policy_version: int                 # weights version that sampled this group: the oldest of its tokens
     generator_id: str
     sampling: SamplingParams = field(default_factory=SamplingParams)
     reward_components: dict[str, torch.Tensor] = field(default_factory=dict)  # reward name -> [G] unweighted
@@ -109,6 +72,9 @@ class RolloutGroup:
     step_end: torch.Tensor | None = None      # [S] int64, its last token among the completion's tokens
     # multi-turn (shared.protocol.loss_mask): [G, L] bool, True where the model wrote the token; None: all ones
     completion_mask: torch.Tensor | None = None
+    # continuous generation (shared.protocol.token_versions): [G, L] int64, the version that sampled each token;
+    # None: every token has policy_version
+    token_versions: torch.Tensor | None = None
 
     @property
     def group_size(self) -> int:
@@ -131,6 +97,7 @@ class RolloutGroup:
         group_id: str | None = None,
         steps: Sequence[Sequence[tuple[int, float]]] | None = None,
         masks: Sequence[Sequence[int]] | None = None,
+        versions: Sequence[Sequence[int] | None] | None = None,
     ) -> RolloutGroup:
         """A group from per-sample lists: completion ``i`` is ``completion_ids[i]`` (its token ids, any length),
         ``behaviour_logprobs[i]`` (one sampler logprob per token of it), ``rewards[i]``, ``finish_reasons[i]`` and
@@ -143,29 +110,30 @@ class RolloutGroup:
         checked by :meth:`validate`, as for any group (this constructor does not call it). ``group_id`` None: a
         fresh one. ``steps[i]``: completion i's ``(step end token, step reward)`` pairs (:mod:`shared.protocol.steps`);
         None: an outcome-only group. ``masks[i]``: completion i's 0/1 per token (1 = the model wrote it,
-        :mod:`shared.protocol.loss_mask`); None: every token is the model's (no mask is sent).
+        :mod:`shared.protocol.loss_mask`); None: every token is the model's (no mask is sent). ``versions[i]``:
+        the policy version that sampled each token of completion i (:mod:`shared.protocol.token_versions`), None
+        (the list or an entry): every token at ``policy_version``, the oldest; nothing is sent when all are.
         """
         sizes = [len(row) for row in completion_ids]
         _require(len(behaviour_logprobs) == len(sizes),
                  f"{len(behaviour_logprobs)} behaviour logprob rows for {len(sizes)} completions")
         for i, (size, logprobs) in enumerate(zip(sizes, behaviour_logprobs)):
-            _require(len(logprobs) == size,
-                     f"completion {i}: {len(logprobs)} behaviour logprobs for {size} tokens")
+            _require(len(logprobs) == size, f"completion {i}: {len(logprobs)} behaviour logprobs for {size} tokens")
         width = max([1, *sizes])
         optional = {"group_id": group_id} if group_id is not None else {}
         if steps is not None:
             optional.update(step_fields.steps_from_lists(steps, sizes))
         if masks is not None:
             optional["completion_mask"] = loss_mask.mask_from_lists(masks, sizes, width)
+        if versions is not None:
+            optional["token_versions"] = versions_field.versions_from_lists(versions, sizes, width, policy_version)
         return cls(
             prompt_ids=torch.as_tensor(prompt_ids, dtype=torch.long),
             completion_ids=_right_padded(completion_ids, torch.long, width),
             completion_lengths=torch.tensor(sizes, dtype=torch.long),
             behaviour_logprobs=_right_padded(behaviour_logprobs, torch.float32, width),
             rewards=torch.as_tensor(rewards, dtype=torch.float32),
-            finish_reasons=list(finish_reasons),
-            policy_version=policy_version,
-            generator_id=generator_id,
+            finish_reasons=list(finish_reasons), policy_version=policy_version, generator_id=generator_id,
             sampling=sampling if sampling is not None else SamplingParams(),
             reward_components={name: torch.as_tensor(values, dtype=torch.float32)
                                for name, values in (reward_components or {}).items()},
@@ -211,6 +179,9 @@ class RolloutGroup:
             numbers.as_float32(f"reward component {name!r}", values)
         step_fields.check_steps(self.step_rewards, self.step_index, self.step_end, self.completion_lengths)
         loss_mask.check_mask(self.completion_mask, self.completion_ids, self.completion_lengths)
+        versions_field.check_versions(self.token_versions, self.completion_lengths,
+                                      torch.full((g,), self.policy_version), tuple(self.completion_ids.shape),
+                                      oldest=self.policy_version)
         for name, ids in (("prompt_ids", self.prompt_ids), ("completion_ids", self.completion_ids)):
             numbers.check_token_ids(name, ids, vocab_size)
         return self
@@ -224,6 +195,7 @@ class RolloutGroup:
         tensors.update({f"reward/{name}": v.float() for name, v in self.reward_components.items()})
         tensors.update(step_fields.step_tensors(self))  # nothing for an outcome-only group
         tensors.update(loss_mask.mask_tensors(self))    # nothing for a single-turn group
+        tensors.update(versions_field.version_tensors(self))  # nothing for a group of one version
         fields = dict(finish_reasons=self.finish_reasons, policy_version=self.policy_version,
                       generator_id=self.generator_id, sampling=asdict(self.sampling), task=self.task,
                       group_id=self.group_id)
@@ -248,6 +220,7 @@ class RolloutGroup:
                 generator_id=fields["generator_id"], sampling=SamplingParams(**sampling),
                 task={str(k): str(v) for k, v in task.items()}, group_id=fields["group_id"],
                 **step_fields.take_steps(tensors), **loss_mask.take_mask(tensors),
+                **versions_field.take_versions(tensors),
             )
         except KeyError as exc:
             raise WireError(f"rollout group is missing {exc}") from None
@@ -271,7 +244,7 @@ class TrainBatch:
     behaviour_logprobs: torch.Tensor    # [B, L] float32, L = max completion length
     ref_logprobs: torch.Tensor | None   # [B, L] float32, None when beta = 0
     group_index: torch.Tensor           # [B] int64, which group of this batch the row belongs to (0..groups-1)
-    policy_versions: torch.Tensor       # [B] int64, version that sampled the row
+    policy_versions: torch.Tensor       # [B] int64, version that sampled the row (the oldest of its tokens)
     truncated: torch.Tensor             # [B] bool, finish reason "length"
     reward_components: dict[str, torch.Tensor]  # name -> [B]
     group_ids: list[str]                # one per group
@@ -285,6 +258,9 @@ class TrainBatch:
     # multi-turn (shared.protocol.loss_mask): [B, L] bool like behaviour_logprobs, True where the model wrote the
     # token; present when a group of the batch has one (rows of the others all True), None: all ones
     completion_mask: torch.Tensor | None = None
+    # continuous generation (shared.protocol.token_versions): [B, L] int64 like behaviour_logprobs, each token's
+    # version; present when a group of the batch has them (the others' rows hold their policy_version), None: all
+    token_versions: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -299,7 +275,8 @@ class TrainBatch:
         """The batch fields of ``groups`` other than the token-aligned tensors (``input_ids``,
         ``behaviour_logprobs``, ``ref_logprobs``) and ``batch_id``: per-row lengths, rewards, group index, versions,
         truncation and reward components (NaN in the rows of a group without that component), the per-group ids,
-        the temperature they share (checked) and the step rewards (:func:`shared.protocol.steps.batch_steps`). One
+        the temperature they share (checked), the step rewards (:func:`shared.protocol.steps.batch_steps`) and the
+        token versions (:func:`shared.protocol.token_versions.batch_versions`, laid out as the logprobs). One
         definition for :meth:`from_groups` and the hub's batch assembly (ref_server/hub/batching.py), so that the
         two cannot drift."""
         _require(len(groups) > 0, "a batch needs at least one group")
@@ -321,6 +298,7 @@ class TrainBatch:
             },
             group_ids=[g.group_id for g in groups], generator_ids=[g.generator_id for g in groups],
             temperature=temperatures.pop(), **step_fields.batch_steps(groups),
+            **versions_field.batch_versions(groups),
         )
 
     @classmethod
@@ -362,6 +340,7 @@ class TrainBatch:
             truncated=self.truncated[rows], reward_components={k: v[rows] for k, v in self.reward_components.items()},
             group_ids=[self.group_ids[i] for i in keep], generator_ids=[self.generator_ids[i] for i in keep],
             completion_mask=self.completion_mask[rows, :width_c] if self.completion_mask is not None else None,
+            token_versions=self.token_versions[rows, :width_c] if self.token_versions is not None else None,
             **step_fields.select_steps(vars(self), rows, self.batch_size))
 
     def to_bytes(self) -> bytes:
@@ -376,6 +355,7 @@ class TrainBatch:
         tensors.update({f"reward/{k}": v.float() for k, v in self.reward_components.items()})
         tensors.update(step_fields.step_tensors(self))
         tensors.update(loss_mask.mask_tensors(self))
+        tensors.update(versions_field.version_tensors(self))
         return encode("train_batch/v2", tensors, {"group_ids": self.group_ids, "generator_ids": self.generator_ids,
                                                   "temperature": self.temperature, "batch_id": self.batch_id})
 
@@ -394,7 +374,7 @@ class TrainBatch:
                 group_ids=[str(g) for g in fields["group_ids"]],
                 generator_ids=[str(g) for g in fields["generator_ids"]], temperature=float(fields["temperature"]),
                 batch_id=str(fields.get("batch_id", "")), **step_fields.take_steps(dict(tensors)),
-                **loss_mask.take_mask(dict(tensors)),
+                **loss_mask.take_mask(dict(tensors)), **versions_field.take_versions(dict(tensors)),
             )
         except KeyError as exc:
             raise WireError(f"train batch is missing {exc}") from None

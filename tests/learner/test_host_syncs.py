@@ -152,7 +152,8 @@ def _batch(tiny_model_dir):
 def test_the_step_waits_for_the_device_once(distributed, tiny_model_dir, recorder, monkeypatch, prefix_sharing,
                                             packing, old_mode):
     """Two micro-batches through ``grpo_step`` (entropy logged; the recompute case also recomputes pi_old and applies
-    a masking off-policy correction, whose kept-token normalisers stay on the device; drift metrics by version lag):
+    a masking off-policy correction, whose kept-token normalisers stay on the device; drift metrics by version lag,
+    per-token version lags):
     exactly one read of a device value from learner/ and shared/ per step (the step's numbers),
     and no nonzero / masked_select / unique / boolean indexing from them. The first step warms up what is done once
     per process (the packing probe); the second is recorded."""
@@ -160,6 +161,9 @@ def test_the_step_waits_for_the_device_once(distributed, tiny_model_dir, recorde
     engine = make_engine(tiny_model_dir, lr=1e-3, micro_batches=2, groups_per_step=2, grad_clip=1.0,
                          old_logprobs=old_mode)
     batch.policy_versions = torch.tensor([0, 1, 2, 2, 0, 1, 3, 3])
+    # per-token versions (a continuous generator's): each row moves one version on after its second token
+    batch.token_versions = (batch.policy_versions[:, None]
+                            + (torch.arange(batch.behaviour_logprobs.shape[1]) >= 2).long()).clamp(max=3)
     micro = split_micro_batches(batch, advantages_of(batch), 2, False, CPU, packing=packing,
                                 prefix_sharing=prefix_sharing, learner_version=3)
     assert all((mb.prefix is not None) == (prefix_sharing == "on") for mb in micro)
@@ -179,6 +183,7 @@ def test_the_step_waits_for_the_device_once(distributed, tiny_model_dir, recorde
     with recorder:
         outcome = step()
     assert outcome.finite and outcome.metrics["entropy"] > 0 and "mismatch_kl/lag_3" in outcome.metrics
+    assert outcome.metrics["token_version_spread_max"] == 1.0 and outcome.metrics["token_version_lag_mean"] > 0
     assert bool(packed_calls) == (packing == "packed")
     theirs = recorder.theirs()
     print(f"\n{prefix_sharing=} {packing=} {old_mode=}: outside the project, per step:")

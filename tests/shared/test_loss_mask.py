@@ -10,23 +10,17 @@ from ref_server.hub.rollout_hub import RolloutHub
 from shared.config.schema import LossConfig
 from shared.grpo.losses import compute_policy_loss, loss_normalizers
 from shared.protocol.errors import ProtocolError
-from shared.protocol.records import RolloutGroup, SamplingParams, TrainBatch
+from shared.protocol.records import RolloutGroup, TrainBatch
 from shared.protocol.wire import decode, encode
+
+from .groups import random_group
 
 LENGTHS = (5, 2, 6, 3)
 MASKS = ([1, 1, 0, 0, 1], [1, 1], [1, 0, 0, 0, 1, 1], [0, 1, 1])
 
 
 def masked_group(masks=MASKS, lengths=LENGTHS, seed=0, temperature=1.0) -> RolloutGroup:
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(4, 40, (len(lengths), max(lengths)), generator=gen)
-    logprobs = -torch.rand(len(lengths), max(lengths), generator=gen)
-    return RolloutGroup.from_samples(
-        prompt_ids=[1, 2, 3], completion_ids=[ids[i, :n].tolist() for i, n in enumerate(lengths)],
-        behaviour_logprobs=[logprobs[i, :n].tolist() for i, n in enumerate(lengths)],
-        rewards=[float(i % 2) for i in range(len(lengths))], finish_reasons=["stop"] * len(lengths),
-        policy_version=0, generator_id="gen", sampling=SamplingParams(temperature=temperature, max_tokens=8),
-        masks=masks)
+    return random_group(lengths, seed, temperature=temperature, masks=masks)
 
 
 def test_mask_round_trips_and_an_absent_mask_costs_nothing():
