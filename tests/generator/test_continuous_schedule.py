@@ -96,9 +96,11 @@ def test_groups_are_uploaded_as_they_finish_and_the_engine_stays_full(engine, tm
         stats = schedule(loop, scripted).run(threading.Event(), max_groups=10)
         assert stats.groups_uploaded == 10 and live.state.hub.depth() == 10
         batch = HubClient(live.url).get_batch(10)
-    # the straggler (group 0, 30 steps) did not hold the others: 9 short groups (each 5 steps) went first
+    # the straggler (group 0, 30 steps) did not hold the others: while it ran, its 4 free slots finished a short
+    # group (5 steps) every 5 steps, each uploaded at once: 5 of them reached the hub before it
     lengths = batch.completion_lengths.view(10, 4)
-    assert lengths[:9].max() <= 5 and lengths[9].tolist() == [30] * 4
+    straggler = lengths[:, 0].tolist().index(30)
+    assert straggler >= 5 and lengths[:straggler].max() <= 5 and lengths[straggler].tolist() == [30] * 4
     # the engine was refilled as sequences finished: never above its capacity, full while groups were wanted
     assert scripted.most_running == 8
     assert stats.schedule.steps < 45 and stats.schedule.slot_steps / stats.schedule.steps > 5
@@ -132,7 +134,11 @@ def test_new_weights_reach_the_engine_between_steps_and_groups_take_their_oldest
     versions = batch.policy_versions.view(12, 4)[:, 0].tolist()
     straggler = batch.completion_lengths.view(12, 4)[:, 0].tolist().index(30)
     assert versions[straggler] == 0      # its first tokens were sampled with version 0: the oldest is its version
-    assert versions[-1] == 4 and versions == sorted(versions)
+    others = versions[:straggler] + versions[straggler + 1:]
+    assert others[-1] == 4 and others == sorted(others)
+    # the straggler's tokens: those sampled before the switch carry 0, those after it 4
+    row = batch.token_versions[straggler * 4].tolist()[:30]
+    assert row == [0] * switch + [4] * (30 - switch)
 
 
 def failing_reward(prompt, completion, example):
@@ -167,5 +173,5 @@ def test_a_stop_uploads_the_complete_groups_and_aborts_the_rest(engine, tmp_path
 
         scripted.step = step_then_stop
         stats = schedule(loop, scripted).run(stop)
-        assert live.state.hub.depth() == stats.groups_uploaded >= 4
+        assert live.state.hub.depth() == stats.groups_uploaded == 2   # the short groups done by step 10
     assert {r.partition("/")[0] for r in scripted.aborted} >= {"0"} and scripted.num_unfinished() == 0
