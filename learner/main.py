@@ -46,6 +46,7 @@ from learner.step import (
 from shared.config.schema import GRPOConfig
 from shared.devices import resolve_device
 from shared.errors import ServiceError, UsageError
+from shared.progress import startup_phase
 from shared.protocol.client import HubClient, LearnerSession, service_client, stop_on_signals
 from shared.protocol.numbers import batch_problem
 from shared.protocol.records import TrainBatch
@@ -110,9 +111,14 @@ class Learner:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         torch.manual_seed(config.seed + self.rank)
         dtype = torch.bfloat16 if uses_bf16(cfg, self.device) else torch.float32
-        self.engine = create_engine(cfg, AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype), self.device)
+        self._startup(f"loading the model {cfg.model}")
+        model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype)
+        self._startup(f"setting up DeepSpeed (ZeRO-{cfg.zero_stage}, {self.device.type})")
+        self.engine = create_engine(cfg, model, self.device)
         self.step = self.version = 0
         consumed, unacked = [], []   # unacked: batches the checkpoint holds, acknowledgement maybe not arrived
+        if resume:
+            self._startup(f"loading the newest checkpoint of {cfg.checkpoint_dir}")
         if resume and (state := load_latest(self.engine, cfg.checkpoint_dir)) is not None:
             self.step, self.version, consumed, unacked = (state["step"], state["version"], state["consumed"],
                                                           state["unacknowledged"])
@@ -124,6 +130,7 @@ class Learner:
                                      warn_mismatch_kl=config.algorithm.off_policy.warn_mismatch_kl)
         # acknowledgements and lease renewals leave from a background thread (its own client)
         self.hub_calls = HubCalls(self._client())
+        self._startup(f"registering with the hub at {cfg.hub_url}")
         hub_stats = self.client.hub_stats()
         self.ledger = DeliveryLedger(self.client, ack_on_checkpoint=cfg.checkpoint_every is not None,
                                      lease_timeout_s=hub_stats["lease_timeout_s"], consumed=consumed,
@@ -148,6 +155,11 @@ class Learner:
         self.timed_engine = LappedEngine(self.engine, self.clock)
         self.skipped = self.nonfinite_in_row = 0
         self._said_prefix = False
+
+    def _startup(self, phase: str) -> None:
+        """What this learner does now while it starts (`grpo run` shows it until the first step: rank 0's)."""
+        if self.rank == 0:
+            startup_phase(log, phase)
 
     def _batches_left(self) -> int | None:
         """The batches still to train (None: no max_steps): none is leased past them, so nothing is left to hand
@@ -207,11 +219,16 @@ class Learner:
         try:
             self.clock = StepClock()  # the first step's wall time starts here, after set-up
             self.timed_engine = LappedEngine(self.engine, self.clock)
+            first = self.step + 1
+            self._startup(f"waiting for the first batch ({cfg.groups_per_step * self.world} groups from the "
+                          "generators)")
             while cfg.max_steps is None or self.step < cfg.max_steps:
                 batch = self.next_batch()
                 self.clock.lap("wait")
                 if batch is None:
                     break
+                if self.step < first:
+                    self._startup(f"training step {first}")
                 self.train_on(batch)
             self.prefetcher.close()
             self.finish()
