@@ -277,6 +277,26 @@ def wait_ref_server(url: str, service: Service, timeout_s: float) -> None:
         raise LaunchError(f"the ref server did not answer {url}/healthz within {timeout_s:.0f}s") from None
 
 
+def start_services(services: list[Service], console_lock: threading.Lock, startup: StartupReport) -> None:
+    """The ref server first, a fresh process importing beside the launcher's preload, then the learner and the
+    generators (forks, when ``run.fork_services`` applies); no thread runs in this process until the forks are made:
+    the output readers and the start-up report's thread start after them."""
+    forked = [s.name for s in services if s.fork_argv is not None]
+    for service in services:
+        service.startup = startup
+    services[0].start(console_lock, read=not forked)
+    if forked:   # said first: the imports take seconds
+        _say(console_lock, f"{', '.join(forked)}: forked from this process once it has imported torch and "
+                           "transformers (run.fork_services)")
+        preload()
+    for service in services[1:]:
+        service.start(console_lock, read=not forked)
+    if forked:
+        for service in services:
+            service.start_reader(console_lock)
+    startup.start()
+
+
 def run(config: GRPOConfig, *, resume: bool = False, fresh: bool = False, source: str | None = None) -> int:
     """The run; ``resume``/``fresh``: deploy/run_state.py; ``source``: the config as named (the resume hint)."""
     config = resolve_config(config)
@@ -287,8 +307,6 @@ def run(config: GRPOConfig, *, resume: bool = False, fresh: bool = False, source
     if note:
         _say(console_lock, note)
     startup = StartupReport(lambda text: _say(console_lock, text), config.run.startup_report_s)
-    for service in services:
-        service.startup = startup
     stop_signal: list[int] = []
 
     def on_signal(signum, frame):
@@ -297,21 +315,8 @@ def run(config: GRPOConfig, *, resume: bool = False, fresh: bool = False, source
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     status = 0
     try:
-        ref, learner, generators = services[0], services[1], services[2:]
-        forked = [s.name for s in services if s.fork_argv is not None]
-        # the ref server first, a fresh process importing beside the launcher's preload; no thread runs in this
-        # process until the forks are made
-        ref.start(console_lock, read=not forked)
-        if forked:   # said first: the imports take seconds
-            _say(console_lock, f"{', '.join(forked)}: forked from this process once it has imported torch and "
-                               "transformers (run.fork_services)")
-            preload()
-        for service in (learner, *generators):
-            service.start(console_lock, read=not forked)
-        if forked:
-            for service in services:
-                service.start_reader(console_lock)
-        startup.start()   # a thread: after the forks
+        ref, learner = services[0], services[1]
+        start_services(services, console_lock, startup)
         wait_ref_server(config.ref_server.url, ref, config.run.health_timeout_s)
         startup.ready(ref.name)   # also where its log level hides its own start-up lines
         while True:

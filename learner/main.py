@@ -25,17 +25,16 @@ from learner.advantages import AdvantageLog, batch_advantages
 from learner.checkpoint import load_latest, save_checkpoint
 from learner.delivery import DeliveryLedger
 from learner.engine import (
-    LearnerSetupError,
     collective_errors,
-    create_engine,
     ensure_single_process_env,
     init_distributed,
+    load_engine,
     uses_bf16,
 )
 from learner.lora import reference_logprobs
 from learner.metrics import LappedEngine, MetricsLogger, StepClock, accuracy_judge, batch_metrics
 from learner.prefetch import BatchPrefetcher, HubCalls
-from learner.session import SessionRefusedError, end_session, register_session
+from learner.session import SessionRefusedError, check_hub, end_session, register_session
 from learner.step import (
     all_reduce,
     apply_off_policy,
@@ -91,8 +90,6 @@ class Learner:
     """One rank of the learner: its engine, its hub client, and where training stands."""
 
     def __init__(self, config: GRPOConfig, *, resume: bool = False, stop: threading.Event | None = None) -> None:
-        from transformers import AutoModelForCausalLM
-
         self.config, self.cfg = config, config.learner
         cfg = self.cfg
         if cfg.model is None:
@@ -111,10 +108,7 @@ class Learner:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         torch.manual_seed(config.seed + self.rank)
         dtype = torch.bfloat16 if uses_bf16(cfg, self.device) else torch.float32
-        self._startup(f"loading the model {cfg.model}")
-        model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype)
-        self._startup(f"setting up DeepSpeed (ZeRO-{cfg.zero_stage}, {self.device.type})")
-        self.engine = create_engine(cfg, model, self.device)
+        self.engine = load_engine(cfg, dtype, self.device, say=self._startup)
         self.step = self.version = 0
         consumed, unacked = [], []   # unacked: batches the checkpoint holds, acknowledgement maybe not arrived
         if resume:
@@ -187,27 +181,9 @@ class Learner:
         return client
 
     def _check_hub(self, resume: bool, dtype: torch.dtype) -> int:
-        """Refuse a hub this run cannot train against (no reference model when one is needed, an earlier run's weights);
-        find the version to start from (registered with the hub once the publisher knows the layout). Returns the hub's
-        newest weights version."""
-        algorithm = self.config.algorithm
-        health = self.client.health()   # configured: a hub whose scorers join later scores the reference too
-        if self.config.hub_scores_reference and not health.get("reference_model_configured",
-                                                                health["reference_model_loaded"]):
-            wants = (f"algorithm.loss.beta is {algorithm.loss.beta}" if algorithm.loss.beta > 0
-                     else "algorithm.kl.in_reward is true")
-            raise LearnerSetupError(
-                f"{wants} but the ref server at {self.cfg.hub_url} has no reference model loaded (its "
-                "algorithm.loss.beta is 0?): start both with the same config")
-        # the newest version the hub knows: on its relay, or reported by a learner (the relay may lag behind the
-        # reports: weights reach it only when a generator needs them there)
-        self.relay_at_start = self.client.weights_version()   # what the relay holds (offers name it to generators)
-        hub_version = max(self.relay_at_start or 0, self.client.hub_stats()["learner_version"])
-        if hub_version > self.version and not resume:
-            raise LearnerSetupError(
-                f"the hub already holds weights version {hub_version} from an earlier run; a fresh learner would "
-                "train against them. Continue that run (`grpo run --resume`, `grpo learner --resume`) or start over "
-                "(`grpo run --fresh`, or a ref server with empty ref_server.weights_dir and spool_dir)")
+        """:func:`learner.session.check_hub` (what the relay holds is kept: offers name it to generators); returns
+        the hub's newest weights version."""
+        self.relay_at_start, hub_version = check_hub(self.client, self.config, resume=resume, version=self.version)
         if self.rank == 0:
             log.info("learner: %d rank(s) on %s, ZeRO-%d, %s, step %d, version %d", self.world, self.device.type,
                      self.cfg.zero_stage, dtype, self.step, self.version)
