@@ -60,7 +60,7 @@ def test_grpo_run_trains_publishes_and_shuts_down(tiny_model_dir, tmp_path):
     config = write_config(tmp_path, tiny_model_dir, port)
     data = json.loads(config.read_text())
     data["ref_server"]["access_log"] = True
-    data["run"]["startup_report_s"] = 1.0   # the start-up lines, every second until the first step
+    data["run"]["startup_report_s"] = 0.5   # the start-up lines, twice a second until the first step
     config.write_text(json.dumps(data))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     # a fresh process, imports and all (the other e2e tests fork `grpo` from the tests' zygote: service_forks.py)
