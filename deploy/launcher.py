@@ -20,7 +20,8 @@
 * Every output line of a service is written to ``run_dir/logs/NAME.log``; the console shows what ``run.console``
   says (deploy/console.py), prefixed with the service name: by default each learner step's progress line,
   warnings, errors and the services' start and stop lines. A console that goes away (Ctrl-C under ``| tee``)
-  does not stop the launcher before it has stopped the services.
+  does not stop the launcher before it has stopped the services. Until the learner's first step, a line every
+  ``run.startup_report_s`` seconds says what each service still does and for how long (deploy/startup_report.py).
 * A run folder that holds an earlier run's state is refused unless the run resumes it or starts over
   (``--resume``/``--fresh``, deploy/run_state.py); the last lines say where the model, logs, metrics and checkpoint
   are and how much disk the run uses.
@@ -47,6 +48,7 @@ import yaml
 from deploy.console import STDOUT, ConsoleMode, LineFilter
 from deploy.forked import ForkedProcess, fork_service, preload
 from deploy.run_state import finish_run, prepare_run_dir
+from deploy.startup_report import StartupReport
 from shared.config.schema import GRPOConfig
 from shared.errors import UsageError
 from shared.protocol.health import HealthTimeout, ServerExited, wait_healthy
@@ -67,6 +69,7 @@ class Service:
     tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=200))
     reader: threading.Thread | None = None
     console: ConsoleMode = "progress"     # what of its output the console shows (run.console)
+    startup: StartupReport | None = None  # given every line: the start-up phases the console reports
 
     def start(self, console_lock: threading.Lock, *, read: bool = True) -> None:
         """Start the process, and the thread that copies its output to the console and its log (``read``; else
@@ -79,6 +82,8 @@ class Service:
                                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, bufsize=1,
                                             start_new_session=True)
         _say(console_lock, f"{self.name} started (pid {self.process.pid}); its full output: {self.log_path}")
+        if self.startup is not None:
+            self.startup.started(self.name)
         if read:
             self.start_reader(console_lock)
 
@@ -96,6 +101,8 @@ class Service:
                 line = line.rstrip("\n")
                 self.tail.append(line)
                 log.write(line + "\n")
+                if self.startup is not None:
+                    self.startup.line(self.name, line)
                 text = shown.shown(line)
                 if text is not None:
                     with console_lock:
@@ -270,6 +277,26 @@ def wait_ref_server(url: str, service: Service, timeout_s: float) -> None:
         raise LaunchError(f"the ref server did not answer {url}/healthz within {timeout_s:.0f}s") from None
 
 
+def start_services(services: list[Service], console_lock: threading.Lock, startup: StartupReport) -> None:
+    """The ref server first, a fresh process importing beside the launcher's preload, then the learner and the
+    generators (forks, when ``run.fork_services`` applies); no thread runs in this process until the forks are made:
+    the output readers and the start-up report's thread start after them."""
+    forked = [s.name for s in services if s.fork_argv is not None]
+    for service in services:
+        service.startup = startup
+    services[0].start(console_lock, read=not forked)
+    if forked:   # said first: the imports take seconds
+        _say(console_lock, f"{', '.join(forked)}: forked from this process once it has imported torch and "
+                           "transformers (run.fork_services)")
+        preload()
+    for service in services[1:]:
+        service.start(console_lock, read=not forked)
+    if forked:
+        for service in services:
+            service.start_reader(console_lock)
+    startup.start()
+
+
 def run(config: GRPOConfig, *, resume: bool = False, fresh: bool = False, source: str | None = None) -> int:
     """The run; ``resume``/``fresh``: deploy/run_state.py; ``source``: the config as named (the resume hint)."""
     config = resolve_config(config)
@@ -279,6 +306,7 @@ def run(config: GRPOConfig, *, resume: bool = False, fresh: bool = False, source
     console_lock = threading.Lock()
     if note:
         _say(console_lock, note)
+    startup = StartupReport(lambda text: _say(console_lock, text), config.run.startup_report_s)
     stop_signal: list[int] = []
 
     def on_signal(signum, frame):
@@ -287,21 +315,10 @@ def run(config: GRPOConfig, *, resume: bool = False, fresh: bool = False, source
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     status = 0
     try:
-        ref, learner, generators = services[0], services[1], services[2:]
-        forked = [s.name for s in services if s.fork_argv is not None]
-        # the ref server first, a fresh process importing beside the launcher's preload; no thread runs in this
-        # process until the forks are made
-        ref.start(console_lock, read=not forked)
-        if forked:
-            preload()
-            _say(console_lock, f"{', '.join(forked)}: forked from this process after importing torch and "
-                               "transformers once (run.fork_services)")
-        for service in (learner, *generators):
-            service.start(console_lock, read=not forked)
-        if forked:
-            for service in services:
-                service.start_reader(console_lock)
+        ref, learner = services[0], services[1]
+        start_services(services, console_lock, startup)
         wait_ref_server(config.ref_server.url, ref, config.run.health_timeout_s)
+        startup.ready(ref.name)   # also where its log level hides its own start-up lines
         while True:
             if stop_signal:
                 status = 128 + stop_signal[0]
@@ -322,6 +339,7 @@ def run(config: GRPOConfig, *, resume: bool = False, fresh: bool = False, source
         _say(console_lock, f"error: {exc}")
         status = 2
     finally:
+        startup.close()
         # generators first (they finish their upload), then the learner, the ref server last
         for service in reversed(services):
             service.stop(config.run.stop_grace_s)

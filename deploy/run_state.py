@@ -228,28 +228,26 @@ def summary_lines(config: GRPOConfig, status: int, source: str | None = None) ->
 
 
 def drop_unneeded_weights(config: GRPOConfig, status: int) -> str | None:
-    """After a run that finished (exit 0), the weight copies nothing will read are deleted: the generators' downloads
-    (a resumed generator downloads again from the relay), and the relay's versions: every one when there is no
-    checkpoint to resume from (the model folder is the result), all but the newest when there is (a resumed run's
-    generators start from the newest; the relay keeps older ones only for generators still downloading them). A run
-    stopped early keeps them all."""
+    """After a run that finished (exit 0, every service stopped: no generator reads them any more), the weight copies
+    beside the model folder are deleted: the generators' downloads and every version on the relay. The model folder
+    holds the final weights; a ``--resume`` of the run (with a raised ``learner.max_steps``) needs no relay copy
+    either: its learner finds the relay behind its checkpoint and publishes the checkpoint's weights first
+    (learner/main.py, ``Learner._register``), which its generators load. A run stopped early keeps them all."""
     if status != 0:
         return None
-    keep_newest = newest_checkpoint(config) is not None
     dropped = 0
-    for folder, keep in ((config.ref_server.weights_dir, keep_newest), (config.generator.weights_dir, False)):
+    for folder in (config.ref_server.weights_dir, config.generator.weights_dir):
         if folder is None or not Path(folder).is_dir():
             continue
-        versions = sorted(Path(folder).glob("v*.safetensors"))  # v + ten digits: in version order
-        for weights in versions[:-1] if keep else versions:
+        for weights in Path(folder).glob("v*.safetensors"):
             dropped += weights.stat().st_size
             weights.unlink()
     if not dropped:
         return None
-    if keep_newest:
-        return (f"weight copies no resume needs are deleted ({_size(dropped)}); the relay keeps the newest version, "
-                "which a --resume's generators start from")
-    return f"no checkpoint to resume from: the relay's weight copies are deleted ({_size(dropped)})"
+    where = "the model folder" if config.learner.output_dir is None else str(config.learner.output_dir)
+    return (f"the relay's and generators' weight copies are deleted ({_size(dropped)}): {where} holds the final "
+            "weights" + (", and a --resume publishes them again from the checkpoint"
+                         if newest_checkpoint(config) is not None else ""))
 
 
 def _weights_lines(config: GRPOConfig, source: str | None) -> list[str]:

@@ -12,23 +12,32 @@ trajectories with at least one observation appended), turns per trajectory and e
 
 It says how far it is (logger ``grpo.eval``, a line every :data:`PROGRESS_EVERY_S` seconds with the percentage and
 the time left): on a CPU the demo's 500 examples take a while.
+
+Completions are scored chunk by chunk as they are generated (:class:`EvalScoring`), under training's rule for user
+code that fails (generator/failures.py, ``generator.failures``): a reward or environment that fails on too much of
+what it is given stops the evaluation at its first chunk, exit 2, with the first failure's traceback and file:line,
+instead of an accuracy computed from on_error scores; a reward service that is down pauses the evaluation until it
+answers.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from generator.datasets import render_prompt
 from generator.environments.base import prompt_tools
+from generator.failures import FailureRule, ServicePause
 from generator.loop import environment_rewards
 from generator.main import build_engine, load_examples, system_prompt_for
 from generator.rewards import RewardSet
+from generator.rewards.reward_set import GroupScores
 from shared.config.schema import GRPOConfig
-from shared.config.schema.generator import DatasetConfig
+from shared.config.schema.generator import DatasetConfig, FailuresConfig
 from shared.errors import UsageError
 from shared.progress import Ticker
 from shared.protocol.records import SamplingParams
@@ -71,42 +80,91 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
+ChunkDone = Callable[[int, list], object]   # (index of the chunk's first prompt, the chunk's results)
+
+
 def generate_in_chunks(engine, prompts: list[list[int]], sampling: SamplingParams, n: int, seed: int | None,
-                       progress: Callable[[int], object]) -> list:
-    """``engine.generate(prompts, sampling, n, seed)``, with ``progress(sequences done)`` after each chunk.
+                       progress: Callable[[int], object], on_chunk: ChunkDone | None = None) -> list:
+    """``engine.generate(prompts, sampling, n, seed)``, with ``on_chunk(start, results)`` and then
+    ``progress(sequences done)`` after each chunk.
 
     The transformers engine is called with the chunks it would cut itself (``max_batch_sequences // n`` prompts)
     and the seed on the first only: its random stream then runs on as in one call, so the samples are the same.
     An engine that seeds each request (vLLM) is called once."""
     size = getattr(engine, "max_batch_sequences", None)
+    on_chunk = on_chunk or (lambda start, chunk: None)
     if size is None:
         results = engine.generate(prompts, sampling, n, seed=seed)
+        on_chunk(0, results)
         progress(len(prompts) * n)
         return results
     per_call = max(1, size // max(n, 1))
     results: list = []
     for start in range(0, len(prompts), per_call):
-        results += engine.generate(prompts[start:start + per_call], sampling, n, seed=seed if start == 0 else None)
+        chunk = engine.generate(prompts[start:start + per_call], sampling, n, seed=seed if start == 0 else None)
+        on_chunk(start, chunk)
+        results += chunk
         progress(len(results) * n)
     return results
 
 
 def rollouts_in_chunks(runner, samples: list[dict], prompts: list[list[int]], sampling: SamplingParams, n: int,
-                       seed: int | None, progress: Callable[[int], object], per_call: int = 64) -> list:
+                       seed: int | None, progress: Callable[[int], object], per_call: int = 64,
+                       on_chunk: ChunkDone | None = None) -> list:
     """Multi-turn: ``runner.generate`` (a MultiTurnRollouts) over ``per_call`` prompts at a time, with
-    ``progress(trajectories done)`` after each chunk; chunk ``c`` is seeded ``seed + c``."""
+    ``on_chunk(start, trajectories)`` and ``progress(trajectories done)`` after each chunk; chunk ``c`` is seeded
+    ``seed + c``."""
     results: list = []
     for c, start in enumerate(range(0, len(prompts), per_call)):
         _, groups = runner.generate(samples[start:start + per_call], prompts[start:start + per_call], sampling, n,
                                     seed=None if seed is None else seed + c)
+        if on_chunk is not None:
+            on_chunk(start, groups)
         results += groups
         progress(len(results) * n)
     return results
 
 
-def sample(engine, examples: list, prompts: list[list[int]], config: GRPOConfig, ticker: Ticker):
+class EvalScoring:
+    """The scores of each example's greedy completion and of its k samples, computed chunk by chunk as they are
+    generated, under the failure rule and the service pause of training (generator/failures.py): the rule is checked
+    after each chunk, so a reward that fails everywhere stops the evaluation at its first one."""
+
+    def __init__(self, rewards: RewardSet, tokenizer, examples: list, environment, failures: FailuresConfig) -> None:
+        self.rewards, self.tokenizer, self.examples, self.environment = rewards, tokenizer, examples, environment
+        self.rule = FailureRule(failures.window, failures.max_rate)
+        self.pause = ServicePause(failures.service_retry_s, paused="evaluation")
+        self.never = threading.Event()   # no stop but Ctrl-C (KeyboardInterrupt ends a pause's wait)
+        self.greedy: list[GroupScores] = []
+        self.sampled: list[GroupScores] = []
+
+    def into(self, scores: list[GroupScores]) -> ChunkDone:
+        """The ``on_chunk`` of a pass: its chunks' scores appended to ``scores``, then the rule checked."""
+        def on_chunk(start: int, chunk: list) -> None:
+            for example, completions in zip(self.examples[start:start + len(chunk)], chunk):
+                scores.append(self.score(example, completions))
+            self.rule.check()
+        return on_chunk
+
+    def score(self, example, completions: list) -> GroupScores:
+        """One example's completions, as training scores them (multi-turn: the whole trajectory's text; with
+        ``reward: environment`` the environment's, as component ``environment``; ``on_error`` for failures)."""
+        texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
+        scores = self.pause.call(lambda: self.rewards.score_group(example.question, texts, example.data), self.never)
+        environment = self.environment
+        self.rule.record_group([t.name for t in self.rewards.terms], scores.failures,
+                               environment.name if environment is not None else None,
+                               [c.env_failure for c in completions])
+        if environment is not None:
+            environment_rewards(scores, completions, environment)
+        return scores
+
+
+def sample(engine, examples: list, prompts: list[list[int]], config: GRPOConfig, ticker: Ticker,
+           scoring: EvalScoring):
     """The greedy completions (one per prompt), the k samples of each, and (multi-turn: the EnvStats of the greedy
-    trajectories, else None). With an environment every completion is a trajectory of generator/multiturn.py."""
+    trajectories, else None), each chunk scored into ``scoring`` as it comes. With an environment every completion
+    is a trajectory of generator/multiturn.py."""
     cfg, gen, environment = config.eval, config.generator, config.generator.environment
     greedy_sampling = SamplingParams(temperature=0.0, max_tokens=gen.sampling.max_tokens)
     sampling = SamplingParams(temperature=cfg.temperature, top_p=gen.sampling.top_p, top_k=gen.sampling.top_k,
@@ -114,15 +172,18 @@ def sample(engine, examples: list, prompts: list[list[int]], config: GRPOConfig,
     on_greedy = lambda done: ticker.update(done, "greedy")  # noqa: E731
     on_sampled = lambda done: ticker.update(len(prompts) + done, f"pass@{cfg.k} samples")  # noqa: E731
     if environment is None:
-        greedy = generate_in_chunks(engine, prompts, greedy_sampling, 1, None, on_greedy)
-        return greedy, generate_in_chunks(engine, prompts, sampling, cfg.k, config.seed, on_sampled), None
+        greedy = generate_in_chunks(engine, prompts, greedy_sampling, 1, None, on_greedy, scoring.into(scoring.greedy))
+        return greedy, generate_in_chunks(engine, prompts, sampling, cfg.k, config.seed, on_sampled,
+                                          scoring.into(scoring.sampled)), None
     from generator.multiturn import MultiTurnRollouts
 
     samples = [{"question": e.question, **e.data} for e in examples]
     runner = MultiTurnRollouts(engine, engine.tokenizer, environment)
-    greedy = rollouts_in_chunks(runner, samples, prompts, greedy_sampling, 1, config.seed, on_greedy)
+    greedy = rollouts_in_chunks(runner, samples, prompts, greedy_sampling, 1, config.seed, on_greedy,
+                                on_chunk=scoring.into(scoring.greedy))
     greedy_env = replace(runner.stats)
-    sampled = rollouts_in_chunks(runner, samples, prompts, sampling, cfg.k, config.seed, on_sampled)
+    sampled = rollouts_in_chunks(runner, samples, prompts, sampling, cfg.k, config.seed, on_sampled,
+                                 on_chunk=scoring.into(scoring.sampled))
     return greedy, sampled, greedy_env
 
 
@@ -183,20 +244,19 @@ def evaluate(config: GRPOConfig, model_dir: str) -> EvalResult:
                              add_special_tokens=not chat)["input_ids"] for e in examples]
         ticker = Ticker(f"evaluating {model_dir} on {evaluated}", len(prompts) * (1 + cfg.k),
                         log.info, every_s=PROGRESS_EVERY_S, unit="sequences")
-        greedy, sampled, greedy_env = sample(engine, examples, prompts, config, ticker)
+        scoring = EvalScoring(rewards, tokenizer, examples, environment, gen.failures)
+        greedy, sampled, greedy_env = sample(engine, examples, prompts, config, ticker, scoring)
     finally:
         engine.close()
     correct = 0
     totals: dict[str, float] = dict.fromkeys(names, 0.0)
     total_reward = 0.0
     pass_sum = 0.0
-    for example, g, s in zip(examples, greedy, sampled):
-        scores = score(rewards, example, g, tokenizer, environment)
+    for s, scores, sample_scores in zip(sampled, scoring.greedy, scoring.sampled):
         correct += scores.components[judge][0] >= cfg.threshold
         total_reward += scores.total[0]
         for name in names:
             totals[name] += scores.components[name][0]
-        sample_scores = score(rewards, example, s, tokenizer, environment)
         hits = sum(v >= cfg.threshold for v in sample_scores.components[judge])
         pass_sum += pass_at_k(len(s), hits, cfg.k)
     n = len(examples)
@@ -208,12 +268,3 @@ def evaluate(config: GRPOConfig, model_dir: str) -> EvalResult:
         result.env_errors = greedy_env.env_errors
     return result
 
-
-def score(rewards: RewardSet, example, completions: list, tokenizer, environment):
-    """The rewards of one example's completions, as training scores them (multi-turn: the whole trajectory's text;
-    with ``reward: environment`` the environment's, as component ``environment``; ``on_error`` for failures)."""
-    texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
-    scores = rewards.score_group(example.question, texts, example.data)
-    if environment is not None:
-        environment_rewards(scores, completions, environment)
-    return scores

@@ -21,6 +21,9 @@ A remote reward service that is *down* (connection refused, a timeout, 5xx, 429)
 code: the reward raises :class:`ServiceDown` and :class:`ServicePause` holds the rollout loop on that group (no
 generation, no upload), retrying every ``generator.failures.service_retry_s`` until the service answers again. One
 that answers garbage (4xx, not JSON, the wrong number of scores) fails its group under the rule.
+
+`grpo eval` (generator/evaluate.py) scores under the same rule and the same pause, chunk by chunk as it generates:
+an accuracy computed from on_error scores would be as meaningless as training on them.
 """
 
 from __future__ import annotations
@@ -123,6 +126,15 @@ class FailureRule:
         self.outcomes.setdefault(source, collections.deque(maxlen=max(self.window, 1))).extend(outcomes)
         self.units[source] = unit
 
+    def record_group(self, reward_names: Sequence[str], failures: dict[str, Sequence[Failure | None]],
+                     environment: str | None = None, trajectories: Sequence[Failure | None] = ()) -> None:
+        """One scored group: each reward's outcome on its completions (``GroupScores.failures``), and with an
+        environment (its name) what failed each trajectory there."""
+        for name in reward_names:
+            self.record(f"reward {name!r}", failures[name])
+        if environment is not None:
+            self.record(f"environment {environment!r}", trajectories, "trajectories")
+
     def check(self) -> None:
         """:class:`FailureRateExceeded` for the first source over the rule (its traceback logged first)."""
         if not self.window:
@@ -160,8 +172,10 @@ class ServicePause:
     """Runs a scoring call again, every ``retry_s``, while it raises :class:`ServiceDown`: generation pauses on that
     group (nothing is uploaded meanwhile), with one console line when the pause starts and one when it ends."""
 
-    def __init__(self, retry_s: float = 10.0) -> None:
+    def __init__(self, retry_s: float = 10.0, paused: str = "generation") -> None:
+        """``paused``: what waits for the service, as the console lines name it (``grpo eval``: "evaluation")."""
         self.retry_s = retry_s
+        self.paused = paused
         self.down: ServiceDown | None = None   # set while paused
         self.pauses = 0
         self.paused_s = 0.0
@@ -175,16 +189,16 @@ class ServicePause:
             except ServiceDown as exc:
                 if self.down is None:
                     self.pauses += 1
-                    log.warning("%s: pausing generation, retrying every %gs (generator.failures.service_retry_s)",
-                                exc, self.retry_s)
+                    log.warning("%s: pausing %s, retrying every %gs (generator.failures.service_retry_s)",
+                                exc, self.paused, self.retry_s)
                 self.down = exc
                 stop.wait(self.retry_s)
                 continue
             if self.down is not None:
                 waited = time.monotonic() - since
                 self.paused_s += waited
-                log.warning("%s at %s answers again: generation resumes (paused %.0fs)", self.down.service,
-                            self.down.url, waited)
+                log.warning("%s at %s answers again: %s resumes (paused %.0fs)", self.down.service,
+                            self.down.url, self.paused, waited)
                 self.down = None
             return value
         return None

@@ -18,6 +18,7 @@ from generator.stats import LoopStats
 from shared.config.schema import DatasetConfig, GRPOConfig
 from shared.devices import default_dtype, resolve_device
 from shared.errors import UsageError
+from shared.progress import startup_phase
 from shared.protocol.client import HubClient, service_client, stop_on_signals
 from shared.protocol.records import SamplingParams
 from shared.weight_sync.receiver import WeightReceiver
@@ -124,6 +125,7 @@ def run_generator(config: GRPOConfig, stop: threading.Event | None = None) -> Lo
     check_environment(config)
     client = service_client(cfg.hub_url, config.ref_server.token, cfg.retry_max_s)
     stop_on_signals(stop, client, "finishing the current upload, then exiting")
+    startup_phase(log, f"loading the model {cfg.model} (engine {cfg.engine})")
     engine = build_engine(config)
     try:
         loop = build_loop(config, engine, client, Progress(total=cfg.max_groups), rewards, examples)
@@ -131,6 +133,7 @@ def run_generator(config: GRPOConfig, stop: threading.Event | None = None) -> Lo
                                        stats=loop.stats)
         log.info("generator %s: engine %s, G=%d, %d prompts per batch, hub %s", loop.generator_id, engine.name,
                  cfg.group_size, cfg.prompts_per_batch, cfg.hub_url)
+        startup_phase(log, "generating the first groups")
         try:
             if cfg.schedule.mode == "continuous":
                 return continuous_rollouts(loop, engine, config).run(stop, max_groups=cfg.max_groups)

@@ -7,6 +7,7 @@ import sys
 import time
 
 from generator.stats import LoopStats
+from shared.progress import startup_phase
 
 log = logging.getLogger("grpo.generator")
 
@@ -33,6 +34,7 @@ class Progress:
         self.started = time.monotonic()
         self._last_log = self.started
         self._bar = None
+        self._said_first = False
         if enabled and sys.stderr.isatty():
             from tqdm import tqdm
 
@@ -52,6 +54,9 @@ class Progress:
     def update(self, stats: LoopStats, version: int) -> None:
         if not self.enabled:
             return
+        if stats.groups_uploaded and not self._said_first:   # the learner's first batch waits for these
+            self._said_first = True
+            startup_phase(log, f"uploaded its first {stats.groups_uploaded} groups")
         fields = self.summary(stats, version)
         if self._bar is not None:
             self._bar.n = stats.groups_uploaded

@@ -7,7 +7,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -91,6 +91,17 @@ def deepspeed_config(cfg: LearnerConfig, world_size: int, device: torch.device) 
     })
     config.pop("train_batch_size", None)
     return config
+
+
+def load_engine(cfg: LearnerConfig, dtype: torch.dtype, device: torch.device, say: Callable[[str], object]):
+    """``cfg.model`` loaded in ``dtype`` and wrapped by DeepSpeed (:func:`create_engine`); ``say``: each phase, for
+    the start-up lines of `grpo run` (shared/progress.py)."""
+    from transformers import AutoModelForCausalLM
+
+    say(f"loading the model {cfg.model}")
+    model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype)
+    say(f"setting up DeepSpeed (ZeRO-{cfg.zero_stage}, {device.type})")
+    return create_engine(cfg, model, device)
 
 
 def create_engine(cfg: LearnerConfig, model: torch.nn.Module, device: torch.device):

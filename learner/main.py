@@ -25,17 +25,16 @@ from learner.advantages import AdvantageLog, batch_advantages
 from learner.checkpoint import load_latest, save_checkpoint
 from learner.delivery import DeliveryLedger
 from learner.engine import (
-    LearnerSetupError,
     collective_errors,
-    create_engine,
     ensure_single_process_env,
     init_distributed,
+    load_engine,
     uses_bf16,
 )
 from learner.lora import reference_logprobs
 from learner.metrics import LappedEngine, MetricsLogger, StepClock, accuracy_judge, batch_metrics
 from learner.prefetch import BatchPrefetcher, HubCalls
-from learner.session import SessionRefusedError, end_session, register_session
+from learner.session import SessionRefusedError, check_hub, end_session, register_session
 from learner.step import (
     all_reduce,
     apply_off_policy,
@@ -46,6 +45,7 @@ from learner.step import (
 from shared.config.schema import GRPOConfig
 from shared.devices import resolve_device
 from shared.errors import ServiceError, UsageError
+from shared.progress import startup_phase
 from shared.protocol.client import HubClient, LearnerSession, service_client, stop_on_signals
 from shared.protocol.numbers import batch_problem
 from shared.protocol.records import TrainBatch
@@ -90,8 +90,6 @@ class Learner:
     """One rank of the learner: its engine, its hub client, and where training stands."""
 
     def __init__(self, config: GRPOConfig, *, resume: bool = False, stop: threading.Event | None = None) -> None:
-        from transformers import AutoModelForCausalLM
-
         self.config, self.cfg = config, config.learner
         cfg = self.cfg
         if cfg.model is None:
@@ -110,9 +108,11 @@ class Learner:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         torch.manual_seed(config.seed + self.rank)
         dtype = torch.bfloat16 if uses_bf16(cfg, self.device) else torch.float32
-        self.engine = create_engine(cfg, AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype), self.device)
+        self.engine = load_engine(cfg, dtype, self.device, say=self._startup)
         self.step = self.version = 0
         consumed, unacked = [], []   # unacked: batches the checkpoint holds, acknowledgement maybe not arrived
+        if resume:
+            self._startup(f"loading the newest checkpoint of {cfg.checkpoint_dir}")
         if resume and (state := load_latest(self.engine, cfg.checkpoint_dir)) is not None:
             self.step, self.version, consumed, unacked = (state["step"], state["version"], state["consumed"],
                                                           state["unacknowledged"])
@@ -124,6 +124,7 @@ class Learner:
                                      warn_mismatch_kl=config.algorithm.off_policy.warn_mismatch_kl)
         # acknowledgements and lease renewals leave from a background thread (its own client)
         self.hub_calls = HubCalls(self._client())
+        self._startup(f"registering with the hub at {cfg.hub_url}")
         hub_stats = self.client.hub_stats()
         self.ledger = DeliveryLedger(self.client, ack_on_checkpoint=cfg.checkpoint_every is not None,
                                      lease_timeout_s=hub_stats["lease_timeout_s"], consumed=consumed,
@@ -148,6 +149,11 @@ class Learner:
         self.timed_engine = LappedEngine(self.engine, self.clock)
         self.skipped = self.nonfinite_in_row = 0
         self._said_prefix = False
+
+    def _startup(self, phase: str) -> None:
+        """What this learner does now while it starts (`grpo run` shows it until the first step: rank 0's)."""
+        if self.rank == 0:
+            startup_phase(log, phase)
 
     def _batches_left(self) -> int | None:
         """The batches still to train (None: no max_steps): none is leased past them, so nothing is left to hand
@@ -175,27 +181,9 @@ class Learner:
         return client
 
     def _check_hub(self, resume: bool, dtype: torch.dtype) -> int:
-        """Refuse a hub this run cannot train against (no reference model when one is needed, an earlier run's weights);
-        find the version to start from (registered with the hub once the publisher knows the layout). Returns the hub's
-        newest weights version."""
-        algorithm = self.config.algorithm
-        health = self.client.health()   # configured: a hub whose scorers join later scores the reference too
-        if self.config.hub_scores_reference and not health.get("reference_model_configured",
-                                                                health["reference_model_loaded"]):
-            wants = (f"algorithm.loss.beta is {algorithm.loss.beta}" if algorithm.loss.beta > 0
-                     else "algorithm.kl.in_reward is true")
-            raise LearnerSetupError(
-                f"{wants} but the ref server at {self.cfg.hub_url} has no reference model loaded (its "
-                "algorithm.loss.beta is 0?): start both with the same config")
-        # the newest version the hub knows: on its relay, or reported by a learner (the relay may lag behind the
-        # reports: weights reach it only when a generator needs them there)
-        self.relay_at_start = self.client.weights_version()   # what the relay holds (offers name it to generators)
-        hub_version = max(self.relay_at_start or 0, self.client.hub_stats()["learner_version"])
-        if hub_version > self.version and not resume:
-            raise LearnerSetupError(
-                f"the hub already holds weights version {hub_version} from an earlier run; a fresh learner would "
-                "train against them. Continue that run (`grpo run --resume`, `grpo learner --resume`) or start over "
-                "(`grpo run --fresh`, or a ref server with empty ref_server.weights_dir and spool_dir)")
+        """:func:`learner.session.check_hub` (what the relay holds is kept: offers name it to generators); returns
+        the hub's newest weights version."""
+        self.relay_at_start, hub_version = check_hub(self.client, self.config, resume=resume, version=self.version)
         if self.rank == 0:
             log.info("learner: %d rank(s) on %s, ZeRO-%d, %s, step %d, version %d", self.world, self.device.type,
                      self.cfg.zero_stage, dtype, self.step, self.version)
@@ -207,11 +195,16 @@ class Learner:
         try:
             self.clock = StepClock()  # the first step's wall time starts here, after set-up
             self.timed_engine = LappedEngine(self.engine, self.clock)
+            first = self.step + 1
+            self._startup(f"waiting for the first batch ({cfg.groups_per_step * self.world} groups from the "
+                          "generators)")
             while cfg.max_steps is None or self.step < cfg.max_steps:
                 batch = self.next_batch()
                 self.clock.lap("wait")
                 if batch is None:
                     break
+                if self.step < first:
+                    self._startup(f"training step {first}")
                 self.train_on(batch)
             self.prefetcher.close()
             self.finish()

@@ -14,6 +14,8 @@ import logging
 from collections.abc import Callable
 
 from learner.checkpoint import load_session, save_session
+from learner.engine import LearnerSetupError
+from shared.config.schema import GRPOConfig
 from shared.errors import ServiceError
 from shared.protocol.client import HubClient, HubError, HubUnavailable
 
@@ -22,6 +24,31 @@ log = logging.getLogger("grpo.learner")
 
 class SessionRefusedError(ServiceError):
     """The hub refused the learner's registration: another learner's session is live."""
+
+
+def check_hub(client: HubClient, config: GRPOConfig, *, resume: bool, version: int) -> tuple[int | None, int]:
+    """Refuse a hub this run cannot train against (no reference model when one is needed, an earlier run's weights
+    when not resuming); find the version to start from (registered with the hub once the publisher knows the
+    layout). Returns (the relay's newest version, None before the first; the hub's newest weights version)."""
+    algorithm = config.algorithm
+    health = client.health()   # configured: a hub whose scorers join later scores the reference too
+    if config.hub_scores_reference and not health.get("reference_model_configured",
+                                                      health["reference_model_loaded"]):
+        wants = (f"algorithm.loss.beta is {algorithm.loss.beta}" if algorithm.loss.beta > 0
+                 else "algorithm.kl.in_reward is true")
+        raise LearnerSetupError(
+            f"{wants} but the ref server at {config.learner.hub_url} has no reference model loaded (its "
+            "algorithm.loss.beta is 0?): start both with the same config")
+    # the newest version the hub knows: on its relay, or reported by a learner (the relay may lag behind the
+    # reports: weights reach it only when a generator needs them there)
+    relay = client.weights_version()
+    hub_version = max(relay or 0, client.hub_stats()["learner_version"])
+    if hub_version > version and not resume:
+        raise LearnerSetupError(
+            f"the hub already holds weights version {hub_version} from an earlier run; a fresh learner would "
+            "train against them. Continue that run (`grpo run --resume`, `grpo learner --resume`) or start over "
+            "(`grpo run --fresh`, or a ref server with empty ref_server.weights_dir and spool_dir)")
+    return relay, hub_version
 
 
 def register_session(client: HubClient, checkpoint_dir: str, version: int, groups_per_step: int,

@@ -26,6 +26,7 @@ from shared.config.schema import GRPOConfig, RefServerConfig
 from shared.devices import default_dtype, resolve_device
 from shared.errors import ServiceError, UsageError
 from shared.ports import bind_port, token_problem
+from shared.progress import READY, startup_phase
 from shared.weight_sync.relay_store import WeightStore
 
 log = logging.getLogger("grpo.ref_server")
@@ -118,14 +119,21 @@ def serve(config: GRPOConfig) -> None:
     if problem:
         raise UsageError(problem)
     sock = bind_port(cfg.host, cfg.port, "ref_server.port")
+    models = [m for m in (cfg.model if config.hub_scores_reference and cfg.local_scoring is not False else None,
+                          cfg.prm_model) if m]
+    startup_phase(log, f"loading {' and '.join(models)}" if models else "opening the hub")
     try:
         state = build_state(config)
     except BaseException:
         sock.close()
         raise
-    app = create_app(state, on_ready=lambda: log.info(
-        "ref-server ready on http://%s:%d (model: %s, beta=%s, hub capacity %d)", cfg.host, cfg.port,
-        cfg.model or "none", config.algorithm.loss.beta, cfg.queue_capacity))
+
+    def on_ready() -> None:
+        log.info("ref-server ready on http://%s:%d (model: %s, beta=%s, hub capacity %d)", cfg.host, cfg.port,
+                 cfg.model or "none", config.algorithm.loss.beta, cfg.queue_capacity)
+        startup_phase(log, READY)
+
+    app = create_app(state, on_ready=on_ready)
 
     # uvicorn shuts down gracefully on SIGINT/SIGTERM and then re-raises the signal to the handler that was
     # installed before it; this one turns that into a normal return, so a requested stop exits with status 0.

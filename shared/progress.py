@@ -7,11 +7,21 @@ and on a terminal.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
 # Starts the learner's per-step line (learner/metrics.py), which `grpo run` shows on its console (deploy/console.py).
 PROGRESS_MARK = "progress: "
+# Starts a service's line naming what it does now while it starts (``start-up: loading the model X``): until the
+# learner's first step, `grpo run` says what it waits for and for how long (deploy/startup_report.py).
+STARTUP_MARK = "start-up: "
+READY = "ready"   # the start-up phase of a service that has finished starting (the ref server answering)
+
+
+def startup_phase(logger: logging.Logger, phase: str) -> None:
+    """Log (INFO) that the service now does ``phase`` ("loading the model X", "waiting for the first batch")."""
+    logger.info("%s%s", STARTUP_MARK, phase)
 
 
 def format_duration(seconds: float) -> str:

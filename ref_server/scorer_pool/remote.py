@@ -22,6 +22,7 @@ import time
 from ref_server.scorer_pool.job_wire import decode_job, encode_result
 from ref_server.scoring.scorer import ReferenceScorer
 from shared.errors import UsageError
+from shared.progress import READY, startup_phase
 from shared.protocol.client import HubError
 from shared.protocol.scorer_client import ScorerClient
 from shared.protocol.wire import WireError
@@ -66,6 +67,8 @@ class RemoteScorer:
             log.info("joined the hub at %s as %s (hub instance %s, lease %.0fs)%s", self.client.base_url,
                      self.scorer_id, answer["hub_instance"], self.lease_s,
                      "" if self.registrations == 1 else " again")
+            if self.registrations == 1:
+                startup_phase(log, READY)
             return self.scorer_id
 
     def _refused(self, exc: HubError) -> ScorerRefused:
@@ -172,6 +175,7 @@ def run_scorer(config, hub_url: str, name: str, device: str | None = None, concu
     cfg = config.ref_server
     if cfg.model is None:
         raise ModelLoadError("grpo scorer needs the reference model: ref_server.model (or --model)")
+    startup_phase(log, f"loading the reference model {cfg.model}")
     scorer, _ = load_reference_scorer(cfg, device)
     client = service_client(hub_url, cfg.resolved_token(), config.learner.retry_max_s, ScorerClient)
     stop = threading.Event()

@@ -229,7 +229,7 @@ def test_every_shipped_config_keeps_its_state_in_a_run_dir_of_its_own():
     assert len(run_dirs) == len(configs)
 
 
-def test_weight_copies_go_only_when_nothing_can_resume_from_them(tmp_path):
+def test_a_finished_run_keeps_no_weight_copy_beside_the_model_and_a_stopped_one_keeps_them_all(tmp_path):
     run = tmp_path / "r"
     config = config_for(run)
     relay, gen = run / "ref_server/relay", run / "generator/weights"
@@ -242,15 +242,16 @@ def test_weight_copies_go_only_when_nothing_can_resume_from_them(tmp_path):
     assert len(list(run.rglob("v*.safetensors"))) == 3
     (run / "checkpoints/step00000003").mkdir(parents=True)
     (run / "checkpoints/step00000003/COMPLETE").write_text(json.dumps({"step": 3, "version": 3}))
-    # finished with a checkpoint: the relay's newest stays for a resume's generators, no other copy does
-    assert drop_unneeded_weights(config, 0) == ("weight copies no resume needs are deleted (3.0 KB); the relay keeps "
-                                                "the newest version, which a --resume's generators start from")
-    assert list(run.rglob("v*.safetensors")) == [relay / "v0000000003.safetensors"]
+    # finished with a checkpoint: the model folder holds the final weights, a resume publishes the checkpoint's
+    assert drop_unneeded_weights(config, 0) == (
+        f"the relay's and generators' weight copies are deleted (5.0 KB): {run / 'model'} holds the final weights, "
+        "and a --resume publishes them again from the checkpoint")
+    assert list(run.rglob("v*.safetensors")) == [] and (relay / "learner.json").exists()  # the hub's session stays
     (gen / "v0000000003.safetensors").write_bytes(b"\0" * 2048)
     shutil.rmtree(run / "checkpoints")
-    assert drop_unneeded_weights(config, 0) == ("no checkpoint to resume from: the relay's weight copies are "
-                                                "deleted (4.0 KB)")
-    assert list(run.rglob("v*.safetensors")) == [] and (relay / "learner.json").exists()
+    assert drop_unneeded_weights(config, 0) == ("the relay's and generators' weight copies are deleted (2.0 KB): "
+                                                f"{run / 'model'} holds the final weights")
+    assert list(run.rglob("v*.safetensors")) == [] and drop_unneeded_weights(config, 0) is None
 
 
 def test_resume_of_a_finished_run_is_refused_with_how_to_train_further(tmp_path):

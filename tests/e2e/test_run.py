@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -59,6 +60,7 @@ def test_grpo_run_trains_publishes_and_shuts_down(tiny_model_dir, tmp_path):
     config = write_config(tmp_path, tiny_model_dir, port)
     data = json.loads(config.read_text())
     data["ref_server"]["access_log"] = True
+    data["run"]["startup_report_s"] = 0.5   # the start-up lines, twice a second until the first step
     config.write_text(json.dumps(data))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     # a fresh process, imports and all (the other e2e tests fork `grpo` from the tests' zygote: service_forks.py)
@@ -70,7 +72,9 @@ def test_grpo_run_trains_publishes_and_shuts_down(tiny_model_dir, tmp_path):
     console = result.stdout.splitlines()
     steps = [line for line in console if line.startswith("[learner] step ")]
     assert [line.split()[2] for line in steps] == [f"{i}/6" for i in range(1, 7)], console
-    assert len(console) - len(steps) <= 25, console
+    startup = [line for line in console if line.startswith("[grpo run] == start-up ")]
+    assert len(console) - len(steps) - len(startup) <= 25, console
+    check_startup_lines(console, startup)
     assert "HTTP/1.1" not in result.stdout
     assert '"GET /healthz HTTP/1.1" 200' in (tmp_path / "run" / "logs" / "ref-server.log").read_text()
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -83,6 +87,38 @@ def test_grpo_run_trains_publishes_and_shuts_down(tiny_model_dir, tmp_path):
     assert "policy version 0 -> " in generator_log  # a published version reached the generator
     assert (tmp_path / "run" / "config.yaml").exists() and (tmp_path / "final" / "model.safetensors").exists()
     assert stray_processes(str(config)) == []
+
+
+# what each service says it does while it starts, in the order it does it (deploy/startup_report.py)
+STARTUP_ORDER = {
+    "learner": ("starting", "loading the model", "setting up DeepSpeed", "registering with the hub",
+                "waiting for the first batch", "training step 1"),
+    "gen-0": ("starting", "loading the model", "generating the first groups", "uploaded its first"),
+}
+
+
+def check_startup_lines(console: list[str], startup: list[str]) -> None:
+    """The start-up lines come before the first step's line, each naming what the learner and the generator do, in
+    the order they do it, with the time since the run started growing."""
+    first_step = next(i for i, line in enumerate(console) if line.startswith("[learner] step 1/"))
+    assert len(startup) >= 3 and console.index(startup[-1]) < first_step, console
+    seen: dict[str, list[int]] = {name: [] for name in STARTUP_ORDER}
+    totals = []
+    for line in startup:
+        head, _, services = line[len("[grpo run] == start-up "):].partition(": ")
+        totals.append(head)
+        for part in services.split("; "):
+            name, _, phase = part.partition(": ")
+            if name in STARTUP_ORDER:
+                seen[name].append(next(i for i, p in enumerate(STARTUP_ORDER[name]) if phase.startswith(p)))
+    seconds = [int(m or 0) * 60 + int(sec) for m, sec in (re.fullmatch(r"(?:(\d+)m)?(\d+)s", t).groups()
+                                                          for t in totals)]
+    assert seconds == sorted(seconds), startup
+    for name, phases in seen.items():
+        assert phases == sorted(phases), (name, startup)   # never back to an earlier phase
+    # more than the first phase of each: the lines follow what the services say they do
+    assert max(seen["learner"]) >= STARTUP_ORDER["learner"].index("registering with the hub"), startup
+    assert max(seen["gen-0"], default=99) >= 1, startup
 
 
 @pytest.mark.slow

@@ -57,7 +57,8 @@ def test_a_second_run_is_refused_naming_both_flags_and_disk_holds_what_the_confi
     # the model folder is the one copy of the weights
     assert not list((run_dir / "checkpoints").glob("step*"))
     assert sorted(p.name for p in run_dir.rglob("*.safetensors")) == ["model.safetensors"]
-    assert "[grpo run] no checkpoint to resume from: the relay's weight copies are deleted" in first.stdout
+    assert "[grpo run] the relay's and generators' weight copies are deleted (" in first.stdout
+    assert f"{run_dir / 'model'} holds the final weights\n" in first.stdout
     last = first.stdout.strip().splitlines()[-5:]
     assert last[0].startswith(f"[grpo run] model: {run_dir / 'model'} (Hugging Face folder, ")
     assert (run_dir / "model" / "model.safetensors").is_file()
@@ -132,22 +133,26 @@ def test_resume_after_ctrl_c_continues_step_and_version(tiny_model_dir, tmp_path
 
 @pytest.mark.slow
 def test_a_finished_run_keeps_what_a_resume_needs_and_says_so_when_resumed_as_is(tiny_model_dir, tmp_path):
-    """A finished run with checkpoints: ``keep_checkpoints`` of them stay, the relay keeps its newest version alone
-    (no generator copy), the last lines give sizes; ``--resume`` as is says the run is finished at once, and with a
-    raised ``learner.max_steps`` it trains on from the kept checkpoint and relay version."""
+    """A finished run with checkpoints: ``keep_checkpoints`` of them stay, no weight copy stays beside the model
+    (neither the relay's nor a generator's), the last lines give sizes; ``--resume`` as is says the run is finished at
+    once, and with a raised ``learner.max_steps`` it trains on from the kept checkpoint, its learner publishing the
+    checkpoint's weights to the empty relay for its generators."""
     config = write_config(tmp_path, tiny_model_dir, max_steps=3, checkpoint_every=1)
     config.write_text(config.read_text().replace('"batch_wait_s": 1.0', '"batch_wait_s": 1.0, "keep_checkpoints": 1'))
     run_dir = tmp_path / "run"
     first = grpo_run(config)
     assert first.returncode == 0, first.stdout[-3000:]
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step*")) == ["step00000003"]
-    relay = sorted(p.name for p in (run_dir / "ref_server" / "relay").glob("v*.safetensors"))
-    assert relay == ["v0000000003.safetensors"] and not list(run_dir.glob("generator/weights/v*"))
+    # the model folder holds the final weights: no copy of them on the relay, none in a generator's folder
+    assert sorted(p.relative_to(run_dir).as_posix() for p in run_dir.rglob("*.safetensors")) == [
+        "model/model.safetensors"]
     out = first.stdout
+    assert re.search(r"\[grpo run\] the relay's and generators' weight copies are deleted \(\d+\.\d (KB|MB)\): "
+                     rf"{re.escape(str(run_dir / 'model'))} holds the final weights, and a --resume publishes them "
+                     "again from the checkpoint", out), out[-2000:]
     assert f"[grpo run] checkpoint: {run_dir / 'checkpoints' / 'step00000003'} (step 3, " in out
     assert re.search(r"\(step 3, \d+\.\d (KB|MB)\); continue with", out), out[-2000:]
-    assert re.search(rf"\[grpo run\] relay: {re.escape(str(run_dir / 'ref_server' / 'relay'))} \(1 weights "
-                     r"version, \d+\.\d (KB|MB)\)", out), out[-2000:]
+    assert "[grpo run] relay: " not in out
 
     started = time.monotonic()
     again = grpo_run(config, "--resume", timeout=120)
@@ -156,8 +161,15 @@ def test_a_finished_run_keeps_what_a_resume_needs_and_says_so_when_resumed_as_is
                                    "learner.max_steps 3"), again.stderr
     assert time.monotonic() - started < 60
 
+    learner_log = run_dir / "logs" / "learner.log"
+    first_log = len(learner_log.read_text())
     further = grpo_run(config, "--resume", "--set", "learner.max_steps=4")
     assert further.returncode == 0, further.stdout[-3000:]
     assert [m["step"] for m in metrics(run_dir)] == [1, 2, 3, 4]
+    # trained on the checkpoint's weights (version 3, published again), into version 4
+    assert [m["version"] for m in metrics(run_dir)] == [1, 2, 3, 4]
+    assert "weight sync: version 3 on the relay" in learner_log.read_text()[first_log:]
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step*")) == ["step00000004"]
+    assert sorted(p.relative_to(run_dir).as_posix() for p in run_dir.rglob("*.safetensors")) == [
+        "model/model.safetensors"]
     assert stray_processes(str(config)) == []

@@ -43,6 +43,10 @@ class RunConfig(StrictModel):
         "full: every line of every service (`grpo run --verbose`). Either way each service's whole output is in "
         "run_dir/logs/NAME.log.")
     tail_lines: int = Field(20, ge=1, description="Log lines of a service that died shown on the console.")
+    startup_report_s: float = Field(
+        10.0, ge=0, allow_inf_nan=False, description="Until the learner's first step, the `grpo run` console says "
+        "this often what each service still does and for how long (`== start-up 35s: learner: waiting for the "
+        "first batch (12s); gen-0: generating the first groups (20s)`). 0: no such lines.")
     fork_services: bool = Field(
         True, description="When no service is placed on a GPU: start the learner (one rank) and the generators as "
         "forks of `grpo run` after it imported torch and transformers once, instead of fresh interpreters that each "
