@@ -27,7 +27,7 @@ from generator.failures import FailureRateExceeded, FailureRule, ServicePause
 from generator.multiturn import MultiTurnRollouts
 from generator.progress import Progress
 from generator.refusals import GroupsRefused, RefusalCounter
-from generator.rewards import GroupScores, RewardSet
+from generator.rewards import RewardSet
 from generator.stats import LoopStats
 from generator.step_tokens import group_token_steps, tokenizer_decode
 from shared.config.schema.generator import EnvironmentConfig, FailuresConfig, StepRewardsConfig
@@ -182,7 +182,9 @@ class RolloutLoop:
                                          self.stop)
         if scores is None:   # stopped while a reward service was down
             return None
-        self.record_failures(scores, samples)
+        env = self.environment
+        self.failures.record_group([term.name for term in self.rewards.terms], scores.failures,
+                                   env.name if env is not None else None, [s.env_failure for s in samples])
         if self.environment is not None:
             environment_rewards(scores, samples, self.environment)
         self.stats.reward_errors += sum(scores.errors.values())
@@ -211,14 +213,6 @@ class RolloutLoop:
         except ProtocolError as exc:
             self._unacceptable(str(exc))
             return None
-
-    def record_failures(self, scores: GroupScores, samples: list[SampledCompletion]) -> None:
-        """What failed in this group, for the rule that stops the run (generator/failures.py)."""
-        for term in self.rewards.terms:
-            self.failures.record(f"reward {term.name!r}", scores.failures[term.name])
-        if self.environment is not None:
-            self.failures.record(f"environment {self.environment.name!r}", [s.env_failure for s in samples],
-                                 "trajectories")
 
     def _unacceptable(self, reason: str) -> None:
         self.stats.groups_unacceptable += 1
