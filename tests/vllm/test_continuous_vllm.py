@@ -17,7 +17,9 @@ from generator.engines.base import SequenceRequest  # noqa: E402
 from generator.engines.hf import TransformersEngine  # noqa: E402
 from generator.engines.vllm_continuous import ContinuousVLLM, _Sequence  # noqa: E402
 from generator.engines.vllm_engine import VLLMEngine  # noqa: E402
+from generator.engines.vllm_lora import LoraServing  # noqa: E402
 from shared.protocol.records import SamplingParams  # noqa: E402
+from tests.generator.test_vllm_lora import relay_adapter  # noqa: E402
 
 pytestmark = pytest.mark.slow  # a real vLLM engine (its own processes)
 
@@ -224,3 +226,38 @@ def test_a_random_schedule_returns_every_sequence_not_aborted_exactly_once(engin
             torch.testing.assert_close(torch.tensor(completion.logprobs), torch.tensor(reference.logprobs),
                                        atol=LOGPROBS, rtol=0)
     assert switched >= 3  # sequences did continue across switches
+
+
+def test_a_lora_switch_continues_each_sequence_on_the_new_adapter(model_dir, prompts, tmp_path):
+    """``learner.lora.publish: adapter``: the engine's newest ``LoRARequest`` serves the resubmitted tails."""
+    adapters = [tmp_path / "a1.safetensors", tmp_path / "a2.safetensors"]
+    for seed, path in enumerate(adapters, start=1):
+        relay_adapter(model_dir, path, seed=seed)
+    engine = VLLMEngine(model_dir, device="cpu", max_model_len=256, seed=0,
+                        lora=LoraServing(max_lora_rank=8, max_loras=2))
+    try:
+        engine.apply_adapter(adapters[0])
+        continuous = ContinuousVLLM(engine)
+        continuous.weights_changed(1)  # nothing unfinished: only the version tokens carry from now on
+        requests = [SequenceRequest(f"l{i}", p, greedy(16)) for i, p in enumerate(prompts[:3])]
+
+        def switch(k):
+            if k == 2:
+                engine.apply_adapter(adapters[1])
+                continuous.weights_changed(2)
+
+        returned = run(continuous, {0: requests}, on_step=switch)
+        engine.apply_adapter(adapters[0])
+        old = {r.request_id: engine.generate([r.prompt_ids], r.sampling, n=1)[0][0] for r in requests}
+        engine.apply_adapter(adapters[1])
+        for request in requests:
+            completion, reference = returned[request.request_id], old[request.request_id]
+            j = completion.versions.count(1)
+            assert 1 <= j <= 3 and completion.versions == [1] * j + [2] * (len(completion.token_ids) - j)
+            [[rest]] = engine.generate([request.prompt_ids + reference.token_ids[:j]], greedy(16 - j), n=1)
+            assert completion.token_ids == reference.token_ids[:j] + rest.token_ids
+            torch.testing.assert_close(torch.tensor(completion.logprobs),
+                                       torch.tensor(reference.logprobs[:j] + rest.logprobs), atol=LOGPROBS, rtol=0)
+        assert any(returned[r.request_id].token_ids != old[r.request_id].token_ids for r in requests)
+    finally:
+        engine.close()
