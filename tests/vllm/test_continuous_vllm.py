@@ -175,6 +175,19 @@ def test_a_sequence_with_no_tokens_left_at_a_switch_is_returned_without_a_reques
     assert continuous.num_unfinished() == 0 and continuous.step() == []
 
 
+def test_a_sequence_vllm_refuses_is_named_and_the_others_go_on(engine, prompts):
+    continuous = ContinuousVLLM(engine)
+    too_long = SequenceRequest("too-long", prompts[0] * 60, greedy(4))  # 360 tokens, the model takes 256
+    with pytest.raises(ValueError, match=r"sequence 'too-long' \(a prompt of 360 tokens, max_tokens 4\): vLLM refused"):
+        continuous.submit([SequenceRequest("fine", prompts[1], greedy(4)), too_long])
+    assert continuous.num_unfinished() == 1
+    with pytest.raises(ValueError, match=r"request ids \['fine'\] are already unfinished"):
+        continuous.submit([SequenceRequest("fine", prompts[2], greedy(4))])
+    returned = run(continuous, {})
+    [[reference]] = engine.generate([prompts[1]], greedy(4), n=1)
+    assert list(returned) == ["fine"] and returned["fine"].token_ids == reference.token_ids
+
+
 def test_a_random_schedule_returns_every_sequence_not_aborted_exactly_once(engine, prompts):
     """Submissions, aborts (of running, queued, finished and unknown ids) and switches to the same weights at random
     steps: greedy sequences still equal ``generate`` (a resubmitted prefix continues exactly), sampled ones keep
