@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+from collections import Counter
 from dataclasses import dataclass, field
 
 from generator.engines.base import FinishedSequence, SampledCompletion, SequenceRequest
@@ -93,8 +94,8 @@ class ContinuousVLLM:
         self._attempts = itertools.count()            # makes every vLLM request id unique
 
     def submit(self, requests: list[SequenceRequest]) -> None:
-        ids = [r.request_id for r in requests]
-        clashes = sorted({i for i in ids if i in self._unfinished or ids.count(i) > 1})
+        counts = Counter(r.request_id for r in requests)
+        clashes = sorted(i for i, n in counts.items() if i in self._unfinished or n > 1)
         if clashes:
             raise ValueError(f"request ids {clashes} are already unfinished (or given twice): ids must be unique "
                              "among the engine's unfinished requests")
