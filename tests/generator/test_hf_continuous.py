@@ -31,7 +31,8 @@ def greedy_request(i: int, prompt: list[int], max_tokens: int) -> SequenceReques
 def drain(continuous: ContinuousTransformers, arrivals: dict[int, list[SequenceRequest]] | None = None,
           limit: int = 500) -> dict:
     """Step until nothing is unfinished, submitting ``arrivals[step]`` before each step; the completions by id
-    (a request returned twice fails), checking the batch never holds more than ``max_in_flight`` rows."""
+    (a request returned twice fails), checking the batch never holds more than ``max_in_flight`` rows and a
+    spliced cache never more columns than its longest row."""
     arrivals = dict(arrivals or {})
     done = {}
     for step in range(limit):
@@ -40,6 +41,9 @@ def drain(continuous: ContinuousTransformers, arrivals: dict[int, list[SequenceR
             assert finished.request_id not in done
             done[finished.request_id] = finished.completion
         assert continuous.in_flight <= continuous.max_in_flight
+        if continuous._splice and continuous._rows:   # as narrow as the longest row: unattended columns trimmed
+            widest = max(len(row.context) for row in continuous._rows)
+            assert continuous._cache.layers[0].keys.shape[-2] == continuous._width == widest
         if not arrivals and continuous.num_unfinished() == 0:
             return done
     raise AssertionError("the engine did not finish")
