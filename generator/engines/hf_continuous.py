@@ -56,11 +56,14 @@ def _uniform(generator: torch.Generator | None) -> float:
 
 def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """One token per row of ``probs`` [R, V] for the uniforms [R] in [0, 1): the first token whose cumulative
-    probability exceeds u * total. Never a token of probability 0 (u * total is kept below the total)."""
-    cdf = probs.double().cumsum(-1)
+    probability exceeds u * total (u * total kept below the total). Never a token of probability 0: a parallel
+    cumsum may round a flat stretch one ulp down, and a draw landing there takes the row's likeliest token."""
+    cdf = probs.cumsum(-1)
     total = cdf[:, -1:]
     target = torch.minimum(uniforms.to(cdf)[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    chosen = torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
+    impossible = probs.gather(-1, chosen[:, None]).squeeze(-1) == 0
+    return torch.where(impossible, probs.argmax(-1), chosen)
 
 
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
@@ -102,21 +105,29 @@ def _left_mask(lengths: list[int], width: int, device: torch.device) -> torch.Te
 class ContinuousTransformers:
     """``ContinuousEngine`` over a :class:`TransformersEngine` (its model, tokenizer, EOS, pad and device; weights
     are loaded through it, then the scheduler calls ``weights_changed``). ``merge_caches=False`` forces the
-    rebuild-by-prefill path that models with non-plain cache layers take."""
+    rebuild-by-prefill path that models with non-plain cache layers take. Prefills (new rows, or every row after a
+    weight change) run in chunks of at most ``prefill_tokens`` padded tokens, so a rebuild of long rows does not
+    need a [rows, 1, L, L] attention mask at once."""
 
     name = "transformers-continuous"
 
-    def __init__(self, engine: TransformersEngine, max_in_flight: int, *, merge_caches: bool = True) -> None:
-        if type(max_in_flight) is not int or max_in_flight < 1:
-            raise ValueError(f"max_in_flight must be an integer >= 1, got {max_in_flight!r}")
+    def __init__(self, engine: TransformersEngine, max_in_flight: int, *, merge_caches: bool = True,
+                 prefill_tokens: int = 16384) -> None:
+        for key, value in (("max_in_flight", max_in_flight), ("prefill_tokens", prefill_tokens)):
+            if type(value) is not int or value < 1:
+                raise ValueError(f"{key} must be an integer >= 1, got {value!r}")
         self.engine = engine
         self.max_in_flight = max_in_flight
-        self.merge_caches = merge_caches
+        self.prefill_tokens = prefill_tokens
         self._queue: dict[str, SequenceRequest] = {}   # insertion order = admission order
         self._rows: list[_Row] = []                    # batch order
         self._cache = None
         self._width = 0        # the cache's columns (host-side: sliding layers report other lengths)
-        self._splice = False   # whether self._cache can be spliced (else: rebuilt when rows change)
+        # whether the cache's rows can be selected, merged and trimmed (else: rebuilt when the rows change); one
+        # token through the model tells the layer types
+        with torch.no_grad():
+            probe = engine.model(input_ids=torch.tensor([[engine.pad_id]], device=engine.device), use_cache=True)
+        self._splice = merge_caches and splicable(probe.past_key_values)
         # [rows, V]: each row's next-token logits; None: the cache is stale and the next step re-prefills every row
         self._logits: torch.Tensor | None = None
         self._version = 0
@@ -160,13 +171,12 @@ class ContinuousTransformers:
         admitted = self._admit()
         if not self._rows:
             return []
-        if admitted and self._logits is not None and not self._splice:
+        if admitted and not self._splice:
             self._drop_cache()
-        if self._logits is None:
-            self._cache, self._logits, self._width = self._prefill([row.context for row in self._rows])
-            self._splice = self.merge_caches and splicable(self._cache)
+        if self._logits is None:   # the first rows, a weight change, or a cache that cannot be spliced
+            self._add_rows(self._rows)
         elif admitted:
-            self._merge(*self._prefill([row.context for row in admitted]))
+            self._add_rows(admitted)
         chosen, logprobs = sample_rows(self._logits, [row.request.sampling for row in self._rows],
                                        [row.generator for row in self._rows])
         finished, keep = [], []
@@ -213,6 +223,22 @@ class ContinuousTransformers:
         self._cache.batch_select_indices(index)
         self._logits = self._logits[index]
 
+    def _add_rows(self, rows: list[_Row]) -> None:
+        """Prefill ``rows`` (the last rows of the batch) and append them to the cache: in chunks of at most
+        ``prefill_tokens`` padded tokens when the cache splices, else all at once into an empty cache."""
+        contexts = [row.context for row in rows]
+        if not self._splice:
+            self._cache, self._logits, self._width = self._prefill(contexts)
+            return
+        start = 0
+        while start < len(contexts):
+            end, width = start + 1, len(contexts[start])
+            while end < len(contexts) and (end + 1 - start) * max(width, len(contexts[end])) <= self.prefill_tokens:
+                width = max(width, len(contexts[end]))
+                end += 1
+            self._merge(*self._prefill(contexts[start:end]))
+            start = end
+
     def _prefill(self, contexts: list[list[int]]):
         """Left-padded contexts through the model as ``sample_with_logprobs`` encodes a prompt: their cache, the
         logits of each one's next token [B, V] and the cache's width."""
@@ -230,6 +256,9 @@ class ContinuousTransformers:
 
     def _merge(self, cache, logits: torch.Tensor, width: int) -> None:
         """Append the rows of a newly prefilled ``cache`` to the running one (the narrower padded on the left)."""
+        if self._cache is None:
+            self._cache, self._logits, self._width = cache, logits, width
+            return
         merged = max(width, self._width)
         for running, new in zip(self._cache.layers, cache.layers, strict=True):
             running.keys = torch.cat([_left_pad(running.keys, merged), _left_pad(new.keys, merged)])

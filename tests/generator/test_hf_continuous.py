@@ -16,7 +16,9 @@ from shared.protocol.records import SamplingParams
 
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14, 15, 16], [20, 21], [30, 31, 32, 33], [40], [41, 42, 43]]
 MAX_TOKENS = [10, 3, 14, 6, 12, 1, 9]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
+# how the batch's cache changes rows: spliced (prefills in one chunk, or in chunks of at most 16 padded tokens), or
+# rebuilt by one prefill of every row (the path of models whose cache layers are not plain)
+CACHE_PATHS = {"spliced": {}, "spliced-chunked-prefill": {"prefill_tokens": 16}, "rebuilt": {"merge_caches": False}}
 
 
 @pytest.fixture(scope="module")
@@ -63,9 +65,9 @@ def perturbed_weights(model_dir, path, seed: int = 0):
     return path
 
 
-@pytest.mark.parametrize("merge_caches", [True, False], ids=["spliced-cache", "rebuilt-cache"])
-def test_greedy_equals_the_batch_engine_with_staggered_arrivals_and_fewer_slots_than_requests(engine, merge_caches):
-    continuous = ContinuousTransformers(engine, max_in_flight=3, merge_caches=merge_caches)
+@pytest.mark.parametrize("cache", CACHE_PATHS.values(), ids=list(CACHE_PATHS))
+def test_greedy_equals_the_batch_engine_with_staggered_arrivals_and_fewer_slots_than_requests(engine, cache):
+    continuous = ContinuousTransformers(engine, max_in_flight=3, **cache)
     # arrivals at steps 0, 0, 1, 2, 5, 5, 9: rows join a batch whose others are mid-completion, some wait for a slot
     steps = [0, 0, 1, 2, 5, 5, 9]
     arrivals: dict[int, list[SequenceRequest]] = {}
@@ -82,13 +84,13 @@ def test_greedy_equals_the_batch_engine_with_staggered_arrivals_and_fewer_slots_
     assert continuous.in_flight == 0
 
 
-@pytest.mark.parametrize("merge_caches", [True, False], ids=["spliced-cache", "rebuilt-cache"])
+@pytest.mark.parametrize("cache", CACHE_PATHS.values(), ids=list(CACHE_PATHS))
 def test_a_weight_switch_mid_completion_continues_with_the_new_version_from_the_prefix(
-        tiny_model_dir, tmp_path, engine, merge_caches):
+        tiny_model_dir, tmp_path, engine, cache):
     path = perturbed_weights(tiny_model_dir, tmp_path / "v7.safetensors")
     switched, v7 = TransformersEngine(tiny_model_dir), TransformersEngine(tiny_model_dir)
     v7.load_weights(path)
-    continuous = ContinuousTransformers(switched, max_in_flight=3, merge_caches=merge_caches)
+    continuous = ContinuousTransformers(switched, max_in_flight=3, **cache)
     requests = [greedy_request(i, p, 12) for i, p in enumerate(PROMPTS[:4])]   # r3 waits for a slot
     continuous.submit(requests)
     switch_at = 4
@@ -149,13 +151,13 @@ def test_each_request_samples_with_its_own_params_and_its_seed_reproduces_it_wha
 
 
 @settings(max_examples=25, deadline=None)
-@given(capacity=st.integers(1, 4), merge_caches=st.booleans(),
+@given(capacity=st.integers(1, 4), cache=st.sampled_from(list(CACHE_PATHS.values())),
        events=st.lists(st.tuples(st.lists(st.integers(1, 8), max_size=3),      # max_tokens of the arrivals
                                  st.lists(st.integers(0, 40), max_size=2),     # aborts: indices of submitted ids
                                  st.booleans()),                               # a weight switch before the step
                        min_size=1, max_size=12))
-def test_every_request_comes_back_once_unless_aborted_whatever_the_schedule(engine, capacity, merge_caches, events):
-    continuous = ContinuousTransformers(engine, max_in_flight=capacity, merge_caches=merge_caches)
+def test_every_request_comes_back_once_unless_aborted_whatever_the_schedule(engine, capacity, cache, events):
+    continuous = ContinuousTransformers(engine, max_in_flight=capacity, **cache)
     submitted: list[str] = []
     returned: dict[str, object] = {}
     aborted: set[str] = set()
@@ -206,6 +208,8 @@ def test_an_aborted_row_leaves_the_batch_and_the_others_continue_unchanged(engin
 def test_bad_requests_are_refused_with_the_reason(engine):
     with pytest.raises(ValueError, match="max_in_flight"):
         ContinuousTransformers(engine, max_in_flight=0)
+    with pytest.raises(ValueError, match="prefill_tokens"):
+        ContinuousTransformers(engine, max_in_flight=2, prefill_tokens=0)
     continuous = ContinuousTransformers(engine, max_in_flight=2)
     continuous.submit([greedy_request(0, PROMPTS[0], 4)])
     with pytest.raises(ValueError, match="'r0' is already unfinished"):
