@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from generator.engines.base import FinishedSequence, SampledCompletion, SequenceRequest
-from generator.engines.hf import TransformersEngine, filter_logits
+from generator.engines.hf import TransformersEngine, filter_logits, left_padded
 from shared.protocol.records import SamplingParams
 
 
@@ -243,16 +243,11 @@ class ContinuousTransformers:
         """Left-padded contexts through the model as ``sample_with_logprobs`` encodes a prompt: their cache, the
         logits of each one's next token [B, V] and the cache's width."""
         engine = self.engine
-        width = max(len(c) for c in contexts)
-        input_ids = torch.full((len(contexts), width), engine.pad_id, dtype=torch.long)
-        attention = torch.zeros_like(input_ids)
-        for i, context in enumerate(contexts):
-            input_ids[i, width - len(context):] = torch.tensor(context)
-            attention[i, width - len(context):] = 1
+        input_ids, attention = left_padded(contexts, engine.pad_id)
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
         out = engine.model(input_ids=input_ids.to(engine.device), attention_mask=attention.to(engine.device),
                            position_ids=positions.to(engine.device), use_cache=True, logits_to_keep=1)
-        return out.past_key_values, out.logits[:, -1, :], width
+        return out.past_key_values, out.logits[:, -1, :], input_ids.shape[1]
 
     def _merge(self, cache, logits: torch.Tensor, width: int) -> None:
         """Append the rows of a newly prefilled ``cache`` to the running one (the narrower padded on the left)."""
