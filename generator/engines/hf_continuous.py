@@ -107,19 +107,27 @@ class ContinuousTransformers:
     are loaded through it, then the scheduler calls ``weights_changed``). ``merge_caches=False`` forces the
     rebuild-by-prefill path that models with non-plain cache layers take. Prefills (new rows, or every row after a
     weight change) run in chunks of at most ``prefill_tokens`` padded tokens, so a rebuild of long rows does not
-    need a [rows, 1, L, L] attention mask at once."""
+    need a [rows, 1, L, L] attention mask at once. While a batch is running, queued sequences join it once
+    ``admit_at_least`` slots are free (or as many as are queued, if fewer; default: an eighth of the slots): every
+    admission costs a prefill and a copy of the whole cache, so a backlog joins a few rows at a time."""
 
     name = "transformers-continuous"
 
     def __init__(self, engine: TransformersEngine, max_in_flight: int, *, merge_caches: bool = True,
-                 prefill_tokens: int = 16384) -> None:
-        for key, value in (("max_in_flight", max_in_flight), ("prefill_tokens", prefill_tokens)):
+                 prefill_tokens: int = 16384, admit_at_least: int | None = None) -> None:
+        if admit_at_least is None and type(max_in_flight) is int:
+            admit_at_least = max(1, max_in_flight // 8)
+        for key, value in (("max_in_flight", max_in_flight), ("prefill_tokens", prefill_tokens),
+                           ("admit_at_least", admit_at_least)):
             if type(value) is not int or value < 1:
                 raise ValueError(f"{key} must be an integer >= 1, got {value!r}")
+        if admit_at_least > max_in_flight:
+            raise ValueError(f"admit_at_least ({admit_at_least}) must be at most max_in_flight ({max_in_flight})")
         self.engine = engine
         self.max_in_flight = max_in_flight
         self.prefill_tokens = prefill_tokens
-        self._queue: dict[str, SequenceRequest] = {}   # insertion order = admission order
+        self.admit_at_least = admit_at_least
+        self._queue: dict[str, _Row] = {}   # submitted, not started; insertion order = admission order
         self._rows: list[_Row] = []                    # batch order
         self._cache = None
         self._width = 0        # the cache's columns (host-side: sliding layers report other lengths)
@@ -135,16 +143,24 @@ class ContinuousTransformers:
     # -- the contract ------------------------------------------------------------------------------------------
     def submit(self, requests: list[SequenceRequest]) -> None:
         unfinished = set(self._queue) | {row.request.request_id for row in self._rows}
+        rows = []
         for request in requests:
+            name = f"request {request.request_id!r}"
             if request.request_id in unfinished:
-                raise ValueError(f"request_id {request.request_id!r} is already unfinished in this engine")
+                raise ValueError(f"{name}: its request_id is already unfinished in this engine")
             if not request.prompt_ids:
-                raise ValueError(f"request {request.request_id!r} has an empty prompt")
+                raise ValueError(f"{name}: empty prompt")
             if request.sampling.max_tokens < 1:
-                raise ValueError(f"request {request.request_id!r}: max_tokens must be >= 1")
+                raise ValueError(f"{name}: max_tokens must be >= 1")
+            generator = None
+            if request.seed is not None:
+                if type(request.seed) is not int or not 0 <= request.seed < 2**63:
+                    raise ValueError(f"{name}: seed must be an integer in [0, 2**63), got {request.seed!r}")
+                generator = torch.Generator().manual_seed(request.seed)
             unfinished.add(request.request_id)
-        for request in requests:
-            self._queue[request.request_id] = request
+            rows.append(_Row(request, generator))
+        for row in rows:
+            self._queue[row.request.request_id] = row
 
     def num_unfinished(self) -> int:
         return len(self._queue) + len(self._rows)
@@ -200,13 +216,12 @@ class ContinuousTransformers:
 
     # -- the batch ---------------------------------------------------------------------------------------------
     def _admit(self) -> list[_Row]:
+        free = self.max_in_flight - len(self._rows)
+        if self._rows and free < min(self.admit_at_least, len(self._queue)):
+            return []
         admitted = []
         while self._queue and len(self._rows) < self.max_in_flight:
-            request = self._queue.pop(next(iter(self._queue)))
-            generator = None
-            if request.seed is not None:
-                generator = torch.Generator().manual_seed(request.seed)
-            admitted.append(_Row(request, generator))
+            admitted.append(self._queue.pop(next(iter(self._queue))))
             self._rows.append(admitted[-1])
         return admitted
 

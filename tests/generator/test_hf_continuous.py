@@ -18,6 +18,7 @@ PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14, 15, 16], [20, 21], [30, 31, 3
 MAX_TOKENS = [10, 3, 14, 6, 12, 1, 9]
 # how the batch's cache changes rows: spliced (prefills in one chunk, or in chunks of at most 16 padded tokens), or
 # rebuilt by one prefill of every row (the path of models whose cache layers are not plain)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
 CACHE_PATHS = {"spliced": {}, "spliced-chunked-prefill": {"prefill_tokens": 16}, "rebuilt": {"merge_caches": False}}
 
 
@@ -212,10 +213,14 @@ def test_bad_requests_are_refused_with_the_reason(engine):
         ContinuousTransformers(engine, max_in_flight=2, prefill_tokens=0)
     continuous = ContinuousTransformers(engine, max_in_flight=2)
     continuous.submit([greedy_request(0, PROMPTS[0], 4)])
-    with pytest.raises(ValueError, match="'r0' is already unfinished"):
+    with pytest.raises(ValueError, match="'r0': its request_id is already unfinished"):
         continuous.submit([greedy_request(0, PROMPTS[1], 4)])
-    with pytest.raises(ValueError, match="empty prompt"):
+    with pytest.raises(ValueError, match="'r1': empty prompt"):
         continuous.submit([greedy_request(1, [], 4)])
+    with pytest.raises(ValueError, match="'s': seed must be an integer"):
+        continuous.submit([SequenceRequest("s", PROMPTS[0], GREEDY, seed=-1)])
+    with pytest.raises(ValueError, match="admit_at_least"):
+        ContinuousTransformers(engine, max_in_flight=2, admit_at_least=3)
     assert continuous.num_unfinished() == 1
 
 
@@ -241,3 +246,20 @@ def test_a_sliding_window_model_rebuilds_its_cache_and_still_decodes_greedily(tm
 def test_the_tiny_llama_cache_is_spliced(engine):
     with torch.no_grad():
         assert splicable(engine.model(torch.tensor([PROMPTS[0]]), use_cache=True).past_key_values)
+
+
+def test_a_backlog_joins_a_running_batch_a_few_rows_at_a_time(engine):
+    continuous = ContinuousTransformers(engine, max_in_flight=6, admit_at_least=3)
+    continuous.submit([greedy_request(i, PROMPTS[i % 7], 2 + i) for i in range(12)])
+    done, joins = {}, []
+    while continuous.num_unfinished():
+        running, queued = continuous.in_flight, continuous.num_unfinished() - continuous.in_flight
+        finished = continuous.step()
+        done.update((f.request_id, f.completion) for f in finished)
+        joined = continuous.in_flight + len(finished) - running   # rows that started this step
+        if joined and running:   # a running batch takes rows only with 3 free slots, or all that wait if fewer
+            assert 6 - running >= min(3, queued) and joined >= min(3, queued)
+            joins.append(joined)
+    assert joins and len(done) == 12
+    for i in range(12):
+        assert done[f"r{i}"].token_ids == batch_greedy(engine, PROMPTS[i % 7], 2 + i).token_ids
