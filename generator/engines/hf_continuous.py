@@ -23,7 +23,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from generator.engines.base import FinishedSequence, SampledCompletion, SequenceRequest
@@ -92,8 +91,14 @@ def splicable(cache) -> bool:
     return isinstance(cache, DynamicCache) and all(type(layer) is DynamicLayer for layer in cache.layers)
 
 
-def _left_pad(states: torch.Tensor, width: int) -> torch.Tensor:
-    return F.pad(states, (0, 0, width - states.shape[-2], 0))
+def _stacked_right_aligned(first: torch.Tensor, second: torch.Tensor, width: int) -> torch.Tensor:
+    """Two caches' states [B, H, L, D] as one [B1 + B2, H, width, D], each right-aligned (zeros on the left),
+    written once into one new tensor."""
+    rows = first.shape[0]
+    out = first.new_zeros((rows + second.shape[0], *first.shape[1:-2], width, first.shape[-1]))
+    out[:rows, ..., width - first.shape[-2]:, :] = first
+    out[rows:, ..., width - second.shape[-2]:, :] = second
+    return out
 
 
 def _left_mask(lengths: list[int], width: int, device: torch.device) -> torch.Tensor:
@@ -128,7 +133,7 @@ class ContinuousTransformers:
         self.prefill_tokens = prefill_tokens
         self.admit_at_least = admit_at_least
         self._queue: dict[str, _Row] = {}   # submitted, not started; insertion order = admission order
-        self._rows: list[_Row] = []                    # batch order
+        self._rows: list[_Row] = []         # the decoding batch, in its order
         self._cache = None
         self._width = 0        # the cache's columns (host-side: sliding layers report other lengths)
         # whether the cache's rows can be selected, merged and trimmed (else: rebuilt when the rows change); one
@@ -271,8 +276,8 @@ class ContinuousTransformers:
             return
         merged = max(width, self._width)
         for running, new in zip(self._cache.layers, cache.layers, strict=True):
-            running.keys = torch.cat([_left_pad(running.keys, merged), _left_pad(new.keys, merged)])
-            running.values = torch.cat([_left_pad(running.values, merged), _left_pad(new.values, merged)])
+            running.keys = _stacked_right_aligned(running.keys, new.keys, merged)
+            running.values = _stacked_right_aligned(running.values, new.values, merged)
         self._logits = torch.cat([self._logits, logits])
         self._width = merged
 
