@@ -53,7 +53,7 @@ def _uniform(generator: torch.Generator | None) -> float:
     return float(torch.rand((), dtype=torch.float64, generator=generator))
 
 
-def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """One token per row of ``probs`` [R, V] for the uniforms [R] in [0, 1): the first token whose cumulative
     probability exceeds u * total (u * total kept below the total). Never a token of probability 0: a parallel
     cumsum may round a flat stretch one ulp down, and a draw landing there takes the row's likeliest token."""
@@ -81,7 +81,7 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: 
         index = torch.tensor(rows, device=device)
         probs = filter_logits(scaled[index], top_k, top_p).softmax(-1)
         uniforms = torch.tensor([_uniform(generators[i]) for i in rows], dtype=torch.float64)
-        chosen[index] = _inverse_cdf(probs, uniforms.to(device))
+        chosen[index] = inverse_cdf(probs, uniforms.to(device))
     logprobs = scaled.log_softmax(-1).gather(-1, chosen[:, None]).squeeze(-1)
     return chosen, logprobs
 

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, MistralConfig, MistralForCausalLM
 
 from generator.engines.base import SequenceRequest
 from generator.engines.hf import TransformersEngine
-from generator.engines.hf_continuous import ContinuousTransformers, splicable
+from generator.engines.hf_continuous import ContinuousTransformers, inverse_cdf, splicable
 from shared.forward.logprobs import sequence_logprobs
 from shared.protocol.records import SamplingParams
 
@@ -263,3 +263,14 @@ def test_a_backlog_joins_a_running_batch_a_few_rows_at_a_time(engine):
     assert joins and len(done) == 12
     for i in range(12):
         assert done[f"r{i}"].token_ids == batch_greedy(engine, PROMPTS[i % 7], 2 + i).token_ids
+
+
+def test_theinverse_cdf_draw_never_picks_a_token_of_probability_zero():
+    probs = torch.tensor([[0.0, 0.2, 0.0, 0.8, 0.0], [0.5, 0.5, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0, 1.0]])
+    for u, expected in [(0.0, [1, 0, 4]), (0.2, [3, 0, 4]), (0.5, [3, 1, 4]), (1 - 1e-12, [3, 1, 4])]:
+        chosen = inverse_cdf(probs, torch.full((3,), u, dtype=torch.float64))
+        assert chosen.tolist() == expected
+    # the frequencies follow the probabilities
+    uniforms = torch.rand(20000, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    counts = torch.bincount(inverse_cdf(probs[:1].expand(20000, 5), uniforms), minlength=5)
+    assert counts[[0, 2, 4]].tolist() == [0, 0, 0] and abs(counts[1].item() / 20000 - 0.2) < 0.015
