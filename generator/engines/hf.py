@@ -66,6 +66,18 @@ def _turn_stop_check(decode: Callable[[list[int]], str], stops: list[str]) -> Ca
     return stopped
 
 
+def left_padded(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-id sequences as one batch [B, longest] padded on the left (generation continues right after each
+    one) and its attention mask (0 on the padding); on the CPU."""
+    width = max(len(s) for s in sequences)
+    input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    attention = torch.zeros_like(input_ids)
+    for i, sequence in enumerate(sequences):
+        input_ids[i, width - len(sequence):] = torch.tensor(sequence)
+        attention[i, width - len(sequence):] = 1
+    return input_ids, attention
+
+
 class TurnSampling:
     """Multi-turn: one turn of many trajectories (generator/multiturn.py). A mixin of TransformersEngine."""
 
@@ -82,12 +94,7 @@ class TurnSampling:
         results: list[list[SampledTurn]] = []
         for start in range(0, len(contexts), per_call):
             chunk = contexts[start:start + per_call]
-            width = max(len(c) for c in chunk)
-            input_ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long)
-            attention = torch.zeros_like(input_ids)
-            for i, context in enumerate(chunk):
-                input_ids[i, width - len(context):] = torch.tensor(context)
-                attention[i, width - len(context):] = 1
+            input_ids, attention = left_padded(chunk, self.pad_id)
             with torch.no_grad():
                 tokens, logprobs = sample_with_logprobs(self.model, input_ids.to(self.device),
                                                         attention.to(self.device), n, sampling,
@@ -195,12 +202,7 @@ class TransformersEngine(TurnSampling):
 
     @torch.no_grad()
     def _generate_chunk(self, prompts: list[list[int]], sampling: SamplingParams, n: int):
-        width = max(len(p) for p in prompts)
-        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        attention = torch.zeros_like(input_ids)
-        for i, prompt in enumerate(prompts):  # left padding: generation continues right after each prompt
-            input_ids[i, width - len(prompt):] = torch.tensor(prompt)
-            attention[i, width - len(prompt):] = 1
+        input_ids, attention = left_padded(prompts, self.pad_id)
         tokens, token_logprobs = sample_with_logprobs(
             self.model, input_ids.to(self.device), attention.to(self.device), n, sampling, sorted(self.eos_ids),
             self.pad_id)
