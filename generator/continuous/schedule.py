@@ -106,7 +106,12 @@ class ContinuousRollouts:
         loop.stop = stop
         self.uploader = GroupUploader(loop, self.upload_interval_s, max_groups)
         try:
-            self._run(stop, max_groups)
+            try:
+                self._run(stop, max_groups)
+            finally:
+                self.engine.abort(self.groups.abandon())   # sequences of groups never completed: nothing to upload
+                self.uploader.close()
+            self.uploader.raise_if_failed()   # what failed on the upload thread, raised here
         except HubUnavailable as exc:
             if not stop.is_set():
                 raise
@@ -114,10 +119,6 @@ class ContinuousRollouts:
         except (GroupsRefused, FailureRateExceeded):
             loop.progress.close(loop.stats, loop.policy_version)
             raise
-        finally:
-            self.engine.abort(self.groups.abandon())   # sequences of groups never completed: nothing to upload
-            self.uploader.close()
-        self.uploader.raise_if_failed()
         loop.progress.close(loop.stats, loop.policy_version)
         return loop.stats
 

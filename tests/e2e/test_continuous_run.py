@@ -27,4 +27,5 @@ def test_grpo_run_with_the_continuous_schedule_trains_and_records_token_versions
     assert all(0 <= m["token_version_lag_mean"] <= 2 and m["token_version_spread_max"] <= 2 for m in metrics)
     generator_log = (tmp_path / "run" / "logs" / "gen-0.log").read_text()
     assert "continuous schedule:" in generator_log and "policy version 0 -> " in generator_log
+    assert "grpo generator: error" not in generator_log   # the stop at the end (a full queue, the hub going) is not an error
     assert stray_processes(str(config)) == []
