@@ -37,6 +37,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 WORKLOADS = {"long_tail": None, "uniform": -50.0}   # eos_logit; None: from --eos-prob
+# continuous: on_weights recompute (the default); continuous_keep: on_weights keep (the transformers engine only)
+SCHEDULES = ("batch", "continuous", "continuous_keep")
 
 
 def build_length_model(base: Path, out: Path, eos_logit: float, hidden: int, layers: int) -> Path:
@@ -106,6 +108,7 @@ class Probe:
         self.loop, self.publisher = loop, publisher
         self.first_use: dict[int, float] = {}
         self.lags: list[int] = []
+        self.token_lags: list[int] = []
         self.steps = 0
         self.started = self.ended = None
         upload = loop.upload
@@ -113,6 +116,11 @@ class Probe:
         def timed_upload(groups):
             newest = publisher.version
             self.lags += [newest - g.policy_version for g in groups]
+            for g in groups:   # each valid token's lag (a row without per-token versions: its group's version)
+                for row, length in enumerate(g.completion_lengths.tolist()):
+                    versions = (g.token_versions[row, :length].tolist() if g.token_versions is not None
+                                else [g.policy_version] * length)
+                    self.token_lags += [newest - v for v in versions]
             upload(groups)
             self.ended = time.monotonic()
 
@@ -164,7 +172,8 @@ def run_arm(args, schedule: str, model: Path, url: str) -> dict:
         step = wrapped.step
         wrapped.step = lambda: (probe.engine_used(1), step())[1]
         runner = lambda: ContinuousRollouts(loop, wrapped, max_in_flight=slots,  # noqa: E731
-                                            upload_interval_s=args.upload_interval_s).run(
+                                            upload_interval_s=args.upload_interval_s,
+                                            recompute=schedule != "continuous_keep").run(
             threading.Event(), max_groups=args.groups)
     publisher.start()
     try:
@@ -180,7 +189,9 @@ def run_arm(args, schedule: str, model: Path, url: str) -> dict:
             "idle_fraction": round(1 - stats.completion_tokens / max(probe.steps * slots, 1), 3),
             "publishes": len(publisher.published_at), "versions_used": len(delays),
             "publish_to_first_use_s": round(statistics.median(delays), 3) if delays else None,
-            "version_lag_mean": round(statistics.fmean(probe.lags), 2) if probe.lags else None}
+            "version_lag_mean": round(statistics.fmean(probe.lags), 2) if probe.lags else None,
+            "token_version_lag_mean": round(statistics.fmean(probe.token_lags), 2) if probe.token_lags else None,
+            "weight_swap_s": round(stats.schedule.weight_swap_s, 2) if stats.schedule is not None else None}
 
 
 def build_engine(args, model: Path):
@@ -220,21 +231,23 @@ def main(argv=None) -> int:
     vocab = len(AutoTokenizer.from_pretrained(args.model))
     out = {"engine": args.engine, "max_tokens": args.max_tokens, "slots": args.prompts_per_batch * args.group_size,
            "groups": args.groups, "publish_every_s": args.publish_every_s, "workloads": {}}
+    schedules = SCHEDULES if args.engine == "transformers" else SCHEDULES[:2]
     for workload in args.workloads.split(","):
         logit = WORKLOADS[workload]
         logit = eos_logit_for(args.eos_prob, vocab) if logit is None else logit
         with tempfile.TemporaryDirectory(prefix="length-model-") as folder:
             model = build_length_model(Path(args.model), Path(folder), logit, args.hidden, args.layers)
             arms = {}
-            for schedule in ("batch", "continuous"):
+            for schedule in schedules:
                 hub = HubProcess(None, capacity=100_000, max_staleness=1_000_000)
                 try:
                     arms[schedule] = run_arm(args, schedule, model, hub.url)
                 finally:
                     hub.stop()
                 print(json.dumps({workload: arms[schedule]}), flush=True)
-        ratio = arms["continuous"]["tokens_per_s"] / arms["batch"]["tokens_per_s"]
-        out["workloads"][workload] = {**arms, "tokens_per_s_continuous_over_batch": round(ratio, 2)}
+        ratios = {f"tokens_per_s_{name}_over_batch": round(arms[name]["tokens_per_s"] / arms["batch"]["tokens_per_s"], 2)
+                  for name in schedules[1:]}
+        out["workloads"][workload] = {**arms, **ratios}
     print("BENCH_JSON " + json.dumps(out), flush=True)
     return 0
 

@@ -104,10 +104,15 @@ def continuous_rollouts(loop: RolloutLoop, engine, config: GRPOConfig):
 
     cfg = config.generator
     schedule = cfg.schedule
+    if schedule.on_weights == "keep" and engine.name != "transformers":
+        raise GeneratorSetupError(f"generator.schedule.on_weights: keep runs on the transformers engine only; the "
+                                  f"{engine.name} engine recomputes unfinished prefixes at a switch (set "
+                                  "generator.schedule.on_weights: recompute)")
     max_in_flight = schedule.max_in_flight or cfg.prompts_per_batch * cfg.group_size
     return ContinuousRollouts(loop, continuous_engine(engine, max_in_flight), max_in_flight=max_in_flight,
                               upload_interval_s=schedule.upload_interval_s,
-                              check_interval_s=schedule.check_interval_s)
+                              check_interval_s=schedule.check_interval_s,
+                              recompute=schedule.on_weights == "recompute")
 
 
 def run_generator(config: GRPOConfig, stop: threading.Event | None = None) -> LoopStats:

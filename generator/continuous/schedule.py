@@ -43,11 +43,12 @@ class ScheduleStats:
 
 class ContinuousRollouts:
     def __init__(self, loop, engine: ContinuousEngine, *, max_in_flight: int, upload_interval_s: float = 0.5,
-                 check_interval_s: float = 0.2) -> None:
+                 check_interval_s: float = 0.2, recompute: bool = True) -> None:
         """``loop``: the RolloutLoop whose prompts, rewards, client, weight receiver, rules and stats this uses."""
         self.loop, self.engine = loop, engine
         self.max_in_flight = max(max_in_flight, loop.group_size)   # room for one whole group at least
         self.upload_interval_s, self.check_interval_s = upload_interval_s, check_interval_s
+        self.recompute = recompute   # at a switch, unfinished prefixes are recomputed by the new weights
         self.groups = GroupsInFlight(loop.group_size, loop.seed, loop.generator_id)
         self.stats = loop.stats.schedule = ScheduleStats()
         self._budget = 0            # prompts the hub's last answer allows, less those submitted since
@@ -58,7 +59,7 @@ class ContinuousRollouts:
         """A newer version, loaded between steps; the engine's unfinished sequences continue with it."""
         started = time.perf_counter()
         if self.loop.sync_weights():
-            self.engine.weights_changed(self.loop.policy_version)
+            self.engine.weights_changed(self.loop.policy_version, self.recompute)
             self.stats.weight_swap_s += time.perf_counter() - started
 
     # -- pacing ---------------------------------------------------------------------------------------------
@@ -127,7 +128,7 @@ class ContinuousRollouts:
 
     def _run(self, stop: threading.Event, max_groups: int | None) -> None:
         self.loop.sync_weights()   # a generator that joins late starts from the current version
-        self.engine.weights_changed(self.loop.policy_version)
+        self.engine.weights_changed(self.loop.policy_version, self.recompute)
         next_sync = 0.0
         while not self._done(stop, max_groups):
             self.uploader.raise_if_failed()

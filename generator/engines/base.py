@@ -86,10 +86,13 @@ class ContinuousEngine(Protocol):
     def num_unfinished(self) -> int:
         """Sequences submitted and not yet returned by ``step`` (queued or running)."""
 
-    def weights_changed(self, version: int) -> None:
-        """The model's weights are now ``version``: unfinished sequences continue with them (keys and values of
-        their prefix recomputed, so a greedy continuation equals what ``version`` alone would produce from that
-        prefix), and every token sampled from now on carries ``version`` (version 0 before the first call)."""
+    def weights_changed(self, version: int, recompute: bool = True) -> None:
+        """The model's weights are now ``version``: unfinished sequences continue with them, and every token sampled
+        from now on carries ``version`` (version 0 before the first call). ``recompute``: the keys and values of
+        their prefix are recomputed, so a greedy continuation equals what ``version`` alone would produce from that
+        prefix (AReaL's interruptible generation); False: they are kept as the old weights computed them (vLLM's
+        ``pause(mode="keep")``), which costs no prefill; engines that cannot attribute tokens exactly that way
+        refuse it."""
 
     def abort(self, request_ids: list[str]) -> None:
         """Drop unfinished sequences; they are never returned."""

@@ -175,9 +175,10 @@ class ContinuousTransformers:
         """Rows in the decoding batch now (at most ``max_in_flight``)."""
         return len(self._rows)
 
-    def weights_changed(self, version: int) -> None:
+    def weights_changed(self, version: int, recompute: bool = True) -> None:
         self._version = version
-        self._drop_cache()
+        if recompute:
+            self._drop_cache()
 
     def abort(self, request_ids: list[str]) -> None:
         dropped = set(request_ids)

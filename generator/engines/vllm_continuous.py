@@ -136,7 +136,11 @@ class ContinuousVLLM:
     def num_unfinished(self) -> int:
         return len(self._unfinished)
 
-    def weights_changed(self, version: int) -> None:
+    def weights_changed(self, version: int, recompute: bool = True) -> None:
+        if not recompute:
+            raise ValueError("the vllm engine recomputes every unfinished prefix at a weight switch "
+                             "(generator.schedule.on_weights: recompute): its engine core runs ahead of this loop, "
+                             "so tokens sampled on kept keys and values could not be given their version exactly")
         self.version = version
         running = [s for s in self._unfinished.values() if s.vllm_id is not None]
         if not running:

@@ -49,7 +49,7 @@ class ScriptedEngine:
     def num_unfinished(self):
         return len(self.queued) + len(self.running)
 
-    def weights_changed(self, version):
+    def weights_changed(self, version, recompute=True):
         self.version = version
         self.switches.append((self.steps, version))
 

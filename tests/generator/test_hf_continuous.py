@@ -274,3 +274,30 @@ def test_theinverse_cdf_draw_never_picks_a_token_of_probability_zero():
     uniforms = torch.rand(20000, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     counts = torch.bincount(inverse_cdf(probs[:1].expand(20000, 5), uniforms), minlength=5)
     assert counts[[0, 2, 4]].tolist() == [0, 0, 0] and abs(counts[1].item() / 20000 - 0.2) < 0.015
+
+
+def test_a_switch_that_keeps_the_prefix_cache_costs_no_prefill_and_labels_new_tokens(tiny_model_dir):
+    """on_weights: keep: the tokens after the switch carry the new version and are sampled over the keys and values
+    the old weights computed: with the old weights loaded again under a new version number, the greedy completion
+    is the old one token for token (nothing recomputed, nothing changed); the prefill count does not grow."""
+    engine = TransformersEngine(tiny_model_dir)
+    cont = ContinuousTransformers(engine, max_in_flight=4)
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    reference = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10), n=1)
+    cont.submit([SequenceRequest(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=10))
+                 for i, p in enumerate(prompts)])
+    forwards = []
+    original = engine.model.forward
+    engine.model.forward = lambda *a, **kw: forwards.append(kw["input_ids"].shape[1]) or original(*a, **kw)
+    finished = {}
+    for step in range(30):
+        if step == 3:
+            cont.weights_changed(5, recompute=False)
+        finished.update({f.request_id: f.completion for f in cont.step()})
+        if len(finished) == 2:
+            break
+    assert max(forwards[1:]) == 1   # after the first (the prompts' prefill) every forward decodes one token
+    for i, group in enumerate(reference):
+        done = finished[f"r{i}"]
+        assert done.token_ids == group[0].token_ids
+        assert done.versions == [0] * 3 + [5] * (len(done.token_ids) - 3)

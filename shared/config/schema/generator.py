@@ -198,6 +198,14 @@ class ScheduleConfig(StrictModel):
     upload_interval_s: float = Field(
         0.5, ge=0, description="continuous: the least time between two uploads; complete groups wait and go "
         "together (keeps the hub's request rate sane).")
+    on_weights: Literal["recompute", "keep"] = Field(
+        "recompute", description="continuous: what a weight switch does to the sequences in flight. 'recompute': "
+        "their prefix (prompt + tokens so far) is encoded again by the new weights, one prefill, so each token is "
+        "exactly what its version samples from that prefix (AReaL's interruptible generation). 'keep' "
+        "(transformers engine only): the keys and values the old weights computed stay, so a switch costs no "
+        "prefill, and the tokens after it are sampled by the new weights over a prefix the old ones encoded; their "
+        "behaviour logprobs are what the engine sampled with, so algorithm.off_policy sees the difference as "
+        "mismatch.")
     check_interval_s: float = Field(
         0.2, gt=0, description="continuous: how often the hub is asked for a new weights version and for its "
         "budget while the engine runs (each is one small request).")
