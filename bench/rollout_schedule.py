@@ -194,6 +194,32 @@ def run_arm(args, schedule: str, model: Path, url: str) -> dict:
             "weight_swap_s": round(stats.schedule.weight_swap_s, 2) if stats.schedule is not None else None}
 
 
+def draw(out: dict, path: Path) -> None:
+    """Tokens/s and publish-to-first-use of each schedule, per workload: two bar panels."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = list(out["workloads"])
+    schedules = [s for s in SCHEDULES if s in out["workloads"][workloads[0]]]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    width = 0.8 / len(schedules)
+    for k, schedule in enumerate(schedules):
+        xs = [i + k * width for i in range(len(workloads))]
+        axes[0].bar(xs, [out["workloads"][w][schedule]["tokens_per_s"] for w in workloads], width, label=schedule)
+        axes[1].bar(xs, [out["workloads"][w][schedule]["publish_to_first_use_s"] or 0 for w in workloads], width,
+                    label=schedule)
+    for ax, title in zip(axes, ("completion tokens/s", "publish -> first step using it (s, median)")):
+        ax.set_xticks([i + width * (len(schedules) - 1) / 2 for i in range(len(workloads))], workloads)
+        ax.set_title(title, fontsize=10)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"rollout schedules, {out['engine']} engine, {out['slots']} sequence slots, cap "
+                 f"{out['max_tokens']} tokens, a publish every {out['publish_every_s']}s", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def build_engine(args, model: Path):
     if args.engine == "vllm":
         from generator.engines.vllm_engine import VLLMEngine
@@ -219,6 +245,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--publish-every-s", type=float, default=2.0)
     p.add_argument("--upload-interval-s", type=float, default=0.5)
+    p.add_argument("--figure", type=Path, help="write the bar chart here (PNG)")
     return p.parse_args(argv)
 
 
@@ -248,6 +275,8 @@ def main(argv=None) -> int:
         ratios = {f"tokens_per_s_{name}_over_batch": round(arms[name]["tokens_per_s"] / arms["batch"]["tokens_per_s"], 2)
                   for name in schedules[1:]}
         out["workloads"][workload] = {**arms, **ratios}
+    if args.figure is not None:
+        draw(out, args.figure)
     print("BENCH_JSON " + json.dumps(out), flush=True)
     return 0
 

@@ -142,10 +142,14 @@ class Bench:
     cpu_limit_s: int = 240
     cuda_limit_s: int = 120
     why: str = ""
-    alone: bool = False                # too long to share a command: runs only when named in ``--only``
+    alone: bool | str = False          # too long to share a command: runs only when named in ``--only``
+                                       # (a device name: there only)
 
     def args(self, device: str) -> tuple[str, ...] | None:
         return self.cpu if device == "cpu" else self.cuda
+
+    def alone_on(self, device: str) -> bool:
+        return self.alone is True or self.alone == device
 
     def limit_s(self, device: str) -> int:
         return self.cpu_limit_s if device == "cpu" else self.cuda_limit_s
@@ -153,16 +157,16 @@ class Bench:
 
 # The one list: adding a benchmark is one line here.
 BENCHMARKS: list[Bench] = [
-    Bench("hub_capacity", ("--duration", "15"), None, _hub_capacity, 180,
+    Bench("hub_capacity", ("--duration", "15"), None, _hub_capacity, 120,
           why="the hub needs no GPU: its figure is this CPU's"),
     Bench("logprobs_memory", ("--seq-lens", "1024", "--repeats", "1"), ("--device", "cuda"), _logprobs_memory,
-          180, 90),
+          120, 90),
     Bench("learner_throughput", ("--steps", "3"), ("--device", "cuda", "--zero-stages", "0", "--steps", "5"),
           _learner_throughput, 300, 150),
     Bench("packing_layouts", ("--repeats", "3"), ("--device", "cuda", "--preset", "qwen2.5-0.5b"),
           _packing_layouts, 120, 45),
     Bench("ref_server", ("--repeats", "1", "--rows", "32", "--clients", "1", "4"), ("--device", "cuda", "--repeats", "2"),
-          _ref_server, 240, 90),
+          _ref_server, 150, 90),
     Bench("weight_sync", ("--models", "tiny", "--repeats", "2"),
           ("--device", "cuda", "--models", "qwen0.5b-shape", "--transports", "nccl,ipc", "--repeats", "2"),
           _weight_sync, 180, 90),
@@ -170,7 +174,7 @@ BENCHMARKS: list[Bench] = [
           why="a CPU figure (the learner's own overhead per step)"),
     Bench("lora_sizes", ("--model", TINY_MODEL, "--rank", "8", "--repeats", "1"), None,
           _generic({"LoRA adapter bytes, ratio to a full publish (tiny model, rank 8)": (("adapter_bytes",), ("adapter_over_full",))}),
-          120, why="bytes do not depend on the device"),
+          60, why="bytes do not depend on the device"),
     Bench("vs_trl", None, ("--device", "cuda"), _flat("vs TRL", ("ratio_ours_over_trl", "ratio_ours_over_trl_from_model_load")), 0, 540,
           why="needs trl (not installed on this CPU; on the GPU machine: EXTRA_WHEELS=trl) and minutes of training: "
           "a command of its own there (--device cuda --only vs_trl)", alone=True),
@@ -184,6 +188,13 @@ BENCHMARKS: list[Bench] = [
     Bench("off_policy", None, None, _flat("off-policy", ("final_accuracy",)),
           why="a grid of 12 training runs (staleness x correction) and their evals (~40 min on this CPU), "
           "docs/off-policy.md: run it alone"),
+    Bench("rollout_schedule", ("--model", TINY_MODEL, "--groups", "32"),
+          ("--model", TINY_MODEL, "--engine", "vllm", "--device", "cuda", "--groups", "96", "--max-tokens", "1024",
+           "--prompts-per-batch", "32"),
+          _flat("rollout schedule", ("tokens_per_s", "tokens_per_s_continuous_over_batch",
+                                     "tokens_per_s_continuous_keep_over_batch", "publish_to_first_use_s")), 240, 420,
+          why="on the GPU machine vLLM starts once per arm (~7 min in all): a command of its own there "
+          "(--device cuda --only rollout_schedule)", alone="cuda"),
     Bench("lora_learner", None, None, _flat("LoRA / full learner", ("ratio",)),
           why="needs SmolLM2 (grpo fetch-model) and minutes per arm, docs/lora.md: run it alone"),
 ]
@@ -225,7 +236,7 @@ def run_one(bench: Bench, device: str, out: Path, tiny_model: Callable[[], str],
     """Run one benchmark (one that runs ``alone`` only when ``named``); its record: command, status, seconds, rows."""
     args = bench.args(device)
     command = f"python bench/{bench.name}.py"
-    if args is None or (bench.alone and not named):
+    if args is None or (bench.alone_on(device) and not named):
         return {"name": bench.name, "status": "not run", "command": command, "seconds": 0,
                 "rows": [("not run on " + device, "-", bench.why or "-")]}
     args = tuple(tiny_model() if a == TINY_MODEL else a for a in args)
@@ -321,10 +332,10 @@ def run(args: argparse.Namespace) -> int:
     benches = by_name(args.only)
     if args.dry_run:
         for b in benches:
-            bench_args = None if b.alone and not args.only else b.args(args.device)
+            bench_args = None if b.alone_on(args.device) and not args.only else b.args(args.device)
             print(f"{b.name}: " + (f"python bench/{b.name}.py {' '.join(bench_args)} (limit {b.limit_s(args.device)} s)"
                                    if bench_args is not None else f"not run ({b.why})"))
-        print(f"total limit {sum(b.limit_s(args.device) for b in benches if b.args(args.device) is not None and (args.only or not b.alone))} s")
+        print(f"total limit {sum(b.limit_s(args.device) for b in benches if b.args(args.device) is not None and (args.only or not b.alone_on(args.device)))} s")
         return 0
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -350,7 +361,7 @@ def run(args: argparse.Namespace) -> int:
     records = []
     for bench in benches:
         if args.rerender:
-            runnable = bench.args(args.device) is not None and (bool(args.only) or not bench.alone)
+            runnable = bench.args(args.device) is not None and (bool(args.only) or not bench.alone_on(args.device))
             records.append(rerender(bench, out) if runnable else run_one(bench, args.device, out, tiny_model))
             continue
         print(f"[bench] {bench.name} ...", flush=True)

@@ -11,7 +11,7 @@ def continuous_engine(engine, max_in_flight: int) -> ContinuousEngine:
     if engine.name == "vllm":
         from generator.engines.vllm_continuous import ContinuousVLLM
 
-        return ContinuousVLLM(engine, max_in_flight=max_in_flight)
+        return ContinuousVLLM(engine)   # vLLM schedules its own batch; the schedule caps what is in flight
     if engine.name == "transformers":
         from generator.engines.hf_continuous import ContinuousTransformers
 

@@ -24,7 +24,7 @@ def test_every_entry_is_a_script_of_bench_and_every_script_an_entry():
 
 
 def test_the_gpu_command_fits_the_lent_machine_and_the_cpu_run_is_bounded():
-    shared = [b for b in BENCHMARKS if b.cuda is not None and not b.alone]
+    shared = [b for b in BENCHMARKS if b.cuda is not None and not b.alone_on("cuda")]
     assert 0 < sum(b.cuda_limit_s for b in shared) <= 540  # 10 minutes a command, minus start-up
     assert all(b.cuda_limit_s <= 540 for b in BENCHMARKS if b.cuda is not None)
     assert all("cuda" in b.cuda for b in BENCHMARKS if b.cuda is not None)
@@ -43,7 +43,7 @@ def test_an_unknown_benchmark_is_refused_by_name(capsys):
 
 def test_the_table_has_every_column_for_every_entry(tmp_path):
     records = [run_one(b, device, tmp_path, lambda: "unused") for device in ("cpu", "cuda") for b in BENCHMARKS
-               if b.args(device) is None or b.alone]
+               if b.args(device) is None or b.alone_on(device)]
     assert {r["name"] for r in records} == {b.name for b in BENCHMARKS if b.cpu is None or b.cuda is None or b.alone}
     text = table(records, "cpu", "2026-11-26 07:00 UTC", "2-core CPU")
     lines = [line for line in text.splitlines() if line.startswith("|")]

@@ -275,3 +275,51 @@ def test_a_lora_switch_continues_each_sequence_on_the_new_adapter(model_dir, pro
         assert any(returned[r.request_id].token_ids != old[r.request_id].token_ids for r in requests)
     finally:
         engine.close()
+
+
+def test_the_schedule_drives_the_vllm_engine_and_takes_a_publish_in_flight(engine, weights, tmp_path):
+    """generator.schedule.mode continuous on vLLM, end to end in one process: the wrapper ``grpo generator`` builds
+    (continuous_engine), the schedule against a live hub, and a version published to the relay after step 5 loaded
+    between two steps: every group reaches the hub once, each row's token versions never decrease and its group's
+    version is its oldest token's."""
+    import threading
+
+    from generator.continuous.engines import continuous_engine
+    from generator.continuous.schedule import ContinuousRollouts
+    from shared.protocol.client import HubClient
+    from tests.generator.test_loop import make_loop
+    from tests.live_server import LiveServer, make_config
+
+    with LiveServer(make_config(tmp_path)) as live:
+        loop = make_loop(engine, live.url, tmp_path, wait_for_budget=False)
+        loop.sampling = SamplingParams(temperature=1.0, max_tokens=24)
+        wrapped = continuous_engine(engine, 8)
+        assert isinstance(wrapped, ContinuousVLLM)
+        step = wrapped.step
+        steps = []
+
+        def step_then_publish():
+            steps.append(len(steps))
+            if len(steps) == 5:
+                HubClient(live.url).upload_weights(3, weights[1])
+            return step()
+
+        wrapped.step = step_then_publish
+        try:
+            stats = ContinuousRollouts(loop, wrapped, max_in_flight=8, upload_interval_s=0.0,
+                                       check_interval_s=0.0).run(threading.Event(), max_groups=6)
+            batch = HubClient(live.url).get_batch(6, wait_s=10)
+        finally:
+            engine.load_weights(weights[0])   # the module's engine serves the model folder's weights again
+    assert stats.groups_uploaded == 6 and stats.weight_updates == 1 and loop.policy_version == 3
+    assert wrapped.num_unfinished() == 0 and live_groups_distinct(batch)
+    for row, length in enumerate(batch.completion_lengths.tolist()):
+        versions = (batch.token_versions[row, :length].tolist() if batch.token_versions is not None
+                    else [int(batch.policy_versions[row])] * length)
+        assert versions == sorted(versions) and set(versions) <= {0, 3}
+        assert int(batch.policy_versions[row]) == min(versions)
+    assert int(batch.policy_versions.max()) == 3   # groups started after the switch are version 3
+
+
+def live_groups_distinct(batch) -> bool:
+    return len(set(batch.group_ids)) == batch.num_groups == 6
