@@ -184,7 +184,10 @@ def run_arm(args, schedule: str, model: Path, url: str) -> dict:
         engine.close()
         shutil.rmtree(work, ignore_errors=True)
     wall = probe.ended - probe.started
-    delays = [probe.first_use[v] - t for v, t in publisher.published_at.items() if v in probe.first_use]
+    # a publish reaches the engine when it first samples with that version or a newer one (a version published
+    # while a call runs and superseded before it ends is never used: its wait ends with its successor's)
+    delays = [min(at for used, at in probe.first_use.items() if used >= v) - t
+              for v, t in publisher.published_at.items() if any(used >= v for used in probe.first_use)]
     return {"schedule": schedule, "groups": stats.groups_uploaded, "completion_tokens": stats.completion_tokens,
             "wall_s": round(wall, 2), "tokens_per_s": round(stats.completion_tokens / wall, 1),
             "idle_fraction": round(1 - stats.completion_tokens / max(probe.steps * slots, 1), 3),
