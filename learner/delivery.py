@@ -63,6 +63,9 @@ class DeliveryLedger:
         self.consumed: OrderedDict[str, None] = OrderedDict.fromkeys(consumed)
         self.unsaved: set[str] = set()        # group ids trained since the last checkpoint
         self.pending: list[str] = []          # batch ids held until the next checkpoint
+        # batch ids a checkpoint freed whose acknowledgement the hub has not answered yet: the next checkpoint still
+        # names them (a learner killed before the acknowledgement left must not lose them to the hub's hand-over)
+        self.sending: set[str] = set()
         self.active: set[str] = set()         # batch ids leased and not trained yet (prefetched, in training)
         self.duplicates = 0
         self.renewals = 0                     # timer renewals sent (for tests and logs)
@@ -116,6 +119,7 @@ class DeliveryLedger:
         """A complete checkpoint holds every step so far: acknowledge what waited for it."""
         with self._lock:
             held, self.pending = self.pending, []
+            self.sending.update(held)
             self.unsaved.clear()
         if held:
             self._ack(held)
@@ -124,10 +128,11 @@ class DeliveryLedger:
         return list(self.consumed)
 
     def unacknowledged(self) -> list[str]:
-        """Batch ids trained and waiting for the next checkpoint (the checkpoint names them: a resumed learner
-        presents them to the hub, whose leases of them it then acknowledges)."""
+        """Batch ids trained and waiting for the next checkpoint, and those whose acknowledgement the hub has not
+        answered yet (the checkpoint names them: a resumed learner presents them to the hub, whose leases of them
+        it then acknowledges)."""
         with self._lock:
-            return list(self.pending)
+            return list(self.pending) + sorted(self.sending)
 
     def held(self) -> list[str]:
         """Batch ids whose leases this ledger keeps: trained ones waiting for a checkpoint, then untrained ones."""
@@ -176,7 +181,13 @@ class DeliveryLedger:
         self._call(lambda client, ids=[batch_id]: _renew(client, ids, trained=True, still_held=self.held))
 
     def _ack(self, batch_ids: list[str]) -> None:
-        self._call(lambda client, ids=[b for b in batch_ids if b]: _ack(client, ids))
+        ids = [b for b in batch_ids if b]
+
+        def ack(client: HubClient) -> None:
+            _ack(client, ids)
+            with self._lock:   # answered: acknowledged, known before, or forgotten by a restarted hub
+                self.sending.difference_update(ids)
+        self._call(ack)
 
     def _call_now(self, call: Callable[[HubClient], None]) -> None:
         with self._client_lock:

@@ -136,6 +136,13 @@ class Leases:
                 elif batch_id in self._finished:
                     requeued = self._finished[batch_id] or []
                     done = [queue.groups.pop(seq) for seq in requeued if seq in queue.groups]
+                    # groups of this lease dropped as stale since it expired: trained after all, so consumed
+                    # (their files are gone already)
+                    trained = [seq for seq in requeued if seq in queue.dropped_seqs]
+                    for seq in trained:
+                        del queue.dropped_seqs[seq]
+                    queue.counters.dropped_stale -= len(trained)
+                    queue.counters.consumed += len(trained)
                     answer[batch_id] = "late" if requeued else "already"
                 else:
                     answer[batch_id] = "unknown"

@@ -25,6 +25,7 @@ from ref_server.hub.spool import RolloutSpool
 from shared.protocol.records import RolloutGroup
 
 log = logging.getLogger("grpo.ref_server.hub")
+DROPPED_SEQS_KEPT = 100_000   # seqs of stale-dropped groups remembered for late acknowledgements
 
 
 @dataclass
@@ -75,6 +76,9 @@ class RolloutQueue:
         self.suspects: set[int] = set()
         # (policy_version, seq) of queued groups, oldest version on top: staleness drops pop from here
         self._by_version: list[tuple[int, int]] = []
+        # seqs of the groups dropped as stale, newest last (bounded): a late acknowledgement of an expired lease
+        # whose groups were dropped since counts them as consumed, not dropped (the learner trained them)
+        self.dropped_seqs: OrderedDict[int, None] = OrderedDict()
         self.cond = threading.Condition()
         self.spool = RolloutSpool(spool_dir) if spool_dir else None
 
@@ -195,6 +199,9 @@ class RolloutQueue:
             if entry is not None:  # else taken, acknowledged or dropped since it was pushed
                 stale.append(entry)
                 self.unspool(entry)
+                self.dropped_seqs[seq] = None
+        while len(self.dropped_seqs) > DROPPED_SEQS_KEPT:
+            self.dropped_seqs.popitem(last=False)
         if stale:
             self.counters.dropped_stale += len(stale)
             log.info("dropped %d groups older than version %d (learner at version %d, max_staleness %d)",

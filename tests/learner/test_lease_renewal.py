@@ -146,3 +146,23 @@ def test_the_renewal_timer_needs_no_hub_while_nothing_is_held():
     time.sleep(0.2)
     ledger.close()
     assert ledger.renewals == 0 and not ledger._timer.is_alive()
+
+
+@pytest.mark.slow
+def test_a_checkpoint_still_names_batches_whose_acknowledgement_has_not_been_answered(live):
+    """The chaos run's books: a checkpoint freed a batch for acknowledgement, the acknowledgement waited on the
+    background thread, and the learner was killed with the next checkpoint written. That checkpoint must still name
+    the batch, or the resumed learner's hand-over releases its lease and the hub drops groups the lineage trained."""
+    upload(live.url, range(2))
+    queued = []   # the background thread that sends hub calls, stalled
+    ledger = DeliveryLedger(HubClient(live.url), ack_on_checkpoint=True, lease_timeout_s=LEASE_S,
+                            calls=queued.append)
+    batch = ledger.fresh_part(HubClient(live.url).get_batch(2))
+    ledger.trained(batch)
+    assert ledger.unacknowledged() == [batch.batch_id]
+    ledger.checkpointed()                                    # its acknowledgement is queued, not sent
+    assert ledger.unacknowledged() == [batch.batch_id]      # what the next checkpoint writes
+    client = HubClient(live.url)
+    for call in queued:
+        call(client)                                         # sent and answered
+    assert ledger.unacknowledged() == [] and live.state.hub.counters.consumed == 2

@@ -71,6 +71,25 @@ def test_a_late_acknowledgement_removes_requeued_groups_not_yet_leased_again(tmp
     assert h.depth() == 0 and spooled(tmp_path) == [] and h.counters.consumed == 2
 
 
+def test_a_late_acknowledgement_of_groups_dropped_as_stale_since_counts_them_consumed(tmp_path):
+    """The chaos run's books: a lease expired under a learner that trained it (a hub restart ate its renewals); its
+    groups went back to the queue and were dropped as stale; then the late acknowledgement came. They were trained:
+    consumed, not dropped, so accepted = consumed + dropped + queued + leased holds over the whole run."""
+    h = hub(tmp_path, lease_timeout_s=0.2, max_staleness=1)
+    for i in range(3):
+        h.put(make_group(version=0, seed=i).to_bytes())
+    first = h.take(2)
+    time.sleep(0.3)
+    assert h.renew([first.batch_id]) == {first.batch_id: "unknown"}   # expired by now: its 2 groups queued again
+    assert h.depth() == 3
+    assert h.report_version(2) == 3 and h.counters.dropped_stale == 3
+    assert h.ack([first.batch_id]) == {first.batch_id: "late"}
+    assert h.counters.consumed == 2 and h.counters.dropped_stale == 1   # the third was never leased: dropped
+    assert h.ack([first.batch_id]) == {first.batch_id: "already"} and h.counters.consumed == 2
+    stats = h.counters
+    assert stats.accepted == stats.consumed + stats.dropped_stale + h.depth() + h.leased_depth()
+
+
 def test_renewing_keeps_a_lease(tmp_path):
     h = hub(tmp_path, lease_timeout_s=0.3)
     h.put(make_group().to_bytes())
