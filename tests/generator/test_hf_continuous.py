@@ -301,3 +301,37 @@ def test_a_switch_that_keeps_the_prefix_cache_costs_no_prefill_and_labels_new_to
         done = finished[f"r{i}"]
         assert done.token_ids == group[0].token_ids
         assert done.versions == [0] * 3 + [5] * (len(done.token_ids) - 3)
+
+
+def test_a_lora_adapter_version_switched_mid_completion_continues_on_the_new_adapter(tiny_model_dir, tmp_path,
+                                                                                   engine):
+    """learner.lora.publish: adapter: the receiver applies the adapter to the engine's base (apply_adapter), then
+    the schedule calls weights_changed: the unfinished sequences continue on base + the new adapter, from their
+    prefix, exactly as an engine holding that adapter alone would."""
+    from tests.generator.test_vllm_lora import relay_adapter
+
+    adapters = [tmp_path / "a1.safetensors", tmp_path / "a2.safetensors"]
+    for seed, path in enumerate(adapters, start=1):
+        relay_adapter(tiny_model_dir, path, seed=seed)
+    switched, first, second = (TransformersEngine(tiny_model_dir) for _ in range(3))
+    switched.apply_adapter(adapters[0])
+    first.apply_adapter(adapters[0])
+    second.apply_adapter(adapters[1])
+    continuous = ContinuousTransformers(switched, max_in_flight=4)
+    continuous.weights_changed(1)
+    requests = [greedy_request(i, p, 12) for i, p in enumerate(PROMPTS[:3])]
+    continuous.submit(requests)
+    for _ in range(5):
+        assert continuous.step() == []
+    switched.apply_adapter(adapters[1])   # a new adapter version replaces the old one on the same base
+    continuous.weights_changed(2)
+    done = drain(continuous)
+    changed = 0
+    for request in requests:
+        head = batch_greedy(first, request.prompt_ids, 12)
+        tail = batch_greedy(second, request.prompt_ids + head.token_ids[:5], 7)
+        got = done[request.request_id]
+        assert got.token_ids == head.token_ids[:5] + tail.token_ids
+        assert got.versions == [1] * 5 + [2] * 7
+        changed += got.token_ids != head.token_ids
+    assert changed   # the second adapter changed what was sampled (the test can tell)
