@@ -1,7 +1,8 @@
 """The chaos run (issue 22, item 5): a real run on 127.0.0.1 with the tiny model (``grpo ref-server``, two
 ``grpo generator`` and a ``grpo learner`` as processes) while a seeded random schedule SIGKILLs the hub, a generator
 and the learner at random moments and restarts them (the learner with ``--resume``, the hub on its spool), and
-hostile clients send bad requests beside it. Afterwards:
+hostile clients send bad requests beside it; once with each rollout schedule (generator.schedule.mode batch and
+continuous: a generator killed with sequences in flight, a weight switch mid-sequence). Afterwards:
 
 * every group the hub accepted is accounted for, lifetime by lifetime: the hub's counters start again at each
   restart, so each lifetime is checked on its own, with what it reloaded from the spool as its inflow:
@@ -45,7 +46,7 @@ MAX_STEPS = 24
 LEASE_S = 5.0
 
 
-def _config(tmp_path: Path, model_dir, port: int) -> Path:
+def _config(tmp_path: Path, model_dir, port: int, schedule: str = "batch") -> Path:
     config = {
         "seed": 0,
         "algorithm": {"loss": {"beta": 0.0}},
@@ -54,7 +55,8 @@ def _config(tmp_path: Path, model_dir, port: int) -> Path:
                        "body_timeout_s": 2.0, "max_json_body_bytes": 1_000_000},
         "generator": {"model": str(model_dir), "engine": "transformers", "group_size": 4, "prompts_per_batch": 2,
                       "sampling": {"max_tokens": 8}, "weights_dir": str(tmp_path / "gen-weights"),
-                      "rewards": [{"name": "arithmetic"}], "retry_max_s": 120},
+                      "rewards": [{"name": "arithmetic"}], "retry_max_s": 120,
+                      "schedule": {"mode": schedule, "upload_interval_s": 0.1}},
         "learner": {"model": str(model_dir), "groups_per_step": 2, "max_steps": MAX_STEPS, "lr": 1e-3,
                     "checkpoint_every": 2, "checkpoint_dir": str(tmp_path / "ckpt"),
                     "output_dir": str(tmp_path / "final"), "metrics_jsonl": str(tmp_path / "metrics.jsonl"),
@@ -70,13 +72,13 @@ def _steps(metrics: Path) -> list[dict]:
 
 
 class Chaos:
-    def __init__(self, tmp_path: Path, model_dir, seed: int) -> None:
+    def __init__(self, tmp_path: Path, model_dir, seed: int, schedule: str = "batch") -> None:
         self.rng = random.Random(seed)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.spool = tmp_path / "spool"
         self.metrics = tmp_path / "metrics.jsonl"
-        config = str(_config(tmp_path, model_dir, self.port))
+        config = str(_config(tmp_path, model_dir, self.port, schedule))
         self.hub = Service("hub", ["ref-server", "--config", config], tmp_path / "hub.log")
         self.gens = [Service(f"gen-{i}", ["generator", "--config", config, "--hub", self.url, "--id", f"gen-{i}"],
                              tmp_path / f"gen-{i}.log") for i in range(2)]
@@ -132,9 +134,10 @@ class Chaos:
 
 @pytest.mark.slow
 @pytest.mark.timeout(480)
-def test_chaos_run_loses_nothing_trains_nothing_twice_and_answers_no_5xx(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("schedule", ["batch", "continuous"])
+def test_chaos_run_loses_nothing_trains_nothing_twice_and_answers_no_5xx(tmp_path, tiny_model_dir, schedule):
     seed = int(os.environ.get("CHAOS_SEED", "22"))
-    chaos = Chaos(tmp_path, tiny_model_dir, seed)
+    chaos = Chaos(tmp_path, tiny_model_dir, seed, schedule)
     rng = chaos.rng
     # each kill when the learner has logged a random number of steps (lines of its metrics, which go on counting
     # across its restart), then after a random fraction of a second: a random moment of a run that is under way
