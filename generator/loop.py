@@ -60,6 +60,12 @@ def environment_rewards(scores, samples: list[SampledCompletion], cfg: Environme
     scores.total = [cfg.on_error if s.env_failed else total for s, total in zip(samples, scores.total)]
 
 
+def derived_seed(*parts: object) -> int:
+    """A reproducible 31-bit seed from ``parts`` (Python's hash() is salted per process)."""
+    digest = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
+
+
 def sample_versions(samples: list[SampledCompletion], version: int) -> dict:
     """``policy_version`` (and per-token ``versions``) of a group: samples without per-token versions were all
     sampled with ``version``; with them, the group's version is the oldest of its tokens (staleness is judged by
@@ -185,8 +191,8 @@ class RolloutLoop:
         env = self.environment
         self.failures.record_group([term.name for term in self.rewards.terms], scores.failures,
                                    env.name if env is not None else None, [s.env_failure for s in samples])
-        if self.environment is not None:
-            environment_rewards(scores, samples, self.environment)
+        if env is not None:
+            environment_rewards(scores, samples, env)
         self.stats.reward_errors += sum(scores.errors.values())
         self.stats.step_reward_errors += scores.step_errors
         steps = None
@@ -223,8 +229,7 @@ class RolloutLoop:
         uploaded)."""
         examples = self.prompts.take(num_prompts or self.prompts_per_batch)
         prompt_ids = [self.encode_prompt(e) for e in examples]
-        digest = hashlib.sha256(f"{self.seed}/{self.generator_id}/{self._batch_index}".encode()).digest()
-        seed = int.from_bytes(digest[:4], "big") & 0x7FFFFFFF  # reproducible, unlike Python's salted hash()
+        seed = derived_seed(self.seed, self.generator_id, self._batch_index)
         self._batch_index += 1
         if self.multiturn is not None:
             prompt_ids, samples = self.multiturn.generate([{"question": e.question, **e.data} for e in examples],

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from generator.datasets import Example
 from generator.engines.base import FinishedSequence, SampledCompletion, SequenceRequest
+from generator.loop import derived_seed
 from shared.protocol.records import SamplingParams
 
 
@@ -16,18 +16,11 @@ class OpenGroup:
     prompt_ids: list[int]
     samples: list[SampledCompletion | None]
     opened_version: int                  # the policy version when its sequences were submitted
-    opened_at: float = 0.0               # time.monotonic() at submission
-    done: int = field(default=0)
+    done: int = 0
 
     @property
     def complete(self) -> bool:
         return self.done == len(self.samples)
-
-
-def sequence_seed(seed: int, generator_id: str, group_index: int, sample: int) -> int:
-    """A reproducible per-sequence seed (Python's hash() is salted per process)."""
-    digest = hashlib.sha256(f"{seed}/{generator_id}/{group_index}/{sample}".encode()).digest()
-    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
 
 
 class GroupsInFlight:
@@ -38,18 +31,14 @@ class GroupsInFlight:
         self.open: dict[int, OpenGroup] = {}
         self._next = 0
 
-    @property
-    def sequences_unfinished(self) -> int:
-        return sum(self.group_size - g.done for g in self.open.values())
-
-    def submit(self, example: Example, prompt_ids: list[int], sampling: SamplingParams, version: int,
-               now: float) -> list[SequenceRequest]:
+    def submit(self, example: Example, prompt_ids: list[int], sampling: SamplingParams, version: int
+               ) -> list[SequenceRequest]:
         """Open a group for ``example``: its G requests, each with its own seed."""
         index = self._next
         self._next += 1
-        self.open[index] = OpenGroup(example, prompt_ids, [None] * self.group_size, version, now)
+        self.open[index] = OpenGroup(example, prompt_ids, [None] * self.group_size, version)
         return [SequenceRequest(f"{index}/{j}", list(prompt_ids), sampling,
-                                sequence_seed(self.seed, self.generator_id, index, j))
+                                derived_seed(self.seed, self.generator_id, index, j))
                 for j in range(self.group_size)]
 
     def finish(self, finished: FinishedSequence) -> OpenGroup | None:

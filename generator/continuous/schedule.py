@@ -37,7 +37,6 @@ class ScheduleStats:
     step_s: float = 0.0             # seconds inside engine.step()
     idle_s: float = 0.0             # seconds with nothing in the engine (no budget, a service down, start/end)
     weight_swap_s: float = 0.0      # seconds swapping weights between steps
-    sequences: int = 0              # sequences finished
     slot_steps: int = 0             # sum over steps of the sequences unfinished in the engine (its occupancy)
 
 
@@ -98,7 +97,7 @@ class ContinuousRollouts:
         requests = []
         for example in loop.prompts.take(count):
             prompt_ids = loop.encode_prompt(example)
-            requests += self.groups.submit(example, prompt_ids, loop.sampling, loop.policy_version, time.monotonic())
+            requests += self.groups.submit(example, prompt_ids, loop.sampling, loop.policy_version)
         self.engine.submit(requests)
 
     # -- the loop -------------------------------------------------------------------------------------------
@@ -149,7 +148,6 @@ class ContinuousRollouts:
         self.stats.steps += 1
         self.stats.slot_steps += unfinished
         for sequence in finished:
-            self.stats.sequences += 1
             self.loop.stats.completion_tokens += len(sequence.completion.token_ids)
             group = self.groups.finish(sequence)
             if group is not None:

@@ -34,10 +34,6 @@ class GroupUploader:
         with self._cond:
             return len(self._waiting) + self._working
 
-    @property
-    def failed(self) -> bool:
-        return self._error is not None
-
     def put(self, group: OpenGroup) -> None:
         with self._cond:
             self._waiting.append(group)
