@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -66,6 +66,26 @@ class SequenceRequest:
 class FinishedSequence:
     request_id: str
     completion: SampledCompletion   # its ``versions`` say which policy version sampled each token
+
+
+@dataclass
+class SequenceSoFar:
+    """A continuous engine's record of one unfinished sequence: its request and what it has sampled so far, each
+    token with its logprob and the policy version that sampled it."""
+
+    request: SequenceRequest
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+    @property
+    def context(self) -> list[int]:
+        """The prompt and the completion so far: what the next token is sampled after."""
+        return self.request.prompt_ids + self.tokens
+
+    def finished(self, reason: str) -> FinishedSequence:
+        return FinishedSequence(self.request.request_id,
+                                SampledCompletion(self.tokens, self.logprobs, reason, versions=self.versions))
 
 
 class ContinuousEngine(Protocol):

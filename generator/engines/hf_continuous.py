@@ -20,33 +20,21 @@ model's device), so its tokens depend on its seed and logits only, whatever else
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from generator.engines.base import FinishedSequence, SampledCompletion, SequenceRequest
+from generator.engines.base import FinishedSequence, SequenceRequest, SequenceSoFar
 from generator.engines.hf import TransformersEngine, filter_logits, left_padded
 from shared.protocol.records import SamplingParams
 
 
 @dataclass
-class _Row:
-    """One running sequence: its request and what it has sampled so far."""
+class _Row(SequenceSoFar):
+    """One running sequence, with the random stream its tokens are drawn from."""
 
-    request: SequenceRequest
-    generator: torch.Generator | None   # seeded with the request's seed; None: the global RNG
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-
-    @property
-    def context(self) -> list[int]:
-        return self.request.prompt_ids + self.tokens
-
-    def finished(self, reason: str) -> FinishedSequence:
-        return FinishedSequence(self.request.request_id,
-                                SampledCompletion(self.tokens, self.logprobs, reason, versions=self.versions))
+    generator: torch.Generator | None = None   # seeded with the request's seed; None: the global RNG
 
 
 def _uniform(generator: torch.Generator | None) -> float:
@@ -163,7 +151,7 @@ class ContinuousTransformers:
                     raise ValueError(f"{name}: seed must be an integer in [0, 2**63), got {request.seed!r}")
                 generator = torch.Generator().manual_seed(request.seed)
             unfinished.add(request.request_id)
-            rows.append(_Row(request, generator))
+            rows.append(_Row(request, generator=generator))
         for row in rows:
             self._queue[row.request.request_id] = row
 

@@ -39,9 +39,9 @@ from __future__ import annotations
 import hashlib
 import itertools
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from generator.engines.base import FinishedSequence, SampledCompletion, SequenceRequest
+from generator.engines.base import FinishedSequence, SequenceRequest, SequenceSoFar
 from generator.engines.vllm_engine import VLLMEngine, finish_reason, sampled_tokens, vllm_sampling_params
 
 REQUEST_PREFIX = "continuous-"  # vLLM request ids of this class: never those LLM.generate counts up ("0", "1", ...)
@@ -57,17 +57,10 @@ def continuation_seed(seed: int | None, generated: int) -> int | None:
 
 
 @dataclass
-class _Sequence:
-    request: SequenceRequest
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
+class _Sequence(SequenceSoFar):
     vllm_id: str | None = None      # the vLLM request now sampling it; None when none is (finished at a switch)
     version: int = 0                # the policy version that request samples with
     received: int = 0               # tokens that request has returned (outputs without DELTA are cumulative)
-
-    def completion(self, reason: str) -> SampledCompletion:
-        return SampledCompletion(self.tokens, self.logprobs, reason, versions=self.versions)
 
 
 class ContinuousVLLM:
@@ -109,8 +102,7 @@ class ContinuousVLLM:
             self._unfinished[request.request_id] = sequence
 
     def step(self) -> list[FinishedSequence]:
-        finished = [FinishedSequence(rid, s.completion("length"))
-                    for rid, s in self._unfinished.items() if s.vllm_id is None]
+        finished = [s.finished("length") for s in self._unfinished.values() if s.vllm_id is None]
         for done in finished:
             del self._unfinished[done.request_id]
         if not self._core.has_unfinished_requests():  # step() would wait for outputs that never come
@@ -130,7 +122,7 @@ class ContinuousVLLM:
             sequence.versions += [sequence.version] * len(tokens)
             if output.finished:
                 del self._by_vllm_id[output.request_id], self._unfinished[request_id]
-                finished.append(FinishedSequence(request_id, sequence.completion(finish_reason(completion))))
+                finished.append(sequence.finished(finish_reason(completion)))
         return finished
 
     def num_unfinished(self) -> int:

@@ -23,6 +23,7 @@ import json
 import os
 import random
 import signal
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -120,6 +121,17 @@ class Chaos:
                 s.signal(signal.SIGCONT)
             self.go.set()
 
+    def wait_learner(self, timeout_s: float) -> int | None:
+        """The learner's exit status, or None if it has not ended within ``timeout_s``."""
+        try:
+            return self.learner.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def tails(self) -> str:
+        """Every service's last lines: a stalled run is told apart by what each one was doing."""
+        return "\n".join(f"--- {s.name} ---\n{s.tail(2500)}" for s in (self.learner, *self.gens, self.hub))
+
     def kill(self, what: str) -> None:
         if what == "hub":
             self.kill_hub()
@@ -154,16 +166,16 @@ def test_chaos_run_loses_nothing_trains_nothing_twice_and_answers_no_5xx(tmp_pat
             service.start()
         deadline = time.monotonic() + 300
         while not _steps(chaos.metrics):
-            assert chaos.learner.alive() and time.monotonic() < deadline, chaos.learner.tail()
+            assert chaos.learner.alive() and time.monotonic() < deadline, chaos.tails()
             time.sleep(0.2)
         hostile.start()
         for what, line, pause_s in schedule:
             while len(_steps(chaos.metrics)) < line:
-                assert chaos.learner.alive() and time.monotonic() < deadline, chaos.learner.tail()
+                assert chaos.learner.alive() and time.monotonic() < deadline, chaos.tails()
                 time.sleep(0.1)
             time.sleep(pause_s)
             chaos.kill(what)
-        assert chaos.learner.proc.wait(timeout=max(deadline - time.monotonic(), 1)) == 0, chaos.learner.tail()
+        assert chaos.wait_learner(max(deadline - time.monotonic(), 1)) == 0, chaos.tails()
         for gen in chaos.gens:
             gen.stop()
         done.set()
