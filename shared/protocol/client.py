@@ -18,6 +18,7 @@ import logging
 import os
 import random
 import signal
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -295,12 +296,14 @@ class HubClient(ServiceClient):
                              headers={"Content-Type": OCTET}, timeout_s=max(self.timeout_s, 600.0)).json()
 
     def download_weights(self, version: int, dest: str | Path, chunk_bytes: int = 8 * 2**20) -> Path:
-        """Stream a published version to ``dest`` (written to a temporary name, then renamed)."""
+        """Stream a published version to ``dest``: written to a temporary name of its own (another process may be
+        downloading to the same folder), then renamed."""
         dest = Path(dest)
-        partial = dest.with_name(dest.name + ".partial")
         response = self._request("GET", f"/v1/weights/{version}", stream=True, timeout_s=max(self.timeout_s, 600.0))
+        fd, name = tempfile.mkstemp(dir=dest.parent, prefix=dest.name + ".", suffix=".partial")
+        partial = Path(name)
         try:
-            with open(partial, "wb") as fh:
+            with os.fdopen(fd, "wb") as fh:
                 for block in response.iter_content(chunk_bytes):
                     fh.write(block)
             partial.replace(dest)

@@ -49,6 +49,7 @@ from shared.errors import ServiceError
 from shared.protocol.client import HubClient, HubError, HubUnavailable
 from shared.protocol.weight_sync_messages import JoinRequest, MemberPoll, Offer, SenderSummary
 from shared.weight_sync.adapter import file_kind
+from shared.weight_sync.download_dir import DownloadDir
 from shared.weight_sync.layout import KIND_ADAPTER
 
 log = logging.getLogger("grpo.generator.weights")
@@ -82,6 +83,7 @@ class WeightReceiver:
         self.engine, self.client, self.cfg = engine, client, cfg
         self.generator_id = generator_id
         self.weights_dir = Path(weights_dir)
+        self.downloads = DownloadDir(weights_dir)   # shared with the run's other generators: files of our own
         self.mode = "http" if cfg.transport == "http" else "join"   # join: try the hub's sender when it is there
         self.member_id: str | None = None
         self.transport: str | None = None
@@ -279,9 +281,8 @@ class WeightReceiver:
 
     def _load_relay_version(self, version: int) -> int | None:
         """Download and load ``version``; :class:`VersionGone` when the relay does not hold it."""
-        self.weights_dir.mkdir(parents=True, exist_ok=True)
         try:
-            path = self.client.download_weights(version, self.weights_dir / f"v{version:010d}.safetensors")
+            path = self.client.download_weights(version, self.downloads.path_for(version))
         except HubError as exc:
             if exc.status != 404:
                 raise
@@ -306,6 +307,5 @@ class WeightReceiver:
             self.last_load_s = time.perf_counter() - started
             self.inconsistent = False
         finally:
-            for old in self.weights_dir.glob("v*.safetensors"):
-                old.unlink(missing_ok=True)
+            self.downloads.clear()   # the newest version is in the engine now: no file is kept
         return version

@@ -14,7 +14,8 @@ continuous: a generator killed with sequences in flight, a weight switch mid-seq
 * the learner's steps went on across its restart, to ``max_steps``;
 * no 5xx: every hostile request got an answer under 500, and each hub lifetime's ``/metrics`` counts no 5xx.
 
-Seed: CHAOS_SEED (default 22); the seed and the schedule are printed, so a failing run reproduces.
+Seed: CHAOS_SEED (default 22); the seed and the schedule are printed, so a failing run reproduces; CHAOS_SCHEDULE
+(the printed schedule as JSON) replays a schedule as is.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import json
 import os
 import random
 import signal
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -122,11 +122,20 @@ class Chaos:
             self.go.set()
 
     def wait_learner(self, timeout_s: float) -> int | None:
-        """The learner's exit status, or None if it has not ended within ``timeout_s``."""
-        try:
-            return self.learner.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            return None
+        """The learner's exit status, or None if it has not ended within ``timeout_s``; fails at once when a
+        generator ended on its own (the learner would then wait for groups that never come)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if (status := self.learner.proc.poll()) is not None:
+                return status
+            self.assert_running(deadline)
+            time.sleep(0.2)
+        return None
+
+    def assert_running(self, deadline: float) -> None:
+        """Every service is up (the test restarts what it kills at once) and the run is within its time."""
+        down = [s.name for s in (self.learner, *self.gens) if not s.alive()]
+        assert not down and time.monotonic() < deadline, f"ended on their own: {down}\n{self.tails()}"
 
     def tails(self) -> str:
         """Every service's last lines: a stalled run is told apart by what each one was doing."""
@@ -157,6 +166,8 @@ def test_chaos_run_loses_nothing_trains_nothing_twice_and_answers_no_5xx(tmp_pat
              for k in rng.sample(["hub", "generator", "learner", "hub"], 4)]
     at_lines = sorted(rng.sample(range(2, MAX_STEPS - 4), len(kinds)))
     schedule = [(kind, line, round(rng.uniform(0.0, 1.0), 2)) for kind, line in zip(kinds, at_lines)]
+    if os.environ.get("CHAOS_SCHEDULE"):  # a printed schedule, replayed as is: [["hub", 5, 0.05], ...]
+        schedule = [tuple(kill) for kill in json.loads(os.environ["CHAOS_SCHEDULE"])]
     print(f"chaos seed {seed} (CHAOS_SEED): (service to kill, at the learner's metrics line, + seconds): {schedule}")
     done = threading.Event()
     hostile = HostileClients(chaos.url, chaos.port, seed, rounds=3, go=chaos.go, done=done)
@@ -166,12 +177,12 @@ def test_chaos_run_loses_nothing_trains_nothing_twice_and_answers_no_5xx(tmp_pat
             service.start()
         deadline = time.monotonic() + 300
         while not _steps(chaos.metrics):
-            assert chaos.learner.alive() and time.monotonic() < deadline, chaos.tails()
+            chaos.assert_running(deadline)
             time.sleep(0.2)
         hostile.start()
         for what, line, pause_s in schedule:
             while len(_steps(chaos.metrics)) < line:
-                assert chaos.learner.alive() and time.monotonic() < deadline, chaos.tails()
+                chaos.assert_running(deadline)
                 time.sleep(0.1)
             time.sleep(pause_s)
             chaos.kill(what)
