@@ -272,7 +272,51 @@ def test_scoring_from_another_thread_is_the_same():
     assert out[0].components == {"math_reward_func": [1.0, 0.0]}
 
 
-# -- the real CLI ------------------------------------------------------------------------------------------------
+# -- the real loop and the real CLI ----------------------------------------------------------------------------
+GROUPS_SEEN: list[int] = []
+
+
+def skip_odd_groups(completions, completion_ids, **kwargs):
+    """Groups 1, 3, ...: not applicable anywhere; groups 2, 4, ...: not to the first completion, the length of the
+    others."""
+    GROUPS_SEEN.append(len(completions))
+    if len(GROUPS_SEEN) % 2:
+        return [None] * len(completions)
+    return [None] + [float(len(ids)) for ids in completion_ids[1:]]
+
+
+@pytest.mark.slow  # the rollout loop with the tiny model against a live hub
+def test_the_loop_uploads_and_counts_only_what_a_reward_applied_to(tiny_model_dir, tmp_path, caplog):
+    """A reward that applied to none of a group's completions is left out of the uploaded group (the learner's
+    ``reward/NAME`` then leaves the group out); one that applied to some carries 0.0 for the others; the closing
+    line's mean is over the completions it applied to. ``completion_ids`` are the sampled tokens."""
+    import torch
+
+    from generator.engines.hf import TransformersEngine
+    from shared.protocol.client import HubClient
+    from tests.generator.test_loop import make_loop
+    from tests.live_server import LiveServer, make_config
+
+    GROUPS_SEEN.clear()
+    caplog.set_level(logging.INFO, logger="grpo.generator")
+    rewards = RewardSet.from_specs([trl_spec("skip_odd_groups", label="len"), RewardSpec(name="format")])
+    engine = TransformersEngine(tiny_model_dir)
+    with LiveServer(make_config(tmp_path, tiny_model_dir)) as live:
+        loop = make_loop(engine, live.url, tmp_path, rewards=rewards, progress=Progress(enabled=True))
+        stats = loop.run(threading.Event(), max_groups=4)
+        batch = HubClient(live.url).get_batch(4, wait_s=20)
+    assert GROUPS_SEEN == [4, 4, 4, 4] and stats.groups_uploaded == 4
+    assert stats.component_counts == {"len": 6, "format": 16}   # 2 groups x 3 completions; format everywhere
+    values, lengths = batch.reward_components["len"].view(4, 4), batch.completion_lengths.view(4, 4).float()
+    left_out = torch.isnan(values).all(dim=1)
+    assert left_out.sum() == 2 and not torch.isnan(values[~left_out]).any()
+    assert (values[~left_out][:, 0] == 0.0).all()
+    torch.testing.assert_close(values[~left_out][:, 1:], lengths[~left_out][:, 1:])
+    applied = float(lengths[~left_out][:, 1:].sum())
+    assert stats.component_sums["len"] == pytest.approx(applied)
+    assert f"per-reward means {{'format': -1.0, 'len': {round(applied / 6, 3)}}}" in caplog.text
+
+
 TRL_FILE = """import json
 from pathlib import Path
 
