@@ -20,7 +20,7 @@ and at least one of TRL's (``prompts``, ``completions``, ``completion_ids``) is 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from shared.errors import UsageError
@@ -114,7 +114,7 @@ def trl_group_reward(fn: Callable[..., Any], args: dict[str, Any], conversationa
         if named is not None:   # no **kwargs: only what it names
             given = {k: v for k, v in given.items() if k in named}
         values = fn(**given)
-        if not isinstance(values, (list, tuple)):
+        if isinstance(values, (str, bytes, dict)) or not isinstance(values, Iterable):   # TRL iterates it too
             raise TypeError(f"returned {type(values).__name__}, not a list of {n} numbers or None")
         return list(values)
 

@@ -146,6 +146,23 @@ def test_a_wrong_length_or_a_raise_fails_the_whole_group(function, failed, what)
     assert scores.failures[function][0].what == what
 
 
+def as_array(completions, **kwargs):
+    import numpy as np
+
+    return np.array([len(c) for c in completions], dtype=np.float32) / 2
+
+
+def one_number(completions, **kwargs):
+    return 1.0
+
+
+def test_any_sequence_of_numbers_is_a_result_but_one_number_is_not():
+    rewards = RewardSet.from_specs([trl_spec("as_array"), trl_spec("one_number", on_error=-2.0)])
+    scores = rewards.score_group("p", ["ab", "abc"], {})
+    assert scores.components == {"as_array": [1.0, 1.5], "one_number": [-2.0, -2.0]}
+    assert scores.failures["one_number"][0].what == "TypeError: returned float, not a list of 2 numbers or None"
+
+
 def test_a_non_number_nan_or_inf_fails_that_completion_only():
     rewards = RewardSet.from_specs([trl_spec("garbage", on_error=-5.0)])
     scores = rewards.score_group("p", ["a", "b", "c", "d"], {})
