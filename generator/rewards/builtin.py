@@ -205,7 +205,7 @@ def python_reward(function: str, per_group: bool = False, style: str = "auto", c
             fn = fn(**factory_args)
         except Exception as exc:  # noqa: BLE001 - the user's factory refused its arguments: named, at start-up
             raise UsageError(f"{key}(**factory_args) failed: {type(exc).__name__}: {exc}") from None
-    if reward_style(fn, style, "style") == "trl":
+    if reward_style(fn, "simple" if per_group and style == "auto" else style, "style") == "trl":
         if per_group:
             raise UsageError("per_group applies to the simple style; a TRL-style function is always called once "
                              "per group (drop per_group, or set style: simple)")

@@ -13,8 +13,9 @@ message list, repeated, and each completion is ``[{"role": "assistant", "content
 ``[{"role": "user", "content": prompt}]``): TRL's shipped rewards (``trl.rewards``) read ``completion[0]["content"]``.
 
 Which style a python reward is (:func:`reward_style`): ``style: trl`` or ``style: simple`` in its args wins;
-otherwise a function that names none of the simple style's parameters (``prompt``, ``completion``, ``example``)
-and at least one of TRL's (``prompts``, ``completions``, ``completion_ids``) is TRL-style, anything else simple.
+``per_group: true`` is the simple style's group form (as before); otherwise a function that names none of the
+simple style's parameters (``prompt``, ``completion``, ``example``) and at least one of TRL's (``prompts``,
+``completions``, ``completion_ids``) is TRL-style, anything else simple.
 """
 
 from __future__ import annotations

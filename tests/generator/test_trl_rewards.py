@@ -236,10 +236,21 @@ def test_an_explicit_style_wins():
     assert simple.score_group("p", ["a", "b"], {}).components == {"either": [1.0, 1.0], "auto": [1.0, 1.0]}
 
 
+def group_lengths(completions, **kwargs):
+    return [float(len(c)) for c in completions] if "example" in kwargs else [-1.0] * len(completions)
+
+
+def test_per_group_keeps_the_simple_group_form_as_before():
+    """``fn(completions, **kwargs)`` looks TRL-style, but with ``per_group: true`` it was (and is) called the simple
+    way, with ``prompt`` and ``example`` among its keywords."""
+    rewards = RewardSet.from_specs([trl_spec("group_lengths", per_group=True)])
+    assert rewards.score_group("p", ["a", "bcd"], {}).components == {"group_lengths": [1.0, 3.0]}
+
+
 @pytest.mark.parametrize("args, message", [
     ({"function": f"{HERE}:reward_len", "style": "trll"},
      "generator.rewards[0] (python): style: unknown style 'trll'; known styles: auto, simple, trl"),
-    ({"function": f"{HERE}:reward_len", "per_group": True},
+    ({"function": f"{HERE}:reward_len", "per_group": True, "style": "trl"},
      "generator.rewards[0] (python): per_group applies to the simple style; a TRL-style function is always called "
      "once per group (drop per_group, or set style: simple)"),
     ({"function": f"{HERE}:simple_one", "conversational": True},
