@@ -186,7 +186,7 @@ def test_a_function_without_kwargs_gets_only_what_it_names_and_a_missing_column_
     missing = rewards.score_group("p", ["5"], {"label": "5"})
     assert missing.errors == {"no_kwargs": 1}
     assert missing.failures["no_kwargs"][0].what == (
-        "KeyError: \"no_kwargs needs the column 'answer', which the example does not have (columns: ['label'])\"")
+        "ValueError: no_kwargs needs the column 'answer', which the example does not have (columns: ['label'])")
 
 
 def test_conversational_examples_get_message_lists_as_trl_gives_them():
