@@ -111,7 +111,7 @@ def trl_group_reward(fn: Callable[..., Any], args: dict[str, Any], conversationa
         missing = sorted(required - given.keys())
         if missing:
             raise ValueError(f"{getattr(fn, '__name__', 'the function')} needs the column {missing[0]!r}, which the "
-                           f"example does not have (columns: {sorted(columns)})")
+                             f"example does not have (columns: {sorted(columns)})")
         if named is not None:   # no **kwargs: only what it names
             given = {k: v for k, v in given.items() if k in named}
         values = fn(**given)
