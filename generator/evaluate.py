@@ -150,7 +150,8 @@ class EvalScoring:
         """One example's completions, as training scores them (multi-turn: the whole trajectory's text; with
         ``reward: environment`` the environment's, as component ``environment``; ``on_error`` for failures)."""
         texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
-        scores = self.pause.call(lambda: self.rewards.score_group(example.question, texts, example.data), self.never)
+        scores = self.pause.call(lambda: self.rewards.score_group(example.question, texts, example.data,
+                                                                  [c.token_ids for c in completions]), self.never)
         environment = self.environment
         self.rule.record_group([t.name for t in self.rewards.terms], scores.failures,
                                environment.name if environment is not None else None,
@@ -250,18 +251,23 @@ def evaluate(config: GRPOConfig, model_dir: str) -> EvalResult:
         engine.close()
     correct = 0
     totals: dict[str, float] = dict.fromkeys(names, 0.0)
+    counts: dict[str, int] = dict.fromkeys(names, 0)   # greedy completions each reward applied to
     total_reward = 0.0
     pass_sum = 0.0
     for s, scores, sample_scores in zip(sampled, scoring.greedy, scoring.sampled):
-        correct += scores.components[judge][0] >= cfg.threshold
+        # a TRL-style reward's None ("not applicable") is no hit, and is left out of that reward's mean
+        correct += scores.applicable(judge)[0] and scores.components[judge][0] >= cfg.threshold
         total_reward += scores.total[0]
         for name in names:
-            totals[name] += scores.components[name][0]
-        hits = sum(v >= cfg.threshold for v in sample_scores.components[judge])
+            if scores.applicable(name)[0]:
+                totals[name] += scores.components[name][0]
+                counts[name] += 1
+        hits = sum(ok and v >= cfg.threshold
+                   for ok, v in zip(sample_scores.applicable(judge), sample_scores.components[judge]))
         pass_sum += pass_at_k(len(s), hits, cfg.k)
     n = len(examples)
-    result = EvalResult(correct / n, pass_sum / n, cfg.k, n, total_reward / n, {k: v / n for k, v in totals.items()},
-                        judge, evaluated)
+    result = EvalResult(correct / n, pass_sum / n, cfg.k, n, total_reward / n,
+                        {k: v / max(counts[k], 1) for k, v in totals.items()}, judge, evaluated)
     if greedy_env is not None:
         result.tool_call_rate = sum(0 in (g[0].mask or []) for g in greedy) / n
         result.turns_per_trajectory = greedy_env.turns / max(greedy_env.trajectories, 1)

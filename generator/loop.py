@@ -27,7 +27,7 @@ from generator.failures import FailureRateExceeded, FailureRule, ServicePause
 from generator.multiturn import MultiTurnRollouts
 from generator.progress import Progress
 from generator.refusals import GroupsRefused, RefusalCounter
-from generator.rewards import RewardSet
+from generator.rewards import GroupScores, RewardSet
 from generator.stats import LoopStats
 from generator.step_tokens import group_token_steps, tokenizer_decode
 from shared.config.schema.generator import EnvironmentConfig, FailuresConfig, StepRewardsConfig
@@ -49,6 +49,15 @@ def carries_signal(outcomes: list[float], steps: list[list[tuple[int, float]]] |
     return steps is not None and len({reward for pairs in steps for _, reward in pairs}) > 1
 
 
+def uploaded_components(scores: GroupScores) -> dict[str, list[float]]:
+    """The per-reward values a group carries: a reward that applied to none of its completions (a TRL-style
+    reward's None everywhere) is left out, so the learner's ``reward/NAME`` mean leaves the group out as it does a
+    group without that reward; one that applied to some carries 0.0 for the others (the protocol's floats are
+    finite)."""
+    return {name: values for name, values in scores.components.items()
+            if not all(scores.not_applicable.get(name, [False]))}
+
+
 def environment_rewards(scores, samples: list[SampledCompletion], cfg: EnvironmentConfig) -> None:
     """Multi-turn: the trajectories' rewards, in place in ``scores`` (a RewardSet's group scores). ``reward:
     environment``: the sum of the environment's step rewards (0 when it gave none), as the one component
@@ -57,6 +66,7 @@ def environment_rewards(scores, samples: list[SampledCompletion], cfg: Environme
     if cfg.reward == "environment":
         scores.total = [s.env_reward or 0.0 for s in samples]
         scores.components = {"environment": list(scores.total)}
+        scores.not_applicable = {}
     scores.total = [cfg.on_error if s.env_failed else total for s, total in zip(samples, scores.total)]
 
 
@@ -106,6 +116,9 @@ class RolloutLoop:
         self.stop = threading.Event()   # run() takes the caller's: a stop ends a pause
         self.progress = progress or Progress(enabled=False)
         self._batch_index = 0
+        # group id -> reward name -> completions it applied to, for a group where a TRL-style reward returned None;
+        # read when the hub answers (the per-reward means leave "not applicable" out)
+        self._applicable: dict[str, dict[str, int]] = {}
         self.kept_fraction = 1.0   # running share of prompts whose group is kept (dynamic sampling drops the rest)
         self.receiver: WeightReceiver | None = None  # generator.main builds it from the weight_sync config
         # multi-turn rollouts with an environment (generator/multiturn.py); None: one completion per rollout
@@ -184,7 +197,8 @@ class RolloutLoop:
             self._unacceptable(unusable)
             return None
         texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
-        scores = self.service_pause.call(lambda: self.rewards.score_group(example.question, texts, example.data),
+        scores = self.service_pause.call(lambda: self.rewards.score_group(example.question, texts, example.data,
+                                                                          [s.token_ids for s in samples]),
                                          self.stop)
         if scores is None:   # stopped while a reward service was down
             return None
@@ -209,16 +223,19 @@ class RolloutLoop:
             behaviour_logprobs=[s.logprobs for s in samples], rewards=scores.total,
             finish_reasons=[s.finish_reason for s in samples],
             **sample_versions(samples, self.policy_version if policy_version is None else policy_version),
-            generator_id=self.generator_id, sampling=self.sampling, reward_components=scores.components,
+            generator_id=self.generator_id, sampling=self.sampling, reward_components=uploaded_components(scores),
             task={k: str(v) for k, v in example.data.items() if isinstance(v, (str, int, float))}
                  | {"example_id": example.example_id},
             steps=steps, masks=[s.mask for s in samples] if any(s.mask is not None for s in samples) else None,
         )
         try:  # the hub's own checks of a group's content (its context and temperature are the hub's to check)
-            return group.validate()
+            group = group.validate()
         except ProtocolError as exc:
             self._unacceptable(str(exc))
             return None
+        if scores.not_applicable:
+            self._applicable[group.group_id] = {name: sum(scores.applicable(name)) for name in scores.not_applicable}
+        return group
 
     def _unacceptable(self, reason: str) -> None:
         self.stats.groups_unacceptable += 1
@@ -259,6 +276,7 @@ class RolloutLoop:
 
     def _count(self, group: RolloutGroup, answer: dict) -> None:
         self.stats.last_queue_depth = answer.get("queue_depth")
+        applicable = self._applicable.pop(group.group_id, {})
         if answer.get("accepted"):
             self.refusals.accepted()
             self.stats.groups_uploaded += 1
@@ -269,6 +287,8 @@ class RolloutLoop:
                 self.stats.groups_with_steps += 1
             for name, values in group.reward_components.items():
                 self.stats.component_sums[name] = self.stats.component_sums.get(name, 0.0) + float(values.sum())
+                self.stats.component_counts[name] = (self.stats.component_counts.get(name, 0)
+                                                     + applicable.get(name, group.group_size))
         elif answer.get("dropped") == "stale":
             self.stats.groups_refused_stale += 1
         elif "refused" in answer:  # the hub refused this group alone (a batch upload); the others went on

@@ -69,7 +69,8 @@ class Progress:
         if self._bar is not None:
             self._bar.close()
         if self.enabled:
-            means = {k: round(v / max(stats.reward_count, 1), 3) for k, v in stats.component_sums.items()}
+            # over the completions each reward applied to (a TRL-style reward's None left out)
+            means = {k: round(v / max(stats.component_counts.get(k, 0), 1), 3) for k, v in stats.component_sums.items()}
             log.info("done: %d groups uploaded, %d dropped (constant reward), %d refused as stale, %d refused as "
                      "invalid, %d dropped as unacceptable, %d reward errors, %d engine calls put off for %.1fs (the learner could not use more "
                      "groups yet), per-reward means %s, %s", stats.groups_uploaded, stats.groups_dropped_constant,

@@ -27,6 +27,7 @@ class LoopStats:
     reward_sum: float = 0.0
     reward_count: int = 0
     component_sums: dict[str, float] = field(default_factory=dict)
+    component_counts: dict[str, int] = field(default_factory=dict)   # completions each reward applied to
     last_queue_depth: int | None = None
     environment: Any = None         # multi-turn: the rollouts' generator.multiturn.EnvStats (None: single-turn)
     service_pause: Any = None       # the loop's generator.failures.ServicePause (pauses for a reward service down)

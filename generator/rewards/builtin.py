@@ -1,4 +1,5 @@
-"""The built-in rewards, one registered factory each: format, math, arithmetic, final_number, code, http, python.
+"""The built-in rewards, one registered factory each: format, math, arithmetic, final_number, code, http, python
+(simple or TRL-style: generator/rewards/trl_style.py).
 
 Each factory takes its config ``args`` and returns a group reward ``fn(prompt, completions, example)`` whose values
 are floats (outcome scores) or :class:`generator.rewards.steps.StepScores` (step scores); see
@@ -18,6 +19,7 @@ from generator.failures import ServiceDown
 from generator.rewards.base import REWARDS, GroupReward, per_completion
 from generator.tasks.arithmetic import check_answer, extract_answer, normalize_int
 from generator.tasks.arithmetic_words import final_number_correct
+from shared.errors import UsageError
 
 
 @REWARDS.register("format")
@@ -169,23 +171,48 @@ PER_GROUP_CONTRACT = "fn(prompt: str, completions: list[str], example: dict, **a
 
 
 @REWARDS.register("python")
-def python_reward(function: str, per_group: bool = False, **kwargs: Any) -> GroupReward:
+def python_reward(function: str, per_group: bool = False, style: str = "auto", conversational: bool | None = None,
+                  factory_args: dict[str, Any] | None = None, **kwargs: Any) -> GroupReward:
     """Your own function, named ``path/to/file.py:fn`` or ``package.module:fn``.
 
     A relative file path is taken from the working directory (where ``grpo run`` is started), as every other path
     in a config is (dataset.path, model folders); a module must be importable (on ``PYTHONPATH``).
 
-    Called with keyword arguments, as ``fn(prompt=..., completion=..., example=..., **kwargs) -> float`` per
-    completion, or with ``per_group: true`` as ``fn(prompt=..., completions=[...], example=..., **kwargs) ->
-    list[float]``, where ``kwargs`` are this reward's other config ``args`` and ``example`` is the dataset row (every
-    field of a JSONL line). Either may return :class:`generator.rewards.steps.StepScores` instead of a float to
-    score a completion step by step. The signature is checked when the reward is built, so a function that cannot
-    be called that way stops the run at start-up with the contract in the error.
+    Simple style: called with keyword arguments, as ``fn(prompt=..., completion=..., example=..., **kwargs) ->
+    float`` per completion, or with ``per_group: true`` as ``fn(prompt=..., completions=[...], example=...,
+    **kwargs) -> list[float]``, where ``kwargs`` are this reward's other config ``args`` and ``example`` is the
+    dataset row (every field of a JSONL line). Either may return :class:`generator.rewards.steps.StepScores` instead
+    of a float to score a completion step by step.
+
+    TRL style (``style: trl``, or found from the signature; generator/rewards/trl_style.py): TRL's
+    ``fn(prompts, completions, completion_ids, **columns) -> list[float | None]``, called once per group
+    (``conversational`` forces chat-message prompts and completions, the default takes them from the dataset).
+
+    ``factory_args``: ``function`` names a factory (TRL's ``get_soft_overlong_punishment``); the reward is what
+    ``function(**factory_args)`` returns. The signature is checked when the reward is built, so a function that
+    cannot be called its way stops the run at start-up with the contract in the error.
     """
-    from shared.user_code import check_callable, load_object
+    from generator.rewards.trl_style import check_trl_function, reward_style, trl_group_reward
+    from shared.user_code import check_callable, check_keyword_args, load_object
 
     key = f"function {function!r}"
     fn = load_object(function, key)
+    if factory_args is not None:
+        if not isinstance(factory_args, dict):
+            raise UsageError(f"factory_args: expected a mapping of keyword arguments, got {factory_args!r}")
+        check_keyword_args(fn, factory_args, f"{key} (factory_args)")
+        try:
+            fn = fn(**factory_args)
+        except Exception as exc:  # noqa: BLE001 - the user's factory refused its arguments: named, at start-up
+            raise UsageError(f"{key}(**factory_args) failed: {type(exc).__name__}: {exc}") from None
+    if reward_style(fn, "simple" if per_group and style == "auto" else style, "style") == "trl":
+        if per_group:
+            raise UsageError("per_group applies to the simple style; a TRL-style function is always called once "
+                             "per group (drop per_group, or set style: simple)")
+        check_trl_function(fn, key, kwargs)
+        return trl_group_reward(fn, kwargs, conversational)
+    if conversational is not None:
+        raise UsageError("conversational applies to TRL-style functions only (style: trl)")
     if per_group:
         check_callable(fn, key, keywords=("prompt", "completions", "example"), contract=PER_GROUP_CONTRACT,
                        extra=kwargs)

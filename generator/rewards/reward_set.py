@@ -10,6 +10,10 @@ outcome score) or a :class:`StepScores`:
   pays nothing for steps). Otherwise one entry per completion: a list of ``(character end, reward)`` where the
   reward is ``weight * r`` summed over the terms that scored that completion's steps; ``[]`` when no term gave it
   steps; ``None`` when its step reward failed (it then carries no steps at all, counted in ``step_errors``).
+* **Not applicable** (``GroupScores.not_applicable``): a TRL-style python reward (generator/rewards/trl_style.py)
+  may return ``None`` for a completion. That completion gets no value from the term: its component is 0.0 and it
+  adds nothing to the total (TRL's ``nansum``), it is no failure, and means over a term's values leave it out
+  (:meth:`GroupScores.applicable`).
 * **Two step terms** on one completion must locate the same steps (the same character ends, e.g. both split on
   ``"\\n\\n"``); their weighted rewards are then summed step by step. Different boundaries have no meaningful sum:
   that completion's steps are dropped with a logged error and counted (its outcome scores are kept).
@@ -35,7 +39,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from generator.failures import Failure, ServiceDown
@@ -66,6 +70,14 @@ class GroupScores:
     failures: dict[str, list[Failure | None]]
     steps: list[CharSteps | None] | None = None   # see the module docstring; None: an outcome-only group
     step_errors: int = 0                  # completions whose steps were dropped (a failed step reward, a mismatch)
+    # reward name -> per completion whether it returned None ("not applicable", TRL-style rewards); names of terms
+    # that gave a value everywhere left out. Such a completion's component is 0.0 (no share of the total).
+    not_applicable: dict[str, list[bool]] = field(default_factory=dict)
+
+    def applicable(self, name: str) -> list[bool]:
+        """Per completion, whether reward ``name`` gave it a value (for means that leave "not applicable" out)."""
+        skipped = self.not_applicable.get(name)
+        return [True] * len(self.total) if skipped is None else [not s for s in skipped]
 
     @property
     def errors(self) -> dict[str, int]:
@@ -128,14 +140,21 @@ class RewardSet:
             raise RewardConfigError(f"generator.rewards[{index}] ({spec.name}): {exc}") from None
         return RewardTerm(spec.label or spec.name, fn, spec.weight, spec.on_error)
 
-    def score_group(self, prompt: str, completions: Sequence[str], example: dict[str, Any]) -> GroupScores:
+    def score_group(self, prompt: str, completions: Sequence[str], example: dict[str, Any],
+                    completion_ids: Sequence[Sequence[int]] | None = None) -> GroupScores:
+        """Every term's values for the group (``completion_ids``: the completions' token ids, for TRL-style
+        rewards, which may ask for them)."""
         n = len(completions)
         total = [0.0] * n
         components: dict[str, list[float]] = {}
         failures: dict[str, list[Failure | None]] = {}
+        not_applicable: dict[str, list[bool]] = {}
         found = _TermSteps(parts=[{} for _ in range(n)], failed=[False] * n)
         for term in self.terms:
-            values, failures[term.name] = self._safe(term, prompt, completions, example)
+            values, failures[term.name] = self._safe(term, prompt, completions, example, completion_ids)
+            if any(v is None for v in values):   # TRL's None: no value from this term, no failure
+                not_applicable[term.name] = [v is None for v in values]
+                values = [0.0 if v is None else v for v in values]
             term.gives_steps = term.gives_steps or any(isinstance(v, StepScores) for v in values)
             outcomes = [self._outcome(term, i, v, completions[i], found, failures[term.name])
                         for i, v in enumerate(values)]
@@ -143,7 +162,7 @@ class RewardSet:
             total = [t + term.weight * v for t, v in zip(total, outcomes)]
         self._contain_overflow(total, found, failures)
         if not found.any_steps:
-            return GroupScores(total, components, failures)
+            return GroupScores(total, components, failures, not_applicable=not_applicable)
         steps: list[CharSteps | None] = []
         for i in range(n):
             merged = None
@@ -153,7 +172,7 @@ class RewardSet:
                 except ValueError as exc:
                     log.warning("completion %d: %s; it carries no steps", i, exc)
             steps.append(merged)
-        return GroupScores(total, components, failures, steps, sum(s is None for s in steps))
+        return GroupScores(total, components, failures, steps, sum(s is None for s in steps), not_applicable)
 
     def _contain_overflow(self, total: list[float], found: _TermSteps,
                           failures: dict[str, list[Failure | None]]) -> None:
@@ -190,13 +209,16 @@ class RewardSet:
         return 0.0 if value.outcome is None else float(value.outcome)
 
     @staticmethod
-    def _safe(term: RewardTerm, prompt: str, completions: Sequence[str], example: dict[str, Any]
-              ) -> tuple[list[Score], list[Failure | None]]:
-        """The term's values, one per completion, a failed one NaN; and per completion what failed (None: it
-        scored). A ServiceDown is not contained."""
+    def _safe(term: RewardTerm, prompt: str, completions: Sequence[str], example: dict[str, Any],
+              completion_ids: Sequence[Sequence[int]] | None = None) -> tuple[list[Score | None], list[Failure | None]]:
+        """The term's values, one per completion, a failed one NaN, None where a TRL-style term said "not
+        applicable"; and per completion what failed (None: it scored or did not apply). A ServiceDown is not
+        contained."""
         n = len(completions)
+        trl_style = getattr(term.fn, "trl_style", False)
         try:
-            raw = list(term.fn(prompt, completions, example))
+            raw = list(term.fn(prompt, completions, example, completion_ids) if trl_style
+                       else term.fn(prompt, completions, example))
             if len(raw) != n:
                 raise ValueError(f"returned {len(raw)} values for {n} completions")
         except ServiceDown:
@@ -208,9 +230,13 @@ class RewardSet:
         # per_completion's lift says what raised on each completion; otherwise the value itself was the failure
         raised = getattr(term.fn, "failures", None)
         raised = raised if isinstance(raised, list) and len(raised) == n else [None] * n
-        values: list[Score] = []
+        values: list[Score | None] = []
         failures: list[Failure | None] = []
         for value, error in zip(raw, raised):
+            if value is None and trl_style:
+                values.append(None)
+                failures.append(None)
+                continue
             try:
                 score = as_score(value)
             except (TypeError, ValueError):
