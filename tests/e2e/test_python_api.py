@@ -81,3 +81,39 @@ def test_train_runs_the_tiny_model_with_a_callable_reward_and_a_list_of_dicts(tm
                                                 "on_error": 0.0, "args": {"function": written["generator"]["rewards"]
                                                                           [0]["args"]["function"]}}]
     assert stray_processes(str(run_dir)) == []
+
+
+FAILING = '''
+import json, sys
+from grpo_stack import RunFailed, train
+
+
+def needs_a_label(prompt, completion, example):
+    return float(example["label_xyz"])
+
+
+try:
+    train(json.load(open(sys.argv[1])), reward_funcs=needs_a_label,
+          train_dataset=[{"question": f"{a}+1=", "answer": str(a + 1)} for a in range(10, 20)])
+except RunFailed as exc:
+    print("FAILED " + json.dumps({"status": exc.status, "why": exc.why, "last_lines": exc.last_lines,
+                                  "message": str(exc)}))
+'''
+
+
+@pytest.mark.slow
+def test_a_failed_run_raises_run_failed_with_the_services_last_lines(tmp_path, tiny_model_dir):
+    (tmp_path / "config.json").write_text(json.dumps(api_config(tmp_path, tiny_model_dir)))
+    (tmp_path / "user.py").write_text(FAILING)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "user.py", "config.json"], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    (line,) = [line for line in result.stdout.splitlines() if line.startswith("FAILED ")]
+    failed = json.loads(line[len("FAILED "):])
+    # the generator stops on a reward that fails every completion (exit 2: the user's to fix), and the run with it
+    assert failed["status"] == 2 and failed["why"] == "gen-0 exited with status 2"
+    assert any("KeyError: 'label_xyz'" in text and "in needs_a_label" in text for text in failed["last_lines"])
+    assert failed["message"].startswith("the run failed (exit status 2): gen-0 exited with status 2; its last lines:")
+    assert failed["message"].endswith(f"every service's output: {tmp_path / 'run' / 'logs'}")
+    assert stray_processes(str(tmp_path / "run")) == []
