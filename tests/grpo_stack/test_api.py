@@ -110,3 +110,21 @@ def test_a_split_must_be_chosen_and_an_eval_set_needs_a_dataset_training_set(tmp
         write_dataset(splits, tmp_path, "train_dataset")
     with pytest.raises(UsageError, match="eval_dataset: needs a training dataset of kind jsonl or hf"):
         place_datasets({}, None, [{"question": "a"}], tmp_path)
+
+
+def test_a_written_dataset_is_what_the_generator_loads(tmp_path):
+    """The training set as the generator and the checks before a run read it (generator/datasets.py), in both
+    kinds: a Dataset saved to disk (hf) and a list of dicts (jsonl)."""
+    from deploy.preflight import dataset_problems
+    from generator.datasets import load_examples
+    from grpo_stack.api import validate
+
+    rows = [{"question": f"{a}+1=", "answer": str(a + 1), "level": a % 3} for a in range(5)]
+    for data, kind in ((datasets.Dataset.from_list(rows), "hf"), (rows, "jsonl")):
+        tree = {"run": {"run_dir": str(tmp_path / kind)}}
+        place_datasets(tree, data, None, tmp_path / kind / "data")
+        config = validate(tree, "<dict>")
+        assert config.generator.dataset.kind == kind and dataset_problems(config) == []
+        examples = load_examples(config.generator.dataset, config.seed)
+        assert sorted((e.data["question"], e.data["level"]) for e in examples) == sorted(
+            (r["question"], r["level"]) for r in rows)
