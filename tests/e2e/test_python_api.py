@@ -1,5 +1,6 @@
 """End to end: ``grpo_stack.train()`` from a user's script, as a user runs it: the tiny model trained for a few
-steps with a reward defined in the script (a Python callable) and a list of dicts as the dataset."""
+steps with a reward defined in the script (a Python callable) and a list of dicts (or a ``datasets.Dataset``) as
+the dataset."""
 
 import json
 import os
@@ -8,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.e2e.test_run import free_port, stray_processes
 
@@ -29,8 +31,13 @@ def digits_right(prompt, completion, example):
 
 
 rows = [{"question": f"{a}+{b}=", "answer": str(a + b)} for a in range(10, 20) for b in range(1, 4)]
+if sys.argv[3] == "Dataset":   # pyarrow's threads run in this process before the services are forked from it
+    import datasets
+
+    rows = datasets.Dataset.from_list(rows)
+    rows.map(lambda row: row, num_proc=None)
 result = train(json.load(open(config_file)), reward_funcs=[digits_right], train_dataset=rows,
-               eval_dataset=rows[:4], learner__max_steps=3)
+               eval_dataset=rows.select(range(4)) if sys.argv[3] == "Dataset" else rows[:4], learner__max_steps=3)
 print("RESULT " + json.dumps({k: (str(v) if v is not None and k.endswith(("_dir", "_path")) else v)
                               for k, v in vars(result).items()}))
 '''
@@ -48,11 +55,12 @@ def api_config(tmp_path, model_dir):
 
 
 @pytest.mark.slow
-def test_train_runs_the_tiny_model_with_a_callable_reward_and_a_list_of_dicts(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("data", ["list", "Dataset"])
+def test_train_runs_the_tiny_model_with_a_callable_reward_and_a_dataset(tmp_path, tiny_model_dir, data):
     (tmp_path / "config.json").write_text(json.dumps(api_config(tmp_path, tiny_model_dir)))
     (tmp_path / "user.py").write_text(SCRIPT)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    result = subprocess.run([sys.executable, "user.py", "config.json", "calls.jsonl"], cwd=tmp_path,
+    result = subprocess.run([sys.executable, "user.py", "config.json", "calls.jsonl", data], cwd=tmp_path,
                             capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert "[grpo run] the learner finished: stopping the other services" in result.stdout
@@ -72,11 +80,17 @@ def test_train_runs_the_tiny_model_with_a_callable_reward_and_a_list_of_dicts(tm
     assert len(calls) >= 3 * 2 * 4
     assert all(int(c["prompt"][:2]) + int(c["prompt"][3]) == int(c["answer"]) for c in calls)
     # the datasets were written into the run folder and named in the resolved config
-    written = json.loads(json.dumps(__import__("yaml").safe_load((run_dir / "config.yaml").read_text())))
-    assert written["generator"]["dataset"]["kind"] == "jsonl"
-    assert written["generator"]["dataset"]["path"] == str(run_dir / "data" / "train_dataset.jsonl")
-    assert written["eval"]["path"] == str(run_dir / "data" / "eval_dataset.jsonl")
-    assert len((run_dir / "data" / "eval_dataset.jsonl").read_text().splitlines()) == 4
+    written = yaml.safe_load((run_dir / "config.yaml").read_text())
+    kind, suffix = ("jsonl", ".jsonl") if data == "list" else ("hf", "")
+    assert written["generator"]["dataset"]["kind"] == kind
+    assert written["generator"]["dataset"]["path"] == str(run_dir / "data" / f"train_dataset{suffix}")
+    assert written["eval"]["path"] == str(run_dir / "data" / f"eval_dataset{suffix}")
+    if data == "list":
+        assert len((run_dir / "data" / "eval_dataset.jsonl").read_text().splitlines()) == 4
+    else:
+        import datasets
+
+        assert len(datasets.load_from_disk(written["eval"]["path"])) == 4
     assert written["generator"]["rewards"] == [{"name": "python", "label": "digits_right", "weight": 1.0,
                                                 "on_error": 0.0, "args": {"function": written["generator"]["rewards"]
                                                                           [0]["args"]["function"]}}]
