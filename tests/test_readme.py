@@ -26,7 +26,7 @@ MAX_README_LINES = 200
 
 LINK = re.compile(r"!?\[(?:[^\]\\]|\\.)*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 HOP = re.compile(r"`([\w/]+\.py):([A-Za-z_][\w.]*)`")
-PRODUCT = ("shared", "ref_server", "generator", "learner", "deploy")  # the product's code: not tests, not bench
+PRODUCT = ("shared", "ref_server", "generator", "learner", "deploy", "grpo_stack")  # the product's code: not tests, not bench
 ROUTE_VERBS = {"get", "post", "put", "delete", "patch"}
 FENCE = re.compile(r"^\s*(```|~~~)")
 

@@ -14,8 +14,8 @@ from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PRODUCT = ("shared", "ref_server", "generator", "learner", "deploy")
-SERVICES = ("ref_server", "generator", "learner", "deploy")
+PRODUCT = ("shared", "ref_server", "generator", "learner", "deploy", "grpo_stack")
+SERVICES = ("ref_server", "generator", "learner", "deploy", "grpo_stack")
 MAX_FILE_LINES = 400
 MAX_FUNCTION_LINES = 60
 

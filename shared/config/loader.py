@@ -84,24 +84,31 @@ def did_you_mean(schema: type[BaseModel], loc: tuple) -> str:
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
                 schema: type[StrictModel] = GRPOConfig) -> StrictModel:
     """Read a YAML file (or start from defaults when ``path`` is None), apply overrides, validate."""
-    tree: dict[str, Any] = {}
-    source = "<defaults>"
-    if path is not None:
-        source = str(path)
-        try:
-            text = Path(path).read_text()
-        except OSError as exc:
-            raise ConfigError(f"cannot read config file {source}: {exc.strerror}") from None
-        try:
-            loaded = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {source} is not valid YAML: {exc}") from None
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {source} must hold a mapping of sections, got {type(loaded).__name__}")
-        tree = loaded
+    tree = read_config_tree(path) if path is not None else {}
     apply_overrides(tree, overrides or [])
+    return validate_tree(tree, "<defaults>" if path is None else str(path), schema)
+
+
+def read_config_tree(path: str | Path) -> dict[str, Any]:
+    """The sections a YAML config file holds, as written (not validated, no defaults filled in)."""
+    source = str(path)
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {source}: {exc.strerror}") from None
+    try:
+        loaded = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {source} is not valid YAML: {exc}") from None
+    if loaded is None:
+        loaded = {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config file {source} must hold a mapping of sections, got {type(loaded).__name__}")
+    return loaded
+
+
+def validate_tree(tree: dict[str, Any], source: str, schema: type[StrictModel] = GRPOConfig) -> StrictModel:
+    """``tree`` as the config ``schema``; a ConfigError naming ``source`` and every bad key otherwise."""
     try:
         return schema.model_validate(tree)
     except ValidationError as exc:

@@ -3,8 +3,9 @@
 and the request guard alike), and malformed bodies answered 400 on every route with a short body that never
 echoes the input (a body of the wrong shape stays 422).
 
-The openai package is not in the environment, so the shape is checked key by key: what its client reads
-(``error.message`` for the exception's text, ``type``, ``param``, ``code``)."""
+The shape is checked here key by key: what OpenAI's client reads (``error.message`` for the exception's text,
+``type``, ``param``, ``code``); tests/ref_server/test_openai_client.py checks that the real ``openai`` client parses
+it into its own exceptions."""
 
 import json
 import socket
