@@ -4,7 +4,8 @@ and keep mask (:mod:`shared.grpo.off_policy`), beta * KL, and the aggregation ov
 Per-token tensors are ``[B, L]`` over completion tokens, left-aligned; validity comes from
 ``completion_lengths`` (see :mod:`shared.tensors.masks`). Everything a config can choose is a registry entry:
 
-* :data:`POLICY_LOSSES`: ``"grpo"`` (per-token ratio, DeepSeekMath) and ``"gspo"`` (per-sequence ratio);
+* :data:`shared.grpo.policy_losses.POLICY_LOSSES`: the per-token surrogate (``"grpo"``, ``"gspo"``, ``"cispo"``,
+  ``"sapo"``);
 * :data:`AGGREGATIONS`: ``"token-mean"`` (DAPO), ``"seq-mean-token-mean"`` (original GRPO),
   ``"seq-mean-token-sum-norm"`` (Dr. GRPO);
 * the KL estimator, from :data:`shared.grpo.kl.KL_ESTIMATORS`.
@@ -29,6 +30,7 @@ import torch
 
 from shared.config.schema import LossConfig
 from shared.grpo.kl import kl_penalty
+from shared.grpo.policy_losses import POLICY_LOSSES, SurrogateTerms
 from shared.registry import Registry
 from shared.tensors.masks import (
     completion_mask,
@@ -40,86 +42,7 @@ from shared.tensors.masks import (
 )
 from shared.tensors.transfers import to_device
 
-POLICY_LOSSES: Registry = Registry("policy loss")
 AGGREGATIONS: Registry = Registry("loss aggregation")
-
-# exp() of a log-ratio beyond this overflows float32 to inf, and inf * 0 in backward is NaN. Clamping there
-# changes nothing a clipped loss would use: such ratios are far outside any clip range.
-_MAX_LOG_RATIO = 20.0
-
-
-@dataclass
-class SurrogateTerms:
-    """Per-token pieces of a clipped surrogate, all ``[B, L]``."""
-
-    loss: torch.Tensor
-    ratio: torch.Tensor
-    clipped_low: torch.Tensor
-    clipped_high: torch.Tensor
-    dual_clipped: torch.Tensor
-
-
-def clipped_surrogate(
-    ratio: torch.Tensor,
-    advantages: torch.Tensor,
-    *,
-    eps_low: float,
-    eps_high: float,
-    dual_clip: float | None = None,
-) -> SurrogateTerms:
-    """PPO's pessimistic clipped surrogate with clip-higher (DAPO) and optional dual clip.
-
-    .. math::
-        \\ell = \\max\\big(-\\rho A,\\; -\\mathrm{clip}(\\rho, 1-\\epsilon_{low}, 1+\\epsilon_{high}) A\\big)
-
-    With dual clip ``c > 1`` (Ye et al. 2020), for ``A < 0``: ``\\ell = \\min(\\ell, -c A)``, which bounds the
-    loss when a negative-advantage token's ratio has grown very large.
-
-    Example: A ``[1,-1,2]``, rho ``[0.5,1,1.5]``, eps 0.2 give ``[-0.5, 1, -2.4]`` (token mean -0.6333);
-    A ``[1,-1,-4]``, rho ``[0.5,1,10]``, c 3 give ``[-0.5, 1, 12]``.
-    """
-    if dual_clip is not None and dual_clip <= 1.0:
-        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
-    unclipped = -ratio * advantages
-    clipped = -ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * advantages
-    loss = torch.maximum(unclipped, clipped)
-    # A clip is "active" when the clipped branch wins, i.e. the gradient through rho is cut off there.
-    clipped_low = (ratio < 1.0 - eps_low) & (advantages < 0)
-    clipped_high = (ratio > 1.0 + eps_high) & (advantages > 0)
-    dual_clipped = torch.zeros_like(clipped_low)
-    if dual_clip is not None:
-        bound = -dual_clip * advantages
-        dual_clipped = (advantages < 0) & (loss > bound)
-        loss = torch.where(dual_clipped, bound, loss)
-    return SurrogateTerms(loss, ratio, clipped_low, clipped_high, dual_clipped)
-
-
-@POLICY_LOSSES.register("grpo", "vanilla")
-def token_ratio_loss(
-    log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, cfg: LossConfig
-) -> SurrogateTerms:
-    """GRPO / PPO: one ratio per token, ``rho_{i,t} = exp(log pi_theta(o_t) - log pi_old(o_t))``."""
-    ratio = torch.exp(log_ratio.clamp(max=_MAX_LOG_RATIO))
-    return clipped_surrogate(ratio, advantages, eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip=cfg.dual_clip)
-
-
-@POLICY_LOSSES.register("gspo")
-def sequence_ratio_loss(
-    log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, cfg: LossConfig
-) -> SurrogateTerms:
-    """GSPO: one ratio per sequence, the geometric mean of its token ratios.
-
-    .. math::  s_i = \\exp\\Big(\\frac{1}{|o_i|}\\sum_t \\log\\frac{\\pi_\\theta(o_{i,t})}{\\pi_{old}(o_{i,t})}\\Big)
-
-    Written in GSPO's token form ``s_{i,t} = sg[s_i] * pi_theta(o_t) / sg[pi_theta(o_t)]``: every token carries
-    the value s_i (so the whole sequence is clipped or not together) and the gradient
-    ``s_i * A * grad log pi_theta(o_t)``, which also allows per-token advantages.
-    """
-    seq_log_ratio = masked_mean(log_ratio, mask, dim=-1).clamp(max=_MAX_LOG_RATIO)
-    token_log_ratio = seq_log_ratio.detach().unsqueeze(-1) + (log_ratio - log_ratio.detach())
-    ratio = torch.exp(token_log_ratio)
-    return clipped_surrogate(ratio, advantages, eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip=cfg.dual_clip)
-
 
 def _at_least_one(count: float | torch.Tensor, like: torch.Tensor) -> float | torch.Tensor:
     """``max(count, 1)``: a host number stays one; a tensor (a count on the device, e.g. all-reduced over ranks)

@@ -51,7 +51,7 @@ def test_unknown_key_is_named_with_the_file(tmp_path):
 
 
 def test_unknown_variant_names_list_the_known_ones():
-    with pytest.raises(ConfigError, match="unknown policy loss 'ppo2'; known: grpo, gspo, vanilla"):
+    with pytest.raises(ConfigError, match="unknown policy loss 'ppo2'; known: cispo, grpo, gspo, sapo, vanilla"):
         load_config(None, ["algorithm.loss.policy_loss=ppo2"])
     with pytest.raises(ConfigError, match="unknown loss aggregation 'sum'"):
         load_config(None, ["algorithm.loss.aggregation=sum"])

@@ -6,14 +6,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shared.config.schema import LossConfig
-from shared.grpo.losses import (
-    AGGREGATIONS,
-    POLICY_LOSSES,
-    clipped_surrogate,
-    compute_policy_loss,
-    loss_normalizers,
-)
+from shared.grpo.losses import AGGREGATIONS, compute_policy_loss, loss_normalizers
 from shared.grpo.off_policy import off_policy_weights
+from shared.grpo.policy_losses import POLICY_LOSSES, clipped_surrogate
 
 
 def cfg(**kw):

@@ -8,8 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shared.config.schema import LossConfig
-from shared.grpo.losses import AGGREGATIONS, POLICY_LOSSES, compute_policy_loss
+from shared.grpo.losses import AGGREGATIONS, compute_policy_loss
 from shared.grpo.off_policy import off_policy_weights
+from shared.grpo.policy_losses import POLICY_LOSSES
 
 CASES = [(p, a) for p in ("grpo", "gspo") for a in AGGREGATIONS.names()]
 

@@ -50,8 +50,10 @@ class LossConfig(StrictModel):
 
     policy_loss: str = Field(
         "grpo",
-        description="Surrogate: 'grpo' (one importance ratio per token) or 'gspo' (one per sequence, the "
-        "geometric mean of its token ratios).",
+        description="Surrogate (shared/grpo/policy_losses.py): 'grpo' (PPO's clip, one importance ratio per "
+        "token), 'gspo' (one ratio per sequence, the geometric mean of its token ratios), 'cispo' (MiniMax-M1: the "
+        "clipped importance weight as a constant on every token's gradient; cispo_eps_low / cispo_eps_high) or "
+        "'sapo' (a soft gate instead of the clip; sapo_tau_pos / sapo_tau_neg).",
     )
     eps_low: float = Field(0.2, ge=0, lt=1, description="Lower clip range: the ratio is clipped at 1 - eps_low.")
     eps_high: float = Field(
@@ -60,6 +62,16 @@ class LossConfig(StrictModel):
     dual_clip: float | None = Field(
         None, gt=1, description="Dual-clip constant c > 1: caps a negative-advantage token's loss at -c*A. Off when null."
     )
+    cispo_eps_low: float | None = Field(
+        None, ge=0, le=1, description="cispo: the importance weight is at least 1 - cispo_eps_low; null: no lower "
+        "bound (MiniMax-M1 tunes only the upper one).")
+    cispo_eps_high: float = Field(
+        3.0, gt=0, description="cispo: the importance weight is at most 1 + cispo_eps_high (3.0: a cap of 4, which "
+        "truncates only the outliers).")
+    sapo_tau_pos: float = Field(1.0, gt=0, description="sapo: the gate's temperature on positive-advantage tokens.")
+    sapo_tau_neg: float = Field(
+        1.05, gt=0, description="sapo: the gate's temperature on negative-advantage tokens (>= sapo_tau_pos: their "
+        "gradient fades faster as the ratio moves away from 1).")
     beta: float = Field(
         0.04, ge=0, description="Weight of the KL(pi_theta || pi_ref) penalty in the loss. 0 disables it (and the "
         "reference model, unless algorithm.kl.in_reward needs it). With algorithm.kl.in_reward true, a beta left at "
@@ -91,7 +103,7 @@ class LossConfig(StrictModel):
     @field_validator("policy_loss")
     @classmethod
     def _known_policy_loss(cls, value: str) -> str:
-        return check_registered("shared.grpo.losses", "POLICY_LOSSES", value)
+        return check_registered("shared.grpo.policy_losses", "POLICY_LOSSES", value)
 
     @field_validator("aggregation")
     @classmethod
@@ -122,6 +134,16 @@ class KLConfig(StrictModel):
         "reference logprobs, without gradient, so the ref server must load the reference model. The KL is then not "
         "also in the loss: algorithm.loss.beta left at its default becomes 0; set explicitly > 0 it is an error.",
     )
+    cispo_eps_low: float | None = Field(
+        None, ge=0, le=1, description="cispo: the importance weight is at least 1 - cispo_eps_low; null: no lower "
+        "bound (MiniMax-M1 tunes only the upper one).")
+    cispo_eps_high: float = Field(
+        3.0, gt=0, description="cispo: the importance weight is at most 1 + cispo_eps_high (3.0: a cap of 4, which "
+        "truncates only the outliers).")
+    sapo_tau_pos: float = Field(1.0, gt=0, description="sapo: the gate's temperature on positive-advantage tokens.")
+    sapo_tau_neg: float = Field(
+        1.05, gt=0, description="sapo: the gate's temperature on negative-advantage tokens (>= sapo_tau_pos: their "
+        "gradient fades faster as the ratio moves away from 1).")
     beta: float = Field(
         0.04, ge=0,
         description="Weight of the per-token KL estimate in the reward when in_reward is true (the same default "
