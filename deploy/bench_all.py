@@ -164,7 +164,7 @@ BENCHMARKS: list[Bench] = [
     Bench("learner_throughput", ("--steps", "3"), ("--device", "cuda", "--zero-stages", "0", "--steps", "5"),
           _learner_throughput, 300, 150),
     Bench("packing_layouts", ("--repeats", "3"), ("--device", "cuda", "--preset", "qwen2.5-0.5b"),
-          _packing_layouts, 120, 45),
+          _packing_layouts, 90, 45),   # 14.5 s on the 2-core CPU (docs/benchmarks.md)
     Bench("ref_server", ("--repeats", "1", "--rows", "32", "--clients", "1", "4"), ("--device", "cuda", "--repeats", "2"),
           _ref_server, 150, 90),
     Bench("weight_sync", ("--models", "tiny", "--repeats", "2"),
@@ -195,6 +195,9 @@ BENCHMARKS: list[Bench] = [
                                      "tokens_per_s_continuous_keep_over_batch", "publish_to_first_use_s")), 240, 300,
           why="on the GPU machine (no vLLM there: the transformers engine on the GPU) 9 arms of 96 groups up to "
           "1024 tokens: a command of its own (--device cuda --only rollout_schedule)", alone="cuda"),
+    Bench("engine_mismatch", ("--model", TINY_MODEL, "--prompts", "8", "--group", "4"),
+          ("--model", TINY_MODEL, "--device", "cuda", "--prompts", "32", "--group", "8"),
+          _flat("engine mismatch at staleness 0", ("mismatch_kl",)), 60, 60),
     Bench("lora_learner", None, None, _flat("LoRA / full learner", ("ratio",)),
           why="needs SmolLM2 (grpo fetch-model) and minutes per arm, docs/lora.md: run it alone"),
 ]
