@@ -37,7 +37,20 @@ REWARDS: Registry = Registry("reward", modules=(
     "generator.rewards.builtin",    # format, math, arithmetic, final_number, code, http, python
     "generator.rewards.chain",      # chain, chain_steps: the multi-step task (outcome and one reward per line)
     "generator.rewards.prm",        # a process reward model behind vLLM's /pooling API
+    "generator.rewards.length",     # soft_overlong (DAPO), group_length (Kimi k1.5): length shaping
 ))
+
+
+def with_token_ids(fn: Callable) -> Callable:
+    """Mark a group reward that is called ``fn(prompt, completions, example, completion_ids)`` (the completions'
+    token ids, for rewards that count tokens) and may answer None for a completion it does not apply to (TRL's
+    convention: no value, no failure). TRL-style python rewards and the length rewards are."""
+    fn.takes_token_ids = True
+    return fn
+
+
+def takes_token_ids(fn: Callable) -> bool:
+    return getattr(fn, "takes_token_ids", False)
 
 
 class RewardConfigError(UsageError, ValueError):

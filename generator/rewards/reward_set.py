@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from generator.failures import Failure, ServiceDown
-from generator.rewards.base import REWARDS, GroupReward, RewardConfigError, Score, as_score
+from generator.rewards.base import REWARDS, GroupReward, RewardConfigError, Score, as_score, takes_token_ids
 from generator.rewards.steps import StepScores
 from shared.errors import UsageError
 from shared.protocol.float32 import finite_float32
@@ -215,9 +215,9 @@ class RewardSet:
         applicable"; and per completion what failed (None: it scored or did not apply). A ServiceDown is not
         contained."""
         n = len(completions)
-        trl_style = getattr(term.fn, "trl_style", False)
+        with_ids = takes_token_ids(term.fn)
         try:
-            raw = list(term.fn(prompt, completions, example, completion_ids) if trl_style
+            raw = list(term.fn(prompt, completions, example, completion_ids) if with_ids
                        else term.fn(prompt, completions, example))
             if len(raw) != n:
                 raise ValueError(f"returned {len(raw)} values for {n} completions")
@@ -233,7 +233,7 @@ class RewardSet:
         values: list[Score | None] = []
         failures: list[Failure | None] = []
         for value, error in zip(raw, raised):
-            if value is None and trl_style:
+            if value is None and with_ids:
                 values.append(None)
                 failures.append(None)
                 continue

@@ -24,6 +24,7 @@ import inspect
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from generator.rewards.base import with_token_ids
 from shared.errors import UsageError
 
 STYLES = ("auto", "simple", "trl")
@@ -91,7 +92,7 @@ def as_messages(prompt: str, completions: Sequence[str], example: dict[str, Any]
 
 
 def trl_group_reward(fn: Callable[..., Any], args: dict[str, Any], conversational: bool | None):
-    """A group reward calling ``fn`` once per group, TRL's way (the module docstring). Its ``trl_style``
+    """A group reward calling ``fn`` once per group, TRL's way (the module docstring). Its ``takes_token_ids``
     attribute tells :class:`~generator.rewards.reward_set.RewardSet` to pass ``completion_ids`` and to take
     ``None`` as "not applicable"."""
     params = _parameters(fn)
@@ -120,5 +121,4 @@ def trl_group_reward(fn: Callable[..., Any], args: dict[str, Any], conversationa
         return list(values)
 
     group.__name__ = getattr(fn, "__name__", "python")
-    group.trl_style = True
-    return group
+    return with_token_ids(group)
