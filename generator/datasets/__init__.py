@@ -27,11 +27,18 @@ from generator.datasets.base import (
     load_examples,
     prompt_messages,
 )
-from generator.datasets.files import DATA_FILE_BUILDERS, FILE_SPLIT, hf_examples, hf_table, jsonl_examples
+from generator.datasets.files import (
+    DATA_FILE_BUILDERS,
+    FILE_SPLIT,
+    hf_examples,
+    hf_table,
+    jsonl_examples,
+    looks_local,
+)
 from generator.datasets.render import R1_SYSTEM_PROMPT, render_example, render_messages, render_prompt
 from generator.datasets.tasks import arithmetic_examples, arithmetic_words_examples, chain_examples
 
 __all__ = ["DATASETS", "DATA_FILE_BUILDERS", "FILE_SPLIT", "MESSAGE_ROLES", "R1_SYSTEM_PROMPT", "DatasetError", "Example",
            "PromptStream", "arithmetic_examples", "arithmetic_words_examples", "chain_examples", "example_from_row",
-           "hf_examples", "hf_table", "jsonl_examples", "load_examples", "prompt_messages", "render_example",
+           "hf_examples", "hf_table", "jsonl_examples", "load_examples", "looks_local", "prompt_messages", "render_example",
            "render_messages", "render_prompt"]

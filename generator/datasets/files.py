@@ -64,6 +64,12 @@ def _one_split(name: str, split: str, what: str) -> None:
                            "another file or folder for other rows (eval.path for evaluation)")
 
 
+def looks_local(name: str) -> bool:
+    """Whether ``name`` is meant as a local path (a data file's extension, or a path from / . ~), not a dataset name:
+    missing, it is reported as a missing file."""
+    return Path(name).suffix.lower() in DATA_FILE_BUILDERS or name.startswith(("/", ".", "~"))
+
+
 def hf_table(name: str, split: str = "train", subset: str | None = None):
     """The ``datasets.Dataset`` of ``split`` that ``name`` (a file, a folder or a cached dataset name) holds."""
     try:
@@ -71,6 +77,8 @@ def hf_table(name: str, split: str = "train", subset: str | None = None):
     except ImportError:
         raise DatasetError("Hugging Face datasets need the 'datasets' package: pip install datasets") from None
     path = Path(name).expanduser()
+    if not path.exists() and looks_local(name):
+        raise DatasetError(f"no dataset file or folder {name} (from {Path.cwd()})")
     try:
         with _offline(datasets):
             if path.is_file():
