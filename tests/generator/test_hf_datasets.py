@@ -216,3 +216,75 @@ def test_no_eval_example_reaches_the_training_prompt_stream(tmp_path):
     from_file = GRPOConfig.model_validate({"generator": {"dataset": {"kind": "hf", "path": str(tmp_path / "d")}},
                                            "eval": {"path": str(eval_file)}})
     assert {e.question for e in load_examples(eval_dataset(from_file), seed=1)} == held_out
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant: {% endif %}")
+
+
+@pytest.fixture
+def chat_model_dir(tiny_model_dir, tmp_path):
+    """The tiny model with a chat template (its character tokenizer has none)."""
+    folder = Path(shutil.copytree(tiny_model_dir, tmp_path / "chat-model"))
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_the_rollout_loop_encodes_a_conversational_example_from_its_messages(chat_model_dir, tmp_path):
+    from generator.engines.hf import TransformersEngine
+    from generator.loop import RolloutLoop
+    from generator.rewards import RewardSet
+    from shared.config.schema.generator import RewardSpec
+    from shared.protocol.client import HubClient
+    from shared.protocol.records import SamplingParams
+
+    engine = TransformersEngine(chat_model_dir)
+    examples = load_examples(DatasetConfig(kind="jsonl", path=str(conversational_jsonl(tmp_path / "c.jsonl"))), 0)
+    loop = RolloutLoop(engine=engine, tokenizer=engine.tokenizer, client=HubClient("http://127.0.0.1:9"),
+                       rewards=RewardSet.from_specs([RewardSpec(name="arithmetic")]),
+                       prompts=PromptStream(examples, seed=0, generator_id="g"), sampling=SamplingParams(),
+                       group_size=2, prompts_per_batch=1, generator_id="g", weights_dir=tmp_path / "w",
+                       system_prompt="Be brief.")
+    text = "system: Answer in words.\nuser: What is 6 times 7?\nassistant: "   # the data's system message wins
+    assert loop.encode_prompt(examples[1]) == engine.tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert engine.tokenizer.decode(loop.encode_prompt(examples[0])) == (
+        "system: Be brief.\nuser: What is 3 plus 4?\nassistant: ")
+
+
+def saw_the_messages(prompt, completion, example):
+    """1.0 when the reward received the example's messages and its question is the last user message."""
+    messages = example["prompt_messages"]
+    return float(messages == example["prompt"] and prompt == messages[-1]["content"])
+
+
+@pytest.mark.slow  # two `grpo eval` processes of the tiny model
+def test_grpo_eval_on_a_conversational_jsonl(chat_model_dir, tiny_model_dir, tmp_path):
+    from tests import service_forks as forks
+    from tests.generator.test_evaluate import GRPO
+
+    train = conversational_jsonl(tmp_path / "train.jsonl")
+    held_out = conversational_jsonl(tmp_path / "eval.jsonl", [
+        [{"role": "user", "content": "What is 1 plus 1?"}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 times 5?"}],
+        [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."},
+         {"role": "user", "content": "What is 8 minus 3?"}]], ["2", "10", "5"])
+    config = tmp_path / "run.yaml"
+    config.write_text(json.dumps({
+        "generator": {"dataset": {"kind": "hf", "path": str(train)}, "sampling": {"max_tokens": 4},
+                      "rewards": [{"name": "python", "args": {
+                          "function": "tests.generator.test_hf_datasets:saw_the_messages"}}]},
+        "eval": {"k": 1, "engine": "transformers", "path": str(held_out)}}))
+    done = forks.run([GRPO, "eval", "--model", str(chat_model_dir), "--config", str(config)], capture_output=True,
+                     text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["num_examples"] == 3 and result["greedy_rewards"] == {"python": 1.0}
+    assert result["evaluated"] == f"3 examples of {held_out}, split 'train'"
+    # a model without a chat template: refused, naming the example and the rule, before any sampling
+    refused = forks.run([GRPO, "eval", "--model", str(tiny_model_dir), "--config", str(config)], capture_output=True,
+                        text=True, timeout=300)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
+    assert (f"{held_out}:train:0: a conversational prompt (a list of messages) is rendered with the tokenizer's chat "
+            "template, and this model's tokenizer has none") in refused.stderr
