@@ -76,6 +76,33 @@ def test_saved_datasets_and_folders_of_files_give_their_splits(tmp_path):
         hf_examples(str(tmp_path / "one"), split="test")
 
 
+def cache_as_if_downloaded(rows: dict, name: str, cache: Path, tmp_path: Path) -> None:
+    """``name`` (``org/set``) in the ``datasets`` cache ``cache`` laid out as a download leaves it
+    (org___set/CONFIG/VERSION/HASH), built locally by the JSON builder."""
+    from datasets.packaged_modules.json.json import Json
+
+    data = tmp_path / "rows.jsonl"
+    datasets.Dataset.from_dict(rows).to_json(str(data))
+    org, short = name.split("/")
+    builder = Json(cache_dir=str(tmp_path / "build"), dataset_name=short, hash="0123abcd",
+                   data_files={"train": str(data)})
+    builder.download_and_prepare()
+    (cache / f"{org}___{short}").mkdir(parents=True)
+    next((tmp_path / "build" / short).glob("default-*")).rename(cache / f"{org}___{short}" / "default")
+
+
+def test_a_dataset_name_is_read_from_the_local_cache(tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    cache_as_if_downloaded(ROWS, "someone/tiny-set", cache, tmp_path)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(cache))
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)   # offline while loading, whatever the setting
+    examples = load_examples(DatasetConfig(kind="hf", path="someone/tiny-set"), seed=0)
+    assert [(e.question, e.data["answer"]) for e in examples] == list(zip(ROWS["question"], ROWS["answer"]))
+    assert datasets.config.HF_HUB_OFFLINE is False   # the setting restored after loading
+    with pytest.raises(DatasetError, match="'someone/other-set' is not a local file or folder"):
+        hf_examples("someone/other-set")
+
+
 def test_what_is_not_local_is_refused_naming_it_without_the_network(tmp_path):
     with pytest.raises(DatasetError, match="'nobody/no-such-dataset' is not a local file or folder .* nor in the "
                                            "local Hugging Face datasets cache .* read offline"):
