@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from generator.datasets import FILE_SPLIT, render_example
+from generator.datasets import FILE_SPLIT, has_one_split, render_example
 from generator.environments.base import prompt_tools
 from generator.failures import FailureRule, ServicePause
 from generator.loop import environment_rewards
@@ -200,8 +200,8 @@ def eval_dataset(config: GRPOConfig) -> DatasetConfig:
         if dataset.kind == "jsonl" and not Path(cfg.path).is_file():
             raise UsageError(f"eval.path {cfg.path} is not a file (a JSONL file of evaluation examples)")
         update["path"] = cfg.path
-        if dataset.kind == "hf" and Path(cfg.path).expanduser().is_file():
-            update["split"] = FILE_SPLIT   # an evaluation file is read whole: its one split, whatever eval.split
+        if dataset.kind == "hf" and has_one_split(cfg.path):
+            update["split"] = FILE_SPLIT   # an evaluation file or Dataset is read whole, whatever eval.split
     elif dataset.kind == "jsonl":
         raise UsageError(f"generator.dataset is the JSONL file {dataset.path}, which has no held-out split: set "
                          "eval.path to a JSONL file of evaluation examples (grpo eval --path FILE, or --set "

@@ -30,6 +30,7 @@ from generator.datasets.base import (
 from generator.datasets.files import (
     DATA_FILE_BUILDERS,
     FILE_SPLIT,
+    has_one_split,
     hf_examples,
     hf_table,
     jsonl_examples,
@@ -38,7 +39,7 @@ from generator.datasets.files import (
 from generator.datasets.render import R1_SYSTEM_PROMPT, render_example, render_messages, render_prompt
 from generator.datasets.tasks import arithmetic_examples, arithmetic_words_examples, chain_examples
 
-__all__ = ["DATASETS", "DATA_FILE_BUILDERS", "FILE_SPLIT", "MESSAGE_ROLES", "R1_SYSTEM_PROMPT", "DatasetError", "Example",
-           "PromptStream", "arithmetic_examples", "arithmetic_words_examples", "chain_examples", "example_from_row",
-           "hf_examples", "hf_table", "jsonl_examples", "load_examples", "looks_local", "prompt_messages", "render_example",
-           "render_messages", "render_prompt"]
+__all__ = ["DATASETS", "DATA_FILE_BUILDERS", "FILE_SPLIT", "MESSAGE_ROLES", "R1_SYSTEM_PROMPT", "DatasetError",
+           "Example", "PromptStream", "arithmetic_examples", "arithmetic_words_examples", "chain_examples",
+           "example_from_row", "has_one_split", "hf_examples", "hf_table", "jsonl_examples", "load_examples",
+           "looks_local", "prompt_messages", "render_example", "render_messages", "render_prompt"]

@@ -70,6 +70,12 @@ def looks_local(name: str) -> bool:
     return Path(name).suffix.lower() in DATA_FILE_BUILDERS or name.startswith(("/", ".", "~"))
 
 
+def has_one_split(name: str) -> bool:
+    """Whether ``name`` is a data file or a ``save_to_disk`` Dataset (not a DatasetDict): one split, ``train``."""
+    path = Path(name).expanduser()
+    return path.is_file() or ((path / "dataset_info.json").exists() and not (path / "dataset_dict.json").exists())
+
+
 def hf_table(name: str, split: str = "train", subset: str | None = None):
     """The ``datasets.Dataset`` of ``split`` that ``name`` (a file, a folder or a cached dataset name) holds."""
     try:
@@ -95,7 +101,7 @@ def hf_table(name: str, split: str = "train", subset: str | None = None):
                         raise DatasetError(f"cannot load dataset {name!r} (split {split!r}): its splits are "
                                            f"{sorted(loaded)}")
                     return loaded[split]
-                _one_split(name, split, "one saved Dataset (not a DatasetDict)")
+                _one_split(name, split, "one saved Dataset (not a DatasetDict)")  # as has_one_split says
                 return loaded
             if path.is_dir():
                 return datasets.load_dataset(str(path), split=split)

@@ -243,6 +243,10 @@ def test_no_eval_example_reaches_the_training_prompt_stream(tmp_path):
     from_file = GRPOConfig.model_validate({"generator": {"dataset": {"kind": "hf", "path": str(tmp_path / "d")}},
                                            "eval": {"path": str(eval_file)}})
     assert {e.question for e in load_examples(eval_dataset(from_file), seed=1)} == held_out
+    split["test"].save_to_disk(str(tmp_path / "eval-set"))   # a saved Dataset (what the Python API writes): the same
+    from_saved = GRPOConfig.model_validate({"generator": {"dataset": {"kind": "hf", "path": str(tmp_path / "d")}},
+                                            "eval": {"path": str(tmp_path / "eval-set")}})
+    assert {e.question for e in load_examples(eval_dataset(from_saved), seed=1)} == held_out
 
 
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"

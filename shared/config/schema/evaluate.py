@@ -18,7 +18,7 @@ class EvalConfig(StrictModel):
         None, description="What to evaluate instead of the training dataset: with generator.dataset.kind jsonl an "
         "evaluation JSONL file (required there: a JSONL file has no held-out split; give the training file itself "
         "to evaluate its first lines), with kind hf any file, folder or cached name generator.dataset.path takes "
-        "(its eval.split; 'train' for a single file). Null: the training dataset's eval.split.")
+        "(its eval.split; a single file or saved Dataset is read whole). Null: the training dataset's eval.split.")
     num_examples: int = Field(200, ge=1, description="Examples evaluated (the first N of the split or file; "
                               "arithmetic: N drawn with a fixed seed).")
     k: int = Field(4, ge=1, description="pass@k: k samples per example at eval temperature.")
