@@ -216,29 +216,41 @@ def fields_needed(config: GRPOConfig) -> dict[str, str]:
 
 
 def dataset_problems(config: GRPOConfig) -> list[str]:
-    """The dataset loaded as the generator loads it (a JSONL file read whole; a Hugging Face dataset from a folder,
-    or from the local cache when offline; online Hub datasets are left to the generator's download), then every
-    example checked for the fields the rewards read."""
+    """The dataset loaded as the generator loads it (a JSONL file read whole; a Hugging Face dataset from a file or
+    folder, or from the local cache: datasets are read offline), then every example checked for the fields the
+    rewards read; and ``eval.path``, when it names a local file, checked to exist."""
     from generator.datasets import load_examples
 
     dataset = config.generator.dataset
-    if dataset.kind == "hf" and not Path(dataset.path).exists() and not hub_offline():
-        return []
+    missing_eval = eval_path_problem(config)
     try:
         examples = load_examples(dataset, config.seed)
     except UsageError as exc:
-        return [f"generator.dataset: {exc}"]
+        return [f"generator.dataset: {exc}", *missing_eval]
     except (TypeError, ValueError) as exc:  # a built-in task's settings (generator.dataset.arithmetic / chain)
         return [f"generator.dataset ({dataset.kind}): {exc}"]
     if dataset.kind not in ("jsonl", "hf"):
-        return []  # the built-in tasks give every field their rewards read
-    problems = []
+        return missing_eval  # the built-in tasks give every field their rewards read
+    problems = list(missing_eval)
     for name, who in fields_needed(config).items():
         missing = next((e for e in examples if name not in e.data), None)
         if missing is not None:
             problems.append(f"generator.dataset: {missing.example_id}: no {name!r} field, which {who} needs "
                             f"(fields: {sorted(missing.data)})")
     return problems
+
+
+def eval_path_problem(config: GRPOConfig) -> list[str]:
+    """``eval.path`` missing where it is meant as a local path: a dataset name is looked up in the cache by
+    ``grpo eval`` itself."""
+    from generator.datasets import looks_local
+
+    path = config.eval.path
+    if path is None or Path(path).expanduser().exists():
+        return []
+    if looks_local(path):
+        return [f"eval.path: no file or folder {path} (from {Path.cwd()})"]
+    return []
 
 
 # -- the hub's port and cores ---------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from generator.datasets import render_prompt
+from generator.datasets import FILE_SPLIT, has_one_split, render_example
 from generator.environments.base import prompt_tools
 from generator.failures import FailureRule, ServicePause
 from generator.loop import environment_rewards
@@ -201,6 +201,8 @@ def eval_dataset(config: GRPOConfig) -> DatasetConfig:
         if dataset.kind == "jsonl" and not Path(cfg.path).is_file():
             raise UsageError(f"eval.path {cfg.path} is not a file (a JSONL file of evaluation examples)")
         update["path"] = cfg.path
+        if dataset.kind == "hf" and has_one_split(cfg.path):
+            update["split"] = FILE_SPLIT   # an evaluation file or Dataset is read whole, whatever eval.split
     elif dataset.kind == "jsonl":
         raise UsageError(f"generator.dataset is the JSONL file {dataset.path}, which has no held-out split: set "
                          "eval.path to a JSONL file of evaluation examples (grpo eval --path FILE, or --set "
@@ -241,7 +243,7 @@ def evaluate(config: GRPOConfig, model_dir: str) -> EvalResult:
         system = system_prompt_for(gen.dataset)
         chat = gen.dataset.template is None and bool(getattr(tokenizer, "chat_template", None))
         tools = prompt_tools(environment)   # tool calling: the schemas the chat template shows
-        prompts = [tokenizer(render_prompt(tokenizer, e.question, system, gen.dataset.template, tools),
+        prompts = [tokenizer(render_example(tokenizer, e, system, gen.dataset.template, tools),
                              add_special_tokens=not chat)["input_ids"] for e in examples]
         ticker = Ticker(f"evaluating {model_dir} on {evaluated}", len(prompts) * (1 + cfg.k),
                         log.info, every_s=PROGRESS_EVERY_S, unit="sequences")

@@ -20,7 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-from generator.datasets import Example, PromptStream, render_prompt
+from generator.datasets import Example, PromptStream, render_example
 from generator.engines.base import Engine, SampledCompletion
 from generator.environments.base import prompt_tools
 from generator.failures import FailureRateExceeded, FailureRule, ServicePause
@@ -181,7 +181,7 @@ class RolloutLoop:
 
     # -- one step -------------------------------------------------------------------------------------------
     def encode_prompt(self, example: Example) -> list[int]:
-        text = render_prompt(self.tokenizer, example.question, self.system_prompt, self.template, self.prompt_tools)
+        text = render_example(self.tokenizer, example, self.system_prompt, self.template, self.prompt_tools)
         chat = self.template is None and bool(getattr(self.tokenizer, "chat_template", None))
         # a chat template already contains the special tokens it wants
         return self.tokenizer(text, add_special_tokens=not chat)["input_ids"]

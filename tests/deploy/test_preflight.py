@@ -111,11 +111,11 @@ def test_each_check_finds_its_mistake_within_5_s(tmp_path, tiny_model_dir):
 
 def test_a_jsonl_line_without_the_question_field_names_file_and_line(tmp_path, tiny_model_dir):
     data = good_config(tmp_path, tiny_model_dir)
-    (tmp_path / "data.jsonl").write_text('{"question": "1+1=", "answer": "2"}\n{"prompt": "x", "answer": "3"}\n')
+    (tmp_path / "data.jsonl").write_text('{"question": "1+1=", "answer": "2"}\n{"text": "x", "answer": "3"}\n')
     with pytest.raises(PreflightError) as info:
         require(GRPOConfig.model_validate(data), ["dataset"])
     assert str(info.value) == (f"generator.dataset: {tmp_path / 'data.jsonl'}:2: no 'question' field "
-                               "(fields: ['answer', 'prompt'])")
+                               "(fields: ['answer', 'text'])")
 
 
 def test_model_problems_name_the_key_and_never_touch_the_hub_offline(tmp_path, monkeypatch):

@@ -30,7 +30,7 @@ def test_jsonl_keeps_every_field_and_maps_the_answer(tmp_path):
 @pytest.mark.parametrize("content, message", [
     ('{"question": "q", "answer": 1}\n{not json\n', "d.jsonl:2: not valid JSON"),
     ('{"question": "q"}\n', "no 'answer' field"),
-    ('{"prompt": "q", "answer": 1}\n', "no 'question' field (fields: ['answer', 'prompt'])"),
+    ('{"text": "q", "answer": 1}\n', "no 'question' field (fields: ['answer', 'text'])"),
     ('[1, 2]\n', "expected a JSON object"),
     ("\n", "holds no examples"),
 ])

@@ -95,6 +95,18 @@ class GRPOConfig(StrictModel):
         return self
 
     @model_validator(mode="after")
+    def _eval_rows_kept_out_of_training(self) -> GRPOConfig:
+        """An evaluation of the training dataset's own split would report accuracy on training prompts as held-out
+        accuracy: refused here, at load. (eval.path names its rows explicitly, the training file included: its
+        result then says so.)"""
+        dataset = self.generator.dataset
+        if self.eval.path is None and dataset.kind != "jsonl" and self.eval.split == dataset.split:
+            raise ValueError(f"eval.split {self.eval.split!r} is generator.dataset.split, the rows training draws "
+                             "prompts from: evaluating them is not a held-out evaluation; set eval.split to another "
+                             "split of the dataset or eval.path to an evaluation file or dataset")
+        return self
+
+    @model_validator(mode="after")
     def _hub_urls_from_the_ref_server(self) -> GRPOConfig:
         """A hub_url the config does not set is the ref server's own address, so that a changed ref_server.port
         (or host) reaches every process that derives its address from it."""

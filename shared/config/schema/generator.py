@@ -69,18 +69,31 @@ class DatasetConfig(StrictModel):
     kind: str = Field(
         "arithmetic", description="'arithmetic' (built-in task), 'arithmetic_words' (the same in words for chat "
         "models: 'What is 23 plus 58? Reply with only the number.'), 'chain' (built-in multi-step task: "
-        "'3+5-2=' -> '8\\n6', one running total per line; see the chain block), 'jsonl' (a file) or 'hf' (a "
-        "Hugging Face dataset name or a save_to_disk folder).")
-    path: str | None = Field(None, description="The JSONL file, or the Hugging Face dataset name/folder.")
-    split: str = Field("train", description="Dataset split to train on ('train' or 'test' for arithmetic).")
+        "'3+5-2=' -> '8\\n6', one running total per line; see the chain block), 'jsonl' (a file) or 'hf' (through "
+        "Hugging Face datasets, offline: a .jsonl/.json/.csv/.parquet/.arrow file, a folder of such files, a "
+        "save_to_disk folder, or a dataset name in the local datasets cache).")
+    path: str | None = Field(None, description="The JSONL file; for 'hf' the data file, folder or cached dataset "
+                             "name.")
+    split: str = Field("train", description="Dataset split to train on ('train' or 'test' for arithmetic; a data "
+                       "file or a saved Dataset has the one split 'train'; a folder of files: the split each file "
+                       "names, e.g. test.jsonl). Evaluation reads eval.split or eval.path, never this split.")
     subset: str | None = Field(None, description="Hugging Face dataset configuration, e.g. 'main' for gsm8k.")
-    question_field: str = Field("question", description="Field holding the question.")
-    answer_field: str | None = Field("answer", description="Field holding the reference answer (null: none).")
+    question_field: str = Field(
+        "question", description="Field holding the prompt: a string (the question), or a list of {role, content} "
+        "messages (TRL's conversational format, rendered with the chat template). Left at 'question' for a dataset "
+        "without that field, TRL's 'prompt' column is read; a 'question' field wins over 'prompt'.")
+    answer_field: str | None = Field("answer", description="Field holding the reference answer (null: none); it "
+                                     "is copied to 'answer', where the rewards read it.")
+    columns: dict[str, str] = Field(
+        default_factory=dict, description="Columns renamed before anything reads them, dataset column -> name "
+        "here, e.g. {solution: answer}. Every other column is kept as it is: the rewards receive all of them.")
     system_prompt: str | None = Field(
         None, description="System prompt; null means none for arithmetic and the R1-style prompt otherwise. Use "
-        "an empty string for no system prompt with other datasets.")
+        "an empty string for no system prompt with other datasets. A conversational prompt with a system message "
+        "keeps its own and gets none added.")
     template: str | None = Field(
-        None, description="Python format string with {question} and {system}; overrides the chat template.")
+        None, description="Python format string with {question} and {system}; overrides the chat template (string "
+        "prompts only: a conversational dataset is refused with one).")
     arithmetic: dict[str, Any] = Field(
         default_factory=dict, description="ArithmeticTask settings: min_value, max_value, ops, num_operands, "
         "heldout_fraction (arithmetic_words also takes template, with {expression}).")
