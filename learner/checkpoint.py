@@ -50,10 +50,11 @@ def complete_tags(directory: str | Path) -> list[str]:
 
 def save_checkpoint(engine, directory: str | Path, *, step: int, version: int, keep: int, rank: int,
                     consumed: list[str] = (), unacknowledged: list[str] = (), lora: LoraConfig | None = None,
-                    base_model: str | None = None) -> str:
+                    base_model: str | None = None, controls: dict | None = None) -> str:
     """``lora``: the run trains LoRA adapters on ``base_model``: the DeepSpeed files hold only the trainable (adapter)
     parameters and their optimizer state, and the tag folder also holds the adapter in peft's format
-    (:func:`learner.lora.save_adapter`, what ``grpo export --merge`` reads)."""
+    (:func:`learner.lora.save_adapter`, what ``grpo export --merge`` reads). ``controls``: the state of the training
+    loop's controllers (the adaptive entropy coefficient), given back by :func:`load_latest` as ``controls``."""
     import numpy as np
     import torch
 
@@ -64,7 +65,8 @@ def save_checkpoint(engine, directory: str | Path, *, step: int, version: int, k
     from learner.lora import save_adapter, trainable_state_only
 
     with trainable_state_only(engine) if lora is not None else contextlib.nullcontext():
-        engine.save_checkpoint(str(directory), tag=tag, client_state={"step": step, "version": version, "rng": rng},
+        engine.save_checkpoint(str(directory), tag=tag, client_state={"step": step, "version": version, "rng": rng,
+                                                                  "controls": controls or {}},
                                save_latest=False, exclude_frozen_parameters=lora is not None)
     if lora is not None:
         save_adapter(engine.module, lora, base_model, Path(directory) / tag, is_writer=rank == 0)

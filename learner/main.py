@@ -31,17 +31,12 @@ from learner.engine import (
     load_engine,
     uses_bf16,
 )
+from learner.entropy_control import EntropyControl
 from learner.lora import reference_logprobs
 from learner.metrics import LappedEngine, MetricsLogger, StepClock, accuracy_judge, batch_metrics
 from learner.prefetch import BatchPrefetcher, HubCalls
 from learner.session import SessionRefusedError, check_hub, end_session, register_session
-from learner.step import (
-    all_reduce,
-    apply_off_policy,
-    grpo_step,
-    recompute_old_logprobs,
-    split_micro_batches,
-)
+from learner.step import all_reduce, apply_off_policy, grpo_step, recompute_old_logprobs, split_micro_batches
 from shared.config.schema import GRPOConfig
 from shared.devices import resolve_device
 from shared.errors import ServiceError, UsageError
@@ -113,9 +108,11 @@ class Learner:
         consumed, unacked = [], []   # unacked: batches the checkpoint holds, acknowledgement maybe not arrived
         if resume:
             self._startup(f"loading the newest checkpoint of {cfg.checkpoint_dir}")
-        if resume and (state := load_latest(self.engine, cfg.checkpoint_dir)) is not None:
+        state = load_latest(self.engine, cfg.checkpoint_dir) if resume else None
+        if state is not None:
             self.step, self.version, consumed, unacked = (state["step"], state["version"], state["consumed"],
                                                           state["unacknowledged"])
+        self.entropy = EntropyControl(config.algorithm.entropy, (state or {}).get("controls", {}).get("entropy"))
         self.advantage_log = (AdvantageLog(cfg.advantages_jsonl, self.rank, config.algorithm,
                                            mask_truncated=cfg.mask_truncated) if cfg.advantages_jsonl else None)
         self.metrics = MetricsLogger(jsonl=cfg.metrics_jsonl, tensorboard_dir=cfg.tensorboard_dir,
@@ -298,12 +295,14 @@ class Learner:
             lr = float(self.engine.get_lr()[0])  # the rate this step uses (the scheduler advances in step())
             outcome = grpo_step(self.timed_engine, micro, algorithm.loss, temperature=batch.temperature,
                                 old_mode=old_mode, world_size=self.world, log_entropy=cfg.log_entropy,
-                                chunk_tokens=cfg.logprob_chunk_tokens, lag_buckets=self.lag_buckets)
+                                chunk_tokens=cfg.logprob_chunk_tokens, lag_buckets=self.lag_buckets,
+                                entropy_coef=self.entropy.coef)
             clock.lap("step_reduce")
             if not outcome.finite:
                 self._skip_nonfinite()
                 continue
             self.nonfinite_in_row = 0
+            self.entropy.after_step(outcome.metrics)
             self.step += 1
             self.publish_if_due()
             clock.lap("version_report")
@@ -372,7 +371,8 @@ class Learner:
     def checkpoint(self) -> None:
         save_checkpoint(self.engine, self.cfg.checkpoint_dir, step=self.step, version=self.version,
                         keep=self.cfg.keep_checkpoints, rank=self.rank, consumed=self.ledger.consumed_ids(),
-                        unacknowledged=self.ledger.unacknowledged(), lora=self.cfg.lora, base_model=self.cfg.model)
+                        unacknowledged=self.ledger.unacknowledged(), lora=self.cfg.lora, base_model=self.cfg.model,
+                        controls={"entropy": self.entropy.state()})
         self.ledger.checkpointed()
 
     def finish(self) -> None:

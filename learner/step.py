@@ -39,7 +39,7 @@ from shared.tensors.transfers import to_device
 _MIN_KEYS = {"ratio_min", "is_weight_min"}
 _MAX_KEYS = {"ratio_max", "is_weight_max", "logprob_diff_max", MISMATCH_MAX_KEY, TOKEN_SPREAD_MAX_KEY}
 # summed over micro-batches and ranks, then turned into means in _step_metrics
-_SUM_KEYS = {"num_tokens", "pg_loss", "logprob_diff_sum", "sampled_tokens"}
+_SUM_KEYS = {"num_tokens", "pg_loss", "entropy_bonus", "logprob_diff_sum", "sampled_tokens"}
 
 
 @dataclass
@@ -199,14 +199,16 @@ def apply_off_policy(micro_batches: list[MicroBatch], cfg: OffPolicyConfig) -> N
 
 def micro_batch_loss(model, mb: MicroBatch, loss_cfg: LossConfig, *, temperature: float, old_mode: str,
                      num_tokens: float | torch.Tensor, num_seqs: float | torch.Tensor, log_entropy: bool = False,
-                     chunk_tokens: int | None = None,
-                     lag_buckets: int = 1) -> tuple[PolicyLossOutput, torch.Tensor | None]:
+                     chunk_tokens: int | None = None, lag_buckets: int = 1,
+                     entropy_coef: float = 0.0) -> tuple[PolicyLossOutput, torch.Tensor | None]:
     """The loss of one micro-batch, normalised by the global counts. ``old_mode`` 'behaviour' (bypass): pi_old is
     the behaviour logprobs; 'recompute': the recomputed ones, with the micro-batch's off-policy correction
     (:func:`apply_off_policy`). The drift metrics (:func:`shared.grpo.off_policy.mismatch_sums`, ``lag_buckets``
     version lags) compare the behaviour logprobs with the recomputed old logprobs, or in bypass with this forward's
-    (which are pi_old at the batch's only update)."""
-    logprobs, entropy = policy_logprobs(model, mb, temperature, with_entropy=log_entropy, chunk_tokens=chunk_tokens)
+    (which are pi_old at the batch's only update). ``entropy_coef`` != 0: the entropy bonus is in the loss (the
+    entropy is then computed with its gradient whatever ``log_entropy`` says)."""
+    logprobs, entropy = policy_logprobs(model, mb, temperature, with_entropy=log_entropy or entropy_coef != 0.0,
+                                        chunk_tokens=chunk_tokens)
     if old_mode == "behaviour":
         old, learner_old = mb.behaviour_logprobs, logprobs.detach()
     else:
@@ -216,7 +218,8 @@ def micro_batch_loss(model, mb: MicroBatch, loss_cfg: LossConfig, *, temperature
     result = compute_policy_loss(logprobs, mb.advantages, mb.host_loss_lengths, loss_cfg, old_logprobs=old,
                                  correction=mb.correction if old_mode != "behaviour" else None,
                                  ref_logprobs=mb.ref_logprobs,
-                                 num_tokens=num_tokens, num_seqs=num_seqs, token_mask=mb.loss_mask)
+                                 num_tokens=num_tokens, num_seqs=num_seqs, token_mask=mb.loss_mask,
+                                 entropy=entropy, entropy_coef=entropy_coef)
     result.metrics.update(behaviour_logprob_gap(logprobs, mb.behaviour_logprobs, mb.completion_lengths,
                                                 mb.loss_mask))
     valid = completion_mask(mb.loss_lengths, logprobs.shape[1], mb.loss_mask)
@@ -248,7 +251,7 @@ def behaviour_logprob_gap(logprobs: torch.Tensor, behaviour: torch.Tensor, compl
 
 def grpo_step(engine, micro_batches: list[MicroBatch], loss_cfg: LossConfig, *, temperature: float,
               old_mode: str, world_size: int, log_entropy: bool, chunk_tokens: int | None,
-              lag_buckets: int = 1) -> StepOutcome:
+              lag_buckets: int = 1, entropy_coef: float = 0.0) -> StepOutcome:
     """Forward/backward over the micro-batches, then one optimizer step (skipped if any loss is not finite).
 
     One host synchronisation per step: losses, finiteness flags and metrics stay on the device while the
@@ -269,7 +272,8 @@ def grpo_step(engine, micro_batches: list[MicroBatch], loss_cfg: LossConfig, *, 
         _start_zero3_micro_step(engine)
         result, entropy = micro_batch_loss(model, mb, loss_cfg, temperature=temperature, old_mode=old_mode,
                                            num_tokens=num_tokens, num_seqs=num_seqs, log_entropy=log_entropy,
-                                           chunk_tokens=chunk_tokens, lag_buckets=lag_buckets)
+                                           chunk_tokens=chunk_tokens, lag_buckets=lag_buckets,
+                                           entropy_coef=entropy_coef)
         loss = result.loss.detach().double()
         nonfinite = nonfinite + (~torch.isfinite(loss)).double()
         engine.backward(result.loss * world_size, scale_wrt_gas=False)
@@ -350,6 +354,8 @@ def _step_metrics(host: dict, grad_norm) -> dict[str, float]:
                if k not in _SUM_KEYS | {"entropy", "entropy_tokens"} and not k.startswith(MISMATCH_SUM_PREFIX)}
     metrics.update(mismatch_metrics(totals))
     metrics["pg_loss"] = totals.get("pg_loss", 0.0)
+    if "entropy_bonus" in totals:
+        metrics["entropy_bonus"] = totals["entropy_bonus"]
     if "sampled_tokens" in totals:
         metrics["logprob_diff_mean"] = totals["logprob_diff_sum"] / max(totals["sampled_tokens"], 1.0)
     metrics["loss_tokens"] = totals.get("num_tokens", 0.0)

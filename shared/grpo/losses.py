@@ -156,6 +156,7 @@ def compute_policy_loss(
     ref_logprobs: torch.Tensor | None = None,
     num_tokens: float | torch.Tensor | None = None,
     num_seqs: float | torch.Tensor | None = None, token_mask: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None, entropy_coef: float = 0.0,
 ) -> PolicyLossOutput:
     """The GRPO loss of one (micro-)batch. Shapes: per-token ``[B, L]``, ``advantages`` ``[B]`` or ``[B, L]`` (:func:`per_token`).
 
@@ -170,6 +171,8 @@ def compute_policy_loss(
       device tensors, e.g. all-reduced over ranks: then they are not read back).
     * ``completion_lengths``: which tokens count (a list is never read back from the device); ``token_mask``
       (multi-turn, ``[B, >= L]`` bool): of those, only where the model wrote the token (the rest: as padding).
+    * ``entropy`` (``[B, L]``, with its gradient) and ``entropy_coef``: the entropy bonus, ``-entropy_coef * H_t``
+      added to each token's loss (learner/entropy_control.py); its aggregate is the ``entropy_bonus`` metric.
     """
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be [B, L], got shape {tuple(logprobs.shape)}")
@@ -198,6 +201,10 @@ def compute_policy_loss(
         metrics["kl_mean"] = masked_mean(kl.detach(), mask)
         if cfg.beta > 0:
             token_loss = token_loss + cfg.beta * kl
+    if entropy is not None and entropy_coef != 0.0:
+        bonus = entropy_coef * zero_padding(entropy, mask, dtype)
+        metrics["entropy_bonus"] = aggregate(bonus.detach(), mask)
+        token_loss = token_loss - bonus
     loss = aggregate(token_loss, mask)
     metrics.update(surrogate_metrics(terms, mask))
     return PolicyLossOutput(loss=loss, token_loss=token_loss.detach(), metrics=metrics)

@@ -199,6 +199,31 @@ class OffPolicyConfig(StrictModel):
         return self
 
 
+class EntropyConfig(StrictModel):
+    """An entropy bonus in the loss (learner/entropy_control.py): ``-coef * H`` per token in the loss, aggregated like
+    the policy loss, with ``H`` the entropy of the policy's (tempered) next-token distribution. A fixed ``coef``, or
+    with ``target`` an adaptive one that holds the mean token entropy near it:
+    ``coef <- clip(coef + adapt_rate * (target - H_step), min_coef, max_coef)`` after every step."""
+
+    coef: float = Field(0.0, ge=0, description="The bonus's coefficient (the starting one when target is set); 0 "
+                        "with no target: no bonus.")
+    target: float | None = Field(None, gt=0, description="Target mean token entropy in nats; null: coef stays fixed.")
+    adapt_rate: float = Field(1e-3, gt=0, description="How fast coef follows the target: its change per step per "
+                              "nat of entropy below (or above) it.")
+    min_coef: float = Field(0.0, ge=0, description="The adaptive coefficient's floor.")
+    max_coef: float = Field(0.05, gt=0, description="The adaptive coefficient's ceiling.")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> EntropyConfig:
+        if self.min_coef > self.max_coef:
+            raise ValueError(f"min_coef {self.min_coef} > max_coef {self.max_coef}")
+        return self
+
+    @property
+    def active(self) -> bool:
+        return self.coef > 0 or self.target is not None
+
+
 class AlgorithmConfig(StrictModel):
     """The GRPO algorithm: advantages, loss, and where the KL penalty goes."""
 
@@ -208,6 +233,8 @@ class AlgorithmConfig(StrictModel):
                          "instead of in the loss (loss.beta).")
     off_policy: OffPolicyConfig = Field(default_factory=OffPolicyConfig, description="Off-policy correction: "
                                         "the drift between the generators' and the learner's logprobs.")
+    entropy: EntropyConfig = Field(default_factory=EntropyConfig, description="Entropy bonus in the loss, fixed "
+                                   "or adaptive to a target entropy.")
 
     @property
     def needs_reference(self) -> bool:
