@@ -36,7 +36,14 @@ from learner.lora import reference_logprobs
 from learner.metrics import LappedEngine, MetricsLogger, StepClock, accuracy_judge, batch_metrics
 from learner.prefetch import BatchPrefetcher, HubCalls
 from learner.session import SessionRefusedError, check_hub, end_session, register_session
-from learner.step import all_reduce, apply_off_policy, grpo_step, recompute_old_logprobs, split_micro_batches
+from learner.step import (
+    apply_off_policy,
+    batch_tokens,
+    grpo_step,
+    ranks_agree,
+    recompute_old_logprobs,
+    split_micro_batches,
+)
 from shared.config.schema import GRPOConfig
 from shared.devices import resolve_device
 from shared.errors import ServiceError, UsageError
@@ -64,12 +71,6 @@ class LearnerResult:
 
 
 AGREE_EVERY_S = 2.0  # ranks waiting for their batches agree this often whether all have one (or one stopped)
-
-
-def _agree(flag: bool, device: torch.device, op=dist.ReduceOp.MAX) -> bool:
-    if dist.get_world_size() == 1:  # nobody to agree with: no tensor, no device round trip
-        return flag
-    return bool(all_reduce(torch.tensor([1.0 if flag else 0.0], device=device), op).item() > 0.5)
 
 
 def require_state_folders(cfg) -> None:
@@ -104,15 +105,7 @@ class Learner:
         torch.manual_seed(config.seed + self.rank)
         dtype = torch.bfloat16 if uses_bf16(cfg, self.device) else torch.float32
         self.engine = load_engine(cfg, dtype, self.device, say=self._startup)
-        self.step = self.version = 0
-        consumed, unacked = [], []   # unacked: batches the checkpoint holds, acknowledgement maybe not arrived
-        if resume:
-            self._startup(f"loading the newest checkpoint of {cfg.checkpoint_dir}")
-        state = load_latest(self.engine, cfg.checkpoint_dir) if resume else None
-        if state is not None:
-            self.step, self.version, consumed, unacked = (state["step"], state["version"], state["consumed"],
-                                                          state["unacknowledged"])
-        self.entropy = EntropyControl(config.algorithm.entropy, (state or {}).get("controls", {}).get("entropy"))
+        consumed, unacked = self._restore(resume)
         self.advantage_log = (AdvantageLog(cfg.advantages_jsonl, self.rank, config.algorithm,
                                            mask_truncated=cfg.mask_truncated) if cfg.advantages_jsonl else None)
         self.metrics = MetricsLogger(jsonl=cfg.metrics_jsonl, tensorboard_dir=cfg.tensorboard_dir,
@@ -147,6 +140,20 @@ class Learner:
         self.skipped = self.nonfinite_in_row = 0
         self._said_prefix = False
 
+    def _restore(self, resume: bool) -> tuple[list[str], list[str]]:
+        """Step, version and controls from the newest checkpoint (``resume``), else from scratch; returns the groups
+        it trained on and the batches it holds whose acknowledgement may not have arrived."""
+        self.step = self.version = 0
+        state = None
+        if resume:
+            self._startup(f"loading the newest checkpoint of {self.cfg.checkpoint_dir}")
+            state = load_latest(self.engine, self.cfg.checkpoint_dir)
+        self.entropy = EntropyControl(self.config.algorithm.entropy, (state or {}).get("controls", {}).get("entropy"))
+        if state is None:
+            return [], []
+        self.step, self.version = state["step"], state["version"]
+        return state["consumed"], state["unacknowledged"]
+
     def _startup(self, phase: str) -> None:
         """What this learner does now while it starts (`grpo run` shows it until the first step: rank 0's)."""
         if self.rank == 0:
@@ -164,11 +171,11 @@ class Learner:
             refused = register_session(self.client, self.cfg.checkpoint_dir, max(self.version, self.hub_version),
                                        self.cfg.groups_per_step * self.world, self.publisher.layout.to_json(),
                                        resume=resume, unacked=unacked, submit=self.hub_calls.submit)
-        if _agree(refused is not None, self.device):
+        if ranks_agree(refused is not None, self.device):
             raise SessionRefusedError(f"the hub at {self.cfg.hub_url} refused this learner: {refused}"
                                       if refused else "the hub refused rank 0's registration (its log says why)")
         # resumed ahead of the relay: joining generators need these weights (older ones sample only stale groups)
-        if _agree(resume and self.step > 0 and (self.relay_at_start or 0) < self.version, self.device):
+        if ranks_agree(resume and self.step > 0 and (self.relay_at_start or 0) < self.version, self.device):
             self.publisher.publish(self.version)
 
     def _client(self) -> HubClient:
@@ -227,24 +234,24 @@ class Learner:
         collectives, not the hub's supply)."""
         held = None   # this rank's batch, kept while another rank still waits for its own
         while True:
-            if _agree(self.stop.is_set(), self.device):
+            if ranks_agree(self.stop.is_set(), self.device):
                 self.stop.set()
                 if held is not None and held[0] is not None:
                     self.prefetcher.give_back(held[0])   # leased, never trained: back to the hub at once
                 return None
             if held is None:
                 held = self.prefetcher.next(wait_s=AGREE_EVERY_S)
-            if _agree(held is None, self.device):   # a rank still waits for its batch: ask again
+            if ranks_agree(held is None, self.device):   # a rank still waits for its batch: ask again
                 continue
             batch, fetched = held
             held = None
-            if _agree(batch is None, self.device):  # a rank stopped while waiting: everyone stops
+            if ranks_agree(batch is None, self.device):  # a rank stopped while waiting: everyone stops
                 self.stop.set()
                 if batch is not None:
                     self.prefetcher.give_back(batch)
                 return None
             problem = batch_problem(batch, getattr(self.engine.module.get_input_embeddings(), "num_embeddings", None))
-            if not _agree(problem is not None, self.device):
+            if not ranks_agree(problem is not None, self.device):
                 self.fetched = fetched
                 return batch
             self._set_aside(batch, problem)
@@ -275,9 +282,7 @@ class Learner:
         if self.advantage_log is not None:
             self.advantage_log.write(self.step + 1, batch, advantages)
         # host numbers from host tensors (the batch is still on the CPU here): no device round trip for them
-        tokens = float((batch.prompt_lengths + batch.completion_lengths).sum())
-        if self.world > 1:
-            tokens = float(all_reduce(torch.tensor([tokens], device=self.device)).item())
+        tokens = batch_tokens(batch, self.world, self.device)
         clock.lap("advantages")
         micro = split_micro_batches(batch, advantages, cfg.micro_batches, cfg.mask_truncated, self.device,
                                     token_budget=cfg.micro_batch_tokens, packing=cfg.packing,

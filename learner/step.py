@@ -106,6 +106,15 @@ def micro_batch_rows(batch: TrainBatch, parts: int, token_budget: int | None = N
             for rows in split_by_token_budget(lengths, token_budget, packed=packed, parts=count)]
 
 
+def batch_tokens(batch: TrainBatch, world: int, device: torch.device) -> float:
+    """Prompt and completion tokens of the global batch (this rank's, summed over ranks): from the host copies,
+    no device round trip on one rank."""
+    tokens = float((batch.prompt_lengths + batch.completion_lengths).sum())
+    if world > 1:
+        tokens = float(all_reduce(torch.tensor([tokens], device=device)).item())
+    return tokens
+
+
 def split_micro_batches(batch: TrainBatch, advantages: torch.Tensor, parts: int, mask_truncated: bool,
                         device: torch.device, *, token_budget: int | None = None,
                         packing: PackingMode = "padded", prefix_sharing: str = "off",
@@ -162,6 +171,13 @@ def all_reduce(values: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         values = values.clone()
         dist.all_reduce(values, op=op)
     return values
+
+
+def ranks_agree(flag: bool, device: torch.device, op=dist.ReduceOp.MAX) -> bool:
+    """Whether any rank (``op`` MAX; MIN: every rank) holds ``flag``."""
+    if dist.get_world_size() == 1:  # nobody to agree with: no tensor, no device round trip
+        return flag
+    return bool(all_reduce(torch.tensor([1.0 if flag else 0.0], device=device), op).item() > 0.5)
 
 
 def policy_logprobs(model, mb: MicroBatch, temperature: float, *, with_entropy: bool, chunk_tokens: int | None):

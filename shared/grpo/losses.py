@@ -193,11 +193,22 @@ def compute_policy_loss(
     aggregate = partial(AGGREGATIONS.get(cfg.aggregation), num_tokens=num_tokens, num_seqs=num_seqs,
                         norm_len=cfg.norm_len)
     metrics["pg_loss"] = aggregate(token_loss.detach(), mask)
+    token_loss = _with_regularisers(token_loss, logprobs, mask, cfg, metrics, aggregate, ref_logprobs=ref_logprobs,
+                                    entropy=entropy, entropy_coef=entropy_coef)
+    loss = aggregate(token_loss, mask)
+    metrics.update(surrogate_metrics(terms, mask))
+    return PolicyLossOutput(loss=loss, token_loss=token_loss.detach(), metrics=metrics)
+
+
+def _with_regularisers(token_loss: torch.Tensor, logprobs: torch.Tensor, mask: torch.Tensor, cfg: LossConfig,
+                       metrics: dict, aggregate, *, ref_logprobs: torch.Tensor | None, entropy: torch.Tensor | None,
+                       entropy_coef: float) -> torch.Tensor:
+    """``token_loss`` plus ``beta * KL`` (with ``ref_logprobs``; ``kl_mean`` is measured whenever they are given) and
+    minus ``entropy_coef * H`` (the ``entropy_bonus`` metric: its aggregate)."""
+    dtype = logprobs.dtype
     if ref_logprobs is not None:
-        kl = kl_penalty(
-            logprobs, zero_padding(ref_logprobs, mask, dtype), cfg.kl_estimator,
-            log_ratio_clamp=cfg.kl_log_ratio_clamp, value_clamp=cfg.kl_value_clamp,
-        )
+        kl = kl_penalty(logprobs, zero_padding(ref_logprobs, mask, dtype), cfg.kl_estimator,
+                        log_ratio_clamp=cfg.kl_log_ratio_clamp, value_clamp=cfg.kl_value_clamp)
         metrics["kl_mean"] = masked_mean(kl.detach(), mask)
         if cfg.beta > 0:
             token_loss = token_loss + cfg.beta * kl
@@ -205,9 +216,7 @@ def compute_policy_loss(
         bonus = entropy_coef * zero_padding(entropy, mask, dtype)
         metrics["entropy_bonus"] = aggregate(bonus.detach(), mask)
         token_loss = token_loss - bonus
-    loss = aggregate(token_loss, mask)
-    metrics.update(surrogate_metrics(terms, mask))
-    return PolicyLossOutput(loss=loss, token_loss=token_loss.detach(), metrics=metrics)
+    return token_loss
 
 
 def per_token(advantages: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:

@@ -305,7 +305,7 @@ def test_grpo_eval_on_a_conversational_jsonl(chat_model_dir, tiny_model_dir, tmp
     config.write_text(json.dumps({
         "generator": {"dataset": {"kind": "hf", "path": str(train)}, "sampling": {"max_tokens": 4},
                       "rewards": [{"name": "python", "args": {
-                          "function": "tests.generator.test_hf_datasets:saw_the_messages"}}]},
+                          "function": f"{Path(__file__).resolve()}:saw_the_messages"}}]},
         "eval": {"k": 1, "engine": "transformers", "path": str(held_out)}}))
     done = forks.run([GRPO, "eval", "--model", str(chat_model_dir), "--config", str(config)], capture_output=True,
                      text=True, timeout=300)

@@ -19,7 +19,7 @@ from shared.errors import GrpoError
 
 
 def agree(device: torch.device) -> None:
-    """What learner.main._agree does on each batch (one all-reduce of a flag), without importing the learner's
+    """What learner.step.ranks_agree does on each batch (one all-reduce of a flag), without importing the learner's
     model stack: start-up stays a few seconds."""
     dist.all_reduce(torch.ones(1, device=device), op=dist.ReduceOp.MAX)
 
