@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Literal
+
+from pydantic import Field, field_validator
 
 from shared.config.schema.base import StrictModel
 
@@ -28,3 +30,29 @@ class EvalConfig(StrictModel):
     threshold: float = Field(1.0, description="A completion is correct when that reward is >= this value.")
     engine: str = Field("auto", description="'auto' (vLLM when it can run here, else transformers), 'vllm' or "
                         "'transformers'.")
+    # evaluation while training: `grpo run` starts an evaluator (generator/evaluator.py) when every_steps is set
+    every_steps: int | None = Field(
+        None, ge=1, description="Evaluate while training: `grpo run` starts an evaluator process (`grpo evaluator`) "
+        "that follows the weight versions the learner publishes and evaluates a version whenever it is at least "
+        "this many versions past the last one evaluated (a version is the learner's step that published it), "
+        "never in the learner's step. Null: no evaluation while training (`grpo eval` after it).")
+    jsonl: str | None = Field(None, description="Where the evaluator appends one JSON line per evaluation "
+                              "(version, step, eval/<dataset>/<metric>); null: <run.run_dir>/eval.jsonl.")
+    poll_s: float = Field(2.0, gt=0, description="How often the evaluator asks the hub for its newest version.")
+    best_metric: str | None = Field(
+        None, description="Keep the best version evaluated by this metric ('accuracy', 'pass@k', "
+        "'mean_reward', 'tool_call_rate') as a Hugging Face folder <run.run_dir>/best with best.json (version, "
+        "step, value); a restarted evaluator keeps it unless beaten. Null: no best checkpoint.")
+    best_mode: Literal["max", "min"] = Field("max", description="Whether the best eval.best_metric is the "
+                                             "highest ('max') or the lowest ('min').")
+
+    @field_validator("best_metric")
+    @classmethod
+    def _known_metric(cls, value: str | None) -> str | None:
+        if value is not None and value not in BEST_METRICS:
+            raise ValueError(f"eval.best_metric {value!r} is not one of {', '.join(BEST_METRICS)}")
+        return value
+
+
+# what eval.best_metric may name: the evaluator's metrics (eval/<dataset>/<metric>), pass@k whatever eval.k
+BEST_METRICS = ("accuracy", "pass@k", "mean_reward", "tool_call_rate", "turns_per_trajectory")

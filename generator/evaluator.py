@@ -1,0 +1,257 @@
+"""Evaluation while training (``eval.every_steps``): ``grpo evaluator``, a process of its own that follows the weight
+versions the learner publishes on the hub's relay, never in the learner's step.
+
+It asks the hub for its newest version every ``eval.poll_s`` seconds; whenever that version is at least
+``eval.every_steps`` past the last one evaluated, it downloads it (shared/weight_sync/download_dir.py, files of its
+own beside the generators'), loads it into one engine built at start (the engine ``grpo eval`` uses) and evaluates it
+with generator/evaluate.py's :func:`evaluate_engine`. Versions published meanwhile are skipped: it always takes the
+newest. Each evaluation is one JSON line in ``eval.jsonl`` (default ``<run_dir>/eval.jsonl``; ``version``, ``step``,
+``eval/<dataset>/<metric>``), a console line ``[evaluator] version V: accuracy ...``, and TensorBoard scalars in
+``learner.tensorboard_dir`` when set (the learner's MetricsLogger). A version's ``step`` is the learner's step that
+published it: a version is its step (learner/main.py), but for a learner that published past a relay ahead of it.
+
+An evaluation that fails (a version gone or holding NaN/inf, a reward that raises, the failure rule of
+generator/failures.py) is logged, counted and written as ``{"version", "step", "error"}``: the evaluator goes on
+with the next version, and the run never stops for it.
+
+``eval.best_metric`` keeps the best version as a Hugging Face folder ``<run_dir>/best`` (the model folder's config
+and tokenizer files, the version's weights as ``model.safetensors``) with ``best.json`` (version, step, metric,
+value); a restarted evaluator reads best.json and keeps that model unless a version beats it, and continues after
+the last version its eval.jsonl holds.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from generator.evaluate import EvalPlan, EvalResult, eval_engine, evaluate_engine, plan_eval
+from shared.config.schema import GRPOConfig
+from shared.errors import UsageError
+from shared.protocol.client import HubClient, HubError, HubUnavailable, service_client, stop_on_signals
+from shared.weight_sync.adapter import file_kind
+from shared.weight_sync.download_dir import DownloadDir
+from shared.weight_sync.layout import KIND_ADAPTER
+from shared.weight_sync.receiver import nonfinite_tensor
+
+log = logging.getLogger("grpo.evaluator")
+
+BEST_JSON = "best.json"
+
+
+class VersionRefused(RuntimeError):
+    """A downloaded version that is not evaluated (NaN/inf weights, a file the engine cannot load)."""
+
+
+def dataset_name(config: GRPOConfig) -> str:
+    """The ``<dataset>`` of the metric names: eval.path's or the training dataset's name (its file's stem)."""
+    dataset = config.generator.dataset
+    path = config.eval.path or (dataset.path if dataset.kind in ("jsonl", "hf") else None)
+    return dataset.kind if path is None else Path(str(path).rstrip("/")).name.removesuffix(".jsonl")
+
+
+def eval_metrics(result: EvalResult, dataset: str) -> dict[str, float]:
+    """``eval/<dataset>/<metric>`` of one evaluation (``pass@k`` with k written out, tool calls when multi-turn)."""
+    out = {"accuracy": result.greedy_accuracy, f"pass@{result.k}": result.pass_at_k,
+           "mean_reward": result.greedy_mean_reward}
+    if result.tool_call_rate is not None:
+        out.update(tool_call_rate=result.tool_call_rate, turns_per_trajectory=result.turns_per_trajectory)
+    return {f"eval/{dataset}/{name}": float(value) for name, value in out.items()}
+
+
+@dataclass
+class Best:
+    version: int
+    step: int
+    metric: str
+    value: float
+
+
+class BestCheckpoint:
+    """``<run_dir>/best``: the best version so far by ``metric`` (``mode`` max or min), its Hugging Face folder and
+    best.json. ``model_dir`` gives the config and tokenizer files (the generator's model folder)."""
+
+    def __init__(self, folder: Path, metric: str, mode: str, model_dir: str) -> None:
+        self.folder, self.metric, self.mode, self.model_dir = folder, metric, mode, model_dir
+        self.best = self.read()
+
+    def read(self) -> Best | None:
+        path = self.folder / BEST_JSON
+        if not path.is_file():
+            return None
+        try:
+            data = json.loads(path.read_text())
+            best = Best(int(data["version"]), int(data["step"]), str(data["metric"]), float(data["value"]))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise UsageError(f"{path} is not a best.json the evaluator wrote ({exc!r}): delete {self.folder} to "
+                             "start the best checkpoint over") from None
+        if best.metric != self.metric:
+            log.warning("%s was chosen by %s, not eval.best_metric %s: it is replaced by the next version evaluated",
+                        path, best.metric, self.metric)
+            return None
+        return best
+
+    def beats(self, value: float) -> bool:
+        if math.isnan(value):
+            return False
+        if self.best is None:
+            return True
+        return value > self.best.value if self.mode == "max" else value < self.best.value
+
+    def keep(self, weights: Path, version: int, step: int, value: float) -> None:
+        """The folder rewritten for ``version`` (a new folder renamed over the old one: never half a model)."""
+        partial = self.folder.with_name(self.folder.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        for item in Path(self.model_dir).iterdir():
+            if item.is_file() and not item.name.endswith((".safetensors", ".bin", ".pt", ".index.json")):
+                shutil.copy2(item, partial / item.name)
+        shutil.copy2(weights, partial / "model.safetensors")
+        self.best = Best(version, step, self.metric, value)
+        (partial / BEST_JSON).write_text(json.dumps(self.best.__dict__) + "\n")
+        old = self.folder.with_name(self.folder.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        if self.folder.exists():
+            os.replace(self.folder, old)
+        os.replace(partial, self.folder)
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def last_evaluated(path: Path) -> int | None:
+    """The newest version an eval.jsonl holds (a restarted evaluator continues after it); None: none."""
+    if not path.is_file():
+        return None
+    versions = []
+    for line in path.read_text().splitlines():
+        try:
+            versions.append(int(json.loads(line)["version"]))
+        except (ValueError, KeyError, TypeError):
+            continue   # a line cut by a kill
+    return max(versions, default=None)
+
+
+class Evaluator:
+    """Follows the hub's versions and evaluates every ``eval.every_steps``-th one (the newest when due)."""
+
+    def __init__(self, config: GRPOConfig, client: HubClient, engine, plan: EvalPlan, run_dir: Path,
+                 evaluate: Callable[..., EvalResult] = evaluate_engine, say: Callable[[str], object] = print) -> None:
+        cfg = config.eval
+        if cfg.every_steps is None:
+            raise UsageError("eval.every_steps is not set: the evaluator evaluates every that many versions")
+        self.config, self.client, self.engine, self.plan = config, client, engine, plan
+        self.evaluate, self.say = evaluate, say
+        self.every = cfg.every_steps
+        self.jsonl = Path(cfg.jsonl) if cfg.jsonl else run_dir / "eval.jsonl"
+        self.dataset = dataset_name(config)
+        self.downloads = DownloadDir(config.generator.weights_dir or run_dir / "evaluator" / "weights")
+        self.last = last_evaluated(self.jsonl) or 0   # version 0 is the initial model: evaluated after every_steps
+        self.best = (BestCheckpoint(run_dir / "best", cfg.best_metric, cfg.best_mode, config.generator.model)
+                     if cfg.best_metric else None)
+        self.evaluated = self.failed = 0
+        self.tensorboard = None
+        if config.learner.tensorboard_dir:
+            from learner.metrics import MetricsLogger
+
+            self.tensorboard = MetricsLogger(jsonl=None, tensorboard_dir=config.learner.tensorboard_dir,
+                                             wandb_project=None, enabled=True, total_steps=None)
+
+    def due(self) -> int | None:
+        """The hub's newest version if it is due (>= the last evaluated + every_steps), else None."""
+        version = self.client.weights_version()
+        return version if version is not None and version >= self.last + self.every else None
+
+    def poll(self) -> bool:
+        """Evaluate the newest version if it is due; whether one was evaluated (or failed)."""
+        try:
+            version = self.due()
+        except (HubUnavailable, HubError) as exc:
+            log.warning("evaluator: cannot read the hub's newest version (%s); asking again", exc)
+            return False
+        if version is None:
+            return False
+        self.last = version
+        try:
+            metrics = self.evaluate_version(version)
+        except Exception as exc:   # noqa: BLE001 - an evaluation that fails never stops the evaluator or the run
+            self.failed += 1
+            log.exception("evaluator: version %d failed", version)
+            self.write({"version": version, "step": version, "error": f"{type(exc).__name__}: {exc}"})
+            self.say(f"[evaluator] version {version}: failed ({type(exc).__name__}: {exc}); "
+                     f"{self.failed} failed so far, going on")
+            return True
+        self.evaluated += 1
+        self.write({"version": version, "step": version, **metrics})
+        shown = ", ".join(f"{k.rsplit('/', 1)[1]} {v:.4f}" for k, v in metrics.items())
+        best = f"; best: version {self.best.best.version}" if self.best is not None and self.best.best else ""
+        self.say(f"[evaluator] version {version}: {shown}{best}")
+        if self.tensorboard is not None:
+            self.tensorboard.log(version, metrics)
+        return True
+
+    def evaluate_version(self, version: int) -> dict[str, float]:
+        try:
+            path = self.client.download_weights(version, self.downloads.path_for(version))
+        except HubError as exc:
+            raise VersionRefused(f"version {version} could not be downloaded: {exc}") from None
+        try:
+            bad = nonfinite_tensor(path)
+            if bad is not None:
+                raise VersionRefused(f"version {version} holds NaN/inf (tensor {bad})")
+            adapter = file_kind(path) == KIND_ADAPTER
+            if adapter:
+                self.engine.apply_adapter(path)
+            else:
+                self.engine.load_weights(path)
+            result = self.evaluate(self.config, self.engine, self.plan, f"version {version}")
+            metrics = eval_metrics(result, self.dataset)
+            if self.best is not None and not adapter:
+                value = metrics[self.metric_key(result.k)]
+                if self.best.beats(value):
+                    self.best.keep(path, version, version, value)
+        finally:
+            self.downloads.clear()
+        return metrics
+
+    def metric_key(self, k: int) -> str:
+        name = f"pass@{k}" if self.best.metric == "pass@k" else self.best.metric
+        key = f"eval/{self.dataset}/{name}"
+        return key
+
+    def write(self, record: dict) -> None:
+        self.jsonl.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.jsonl, "a") as fh:
+            fh.write(json.dumps({**record, "time": time.time()}) + "\n")
+
+    def run(self, stop: threading.Event) -> None:
+        """Until ``stop`` is set (the launcher stops it with the run)."""
+        while not stop.is_set():
+            if not self.poll():
+                stop.wait(self.config.eval.poll_s)
+
+    def close(self) -> None:
+        self.downloads.clear()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+
+def run_evaluator(config: GRPOConfig, hub_url: str, run_dir: Path) -> None:
+    """``grpo evaluator``: the engine built once, then :meth:`Evaluator.run` until stopped (SIGTERM, Ctrl-C)."""
+    plan = plan_eval(config)   # an unknown eval.accuracy_reward is refused before the engine loads
+    stop = threading.Event()
+    client = service_client(hub_url, config.ref_server.token, config.generator.retry_max_s)
+    stop_on_signals(stop, client, "exiting after the current evaluation")
+    engine = eval_engine(config, config.generator.model)
+    evaluator = Evaluator(config, client, engine, plan, run_dir, say=lambda text: print(text, flush=True))
+    try:
+        evaluator.run(stop)
+    finally:
+        evaluator.close()
+        engine.close()
