@@ -23,6 +23,7 @@ from pathlib import Path
 
 import yaml
 
+from generator.eval_files import eval_summary
 from learner.checkpoint import complete_tags
 from shared.config.schema import GRPOConfig
 from shared.config.schema.paths import STATE_PATHS
@@ -218,6 +219,7 @@ def summary_lines(config: GRPOConfig, status: int, source: str | None = None) ->
         lines.append(f"metrics: {cfg.metrics_jsonl}" + (f", TensorBoard {cfg.tensorboard_dir}"
                                                        if cfg.tensorboard_dir and Path(cfg.tensorboard_dir).exists()
                                                        else ""))
+    lines += eval_summary(config)   # eval.every_steps: the best model beside the last evaluation
     lines += _weights_lines(config, source)
     paths = {run_dir.resolve(): run_dir, **{s.path.resolve(): s.path for s in state_paths(config)}}
     roots = [p for p in paths if not any(q in p.parents for q in paths)]  # each file counted once

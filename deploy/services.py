@@ -107,6 +107,29 @@ def cmd_learner(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_evaluator(args: argparse.Namespace) -> int:
+    """Follow the hub's weight versions and evaluate every eval.every_steps-th (generator/evaluator.py)."""
+    import logging
+
+    from deploy.preflight import require_models
+    from deploy.startup import import_model_classes
+
+    config = load_with_flags(args, {"model": "generator.model", "every_steps": "eval.every_steps",
+                                    "run_dir": "run.run_dir"})
+    if config.eval.every_steps is None:
+        raise UsageError("eval.every_steps is not set: the evaluator evaluates every that many weight versions "
+                         "(--every-steps N, or --set eval.every_steps=N)")
+    require_models({"generator.model": config.generator.model})  # before seconds of imports and hub retries
+    import_model_classes()
+    from generator.evaluator import run_evaluator
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # the TensorBoard writer is the learner's MetricsLogger, whose progress line says "step N" about training
+    logging.getLogger("grpo.learner").setLevel(logging.WARNING)
+    run_evaluator(config, args.hub or config.learner.hub_url)
+    return 0
+
+
 def cmd_scorer(args: argparse.Namespace) -> int:
     """Join a hub as a reference scorer: score the groups it holds (and /v1/logprobs requests) until stopped."""
     import logging
@@ -171,7 +194,7 @@ def root_parser() -> tuple[argparse.ArgumentParser, AddCommand]:
 
 
 def add_service_parsers(add: AddCommand) -> None:
-    """``grpo ref-server``, ``grpo scorer``, ``grpo generator`` and ``grpo learner``."""
+    """``grpo ref-server``, ``grpo scorer``, ``grpo generator``, ``grpo evaluator`` and ``grpo learner``."""
     p = add("ref-server", cmd_ref_server,
             "Reference server: per-token reference logprobs over HTTP (POST /v1/logprobs), the rollout hub and "
             "the weight relay. Binds 127.0.0.1 unless told otherwise.")
@@ -202,6 +225,16 @@ def add_service_parsers(add: AddCommand) -> None:
     p.add_argument("--hub", help="Ref server / hub URL (overrides generator.hub_url).")
     p.add_argument("--id", help="Generator name (overrides generator.id; also seeds its prompt order).")
     p.add_argument("--max-groups", type=int, help="Stop after this many uploaded groups.")
+    add_config_args(p)
+
+    p = add("evaluator", cmd_evaluator,
+            "Evaluator: follow the weight versions the learner publishes and evaluate every eval.every_steps-th "
+            "(held-out greedy accuracy, pass@k) without stalling the learner; one JSON line per evaluation in "
+            "eval.jsonl, the best version kept in <run_dir>/best with eval.best_metric (docs/running.md).")
+    p.add_argument("--hub", help="Ref server / hub URL (default: learner.hub_url).")
+    p.add_argument("--model", help="Model folder: the engine, config and tokenizer (overrides generator.model).")
+    p.add_argument("--every-steps", type=int, help="Evaluate every N versions (overrides eval.every_steps).")
+    p.add_argument("--run-dir", help="The run folder eval.jsonl and best/ go under (overrides run.run_dir).")
     add_config_args(p)
 
     p = add("learner", cmd_learner,

@@ -14,9 +14,9 @@ An evaluation that fails (a version gone or holding NaN/inf, a reward that raise
 generator/failures.py) is logged, counted and written as ``{"version", "step", "error"}``: the evaluator goes on
 with the next version, and the run never stops for it.
 
-``eval.best_metric`` keeps the best version as a Hugging Face folder ``<run_dir>/best`` (the model folder's config
-and tokenizer files, the version's weights as ``model.safetensors``) with ``best.json`` (version, step, metric,
-value); a restarted evaluator reads best.json and keeps that model unless a version beats it, and continues after
+``eval.best_metric`` keeps the best version as a Hugging Face folder ``eval.best_dir`` (``<run_dir>/best``: the
+model folder's config and tokenizer files, the version's weights as ``model.safetensors``) with ``best.json``
+(version, step, metric, value); a restarted evaluator reads best.json and keeps that model unless a version beats it, and continues after
 the last version its eval.jsonl holds.
 """
 
@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from generator.eval_files import BEST_JSON, last_evaluated
 from generator.evaluate import EvalPlan, EvalResult, eval_engine, evaluate_engine, plan_eval
 from shared.config.schema import GRPOConfig
 from shared.errors import UsageError
@@ -43,9 +44,6 @@ from shared.weight_sync.layout import KIND_ADAPTER
 from shared.weight_sync.receiver import nonfinite_tensor
 
 log = logging.getLogger("grpo.evaluator")
-
-BEST_JSON = "best.json"
-
 
 class VersionRefused(RuntimeError):
     """A downloaded version that is not evaluated (NaN/inf weights, a file the engine cannot load)."""
@@ -76,7 +74,7 @@ class Best:
 
 
 class BestCheckpoint:
-    """``<run_dir>/best``: the best version so far by ``metric`` (``mode`` max or min), its Hugging Face folder and
+    """``eval.best_dir``: the best version so far by ``metric`` (``mode`` max or min), its Hugging Face folder and
     best.json. ``model_dir`` gives the config and tokenizer files (the generator's model folder)."""
 
     def __init__(self, folder: Path, metric: str, mode: str, model_dir: str) -> None:
@@ -125,35 +123,27 @@ class BestCheckpoint:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def last_evaluated(path: Path) -> int | None:
-    """The newest version an eval.jsonl holds (a restarted evaluator continues after it); None: none."""
-    if not path.is_file():
-        return None
-    versions = []
-    for line in path.read_text().splitlines():
-        try:
-            versions.append(int(json.loads(line)["version"]))
-        except (ValueError, KeyError, TypeError):
-            continue   # a line cut by a kill
-    return max(versions, default=None)
-
-
 class Evaluator:
     """Follows the hub's versions and evaluates every ``eval.every_steps``-th one (the newest when due)."""
 
-    def __init__(self, config: GRPOConfig, client: HubClient, engine, plan: EvalPlan, run_dir: Path,
+    def __init__(self, config: GRPOConfig, client: HubClient, engine, plan: EvalPlan,
                  evaluate: Callable[..., EvalResult] = evaluate_engine, say: Callable[[str], object] = print) -> None:
         cfg = config.eval
         if cfg.every_steps is None:
             raise UsageError("eval.every_steps is not set: the evaluator evaluates every that many versions")
         self.config, self.client, self.engine, self.plan = config, client, engine, plan
         self.evaluate, self.say = evaluate, say
+        if cfg.jsonl is None:
+            raise UsageError("eval.jsonl is null (no run.run_dir to put it under): set run.run_dir or eval.jsonl")
+        if cfg.best_metric and cfg.best_dir is None:
+            raise UsageError("eval.best_metric is set and eval.best_dir is null (no run.run_dir to put it under): "
+                             "set run.run_dir or eval.best_dir")
         self.every = cfg.every_steps
-        self.jsonl = Path(cfg.jsonl) if cfg.jsonl else run_dir / "eval.jsonl"
+        self.jsonl = Path(cfg.jsonl)
         self.dataset = dataset_name(config)
-        self.downloads = DownloadDir(config.generator.weights_dir or run_dir / "evaluator" / "weights")
+        self.downloads = DownloadDir(config.generator.weights_dir or self.jsonl.parent / "evaluator-weights")
         self.last = last_evaluated(self.jsonl) or 0   # version 0 is the initial model: evaluated after every_steps
-        self.best = (BestCheckpoint(run_dir / "best", cfg.best_metric, cfg.best_mode, config.generator.model)
+        self.best = (BestCheckpoint(Path(cfg.best_dir), cfg.best_metric, cfg.best_mode, config.generator.model)
                      if cfg.best_metric else None)
         self.evaluated = self.failed = 0
         self.tensorboard = None
@@ -242,14 +232,14 @@ class Evaluator:
             self.tensorboard.close()
 
 
-def run_evaluator(config: GRPOConfig, hub_url: str, run_dir: Path) -> None:
+def run_evaluator(config: GRPOConfig, hub_url: str) -> None:
     """``grpo evaluator``: the engine built once, then :meth:`Evaluator.run` until stopped (SIGTERM, Ctrl-C)."""
     plan = plan_eval(config)   # an unknown eval.accuracy_reward is refused before the engine loads
     stop = threading.Event()
     client = service_client(hub_url, config.ref_server.token, config.generator.retry_max_s)
     stop_on_signals(stop, client, "exiting after the current evaluation")
     engine = eval_engine(config, config.generator.model)
-    evaluator = Evaluator(config, client, engine, plan, run_dir, say=lambda text: print(text, flush=True))
+    evaluator = Evaluator(config, client, engine, plan, say=lambda text: print(text, flush=True))
     try:
         evaluator.run(stop)
     finally:

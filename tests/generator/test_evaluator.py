@@ -11,8 +11,9 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from generator.engines.hf import TransformersEngine
+from generator.eval_files import last_evaluated
 from generator.evaluate import EvalResult, evaluate_engine, plan_eval
-from generator.evaluator import Evaluator, dataset_name, last_evaluated
+from generator.evaluator import Evaluator, dataset_name
 from shared.config.schema import GRPOConfig
 from shared.protocol.client import HubClient, RetryPolicy
 from tests.live_server import LiveServer, make_config
@@ -31,6 +32,7 @@ def eval_config(model_dir, tmp_path, **eval_keys) -> GRPOConfig:
         "generator": {"model": str(model_dir), "weights_dir": str(tmp_path / "downloads"),
                       "rewards": [{"name": "python", "args": {"function": "tests.generator.test_evaluator:flaky_reward"}}],
                       "sampling": {"max_tokens": 4}},
+        "run": {"run_dir": str(tmp_path / "run")},
         "eval": {"num_examples": 4, "k": 2, "engine": "transformers", "every_steps": 2, "poll_s": 0.05, **eval_keys}})
 
 
@@ -80,7 +82,7 @@ def test_the_evaluator_takes_every_nth_version_skipping_those_published_meanwhil
         relay = Relay(live.url, tiny_model_dir, tmp_path)
         engine = TransformersEngine(tiny_model_dir)
         plan = plan_eval(config)
-        evaluator = Evaluator(config, HubClient(live.url), engine, plan, tmp_path / "run", say=said.append)
+        evaluator = Evaluator(config, HubClient(live.url), engine, plan, say=said.append)
         assert not evaluator.poll()                          # nothing published yet
         evaluated = []
         for version, publish in ((1, [1]), (2, [2]), (3, [3]), (5, [4, 5]), (6, [6]), (7, [7])):
@@ -109,7 +111,7 @@ def test_the_best_version_is_kept_as_a_model_folder_and_survives_a_restart(tiny_
     with LiveServer(make_config(tmp_path)) as live:
         relay = Relay(live.url, tiny_model_dir, tmp_path)
         engine = TransformersEngine(tiny_model_dir)
-        evaluator = Evaluator(config, HubClient(live.url), engine, plan_eval(config), run_dir,
+        evaluator = Evaluator(config, HubClient(live.url), engine, plan_eval(config),
                               evaluate=weight_as_accuracy, say=lambda text: None)
         for version, value in ((2, 0.25), (4, 0.75), (6, 0.5)):
             relay.upload(version, value)
@@ -121,7 +123,7 @@ def test_the_best_version_is_kept_as_a_model_folder_and_survives_a_restart(tiny_
         assert (run_dir / "best" / "tokenizer_config.json").is_file()
 
         # a restarted evaluator keeps version 4 until a version beats it, and goes on after version 6
-        again = Evaluator(config, HubClient(live.url), engine, plan_eval(config), run_dir,
+        again = Evaluator(config, HubClient(live.url), engine, plan_eval(config),
                           evaluate=weight_as_accuracy, say=lambda text: None)
         assert again.last == 6 and again.best.best.version == 4
         relay.upload(7, 0.625)
@@ -142,7 +144,7 @@ def test_best_mode_min_keeps_the_lowest(tiny_model_dir, tmp_path):
     with LiveServer(make_config(tmp_path)) as live:
         relay = Relay(live.url, tiny_model_dir, tmp_path)
         evaluator = Evaluator(config, HubClient(live.url), TransformersEngine(tiny_model_dir), plan_eval(config),
-                              tmp_path / "run", evaluate=weight_as_accuracy, say=lambda text: None)
+                              evaluate=weight_as_accuracy, say=lambda text: None)
         for version, value in ((1, 0.5), (2, 0.25), (3, 0.375)):
             relay.upload(version, value)
             assert evaluator.poll()
@@ -158,7 +160,7 @@ def test_failing_evaluations_are_written_and_counted_and_the_evaluator_goes_on(t
     with LiveServer(make_config(tmp_path)) as live:
         relay = Relay(live.url, tiny_model_dir, tmp_path)
         evaluator = Evaluator(config, HubClient(live.url), TransformersEngine(tiny_model_dir), plan_eval(config),
-                              tmp_path / "run", say=said.append)
+                              say=said.append)
         FAIL["on"] = True
         try:
             relay.upload(1)

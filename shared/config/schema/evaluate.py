@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from shared.config.schema.base import StrictModel
+from shared.config.schema.paths import template_help
 
 
 class EvalConfig(StrictModel):
@@ -36,13 +37,18 @@ class EvalConfig(StrictModel):
         "that follows the weight versions the learner publishes and evaluates a version whenever it is at least "
         "this many versions past the last one evaluated (a version is the learner's step that published it), "
         "never in the learner's step. Null: no evaluation while training (`grpo eval` after it).")
-    jsonl: str | None = Field(None, description="Where the evaluator appends one JSON line per evaluation "
-                              "(version, step, eval/<dataset>/<metric>); null: <run.run_dir>/eval.jsonl.")
+    jsonl: str | None = Field("<run_dir>/eval.jsonl", description=template_help(
+        "Where the evaluator appends one JSON line per evaluation (version, step, eval/<dataset>/<metric>, or "
+        "error)", "<run_dir>/eval.jsonl", "refused when eval.every_steps is set"))
+    best_dir: str | None = Field("<run_dir>/best", description=template_help(
+        "Where eval.best_metric keeps the best version evaluated (a Hugging Face folder with best.json)",
+        "<run_dir>/best", "refused when eval.best_metric is set"))
     poll_s: float = Field(2.0, gt=0, description="How often the evaluator asks the hub for its newest version.")
     best_metric: str | None = Field(
         None, description="Keep the best version evaluated by this metric ('accuracy', 'pass@k', "
-        "'mean_reward', 'tool_call_rate') as a Hugging Face folder <run.run_dir>/best with best.json (version, "
-        "step, value); a restarted evaluator keeps it unless beaten. Null: no best checkpoint.")
+        "'mean_reward', 'tool_call_rate', 'turns_per_trajectory') as a Hugging Face folder eval.best_dir with "
+        "best.json (version, step, metric, value); a restarted evaluator keeps it unless beaten. Null: no best "
+        "checkpoint.")
     best_mode: Literal["max", "min"] = Field("max", description="Whether the best eval.best_metric is the "
                                              "highest ('max') or the lowest ('min').")
 
