@@ -6,9 +6,10 @@ It asks the hub for its newest version every ``eval.poll_s`` seconds; whenever t
 own beside the generators'), loads it into one engine built at start (the engine ``grpo eval`` uses) and evaluates it
 with generator/evaluate.py's :func:`evaluate_engine`. Versions published meanwhile are skipped: it always takes the
 newest. Each evaluation is one JSON line in ``eval.jsonl`` (default ``<run_dir>/eval.jsonl``; ``version``, ``step``,
-``eval/<dataset>/<metric>``), a console line ``[evaluator] version V: accuracy ...``, and TensorBoard scalars in
-``learner.tensorboard_dir`` when set (the learner's MetricsLogger). A version's ``step`` is the learner's step that
-published it: a version is its step (learner/main.py), but for a learner that published past a relay ahead of it.
+``eval/<dataset>/<metric>``), a line ``version V: accuracy ...`` (``[evaluator] version V: ...`` on `grpo run`'s
+console), and TensorBoard scalars in ``learner.tensorboard_dir`` when set (the learner's MetricsLogger). A version's
+``step`` is the learner's step that published it: a version is its step (learner/main.py), but for a learner that
+published past a relay ahead of it.
 
 An evaluation that fails (a version gone or holding NaN/inf, a reward that raises, the failure rule of
 generator/failures.py) is logged, counted and written as ``{"version", "step", "error"}``: the evaluator goes on
@@ -37,6 +38,7 @@ from generator.eval_files import BEST_JSON, last_evaluated
 from generator.evaluate import EvalPlan, EvalResult, eval_engine, evaluate_engine, plan_eval
 from shared.config.schema import GRPOConfig
 from shared.errors import UsageError
+from shared.progress import PROGRESS_MARK
 from shared.protocol.client import HubClient, HubError, HubUnavailable, service_client, stop_on_signals
 from shared.weight_sync.adapter import file_kind
 from shared.weight_sync.download_dir import DownloadDir
@@ -174,14 +176,14 @@ class Evaluator:
             self.failed += 1
             log.exception("evaluator: version %d failed", version)
             self.write({"version": version, "step": version, "error": f"{type(exc).__name__}: {exc}"})
-            self.say(f"[evaluator] version {version}: failed ({type(exc).__name__}: {exc}); "
+            self.say(f"version {version}: failed ({type(exc).__name__}: {exc}); "
                      f"{self.failed} failed so far, going on")
             return True
         self.evaluated += 1
         self.write({"version": version, "step": version, **metrics})
         shown = ", ".join(f"{k.rsplit('/', 1)[1]} {v:.4f}" for k, v in metrics.items())
         best = f"; best: version {self.best.best.version}" if self.best is not None and self.best.best else ""
-        self.say(f"[evaluator] version {version}: {shown}{best}")
+        self.say(f"version {version}: {shown}{best}")
         if self.tensorboard is not None:
             self.tensorboard.log(version, metrics)
         return True
@@ -239,7 +241,8 @@ def run_evaluator(config: GRPOConfig, hub_url: str) -> None:
     client = service_client(hub_url, config.ref_server.token, config.generator.retry_max_s)
     stop_on_signals(stop, client, "exiting after the current evaluation")
     engine = eval_engine(config, config.generator.model)
-    evaluator = Evaluator(config, client, engine, plan, say=lambda text: print(text, flush=True))
+    # the progress mark: `grpo run` shows the line on its console as "[evaluator] version V: ..." (deploy/console.py)
+    evaluator = Evaluator(config, client, engine, plan, say=lambda text: log.info("%s%s", PROGRESS_MARK, text))
     try:
         evaluator.run(stop)
     finally:

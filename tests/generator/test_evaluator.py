@@ -98,7 +98,7 @@ def test_the_evaluator_takes_every_nth_version_skipping_those_published_meanwhil
         assert record["eval/arithmetic/accuracy"] == pytest.approx(expected.greedy_accuracy)
         assert record["eval/arithmetic/pass@2"] == pytest.approx(expected.pass_at_k)
         assert record["eval/arithmetic/mean_reward"] == pytest.approx(expected.greedy_mean_reward)
-    assert said[0].startswith("[evaluator] version 2: accuracy ") and "pass@2" in said[0]
+    assert said[0].startswith("version 2: accuracy ") and "pass@2" in said[0]
     assert evaluator.evaluated == 3 and evaluator.failed == 0
     assert not list((tmp_path / "downloads").iterdir())     # no download kept
     assert last_evaluated(tmp_path / "run" / "eval.jsonl") == 7
@@ -180,5 +180,5 @@ def test_failing_evaluations_are_written_and_counted_and_the_evaluator_goes_on(t
     assert all("error" in r for r in records[:3]) and "NaN" in records[1]["error"]
     assert "error" not in records[3] and "eval/arithmetic/accuracy" in records[3]
     assert evaluator.failed == 3 and evaluator.evaluated == 1
-    assert "failed" in said[0] and said[3].startswith("[evaluator] version 4: accuracy")
+    assert "failed" in said[0] and said[3].startswith("version 4: accuracy")
     assert json.loads((tmp_path / "run" / "best" / "best.json").read_text())["version"] == 4
