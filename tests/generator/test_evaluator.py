@@ -139,8 +139,11 @@ def test_the_best_version_is_kept_as_a_model_folder_and_survives_a_restart(tiny_
 
 
 @pytest.mark.slow
-def test_best_mode_min_keeps_the_lowest(tiny_model_dir, tmp_path):
+def test_best_mode_min_keeps_the_lowest_and_tensorboard_gets_each_evaluation(tiny_model_dir, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     config = eval_config(tiny_model_dir, tmp_path, best_metric="mean_reward", best_mode="min", every_steps=1)
+    config.learner.tensorboard_dir = str(tmp_path / "tb")
     with LiveServer(make_config(tmp_path)) as live:
         relay = Relay(live.url, tiny_model_dir, tmp_path)
         evaluator = Evaluator(config, HubClient(live.url), TransformersEngine(tiny_model_dir), plan_eval(config),
@@ -148,7 +151,12 @@ def test_best_mode_min_keeps_the_lowest(tiny_model_dir, tmp_path):
         for version, value in ((1, 0.5), (2, 0.25), (3, 0.375)):
             relay.upload(version, value)
             assert evaluator.poll()
+        evaluator.close()
     assert json.loads((tmp_path / "run" / "best" / "best.json").read_text())["version"] == 2
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("eval/arithmetic/mean_reward")] == [(1, 0.5), (2, 0.25),
+                                                                                          (3, 0.375)]
 
 
 @pytest.mark.slow
