@@ -124,9 +124,15 @@ def cmd_evaluator(args: argparse.Namespace) -> int:
     from generator.evaluator import run_evaluator
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    # the TensorBoard writer is the learner's MetricsLogger, whose progress line says "step N" about training
-    logging.getLogger("grpo.learner").setLevel(logging.WARNING)
-    run_evaluator(config, args.hub or config.learner.hub_url)
+    scalars = None
+    if config.learner.tensorboard_dir:   # eval/<dataset>/<metric> beside the learner's scalars, its writer's code
+        from learner.metrics import MetricsLogger
+
+        # its per-step progress line (logger grpo.learner) would read as a training step on the console
+        logging.getLogger("grpo.learner").setLevel(logging.WARNING)
+        scalars = MetricsLogger(jsonl=None, tensorboard_dir=config.learner.tensorboard_dir, wandb_project=None,
+                                enabled=True, total_steps=None)
+    run_evaluator(config, args.hub or config.learner.hub_url, scalars)
     return 0
 
 

@@ -7,7 +7,8 @@ own beside the generators'), loads it into one engine built at start (the engine
 with generator/evaluate.py's :func:`evaluate_engine`. Versions published meanwhile are skipped: it always takes the
 newest. Each evaluation is one JSON line in ``eval.jsonl`` (default ``<run_dir>/eval.jsonl``; ``version``, ``step``,
 ``eval/<dataset>/<metric>``), a line ``version V: accuracy ...`` (``[evaluator] version V: ...`` on `grpo run`'s
-console), and TensorBoard scalars in ``learner.tensorboard_dir`` when set (the learner's MetricsLogger). A version's
+console), and TensorBoard scalars in ``learner.tensorboard_dir`` when set (the learner's MetricsLogger, given by
+``grpo evaluator``). A version's
 ``step`` is the learner's step that published it: a version is its step (learner/main.py), but for a learner that
 published past a relay ahead of it.
 
@@ -129,7 +130,11 @@ class Evaluator:
     """Follows the hub's versions and evaluates every ``eval.every_steps``-th one (the newest when due)."""
 
     def __init__(self, config: GRPOConfig, client: HubClient, engine, plan: EvalPlan,
-                 evaluate: Callable[..., EvalResult] = evaluate_engine, say: Callable[[str], object] = print) -> None:
+                 evaluate: Callable[..., EvalResult] = evaluate_engine, say: Callable[[str], object] = print,
+                 scalars=None) -> None:
+        """``scalars``: where each evaluation's metrics also go, at step = version (``log(step, metrics)``,
+        ``close()``: the learner's MetricsLogger writing TensorBoard, given by deploy/services.py: a service never
+        imports another)."""
         cfg = config.eval
         if cfg.every_steps is None:
             raise UsageError("eval.every_steps is not set: the evaluator evaluates every that many versions")
@@ -148,12 +153,7 @@ class Evaluator:
         self.best = (BestCheckpoint(Path(cfg.best_dir), cfg.best_metric, cfg.best_mode, config.generator.model)
                      if cfg.best_metric else None)
         self.evaluated = self.failed = 0
-        self.tensorboard = None
-        if config.learner.tensorboard_dir:
-            from learner.metrics import MetricsLogger
-
-            self.tensorboard = MetricsLogger(jsonl=None, tensorboard_dir=config.learner.tensorboard_dir,
-                                             wandb_project=None, enabled=True, total_steps=None)
+        self.scalars = scalars
 
     def due(self) -> int | None:
         """The hub's newest version if it is due (>= the last evaluated + every_steps), else None."""
@@ -184,8 +184,8 @@ class Evaluator:
         shown = ", ".join(f"{k.rsplit('/', 1)[1]} {v:.4f}" for k, v in metrics.items())
         best = f"; best: version {self.best.best.version}" if self.best is not None and self.best.best else ""
         self.say(f"version {version}: {shown}{best}")
-        if self.tensorboard is not None:
-            self.tensorboard.log(version, metrics)
+        if self.scalars is not None:
+            self.scalars.log(version, metrics)
         return True
 
     def evaluate_version(self, version: int) -> dict[str, float]:
@@ -230,19 +230,21 @@ class Evaluator:
 
     def close(self) -> None:
         self.downloads.clear()
-        if self.tensorboard is not None:
-            self.tensorboard.close()
+        if self.scalars is not None:
+            self.scalars.close()
 
 
-def run_evaluator(config: GRPOConfig, hub_url: str) -> None:
-    """``grpo evaluator``: the engine built once, then :meth:`Evaluator.run` until stopped (SIGTERM, Ctrl-C)."""
+def run_evaluator(config: GRPOConfig, hub_url: str, scalars=None) -> None:
+    """``grpo evaluator``: the engine built once, then :meth:`Evaluator.run` until stopped (SIGTERM, Ctrl-C);
+    ``scalars``: :class:`Evaluator`'s."""
     plan = plan_eval(config)   # an unknown eval.accuracy_reward is refused before the engine loads
     stop = threading.Event()
     client = service_client(hub_url, config.ref_server.token, config.generator.retry_max_s)
     stop_on_signals(stop, client, "exiting after the current evaluation")
     engine = eval_engine(config, config.generator.model)
     # the progress mark: `grpo run` shows the line on its console as "[evaluator] version V: ..." (deploy/console.py)
-    evaluator = Evaluator(config, client, engine, plan, say=lambda text: log.info("%s%s", PROGRESS_MARK, text))
+    evaluator = Evaluator(config, client, engine, plan, say=lambda text: log.info("%s%s", PROGRESS_MARK, text),
+                          scalars=scalars)
     try:
         evaluator.run(stop)
     finally:

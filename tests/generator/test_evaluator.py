@@ -14,6 +14,7 @@ from generator.engines.hf import TransformersEngine
 from generator.eval_files import last_evaluated
 from generator.evaluate import EvalResult, evaluate_engine, plan_eval
 from generator.evaluator import Evaluator, dataset_name
+from learner.metrics import MetricsLogger
 from shared.config.schema import GRPOConfig
 from shared.protocol.client import HubClient, RetryPolicy
 from tests.live_server import LiveServer, make_config
@@ -143,11 +144,12 @@ def test_best_mode_min_keeps_the_lowest_and_tensorboard_gets_each_evaluation(tin
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     config = eval_config(tiny_model_dir, tmp_path, best_metric="mean_reward", best_mode="min", every_steps=1)
-    config.learner.tensorboard_dir = str(tmp_path / "tb")
+    tensorboard = MetricsLogger(jsonl=None, tensorboard_dir=str(tmp_path / "tb"), wandb_project=None, enabled=True,
+                                total_steps=None)   # what grpo evaluator gives it with learner.tensorboard_dir
     with LiveServer(make_config(tmp_path)) as live:
         relay = Relay(live.url, tiny_model_dir, tmp_path)
         evaluator = Evaluator(config, HubClient(live.url), TransformersEngine(tiny_model_dir), plan_eval(config),
-                              evaluate=weight_as_accuracy, say=lambda text: None)
+                              evaluate=weight_as_accuracy, say=lambda text: None, scalars=tensorboard)
         for version, value in ((1, 0.5), (2, 0.25), (3, 0.375)):
             relay.upload(version, value)
             assert evaluator.poll()
