@@ -6,13 +6,14 @@ import os
 import subprocess
 
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.e2e.test_run import GRPO, free_port, stray_processes, write_config
 
 
 @pytest.mark.slow
 def test_grpo_run_evaluates_while_training_and_keeps_the_best(tiny_model_dir, tmp_path):
-    config = write_config(tmp_path, tiny_model_dir, free_port(), max_steps=10)
+    config = write_config(tmp_path, tiny_model_dir, free_port(), max_steps=10, tensorboard_dir=str(tmp_path / "tb"))
     data = json.loads(config.read_text())
     data["eval"] = {"every_steps": 2, "num_examples": 4, "k": 2, "engine": "transformers", "poll_s": 0.2,
                     "best_metric": "mean_reward"}
@@ -36,4 +37,8 @@ def test_grpo_run_evaluates_while_training_and_keeps_the_best(tiny_model_dir, tm
                for line in console), console
     assert any(line.startswith(f"[grpo run] evaluations: {run / 'eval.jsonl'} ({len(records)} done)")
                for line in console), console
+    assert not [line for line in console if line.startswith("[evaluator] step")]   # no training-like line
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("eval/arithmetic/accuracy")] == versions
     assert stray_processes(str(config)) == []
