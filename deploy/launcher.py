@@ -46,6 +46,7 @@ from pathlib import Path
 import yaml
 
 from deploy.console import STDOUT, ConsoleMode, LineFilter
+from deploy.final_eval import evaluate_final_version
 from deploy.forked import ForkedProcess, fork_service, preload
 from deploy.run_state import finish_run, prepare_run_dir
 from deploy.startup_report import StartupReport
@@ -356,6 +357,8 @@ def run_to_end(config: GRPOConfig, *, resume: bool = False, fresh: bool = False,
                 _say(console_lock, f"{signal.Signals(stop_signal[0]).name}: stopping every service")
                 break
             if learner.process.poll() == 0:
+                evaluate_final_version(services, config.eval.final_wait_s, lambda: bool(stop_signal),
+                                       lambda text: _say(console_lock, text))
                 _say(console_lock, "the learner finished: stopping the other services")
                 break
             dead = next((s for s in services if s.process.poll() is not None), None)

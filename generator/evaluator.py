@@ -14,7 +14,8 @@ published past a relay ahead of it.
 
 An evaluation that fails (a version gone or holding NaN/inf, a reward that raises, the failure rule of
 generator/failures.py) is logged, counted and written as ``{"version", "step", "error"}``: the evaluator goes on
-with the next version, and the run never stops for it.
+with the next version, and the run never stops for it. When the learner finishes, `grpo run` sends SIGUSR1: the
+final version is evaluated (whatever ``eval.every_steps``) and the evaluator exits (deploy/final_eval.py).
 
 ``eval.best_metric`` keeps the best version as a Hugging Face folder ``eval.best_dir`` (``<run_dir>/best``: the
 model folder's config and tokenizer files, the version's weights as ``model.safetensors``) with ``best.json``
@@ -29,6 +30,7 @@ import logging
 import math
 import os
 import shutil
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -155,15 +157,18 @@ class Evaluator:
         self.evaluated = self.failed = 0
         self.scalars = scalars
 
-    def due(self) -> int | None:
-        """The hub's newest version if it is due (>= the last evaluated + every_steps), else None."""
+    def due(self, final: bool = False) -> int | None:
+        """The hub's newest version if it is due (>= the last evaluated + every_steps; ``final``: any version after
+        the last evaluated), else None."""
         version = self.client.weights_version()
-        return version if version is not None and version >= self.last + self.every else None
+        step = 1 if final else self.every
+        return version if version is not None and version >= self.last + step else None
 
-    def poll(self) -> bool:
-        """Evaluate the newest version if it is due; whether one was evaluated (or failed)."""
+    def poll(self, final: bool = False) -> bool:
+        """Evaluate the newest version if it is due (``final``: if not evaluated yet); whether one was evaluated
+        (or failed)."""
         try:
-            version = self.due()
+            version = self.due(final)
         except (HubUnavailable, HubError) as exc:
             log.warning("evaluator: cannot read the hub's newest version (%s); asking again", exc)
             return False
@@ -222,9 +227,15 @@ class Evaluator:
         with open(self.jsonl, "a") as fh:
             fh.write(json.dumps({**record, "time": time.time()}) + "\n")
 
-    def run(self, stop: threading.Event) -> None:
-        """Until ``stop`` is set (the launcher stops it with the run)."""
+    def run(self, stop: threading.Event, final: threading.Event | None = None) -> None:
+        """Until ``stop`` is set (the launcher stops it with the run), or ``final`` (the learner finished: SIGUSR1
+        from `grpo run`): then the newest version is evaluated if it was not, whatever eval.every_steps, and it
+        returns."""
+        final = final or threading.Event()
         while not stop.is_set():
+            if final.is_set():
+                self.poll(final=True)
+                return
             if not self.poll():
                 stop.wait(self.config.eval.poll_s)
 
@@ -241,12 +252,14 @@ def run_evaluator(config: GRPOConfig, hub_url: str, scalars=None) -> None:
     stop = threading.Event()
     client = service_client(hub_url, config.ref_server.token, config.generator.retry_max_s)
     stop_on_signals(stop, client, "exiting after the current evaluation")
+    final = threading.Event()   # `grpo run` says the learner finished (deploy/final_eval.py)
+    signal.signal(signal.SIGUSR1, lambda signum, frame: final.set())
     engine = eval_engine(config, config.generator.model)
     # the progress mark: `grpo run` shows the line on its console as "[evaluator] version V: ..." (deploy/console.py)
     evaluator = Evaluator(config, client, engine, plan, say=lambda text: log.info("%s%s", PROGRESS_MARK, text),
                           scalars=scalars)
     try:
-        evaluator.run(stop)
+        evaluator.run(stop, final)
     finally:
         evaluator.close()
         engine.close()

@@ -23,9 +23,9 @@ def test_grpo_run_evaluates_while_training_and_keeps_the_best(tiny_model_dir, tm
     assert result.returncode == 0, result.stdout[-4000:]
     run = tmp_path / "run"
     records = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
-    assert records, result.stdout[-4000:]   # at least one version evaluated while the learner trained
     versions = [r["version"] for r in records]
-    assert all(b - a >= 2 for a, b in zip([0, *versions], versions)) and max(versions) <= 14
+    # every eval.every_steps or more, and the final version when the learner finished (eval.final_wait_s)
+    assert all(b - a >= 2 for a, b in zip([0, *versions[:-1]], versions[:-1])) and versions[-1] == 14
     assert all("error" not in r and 0 <= r["eval/arithmetic/accuracy"] <= 1 for r in records)
     best = json.loads((run / "best" / "best.json").read_text())
     assert best["value"] == max(r["eval/arithmetic/mean_reward"] for r in records)
@@ -33,6 +33,7 @@ def test_grpo_run_evaluates_while_training_and_keeps_the_best(tiny_model_dir, tm
     assert (run / "best" / "model.safetensors").is_file() and (run / "best" / "config.json").is_file()
     console = result.stdout.splitlines()
     assert any(line.startswith(f"[evaluator] version {versions[0]}: accuracy ") for line in console), console
+    assert "[grpo run] the learner finished: the evaluator evaluates the final version" in result.stdout
     assert any(line.startswith(f"[grpo run] best model: {run / 'best'} (version {best['version']}, mean_reward ")
                for line in console), console
     assert any(line.startswith(f"[grpo run] evaluations: {run / 'eval.jsonl'} ({len(records)} done)")

@@ -4,6 +4,7 @@ evaluations that fail without stopping it."""
 
 import json
 import math
+import threading
 
 import pytest
 import torch
@@ -92,17 +93,22 @@ def test_the_evaluator_takes_every_nth_version_skipping_those_published_meanwhil
             if evaluator.poll():
                 evaluated.append(version)
         assert evaluated == [2, 5, 7]
+        relay.upload(8)
+        assert not evaluator.poll()                          # not due (7 + 2)
+        final = threading.Event()
+        final.set()                                          # the learner finished: its final version, then return
+        evaluator.run(threading.Event(), final)
         expected = evaluate_engine(config, TransformersEngine(tiny_model_dir), plan, "the initial model")
     records = lines(tmp_path / "run" / "eval.jsonl")
-    assert [(r["version"], r["step"]) for r in records] == [(2, 2), (5, 5), (7, 7)]
+    assert [(r["version"], r["step"]) for r in records] == [(2, 2), (5, 5), (7, 7), (8, 8)]
     for record in records:
         assert record["eval/arithmetic/accuracy"] == pytest.approx(expected.greedy_accuracy)
         assert record["eval/arithmetic/pass@2"] == pytest.approx(expected.pass_at_k)
         assert record["eval/arithmetic/mean_reward"] == pytest.approx(expected.greedy_mean_reward)
     assert said[0].startswith("version 2: accuracy ") and "pass@2" in said[0]
-    assert evaluator.evaluated == 3 and evaluator.failed == 0
+    assert evaluator.evaluated == 4 and evaluator.failed == 0
     assert not list((tmp_path / "downloads").iterdir())     # no download kept
-    assert last_evaluated(tmp_path / "run" / "eval.jsonl") == 7
+    assert last_evaluated(tmp_path / "run" / "eval.jsonl") == 8
 
 
 @pytest.mark.slow

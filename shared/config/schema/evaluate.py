@@ -43,6 +43,10 @@ class EvalConfig(StrictModel):
     best_dir: str | None = Field("<run_dir>/best", description=template_help(
         "Where eval.best_metric keeps the best version evaluated (a Hugging Face folder with best.json)",
         "<run_dir>/best", "refused when eval.best_metric is set"))
+    final_wait_s: float = Field(
+        600.0, ge=0, description="When the learner finishes, how long `grpo run` waits for the evaluator to "
+        "evaluate the final version (whatever eval.every_steps) before it stops the services; 0: it does not wait "
+        "(the final version is evaluated only if it was due).")
     poll_s: float = Field(2.0, gt=0, description="How often the evaluator asks the hub for its newest version.")
     best_metric: str | None = Field(
         None, description="Keep the best version evaluated by this metric ('accuracy', 'pass@k', "
