@@ -2,7 +2,14 @@
 closing lines naming the best model beside the last evaluation, and `grpo evaluator` refusing what it cannot do."""
 
 import json
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
 
+import pytest
+
+from deploy.final_eval import evaluate_final_version
 from deploy.launcher import plan
 from deploy.run_state import existing_state, summary_lines
 from deploy.services import main as service_main
@@ -60,3 +67,40 @@ def test_grpo_evaluator_refuses_a_missing_model_before_loading_anything(tmp_path
     code = service_main(["evaluator", "--every-steps", "2", "--model", str(tmp_path / "nowhere"),
                          "--run-dir", str(tmp_path)])
     assert code == 2 and "nowhere" in capsys.readouterr().err
+
+
+CHILD = """
+import signal, sys, time
+if sys.argv[1] == "answers":
+    signal.signal(signal.SIGUSR1, lambda s, f: sys.exit(0))
+else:
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+print("ready", flush=True)
+time.sleep(30)
+"""
+
+
+def evaluator_process(kind: str) -> SimpleNamespace:
+    process = subprocess.Popen([sys.executable, "-c", CHILD, kind], stdout=subprocess.PIPE, text=True)
+    assert process.stdout.readline() == "ready\n"   # its handler is set
+    return SimpleNamespace(name="evaluator", process=process)
+
+
+@pytest.mark.slow
+def test_the_evaluator_is_asked_for_the_final_version_and_waited_for_within_final_wait_s():
+    said: list[str] = []
+    answers = evaluator_process("answers")
+    evaluate_final_version([SimpleNamespace(name="learner"), answers], 10, lambda: False, said.append)
+    assert answers.process.wait(5) == 0 and len(said) == 1 and "evaluates the final version" in said[0]
+
+    slow = evaluator_process("ignores")
+    started = time.monotonic()
+    try:
+        evaluate_final_version([slow], 0.5, lambda: False, said.append)
+        assert 0.5 <= time.monotonic() - started < 5 and slow.process.poll() is None
+        assert said[-1] == "the evaluator did not finish within eval.final_wait_s 0.5s: stopping it"
+    finally:
+        slow.process.kill()
+        slow.process.wait()
+    evaluate_final_version([SimpleNamespace(name="gen-0")], 10, lambda: False, said.append)   # no evaluator
+    assert len(said) == 3
