@@ -147,6 +147,9 @@ class Evaluator:
         if cfg.best_metric and cfg.best_dir is None:
             raise UsageError("eval.best_metric is set and eval.best_dir is null (no run.run_dir to put it under): "
                              "set run.run_dir or eval.best_dir")
+        if cfg.best_metric in ("tool_call_rate", "turns_per_trajectory") and config.generator.environment is None:
+            raise UsageError(f"eval.best_metric {cfg.best_metric} is measured with generator.environment only "
+                             "(multi-turn): choose accuracy, pass@k or mean_reward")
         self.every = cfg.every_steps
         self.jsonl = Path(cfg.jsonl)
         self.dataset = dataset_name(config)
@@ -218,9 +221,9 @@ class Evaluator:
         return metrics
 
     def metric_key(self, k: int) -> str:
+        """The eval.jsonl key of eval.best_metric (pass@k with k written out)."""
         name = f"pass@{k}" if self.best.metric == "pass@k" else self.best.metric
-        key = f"eval/{self.dataset}/{name}"
-        return key
+        return f"eval/{self.dataset}/{name}"
 
     def write(self, record: dict) -> None:
         self.jsonl.parent.mkdir(parents=True, exist_ok=True)

@@ -17,6 +17,7 @@ from generator.evaluate import EvalResult, evaluate_engine, plan_eval
 from generator.evaluator import Evaluator, dataset_name
 from learner.metrics import MetricsLogger
 from shared.config.schema import GRPOConfig
+from shared.errors import UsageError
 from shared.protocol.client import HubClient, RetryPolicy
 from tests.live_server import LiveServer, make_config
 
@@ -63,6 +64,12 @@ def weight_as_accuracy(config, engine, plan, label) -> EvalResult:
 
 def lines(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_a_best_metric_of_environments_is_refused_without_one(tiny_model_dir, tmp_path):
+    config = eval_config(tiny_model_dir, tmp_path, best_metric="tool_call_rate")
+    with pytest.raises(UsageError, match="eval.best_metric tool_call_rate is measured with generator.environment"):
+        Evaluator(config, HubClient("http://127.0.0.1:9"), None, plan_eval(config))
 
 
 def test_dataset_names_in_metric_keys(tmp_path):
