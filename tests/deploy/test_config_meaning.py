@@ -135,7 +135,8 @@ from types import SimpleNamespace
 from deploy.preflight import environment_problems, reward_problems
 from generator.rewards import REWARDS
 from shared.config.schema.generator import EnvironmentConfig, RewardSpec
-args = {"http": {"url": "http://127.0.0.1:9"}, "prm": {"url": "http://127.0.0.1:9"}, "python": {"function": "json:dumps"}}
+args = {"http": {"url": "http://127.0.0.1:9"}, "prm": {"url": "http://127.0.0.1:9"}, "python": {"function": "json:dumps"},
+        "soft_overlong": {"max_tokens": 8, "buffer": 4}}
 rewards = [RewardSpec(name=n, args=args.get(n, {})) for n in REWARDS.names()]
 config = SimpleNamespace(generator=SimpleNamespace(rewards=rewards, environment=EnvironmentConfig(name="guess"),
                                                    dataset=SimpleNamespace(template=None)))

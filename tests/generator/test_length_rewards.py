@@ -34,8 +34,8 @@ def test_group_length_is_kimis_lambda():
 def test_group_length_ranks_by_length_within_a_half(lengths):
     values = group_length_values(lengths)
     assert all(-0.5 <= v <= 0.5 for v in values)
-    for (a, va), (b, vb) in zip(sorted(zip(lengths, values)), sorted(zip(lengths, values))[1:]):
-        assert va >= vb   # a longer completion never gets more
+    by_length = [value for _, value in sorted(zip(lengths, values))]
+    assert all(shorter >= longer for shorter, longer in zip(by_length, by_length[1:]))   # longer never gets more
 
 
 def test_the_reward_set_scores_them_from_the_completions_token_ids():

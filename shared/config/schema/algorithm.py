@@ -134,16 +134,6 @@ class KLConfig(StrictModel):
         "reference logprobs, without gradient, so the ref server must load the reference model. The KL is then not "
         "also in the loss: algorithm.loss.beta left at its default becomes 0; set explicitly > 0 it is an error.",
     )
-    cispo_eps_low: float | None = Field(
-        None, ge=0, le=1, description="cispo: the importance weight is at least 1 - cispo_eps_low; null: no lower "
-        "bound (MiniMax-M1 tunes only the upper one).")
-    cispo_eps_high: float = Field(
-        3.0, gt=0, description="cispo: the importance weight is at most 1 + cispo_eps_high (3.0: a cap of 4, which "
-        "truncates only the outliers).")
-    sapo_tau_pos: float = Field(1.0, gt=0, description="sapo: the gate's temperature on positive-advantage tokens.")
-    sapo_tau_neg: float = Field(
-        1.05, gt=0, description="sapo: the gate's temperature on negative-advantage tokens (>= sapo_tau_pos: their "
-        "gradient fades faster as the ratio moves away from 1).")
     beta: float = Field(
         0.04, ge=0,
         description="Weight of the per-token KL estimate in the reward when in_reward is true (the same default "
