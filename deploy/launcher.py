@@ -225,7 +225,7 @@ def plan(config: GRPOConfig, config_path: Path, run_dir: Path, *, resume: bool =
         gen_cmd = [*grpo, "generator", "--config", str(config_path), "--id", f"gen-{i}"]
         services.append(Service(f"gen-{i}", gen_cmd, gen_env, logs / f"gen-{i}.log",
                                 fork_argv=gen_cmd[3:] if fork_generators else None, console=config.run.console))
-    if config.eval.every_steps is not None:   # evaluation while training: a process of its own, on the CPU
+    if config.eval.while_training:   # evaluation while training: a process of its own, on the CPU
         eval_env = {**base_env, **gpu_env([], gpus, "the evaluator"), **threads}
         services.append(Service("evaluator", [*grpo, "evaluator", "--config", str(config_path), "--hub",
                                               config.ref_server.url], eval_env,

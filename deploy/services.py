@@ -115,10 +115,10 @@ def cmd_evaluator(args: argparse.Namespace) -> int:
     from deploy.startup import import_model_classes
 
     config = load_with_flags(args, {"model": "generator.model", "every_steps": "eval.every_steps",
-                                    "run_dir": "run.run_dir"})
-    if config.eval.every_steps is None:
-        raise UsageError("eval.every_steps is not set: the evaluator evaluates every that many weight versions "
-                         "(--every-steps N, or --set eval.every_steps=N)")
+                                    "every_minutes": "eval.every_minutes", "run_dir": "run.run_dir"})
+    if not config.eval.while_training:
+        raise UsageError("eval.every_steps is not set (nor eval.every_minutes): the evaluator evaluates every that "
+                         "many weight versions (--every-steps N, or --set eval.every_steps=N)")
     require_models({"generator.model": config.generator.model})  # before seconds of imports and hub retries
     import_model_classes()
     from generator.evaluator import run_evaluator
@@ -240,6 +240,7 @@ def add_service_parsers(add: AddCommand) -> None:
     p.add_argument("--hub", help="Ref server / hub URL (default: learner.hub_url).")
     p.add_argument("--model", help="Model folder: the engine, config and tokenizer (overrides generator.model).")
     p.add_argument("--every-steps", type=int, help="Evaluate every N versions (overrides eval.every_steps).")
+    p.add_argument("--every-minutes", type=float, help="Evaluate every N minutes (overrides eval.every_minutes).")
     p.add_argument("--run-dir", help="The run folder eval.jsonl and best/ go under (overrides run.run_dir).")
     add_config_args(p)
 

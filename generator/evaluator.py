@@ -2,9 +2,10 @@
 versions the learner publishes on the hub's relay, never in the learner's step.
 
 It asks the hub for its newest version every ``eval.poll_s`` seconds; whenever that version is at least
-``eval.every_steps`` past the last one evaluated, it downloads it (shared/weight_sync/download_dir.py, files of its
-own beside the generators'), loads it into one engine built at start (the engine ``grpo eval`` uses) and evaluates it
-with generator/evaluate.py's :func:`evaluate_engine`. Versions published meanwhile are skipped: it always takes the
+``eval.every_steps`` past the last one evaluated (or ``eval.every_minutes`` passed since the last evaluation and a
+version came since), it downloads it (shared/weight_sync/download_dir.py, files of its own beside the generators'),
+loads it into one engine built at start (the engine ``grpo eval`` uses) and evaluates it with generator/evaluate.py's
+:func:`evaluate_engine`. Versions published meanwhile are skipped: it always takes the
 newest. Each evaluation is one JSON line in ``eval.jsonl`` (default ``<run_dir>/eval.jsonl``; ``version``, ``step``,
 ``eval/<dataset>/<metric>``), a line ``version V: accuracy ...`` (``[evaluator] version V: ...`` on `grpo run`'s
 console), and TensorBoard scalars in ``learner.tensorboard_dir`` when set (the learner's MetricsLogger, given by
@@ -133,13 +134,14 @@ class Evaluator:
 
     def __init__(self, config: GRPOConfig, client: HubClient, engine, plan: EvalPlan,
                  evaluate: Callable[..., EvalResult] = evaluate_engine, say: Callable[[str], object] = print,
-                 scalars=None) -> None:
+                 scalars=None, clock: Callable[[], float] = time.monotonic) -> None:
         """``scalars``: where each evaluation's metrics also go, at step = version (``log(step, metrics)``,
         ``close()``: the learner's MetricsLogger writing TensorBoard, given by deploy/services.py: a service never
         imports another)."""
         cfg = config.eval
-        if cfg.every_steps is None:
-            raise UsageError("eval.every_steps is not set: the evaluator evaluates every that many versions")
+        if not cfg.while_training:
+            raise UsageError("neither eval.every_steps nor eval.every_minutes is set: the evaluator evaluates every "
+                             "that many versions or minutes")
         self.config, self.client, self.engine, self.plan = config, client, engine, plan
         self.evaluate, self.say = evaluate, say
         if cfg.jsonl is None:
@@ -151,6 +153,9 @@ class Evaluator:
             raise UsageError(f"eval.best_metric {cfg.best_metric} is measured with generator.environment only "
                              "(multi-turn): choose accuracy, pass@k or mean_reward")
         self.every = cfg.every_steps
+        self.every_s = None if cfg.every_minutes is None else cfg.every_minutes * 60
+        self.clock = clock
+        self.last_time = clock()   # eval.every_minutes counts from here, then from each evaluation's start
         self.jsonl = Path(cfg.jsonl)
         self.dataset = dataset_name(config)
         self.downloads = DownloadDir(config.generator.weights_dir or self.jsonl.parent / "evaluator-weights")
@@ -161,11 +166,14 @@ class Evaluator:
         self.scalars = scalars
 
     def due(self, final: bool = False) -> int | None:
-        """The hub's newest version if it is due (>= the last evaluated + every_steps; ``final``: any version after
-        the last evaluated), else None."""
+        """The hub's newest version if it is due (>= the last evaluated + every_steps, or eval.every_minutes
+        passed since the last evaluation; ``final``: any version after the last evaluated), else None."""
         version = self.client.weights_version()
-        step = 1 if final else self.every
-        return version if version is not None and version >= self.last + step else None
+        if version is None or version <= self.last:
+            return None
+        by_steps = self.every is not None and version >= self.last + self.every
+        by_time = self.every_s is not None and self.clock() - self.last_time >= self.every_s
+        return version if final or by_steps or by_time else None
 
     def poll(self, final: bool = False) -> bool:
         """Evaluate the newest version if it is due (``final``: if not evaluated yet); whether one was evaluated
@@ -177,7 +185,7 @@ class Evaluator:
             return False
         if version is None:
             return False
-        self.last = version
+        self.last, self.last_time = version, self.clock()
         try:
             metrics = self.evaluate_version(version)
         except Exception as exc:   # noqa: BLE001 - an evaluation that fails never stops the evaluator or the run

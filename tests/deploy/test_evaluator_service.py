@@ -30,6 +30,8 @@ def test_grpo_run_starts_an_evaluator_only_with_every_steps(tmp_path):
     assert evaluator.log_path == tmp_path / "logs" / "evaluator.log"
     assert evaluator.fork_argv is None                          # a fresh process: its own engine
     assert evaluator.env["OMP_NUM_THREADS"] == services["learner"].env["OMP_NUM_THREADS"]
+    by_time = plan(config_for(tmp_path, "eval.every_minutes=0.5"), tmp_path / "c.yaml", tmp_path)
+    assert "evaluator" in {s.name for s in by_time}
 
 
 def test_eval_results_are_run_state_under_the_run_dir(tmp_path):

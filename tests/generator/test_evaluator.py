@@ -175,6 +175,34 @@ def test_best_mode_min_keeps_the_lowest_and_tensorboard_gets_each_evaluation(tin
 
 
 @pytest.mark.slow
+def test_every_minutes_evaluates_the_newest_version_once_that_time_passed(tiny_model_dir, tmp_path):
+    """eval.every_minutes alone (a clock the test moves): a version is taken once 60 s passed since the start or
+    the last evaluation, and only a version newer than the last evaluated."""
+    config = eval_config(tiny_model_dir, tmp_path, every_steps=None, every_minutes=1.0)
+    now = [0.0]
+    with LiveServer(make_config(tmp_path)) as live:
+        relay = Relay(live.url, tiny_model_dir, tmp_path)
+        evaluator = Evaluator(config, HubClient(live.url), TransformersEngine(tiny_model_dir), plan_eval(config),
+                              evaluate=weight_as_accuracy, say=lambda text: None, clock=lambda: now[0])
+        relay.upload(1, 0.5)
+        now[0] = 59.0
+        assert not evaluator.poll()
+        now[0] = 60.0
+        assert evaluator.poll() and evaluator.last == 1
+        now[0] = 200.0
+        assert not evaluator.poll()                          # time passed, but no new version
+        relay.upload(2, 0.5)
+        relay.upload(3, 0.5)
+        assert evaluator.poll() and evaluator.last == 3       # the newest
+        relay.upload(4, 0.5)
+        now[0] = 259.0
+        assert not evaluator.poll()
+        now[0] = 260.0
+        assert evaluator.poll() and evaluator.last == 4
+    assert [r["version"] for r in lines(tmp_path / "run" / "eval.jsonl")] == [1, 3, 4]
+
+
+@pytest.mark.slow
 def test_failing_evaluations_are_written_and_counted_and_the_evaluator_goes_on(tiny_model_dir, tmp_path):
     """A reward that raises on every completion (the failure rule stops that evaluation), a version holding NaN and
     a version that does not fit the model: each is an error line, and the next version is evaluated."""
