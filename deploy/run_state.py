@@ -1,7 +1,8 @@
 """`grpo run` and its run folder: what an earlier run left there, starting over, resuming, and where things ended up.
 
 A run's state is every state path of the resolved config (shared/config/schema/paths.py: the spool, the relay, the
-generator's weights, checkpoints, the model, metrics, TensorBoard), under ``run.run_dir`` unless set one by one.
+generator's weights, checkpoints, the model, metrics, TensorBoard, eval.jsonl and the best model), under
+``run.run_dir`` unless set one by one.
 A run never mixes with an earlier one by accident:
 
 * no state there: the run starts;
