@@ -110,6 +110,13 @@ def cmd_learner(args: argparse.Namespace) -> int:
 def cmd_evaluator(args: argparse.Namespace) -> int:
     """Follow the hub's weight versions and evaluate every eval.every_steps-th (generator/evaluator.py)."""
     import logging
+    import signal
+    import threading
+
+    # `grpo run`'s "the learner finished" (deploy/final_eval.py) may come while this process still imports and
+    # loads: caught from the start, so it is never killed by it and evaluates the final version once loaded
+    final = threading.Event()
+    signal.signal(signal.SIGUSR1, lambda signum, frame: final.set())
 
     from deploy.preflight import require_models
     from deploy.startup import import_model_classes
@@ -132,7 +139,7 @@ def cmd_evaluator(args: argparse.Namespace) -> int:
         logging.getLogger("grpo.learner").setLevel(logging.WARNING)
         scalars = MetricsLogger(jsonl=None, tensorboard_dir=config.learner.tensorboard_dir, wandb_project=None,
                                 enabled=True, total_steps=None)
-    run_evaluator(config, args.hub or config.learner.hub_url, scalars)
+    run_evaluator(config, args.hub or config.learner.hub_url, scalars, final)
     return 0
 
 

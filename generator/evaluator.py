@@ -31,7 +31,6 @@ import logging
 import math
 import os
 import shutil
-import signal
 import threading
 import time
 from collections.abc import Callable
@@ -256,21 +255,19 @@ class Evaluator:
             self.scalars.close()
 
 
-def run_evaluator(config: GRPOConfig, hub_url: str, scalars=None) -> None:
-    """``grpo evaluator``: the engine built once, then :meth:`Evaluator.run` until stopped (SIGTERM, Ctrl-C);
-    ``scalars``: :class:`Evaluator`'s."""
+def run_evaluator(config: GRPOConfig, hub_url: str, scalars=None, final: threading.Event | None = None) -> None:
+    """``grpo evaluator``: the engine built once, then :meth:`Evaluator.run` until stopped (SIGTERM, Ctrl-C) or
+    ``final`` is set (SIGUSR1, set by the caller's handler); ``scalars``: :class:`Evaluator`'s."""
     plan = plan_eval(config)   # an unknown eval.accuracy_reward is refused before the engine loads
     stop = threading.Event()
     client = service_client(hub_url, config.ref_server.token, config.generator.retry_max_s)
     stop_on_signals(stop, client, "exiting after the current evaluation")
-    final = threading.Event()   # `grpo run` says the learner finished (deploy/final_eval.py)
-    signal.signal(signal.SIGUSR1, lambda signum, frame: final.set())
     engine = eval_engine(config, config.generator.model)
     # the progress mark: `grpo run` shows the line on its console as "[evaluator] version V: ..." (deploy/console.py)
     evaluator = Evaluator(config, client, engine, plan, say=lambda text: log.info("%s%s", PROGRESS_MARK, text),
                           scalars=scalars)
     try:
-        evaluator.run(stop, final)
+        evaluator.run(stop, final or threading.Event())
     finally:
         evaluator.close()
         engine.close()
