@@ -46,6 +46,7 @@ from pathlib import Path
 import yaml
 
 from deploy.console import STDOUT, ConsoleMode, LineFilter
+from deploy.final_eval import evaluate_final_version
 from deploy.forked import ForkedProcess, fork_service, preload
 from deploy.run_state import finish_run, prepare_run_dir
 from deploy.startup_report import StartupReport
@@ -224,6 +225,11 @@ def plan(config: GRPOConfig, config_path: Path, run_dir: Path, *, resume: bool =
         gen_cmd = [*grpo, "generator", "--config", str(config_path), "--id", f"gen-{i}"]
         services.append(Service(f"gen-{i}", gen_cmd, gen_env, logs / f"gen-{i}.log",
                                 fork_argv=gen_cmd[3:] if fork_generators else None, console=config.run.console))
+    if config.eval.while_training:   # evaluation while training: a process of its own, on the CPU
+        eval_env = {**base_env, **gpu_env([], gpus, "the evaluator"), **threads}
+        services.append(Service("evaluator", [*grpo, "evaluator", "--config", str(config_path), "--hub",
+                                              config.ref_server.url], eval_env,
+                                logs / "evaluator.log", console=config.run.console))
     hub = config.ref_server.url
     for i, index in enumerate(scorer_gpus):  # several reference GPUs: one joined scorer on each
         scorer_env = {**base_env, **gpu_env([index], gpus, f"reference scorer {i}")}
@@ -351,6 +357,8 @@ def run_to_end(config: GRPOConfig, *, resume: bool = False, fresh: bool = False,
                 _say(console_lock, f"{signal.Signals(stop_signal[0]).name}: stopping every service")
                 break
             if learner.process.poll() == 0:
+                evaluate_final_version(services, config.eval.final_wait_s, lambda: bool(stop_signal),
+                                       lambda text: _say(console_lock, text))
                 _say(console_lock, "the learner finished: stopping the other services")
                 break
             dead = next((s for s in services if s.process.poll() is not None), None)

@@ -1,7 +1,8 @@
 """`grpo run` and its run folder: what an earlier run left there, starting over, resuming, and where things ended up.
 
 A run's state is every state path of the resolved config (shared/config/schema/paths.py: the spool, the relay, the
-generator's weights, checkpoints, the model, metrics, TensorBoard), under ``run.run_dir`` unless set one by one.
+generator's weights, checkpoints, the model, metrics, TensorBoard, eval.jsonl and the best model), under
+``run.run_dir`` unless set one by one.
 A run never mixes with an earlier one by accident:
 
 * no state there: the run starts;
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import yaml
 
+from generator.eval_files import eval_summary
 from learner.checkpoint import complete_tags
 from shared.config.schema import GRPOConfig
 from shared.config.schema.paths import STATE_PATHS
@@ -218,6 +220,7 @@ def summary_lines(config: GRPOConfig, status: int, source: str | None = None) ->
         lines.append(f"metrics: {cfg.metrics_jsonl}" + (f", TensorBoard {cfg.tensorboard_dir}"
                                                        if cfg.tensorboard_dir and Path(cfg.tensorboard_dir).exists()
                                                        else ""))
+    lines += eval_summary(config)   # eval.every_steps: the best model beside the last evaluation
     lines += _weights_lines(config, source)
     paths = {run_dir.resolve(): run_dir, **{s.path.resolve(): s.path for s in state_paths(config)}}
     roots = [p for p in paths if not any(q in p.parents for q in paths)]  # each file counted once

@@ -107,6 +107,42 @@ def cmd_learner(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_evaluator(args: argparse.Namespace) -> int:
+    """Follow the hub's weight versions and evaluate every eval.every_steps-th (generator/evaluator.py)."""
+    import logging
+    import signal
+    import threading
+
+    # `grpo run`'s "the learner finished" (deploy/final_eval.py) may come while this process still imports and
+    # loads: caught from the start, so it is never killed by it and evaluates the final version once loaded
+    final = threading.Event()
+    signal.signal(signal.SIGUSR1, lambda signum, frame: final.set())
+
+    from deploy.preflight import require_models
+    from deploy.startup import import_model_classes
+
+    config = load_with_flags(args, {"model": "generator.model", "every_steps": "eval.every_steps",
+                                    "every_minutes": "eval.every_minutes", "run_dir": "run.run_dir"})
+    if not config.eval.while_training:
+        raise UsageError("eval.every_steps is not set (nor eval.every_minutes): the evaluator evaluates every that "
+                         "many weight versions (--every-steps N, or --set eval.every_steps=N)")
+    require_models({"generator.model": config.generator.model})  # before seconds of imports and hub retries
+    import_model_classes()
+    from generator.evaluator import run_evaluator
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    scalars = None
+    if config.learner.tensorboard_dir:   # eval/<dataset>/<metric> beside the learner's scalars, its writer's code
+        from learner.metrics import MetricsLogger
+
+        # its per-step progress line (logger grpo.learner) would read as a training step on the console
+        logging.getLogger("grpo.learner").setLevel(logging.WARNING)
+        scalars = MetricsLogger(jsonl=None, tensorboard_dir=config.learner.tensorboard_dir, wandb_project=None,
+                                enabled=True, total_steps=None)
+    run_evaluator(config, args.hub or config.learner.hub_url, scalars, final)
+    return 0
+
+
 def cmd_scorer(args: argparse.Namespace) -> int:
     """Join a hub as a reference scorer: score the groups it holds (and /v1/logprobs requests) until stopped."""
     import logging
@@ -171,7 +207,7 @@ def root_parser() -> tuple[argparse.ArgumentParser, AddCommand]:
 
 
 def add_service_parsers(add: AddCommand) -> None:
-    """``grpo ref-server``, ``grpo scorer``, ``grpo generator`` and ``grpo learner``."""
+    """``grpo ref-server``, ``grpo scorer``, ``grpo generator``, ``grpo evaluator`` and ``grpo learner``."""
     p = add("ref-server", cmd_ref_server,
             "Reference server: per-token reference logprobs over HTTP (POST /v1/logprobs), the rollout hub and "
             "the weight relay. Binds 127.0.0.1 unless told otherwise.")
@@ -202,6 +238,17 @@ def add_service_parsers(add: AddCommand) -> None:
     p.add_argument("--hub", help="Ref server / hub URL (overrides generator.hub_url).")
     p.add_argument("--id", help="Generator name (overrides generator.id; also seeds its prompt order).")
     p.add_argument("--max-groups", type=int, help="Stop after this many uploaded groups.")
+    add_config_args(p)
+
+    p = add("evaluator", cmd_evaluator,
+            "Evaluator: follow the weight versions the learner publishes and evaluate every eval.every_steps-th "
+            "(held-out greedy accuracy, pass@k) without stalling the learner; one JSON line per evaluation in "
+            "eval.jsonl, the best version kept in <run_dir>/best with eval.best_metric (docs/running.md).")
+    p.add_argument("--hub", help="Ref server / hub URL (default: learner.hub_url).")
+    p.add_argument("--model", help="Model folder: the engine, config and tokenizer (overrides generator.model).")
+    p.add_argument("--every-steps", type=int, help="Evaluate every N versions (overrides eval.every_steps).")
+    p.add_argument("--every-minutes", type=float, help="Evaluate every N minutes (overrides eval.every_minutes).")
+    p.add_argument("--run-dir", help="The run folder eval.jsonl and best/ go under (overrides run.run_dir).")
     add_config_args(p)
 
     p = add("learner", cmd_learner,

@@ -221,7 +221,20 @@ def describe(dataset: DatasetConfig, count: int, training: DatasetConfig) -> str
     return f"{count} examples of the {dataset.kind} task's {dataset.split!r} split"
 
 
-def evaluate(config: GRPOConfig, model_dir: str) -> EvalResult:
+@dataclass
+class EvalPlan:
+    """What an evaluation reads, once per process: the examples, the rewards and the one that judges correctness.
+    :func:`evaluate_engine` evaluates a loaded engine with it, as often as its weights change (generator/evaluator.py)."""
+
+    examples: list
+    evaluated: str
+    rewards: RewardSet
+    names: list[str]
+    judge: str
+
+
+def plan_eval(config: GRPOConfig) -> EvalPlan:
+    """The examples, rewards and judge of ``config``; an ``eval.accuracy_reward`` that is no reward is refused."""
     cfg, gen = config.eval, config.generator
     dataset = eval_dataset(config)
     examples = load_examples(dataset, seed=config.seed + 1)[:cfg.num_examples]
@@ -235,22 +248,40 @@ def evaluate(config: GRPOConfig, model_dir: str) -> EvalResult:
         raise UsageError(f"eval.accuracy_reward {judge!r} is not one of the generator's rewards {names}"
                          + (" (generator.environment.reward: environment scores with 'environment' only)"
                             if names == ["environment"] else ""))
-    engine_config = config.model_copy(update={"generator": gen.model_copy(update={"model": model_dir,
-                                                                                  "engine": cfg.engine})})
-    engine = build_engine(engine_config)
+    return EvalPlan(examples, evaluated, rewards, names, judge)
+
+
+def eval_engine(config: GRPOConfig, model_dir: str):
+    """The engine ``grpo eval`` evaluates ``model_dir`` with (``eval.engine``)."""
+    gen = config.generator
+    return build_engine(config.model_copy(update={"generator": gen.model_copy(update={"model": model_dir,
+                                                                                      "engine": config.eval.engine})}))
+
+
+def evaluate(config: GRPOConfig, model_dir: str) -> EvalResult:
+    plan = plan_eval(config)
+    engine = eval_engine(config, model_dir)
     try:
-        tokenizer = engine.tokenizer
-        system = system_prompt_for(gen.dataset)
-        chat = gen.dataset.template is None and bool(getattr(tokenizer, "chat_template", None))
-        tools = prompt_tools(environment)   # tool calling: the schemas the chat template shows
-        prompts = [tokenizer(render_example(tokenizer, e, system, gen.dataset.template, tools),
-                             add_special_tokens=not chat)["input_ids"] for e in examples]
-        ticker = Ticker(f"evaluating {model_dir} on {evaluated}", len(prompts) * (1 + cfg.k),
-                        log.info, every_s=PROGRESS_EVERY_S, unit="sequences")
-        scoring = EvalScoring(rewards, tokenizer, examples, environment, gen.failures)
-        greedy, sampled, greedy_env = sample(engine, examples, prompts, config, ticker, scoring)
+        return evaluate_engine(config, engine, plan, model_dir)
     finally:
         engine.close()
+
+
+def evaluate_engine(config: GRPOConfig, engine, plan: EvalPlan, label: str) -> EvalResult:
+    """``plan`` evaluated with the weights ``engine`` holds now (``label``: what they are, for the progress line)."""
+    cfg, gen = config.eval, config.generator
+    examples, evaluated, rewards, names, judge = plan.examples, plan.evaluated, plan.rewards, plan.names, plan.judge
+    environment = gen.environment
+    tokenizer = engine.tokenizer
+    system = system_prompt_for(gen.dataset)
+    chat = gen.dataset.template is None and bool(getattr(tokenizer, "chat_template", None))
+    tools = prompt_tools(environment)   # tool calling: the schemas the chat template shows
+    prompts = [tokenizer(render_example(tokenizer, e, system, gen.dataset.template, tools),
+                         add_special_tokens=not chat)["input_ids"] for e in examples]
+    ticker = Ticker(f"evaluating {label} on {evaluated}", len(prompts) * (1 + cfg.k),
+                    log.info, every_s=PROGRESS_EVERY_S, unit="sequences")
+    scoring = EvalScoring(rewards, tokenizer, examples, environment, gen.failures)
+    greedy, sampled, greedy_env = sample(engine, examples, prompts, config, ticker, scoring)
     correct = 0
     totals: dict[str, float] = dict.fromkeys(names, 0.0)
     counts: dict[str, int] = dict.fromkeys(names, 0)   # greedy completions each reward applied to

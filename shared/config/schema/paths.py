@@ -20,6 +20,8 @@ STATE_PATHS: tuple[tuple[str, str], ...] = (
     ("learner", "output_dir"),
     ("learner", "metrics_jsonl"),
     ("learner", "tensorboard_dir"),
+    ("eval", "jsonl"),
+    ("eval", "best_dir"),
 )
 
 

@@ -1,0 +1,45 @@
+"""End to end: `grpo run` with eval.every_steps evaluates published versions beside training, in its evaluator
+process, keeps the best as a loadable model and names it in the closing lines."""
+
+import json
+import os
+import subprocess
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from tests.e2e.test_run import GRPO, free_port, stray_processes, write_config
+
+
+@pytest.mark.slow
+def test_grpo_run_evaluates_while_training_and_keeps_the_best(tiny_model_dir, tmp_path):
+    config = write_config(tmp_path, tiny_model_dir, free_port(), max_steps=14, tensorboard_dir=str(tmp_path / "tb"))
+    data = json.loads(config.read_text())
+    data["eval"] = {"every_steps": 2, "num_examples": 4, "k": 2, "engine": "transformers", "poll_s": 0.2,
+                    "best_metric": "mean_reward"}
+    config.write_text(json.dumps(data))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([GRPO, "run", str(config)], capture_output=True, text=True, timeout=900, env=env)
+    assert result.returncode == 0, result.stdout[-4000:]
+    run = tmp_path / "run"
+    records = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
+    versions = [r["version"] for r in records]
+    # every eval.every_steps or more, and the final version when the learner finished (eval.final_wait_s)
+    assert all(b - a >= 2 for a, b in zip([0, *versions[:-1]], versions[:-1])) and versions[-1] == 14
+    assert all("error" not in r and 0 <= r["eval/arithmetic/accuracy"] <= 1 for r in records)
+    best = json.loads((run / "best" / "best.json").read_text())
+    assert best["value"] == max(r["eval/arithmetic/mean_reward"] for r in records)
+    assert best["version"] == min(r["version"] for r in records if r["eval/arithmetic/mean_reward"] == best["value"])
+    assert (run / "best" / "model.safetensors").is_file() and (run / "best" / "config.json").is_file()
+    console = result.stdout.splitlines()
+    assert any(line.startswith(f"[evaluator] version {versions[0]}: accuracy ") for line in console), console
+    assert "[grpo run] the learner finished: the evaluator evaluates the final version" in result.stdout
+    assert any(line.startswith(f"[grpo run] best model: {run / 'best'} (version {best['version']}, mean_reward ")
+               for line in console), console
+    assert any(line.startswith(f"[grpo run] evaluations: {run / 'eval.jsonl'} ({len(records)} done)")
+               for line in console), console
+    assert not [line for line in console if line.startswith("[evaluator] step")]   # no training-like line
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("eval/arithmetic/accuracy")] == versions
+    assert stray_processes(str(config)) == []
