@@ -124,3 +124,16 @@ class CurriculumStream:
 
     def take(self, n: int) -> list[Example]:
         return [next(self) for _ in range(n)]
+
+    def observe(self, example: Example, totals: list[float]) -> None:
+        """Record a scored group of ``example``: its solved share joins the prompt's window."""
+        self.table.record(example.example_id, solved_share(totals, self.table.threshold))
+
+
+def curriculum_stream(stream: PromptStream, cfg, seed: int) -> PromptStream | CurriculumStream:
+    """``stream`` behind the curriculum of ``cfg`` (generator.curriculum) when it is enabled."""
+    if not cfg.enabled:
+        return stream
+    return CurriculumStream(stream, PassRateTable(window=cfg.window, min_appearances=cfg.min_appearances,
+                                                  threshold=cfg.threshold, mode=cfg.mode, keep_prob=cfg.keep_prob,
+                                                  seed=seed))

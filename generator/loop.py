@@ -202,6 +202,8 @@ class RolloutLoop:
                                          self.stop)
         if scores is None:   # stopped while a reward service was down
             return None
+        self.prompts.observe(example, scores.total)
+        self.stats.prompts_skipped = self.prompts.skipped
         env = self.environment
         self.failures.record_group([term.name for term in self.rewards.terms], scores.failures,
                                    env.name if env is not None else None, [s.env_failure for s in samples])

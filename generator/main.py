@@ -10,6 +10,7 @@ import threading
 
 import torch
 
+from generator.curriculum import curriculum_stream
 from generator.datasets import R1_SYSTEM_PROMPT, PromptStream, load_examples
 from generator.loop import RolloutLoop
 from generator.progress import Progress
@@ -88,7 +89,8 @@ def build_loop(config: GRPOConfig, engine, client: HubClient, progress: Progress
     generator_id = cfg.id or f"{socket.gethostname()}-{os.getpid()}"
     return RolloutLoop(
         engine=engine, tokenizer=tokenizer, client=client, rewards=rewards,
-        prompts=PromptStream(examples, seed=config.seed, generator_id=generator_id),
+        prompts=curriculum_stream(PromptStream(examples, seed=config.seed, generator_id=generator_id),
+                                  cfg.curriculum, config.seed),
         sampling=SamplingParams(**cfg.sampling.model_dump()), group_size=cfg.group_size,
         prompts_per_batch=cfg.prompts_per_batch, generator_id=generator_id, weights_dir=cfg.weights_dir,
         system_prompt=system_prompt_for(cfg.dataset), template=cfg.dataset.template,

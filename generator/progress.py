@@ -88,6 +88,10 @@ class Progress:
                          "stepping, %.1fs with the engine empty, %.1fs swapping weights", schedule.steps,
                          schedule.slot_steps / schedule.steps, schedule.step_s, schedule.idle_s,
                          schedule.weight_swap_s)
+            if stats.prompts_skipped:
+                drawn = stats.prompts_skipped + stats.prompts
+                log.info("curriculum: %d of %d drawn prompts passed over (%.1f%%): solved always or never lately",
+                         stats.prompts_skipped, drawn, 100 * stats.prompts_skipped / drawn)
             if stats.weight_versions_vanished:
                 log.info("weight sync: %d versions the hub named were gone from the relay when asked for (the "
                          "current one was loaded instead)", stats.weight_versions_vanished)

@@ -15,6 +15,7 @@ class LoopStats:
     groups_refused_invalid: int = 0  # refused by the hub alone in a batch upload (a value it cannot batch)
     groups_unacceptable: int = 0    # dropped before upload: the hub could never accept them (generator/refusals.py)
     prompts: int = 0
+    prompts_skipped: int = 0        # drawn and passed over by the curriculum (generator/curriculum.py)
     completion_tokens: int = 0
     reward_errors: int = 0
     step_reward_errors: int = 0     # completions whose steps were dropped (a failed step reward, a mismatch)

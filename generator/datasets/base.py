@@ -119,6 +119,8 @@ def example_from_row(row: Any, question_field: str, answer_field: str | None, ex
 class PromptStream:
     """Endless draws from ``examples``: reshuffled every epoch with a per-generator seed."""
 
+    skipped = 0   # draws passed over: none here (the curriculum's stream counts its own)
+
     def __init__(self, examples: list[Example], *, seed: int, generator_id: str) -> None:
         if not examples:
             raise DatasetError("no examples to draw prompts from")
@@ -140,3 +142,7 @@ class PromptStream:
 
     def take(self, n: int) -> list[Example]:
         return [next(self) for _ in range(n)]
+
+    def observe(self, example: Example, totals: list[float]) -> None:
+        """A scored group of ``example`` (its total rewards): a plain stream draws regardless (the curriculum's
+        :class:`generator.curriculum.CurriculumStream` records it)."""

@@ -227,3 +227,34 @@ def test_step_rewards_reach_the_batch(engine, tmp_path, tiny_model_dir):
     for row in range(batch.batch_size):
         ends = batch.step_end[batch.step_index == row]
         assert int(ends[-1]) == int(batch.completion_lengths[row]) - 1
+
+
+def solved_only_for_the_first(prompts, completions, answer, **kwargs):
+    """TRL-style: the example whose answer is the first pool's is solved by every completion; any other by one."""
+    return [1.0] * len(completions) if answer[0] == FIRST_ANSWER[0] else [1.0] + [0.0] * (len(completions) - 1)
+
+
+FIRST_ANSWER: list = []
+
+
+def test_the_curriculum_stops_drawing_a_prompt_solved_every_time(engine, tmp_path):
+    """generator.curriculum through the loop: the prompt every completion solves is settled after two groups and
+    never drawn again; the others (one completion in four solved) keep coming; the passed-over draws are counted."""
+    from generator.curriculum import curriculum_stream
+    from shared.config.schema.generator import CurriculumConfig
+
+    examples = arithmetic_examples(ArithmeticTask(), "train", 3, seed=0)
+    FIRST_ANSWER[:] = [examples[0].data["answer"]]
+    rewards = RewardSet.from_specs([RewardSpec(name="python", args={
+        "function": "tests.generator.test_loop:solved_only_for_the_first"})])
+    with LiveServer(make_config(tmp_path)) as live:
+        loop = make_loop(engine, live.url, tmp_path, rewards=rewards)
+        loop.prompts = curriculum_stream(PromptStream(examples, seed=0, generator_id="gen-a"),
+                                         CurriculumConfig(enabled=True, window=4, min_appearances=2), seed=0)
+        for _ in range(8):   # 16 draws from 3 prompts
+            loop.step()
+        first_id = examples[0].example_id
+        settled_after = loop.prompts.table.shares(first_id)
+    assert settled_after == [1.0, 1.0] and loop.prompts.table.is_settled(first_id)
+    assert loop.stats.prompts_skipped == loop.prompts.skipped > 0
+    assert all(0.0 < s < 1.0 for e in examples[1:] for s in loop.prompts.table.shares(e.example_id))

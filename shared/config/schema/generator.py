@@ -135,6 +135,21 @@ class StepRewardsConfig(StrictModel):
                                   "step ('final_step' only).")
 
 
+class CurriculumConfig(StrictModel):
+    """A difficulty curriculum (generator/curriculum.py): each prompt's solved share (the share of its group whose
+    total reward >= threshold) over its last ``window`` groups; a prompt solved always (every share 1) or never
+    (every share 0) in at least ``min_appearances`` of them carries no signal and is skipped (or, with mode
+    'downweight', drawn with probability keep_prob). When every prompt is settled they are drawn as usual."""
+
+    enabled: bool = Field(False, description="Track pass rates and pass over settled prompts.")
+    window: int = Field(4, ge=1, description="The last appearances of a prompt that count.")
+    min_appearances: int = Field(2, ge=1, description="Appearances before a prompt can be settled.")
+    threshold: float = Field(1.0, allow_inf_nan=False, description="A completion is solved when its total reward "
+                             "is >= this.")
+    mode: Literal["skip", "downweight"] = Field("skip", description="'skip' settled prompts, or 'downweight' them.")
+    keep_prob: float = Field(0.1, ge=0, le=1, description="'downweight': the chance a settled prompt is drawn.")
+
+
 class FailuresConfig(StrictModel):
     """The rule for user code that fails (generator/failures.py): each reward and the environment keep the outcome of
     their last ``window`` completions or trajectories; a failure there (an exception, a timeout, a value that is no
@@ -280,6 +295,8 @@ class GeneratorConfig(StrictModel):
         "(by the hub, or by the generator's own check of what the hub would refuse) with none accepted: no group of "
         "this config can be accepted (e.g. an environment's reset() text that fills max_total_tokens). Each "
         "refused group is counted and dropped, never sent again. 0: never stop.")
+    curriculum: CurriculumConfig = Field(default_factory=CurriculumConfig, description="Skip prompts the policy "
+                                         "always or never solves (per-generator pass rates).")
     failures: FailuresConfig = Field(default_factory=FailuresConfig, description="Rewards and environments that "
                                      "fail (raise, time out, return garbage) score on_error, until a full window "
                                      "holds max_rate failures or everything so far failed: the generator then stops, "
