@@ -48,26 +48,32 @@ class PassRateTable:
         self.window, self.min_appearances, self.threshold = window, min_appearances, threshold
         self.mode, self.keep_prob = mode, keep_prob
         self._shares: dict[str, deque[float]] = {}
+        self._settled: set[str] = set()   # kept up to date by record(): draws ask it without a scan of the table
         self._rng = random.Random(f"curriculum/{seed}")
 
     def record(self, example_id: str, share: float) -> None:
         """One appearance of ``example_id`` whose group solved ``share`` (0..1) of its completions."""
         if not 0.0 <= share <= 1.0:
             raise ValueError(f"curriculum: solved share of {example_id!r} must be in [0, 1], got {share}")
-        self._shares.setdefault(example_id, deque(maxlen=self.window)).append(float(share))
+        shares = self._shares.setdefault(example_id, deque(maxlen=self.window))
+        shares.append(float(share))
+        settled = len(shares) >= self.min_appearances and (all(s == 1.0 for s in shares)
+                                                            or all(s == 0.0 for s in shares))
+        (self._settled.add if settled else self._settled.discard)(example_id)
 
     def shares(self, example_id: str) -> list[float]:
         return list(self._shares.get(example_id, ()))
 
     def is_settled(self, example_id: str) -> bool:
         """Solved always or never in each of its last appearances (at least ``min_appearances`` of them)."""
-        shares = self._shares.get(example_id)
-        if shares is None or len(shares) < self.min_appearances:
-            return False
-        return all(s == 1.0 for s in shares) or all(s == 0.0 for s in shares)
+        return example_id in self._settled
 
     def skip_set(self) -> set[str]:
-        return {eid for eid in self._shares if self.is_settled(eid)}
+        return set(self._settled)
+
+    def settles_all(self, ids: set[str]) -> bool:
+        """Every one of ``ids`` is settled (a size check first: the usual answer, no, costs no scan)."""
+        return len(self._settled) >= len(ids) and ids <= self._settled
 
     def should_draw(self, example_id: str) -> bool:
         """Whether to use a drawn ``example_id``: always for an unsettled prompt; for a settled one never (skip) or
@@ -105,7 +111,7 @@ class CurriculumStream:
         return self
 
     def _everything_settled(self) -> bool:
-        return self.ids <= self.table.skip_set()
+        return self.table.settles_all(self.ids)
 
     def __next__(self) -> Example:
         if self._everything_settled():

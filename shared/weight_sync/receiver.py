@@ -82,7 +82,6 @@ class WeightReceiver:
         :attr:`vanished_versions`)."""
         self.engine, self.client, self.cfg = engine, client, cfg
         self.generator_id = generator_id
-        self.weights_dir = Path(weights_dir)
         self.downloads = DownloadDir(weights_dir)   # shared with the run's other generators: files of our own
         self.mode = "http" if cfg.transport == "http" else "join"   # join: try the hub's sender when it is there
         self.member_id: str | None = None
