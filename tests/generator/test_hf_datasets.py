@@ -8,6 +8,8 @@ from pathlib import Path
 
 import datasets
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from generator.datasets import (
@@ -319,3 +321,25 @@ def test_grpo_eval_on_a_conversational_jsonl(chat_model_dir, tiny_model_dir, tmp
     assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
     assert (f"{held_out}:train:0: a conversational prompt (a list of messages) is rendered with the tokenizer's chat "
             "template, and this model's tokenizer has none") in refused.stderr
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+                    max_leaves=12)
+MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "tool", "robot"]) | JSON,
+                                 "content": st.text(max_size=8) | JSON})
+
+
+@settings(max_examples=300, deadline=None)
+@given(prompt=st.lists(MESSAGE | JSON, max_size=4) | JSON)
+def test_any_prompt_value_is_an_example_or_refused_naming_the_row(prompt):
+    """Whatever a row's prompt holds: a string-like question, valid messages (then the question is the last user
+    message), or a DatasetError naming the row, never another exception."""
+    try:
+        example = example_from_row({"prompt": prompt, "answer": "1"}, "question", "answer", "id", "data.jsonl:7")
+    except DatasetError as exc:
+        assert str(exc).startswith("data.jsonl:7: ")
+        return
+    if example.prompt_messages is not None:
+        assert example.question == [m for m in example.prompt_messages if m["role"] == "user"][-1]["content"]
+        assert example.data["prompt_messages"] == example.prompt_messages
