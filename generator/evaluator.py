@@ -43,10 +43,8 @@ from shared.config.schema import GRPOConfig
 from shared.errors import UsageError
 from shared.progress import PROGRESS_MARK
 from shared.protocol.client import HubClient, HubError, HubUnavailable, service_client, stop_on_signals
-from shared.weight_sync.adapter import file_kind
 from shared.weight_sync.download_dir import DownloadDir
-from shared.weight_sync.layout import KIND_ADAPTER
-from shared.weight_sync.receiver import nonfinite_tensor
+from shared.weight_sync.engine_load import NonFiniteWeights, load_version_file
 
 log = logging.getLogger("grpo.evaluator")
 
@@ -209,14 +207,10 @@ class Evaluator:
         except HubError as exc:
             raise VersionRefused(f"version {version} could not be downloaded: {exc}") from None
         try:
-            bad = nonfinite_tensor(path)
-            if bad is not None:
-                raise VersionRefused(f"version {version} holds NaN/inf (tensor {bad})")
-            adapter = file_kind(path) == KIND_ADAPTER
-            if adapter:
-                self.engine.apply_adapter(path)
-            else:
-                self.engine.load_weights(path)
+            try:
+                adapter = load_version_file(self.engine, path, version)
+            except NonFiniteWeights as exc:
+                raise VersionRefused(str(exc)) from None
             result = self.evaluate(self.config, self.engine, self.plan, f"version {version}")
             metrics = eval_metrics(result, self.dataset)
             if self.best is not None and not adapter:

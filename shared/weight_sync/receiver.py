@@ -41,34 +41,16 @@ import logging
 import time
 from pathlib import Path
 
-import torch
-from safetensors import safe_open
-
 from shared.config.schema.weight_sync import WeightSyncConfig
-from shared.errors import ServiceError
 from shared.protocol.client import HubClient, HubError, HubUnavailable
 from shared.protocol.weight_sync_messages import JoinRequest, MemberPoll, Offer, SenderSummary
-from shared.weight_sync.adapter import file_kind
 from shared.weight_sync.download_dir import DownloadDir
+from shared.weight_sync.engine_load import NonFiniteWeights, WeightSyncError, load_version_file
 from shared.weight_sync.layout import KIND_ADAPTER
 
 log = logging.getLogger("grpo.generator.weights")
 RELOAD_POLL_S = 1.0  # how often a generator holding partly updated weights asks the relay for a whole version
 MAX_VANISHED = 3  # versions that vanish in a row within one sync before the generator keeps what it serves
-
-
-class WeightSyncError(ServiceError):
-    """The generator cannot get back to whole, consistent weights (nothing on the relay after a failed receive)."""
-
-
-def nonfinite_tensor(path: str | Path) -> str | None:
-    """The first tensor of a safetensors file holding NaN/inf (one tensor in memory at a time), or None."""
-    with safe_open(str(path), framework="pt") as fh:
-        for name in fh.keys():
-            tensor = fh.get_tensor(name)
-            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-                return name
-    return None
 
 
 class VersionGone(LookupError):
@@ -287,22 +269,14 @@ class WeightReceiver:
                 raise
             raise VersionGone(str(exc.detail)) from None
         try:
-            bad = nonfinite_tensor(path)
-            if bad is not None:
+            started = time.perf_counter()
+            try:
+                load_version_file(self.engine, path, version)
+            except NonFiniteWeights as exc:
                 self.refused.add(version)
                 self.refused_nonfinite += 1
-                log.warning("weights version %d holds NaN/inf (tensor %s): not loaded, still serving the previous "
-                            "weights", version, bad)
+                log.warning("%s: not loaded, still serving the previous weights", exc)
                 return None
-            started = time.perf_counter()
-            if file_kind(path) == KIND_ADAPTER:  # learner.lora.publish: adapter; the engine holds the base
-                if not hasattr(self.engine, "apply_adapter"):
-                    raise WeightSyncError(f"weights version {version} is a LoRA adapter (learner.lora.publish: "
-                                          f"adapter) and the {self.engine.name} engine cannot apply adapters: set "
-                                          "learner.lora.publish: merged")
-                self.engine.apply_adapter(path)
-            else:
-                self.engine.load_weights(path)
             self.last_load_s = time.perf_counter() - started
             self.inconsistent = False
         finally:
