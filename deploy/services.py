@@ -132,13 +132,14 @@ def cmd_evaluator(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     scalars = None
-    if config.learner.tensorboard_dir:   # eval/<dataset>/<metric> beside the learner's scalars, its writer's code
+    logs = config.learner
+    if logs.tensorboard_dir or logs.wandb_project:  # eval/<dataset>/<metric> beside the learner's scalars
         from learner.metrics import MetricsLogger
 
         # its per-step progress line (logger grpo.learner) would read as a training step on the console
         logging.getLogger("grpo.learner").setLevel(logging.WARNING)
-        scalars = MetricsLogger(jsonl=None, tensorboard_dir=config.learner.tensorboard_dir, wandb_project=None,
-                                enabled=True, total_steps=None)
+        scalars = MetricsLogger(jsonl=None, tensorboard_dir=logs.tensorboard_dir,
+                                wandb_project=logs.wandb_project, enabled=True, total_steps=None)
     run_evaluator(config, args.hub or config.learner.hub_url, scalars, final)
     return 0
 

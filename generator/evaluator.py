@@ -7,9 +7,10 @@ version came since), it downloads it (shared/weight_sync/download_dir.py, files 
 loads it into one engine built at start (the engine ``grpo eval`` uses) and evaluates it with generator/evaluate.py's
 :func:`evaluate_engine`. Versions published meanwhile are skipped: it always takes the
 newest. Each evaluation is one JSON line in ``eval.jsonl`` (default ``<run_dir>/eval.jsonl``; ``version``, ``step``,
-``eval/<dataset>/<metric>``), a line ``version V: accuracy ...`` (``[evaluator] version V: ...`` on `grpo run`'s
-console), and TensorBoard scalars in ``learner.tensorboard_dir`` when set (the learner's MetricsLogger, given by
-``grpo evaluator``). A version's
+``eval/<dataset>/<metric>``), the same metrics as a ``kind: eval`` line in the learner's ``metrics.jsonl``
+(shared/metrics_file.py), a line ``version V: accuracy ...`` (``[evaluator] version V: ...`` on `grpo run`'s
+console), and TensorBoard / W&B scalars when ``learner.tensorboard_dir`` / ``learner.wandb_project`` is set (the
+learner's MetricsLogger, given by ``grpo evaluator``). A version's
 ``step`` is the learner's step that published it: a version is its step (learner/main.py), but for a learner that
 published past a relay ahead of it.
 
@@ -35,16 +36,21 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+
+import torch
 
 from generator.eval_files import BEST_JSON, last_evaluated
 from generator.evaluate import EvalPlan, EvalResult, eval_engine, evaluate_engine, plan_eval
 from shared.config.schema import GRPOConfig
 from shared.errors import UsageError
+from shared.metrics_file import append_eval_record
 from shared.progress import PROGRESS_MARK
 from shared.protocol.client import HubClient, HubError, HubUnavailable, service_client, stop_on_signals
 from shared.weight_sync.download_dir import DownloadDir
 from shared.weight_sync.engine_load import NonFiniteWeights, load_version_file
+from shared.weight_sync.export import write_safetensors
 
 log = logging.getLogger("grpo.evaluator")
 
@@ -107,22 +113,24 @@ class BestCheckpoint:
             return True
         return value > self.best.value if self.mode == "max" else value < self.best.value
 
-    def keep(self, weights: Path, version: int, step: int, value: float) -> None:
-        """The folder rewritten for ``version`` (a new folder renamed over the old one: never half a model)."""
-        partial = self.folder.with_name(self.folder.name + ".partial")
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
+    def keep(self, write_weights: Callable[[Path], object], version: int, step: int, value: float) -> None:
+        """The folder rewritten for ``version`` (a new folder renamed over the old one: never half a model);
+        ``write_weights(dest)`` writes the version's full weights to ``dest`` (a copy of the downloaded file, or an
+        adapter version merged into the base)."""
+        staging = self.folder.with_name(self.folder.name + ".partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
         for item in Path(self.model_dir).iterdir():
             if item.is_file() and not item.name.endswith((".safetensors", ".bin", ".pt", ".index.json")):
-                shutil.copy2(item, partial / item.name)
-        shutil.copy2(weights, partial / "model.safetensors")
+                shutil.copy2(item, staging / item.name)
+        write_weights(staging / "model.safetensors")
         self.best = Best(version, step, self.metric, value)
-        (partial / BEST_JSON).write_text(json.dumps(self.best.__dict__) + "\n")
+        (staging / BEST_JSON).write_text(json.dumps(self.best.__dict__) + "\n")
         old = self.folder.with_name(self.folder.name + ".old")
         shutil.rmtree(old, ignore_errors=True)
         if self.folder.exists():
             os.replace(self.folder, old)
-        os.replace(partial, self.folder)
+        os.replace(staging, self.folder)
         shutil.rmtree(old, ignore_errors=True)
 
 
@@ -154,6 +162,7 @@ class Evaluator:
         self.clock = clock
         self.last_time = clock()   # eval.every_minutes counts from here, then from each evaluation's start
         self.jsonl = Path(cfg.jsonl)
+        self.metrics_jsonl = config.learner.metrics_jsonl
         self.dataset = dataset_name(config)
         self.downloads = DownloadDir(config.generator.weights_dir or self.jsonl.parent / "evaluator-weights")
         self.last = last_evaluated(self.jsonl) or 0   # version 0 is the initial model: evaluated after every_steps
@@ -161,6 +170,7 @@ class Evaluator:
                      if cfg.best_metric else None)
         self.evaluated = self.failed = 0
         self.scalars = scalars
+        self.said_no_merge = False
 
     def due(self, final: bool = False) -> int | None:
         """The hub's newest version if it is due (>= the last evaluated + every_steps, or eval.every_minutes
@@ -194,6 +204,8 @@ class Evaluator:
             return True
         self.evaluated += 1
         self.write({"version": version, "step": version, **metrics})
+        if self.metrics_jsonl is not None:   # beside the learner's steps (shared/metrics_file.py)
+            append_eval_record(self.metrics_jsonl, version, metrics)
         shown = ", ".join(f"{k.rsplit('/', 1)[1]} {v:.4f}" for k, v in metrics.items())
         best = f"; best: version {self.best.best.version}" if self.best is not None and self.best.best else ""
         self.say(f"version {version}: {shown}{best}")
@@ -213,13 +225,31 @@ class Evaluator:
                 raise VersionRefused(str(exc)) from None
             result = self.evaluate(self.config, self.engine, self.plan, f"version {version}")
             metrics = eval_metrics(result, self.dataset)
-            if self.best is not None and not adapter:
+            if self.best is not None:
                 value = metrics[self.metric_key(result.k)]
-                if self.best.beats(value):
-                    self.best.keep(path, version, version, value)
+                if self.best.beats(value) and (not adapter or self.can_merge()):
+                    self.best.keep(self.merged if adapter else partial(shutil.copy2, path),
+                                   version, version, value)
         finally:
             self.downloads.clear()
         return metrics
+
+    def can_merge(self) -> bool:
+        """Can an adapter version be kept as best: does the engine hold it merged into a module (the transformers
+        engine: base + scaling * B @ A in place)? vLLM keeps adapters apart: said once, and not kept."""
+        if isinstance(getattr(self.engine, "model", None), torch.nn.Module):
+            return True
+        if not self.said_no_merge:
+            self.said_no_merge = True
+            log.warning("evaluator: LoRA adapter versions are evaluated but not kept as best with the %s engine "
+                        "(it keeps adapters apart from the base): set eval.engine: transformers to keep them",
+                        getattr(self.engine, "name", type(self.engine).__name__))
+        return False
+
+    def merged(self, dest: Path) -> None:
+        """The engine's model with the adapter version applied, as full weights in the relay's layout (a tied head
+        once, under the embedding's name: what ``from_pretrained`` loads)."""
+        write_safetensors(self.engine.model, dest, is_writer=True)
 
     def metric_key(self, k: int) -> str:
         """The eval.jsonl key of eval.best_metric (pass@k with k written out)."""

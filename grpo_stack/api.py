@@ -17,6 +17,7 @@ from typing import Any
 
 from grpo_stack.inputs import has_callables, reward_specs, write_dataset
 from shared.errors import GrpoError, UsageError
+from shared.metrics_file import read_records
 
 DEFAULT_RUN_DIR = "runs/train"   # a dict or GRPOConfig without run.run_dir (a YAML path: runs/<its name>)
 
@@ -30,7 +31,7 @@ class RunResult:
     run_dir: Path                  # logs/, config.yaml (the resolved config), data/ (datasets written by train())
     model_dir: Path | None         # the trained model (a Hugging Face folder); None when none was written
     metrics_path: Path | None      # one JSON line per step (learner.metrics_jsonl); None when off
-    metrics: dict[str, Any] | None  # the last line of metrics_path
+    metrics: dict[str, Any] | None  # the last training step's line of metrics_path
 
 
 class RunFailed(GrpoError):
@@ -153,8 +154,8 @@ def run_result(config, status: int) -> RunResult:
     metrics_path = Path(learner.metrics_jsonl) if learner.metrics_jsonl else None
     last = None
     if metrics_path is not None and metrics_path.is_file():
-        lines = metrics_path.read_text().splitlines()
-        last = json.loads(lines[-1]) if lines else None
+        steps = read_records(metrics_path, "step")   # not the evaluator's lines beside them
+        last = steps[-1] if steps else None
     return RunResult(status=status, steps=int(last["step"]) if last else 0, run_dir=Path(config.run.run_dir),
                      model_dir=model if model is not None and (model / "config.json").is_file() else None,
                      metrics_path=metrics_path if metrics_path is not None and metrics_path.is_file() else None,

@@ -20,6 +20,7 @@ from deploy.launcher import run
 from generator.evaluate import evaluate
 from shared.config.loader import load_config
 from shared.errors import UsageError
+from shared.metrics_file import read_records
 
 
 def build_model(config) -> dict:
@@ -151,7 +152,7 @@ def main(config_path: str = "deploy/configs/tiny-cpu.yaml", overrides: list[str]
         print(f"[demo] training failed (exit status {status}); see {run_dir / 'logs'}", flush=True)
         return status
     after = evaluate(config, config.learner.output_dir)
-    steps = sum(1 for _ in metrics_path.open()) if metrics_path.exists() else 0
+    steps = len(read_records(metrics_path, "step"))
     summary = {
         "accuracy_before": before.greedy_accuracy, "accuracy_after": after.greedy_accuracy,
         f"pass@{after.k}_before": before.pass_at_k, f"pass@{after.k}_after": after.pass_at_k,

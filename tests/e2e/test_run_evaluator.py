@@ -8,6 +8,7 @@ import subprocess
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from shared.metrics_file import read_records
 from tests.e2e.test_run import GRPO, free_port, stray_processes, write_config
 
 
@@ -39,6 +40,10 @@ def test_grpo_run_evaluates_while_training_and_keeps_the_best(tiny_model_dir, tm
     assert any(line.startswith(f"[grpo run] evaluations: {run / 'eval.jsonl'} ({len(records)} done)")
                for line in console), console
     assert not [line for line in console if line.startswith("[evaluator] step")]   # no training-like line
+    # metrics.jsonl: the learner's 14 steps and, beside them, each evaluation at step = version
+    assert [r["step"] for r in read_records(tmp_path / "metrics.jsonl", "step")] == list(range(1, 15))
+    assert [(r["version"], r["eval/arithmetic/accuracy"]) for r in read_records(tmp_path / "metrics.jsonl", "eval")] == \
+        [(r["version"], r["eval/arithmetic/accuracy"]) for r in records]
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
     assert [e.step for e in events.Scalars("eval/arithmetic/accuracy")] == versions

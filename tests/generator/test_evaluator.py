@@ -18,6 +18,7 @@ from generator.evaluator import Evaluator, dataset_name
 from learner.metrics import MetricsLogger
 from shared.config.schema import GRPOConfig
 from shared.errors import UsageError
+from shared.metrics_file import read_records
 from shared.protocol.client import HubClient, RetryPolicy
 from tests.live_server import LiveServer, make_config
 
@@ -113,6 +114,11 @@ def test_the_evaluator_takes_every_nth_version_skipping_those_published_meanwhil
         assert record["eval/arithmetic/pass@2"] == pytest.approx(expected.pass_at_k)
         assert record["eval/arithmetic/mean_reward"] == pytest.approx(expected.greedy_mean_reward)
     assert said[0].startswith("version 2: accuracy ") and "pass@2" in said[0]
+    # the same metrics as kind: eval lines of the learner's metrics.jsonl, at step = version
+    beside = read_records(tmp_path / "run" / "metrics.jsonl", "eval")
+    assert [{k: v for k, v in r.items() if k not in ("kind", "time")} for r in beside] == \
+        [{k: v for k, v in r.items() if k != "time"} for r in records]
+    assert read_records(tmp_path / "run" / "metrics.jsonl", "step") == []
     assert evaluator.evaluated == 4 and evaluator.failed == 0
     assert not list((tmp_path / "downloads").iterdir())     # no download kept
     assert last_evaluated(tmp_path / "run" / "eval.jsonl") == 8
