@@ -4,6 +4,7 @@ evaluations that fail without stopping it."""
 
 import json
 import math
+import shutil
 import threading
 
 import pytest
@@ -20,7 +21,9 @@ from shared.config.schema import GRPOConfig
 from shared.errors import UsageError
 from shared.metrics_file import read_records
 from shared.protocol.client import HubClient, RetryPolicy
+from shared.weight_sync.params import iter_parameters
 from tests.live_server import LiveServer, make_config
+from tests.weight_sync.test_lora_publish import lora_model, write_adapter
 
 FAIL = {"on": False}   # flaky_reward raises while this is on
 
@@ -239,3 +242,57 @@ def test_failing_evaluations_are_written_and_counted_and_the_evaluator_goes_on(t
     assert evaluator.failed == 3 and evaluator.evaluated == 1
     assert "failed" in said[0] and said[3].startswith("version 4: accuracy")
     assert json.loads((tmp_path / "run" / "best" / "best.json").read_text())["version"] == 4
+
+
+class FilesClient:
+    """The hub's download as a folder of version files (the relay's adapter path is tested with the receiver)."""
+
+    def __init__(self, files: dict[int, object]) -> None:
+        self.files = files
+
+    def weights_version(self) -> int:
+        return max(self.files)
+
+    def download_weights(self, version: int, dest) -> object:
+        shutil.copy2(self.files[version], dest)
+        return dest
+
+
+def adapter_mean_as_accuracy(config, engine, plan, label) -> EvalResult:
+    """The first adapted layer's mean weight, read from the engine: which adapter version it holds."""
+    value = float(engine.model.model.layers[0].self_attn.q_proj.weight.mean())
+    return EvalResult(value, value, config.eval.k, 4, value, {"python": value}, "python", "the loaded weights")
+
+
+@pytest.mark.slow
+def test_a_lora_adapter_version_is_kept_as_best_merged_into_its_base(tiny_model_dir, tmp_path):
+    """learner.lora.publish: adapter: the best version's folder holds base + scaling * B @ A, which
+    from_pretrained loads as the learner's merged policy; an engine that keeps adapters apart keeps none."""
+    learners = {v: lora_model(tiny_model_dir, seed=v) for v in (2, 4, 6)}
+    files = {}
+    for version, model in learners.items():
+        files[version] = tmp_path / f"adapter-{version}.safetensors"
+        write_adapter(model, files[version])
+    config = eval_config(tiny_model_dir, tmp_path, best_metric="accuracy")
+    engine = TransformersEngine(tiny_model_dir)
+    evaluator = Evaluator(config, FilesClient(files), engine, plan_eval(config), evaluate=adapter_mean_as_accuracy,
+                          say=lambda text: None)
+    scores = {v: evaluator.evaluate_version(v)["eval/arithmetic/accuracy"] for v in files}
+    best_version = max(scores, key=scores.get)
+    best = json.loads((tmp_path / "run" / "best" / "best.json").read_text())
+    assert (best["version"], best["value"]) == (best_version, scores[best_version])
+    kept = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "best").named_parameters())
+    merged = dict(iter_parameters(learners[best_version]))
+    assert merged and all(torch.equal(kept[name], merged[name]) for name in merged)
+    shutil.rmtree(tmp_path / "run" / "best")
+
+    class AdaptersApart:   # what the vLLM engine does: applies adapters, holds no torch module
+        name = "vllm"
+
+        def apply_adapter(self, path) -> None:
+            self.applied = path
+
+    apart = Evaluator(config, FilesClient(files), AdaptersApart(), plan_eval(config),
+                      evaluate=lambda *a: EvalResult(0.9, 0.9, 2, 4, 0.9, {}, "python", "x"), say=lambda text: None)
+    assert apart.evaluate_version(2)["eval/arithmetic/accuracy"] == 0.9
+    assert not (tmp_path / "run" / "best").exists() and apart.said_no_merge
