@@ -7,23 +7,20 @@ import json
 from pathlib import Path
 
 from shared.config.schema import GRPOConfig
+from shared.metrics_file import jsonl_records
 
 BEST_JSON = "best.json"
 
 
 def eval_records(path: Path) -> list[dict]:
     """The lines of an eval.jsonl that hold a version (a line cut by a kill is skipped)."""
-    if not path.is_file():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
+    def has_version(record: dict) -> bool:
         try:
-            record = json.loads(line)
             int(record["version"])
         except (ValueError, KeyError, TypeError):
-            continue
-        records.append(record)
-    return records
+            return False
+        return True
+    return [r for r in jsonl_records(path) if has_version(r)]
 
 
 def last_evaluated(path: Path) -> int | None:

@@ -27,9 +27,9 @@ def append_eval_record(path: str | Path, version: int, metrics: dict[str, float]
         fh.write(json.dumps(record) + "\n")
 
 
-def read_records(path: str | Path, kind: Literal["step", "eval", "all"] = "step") -> list[dict]:
-    """The file's records of one kind: ``step`` (the learner's), ``eval`` (the evaluator's) or ``all``; [] when
-    the file does not exist. A line cut short by a crash (the last one) is skipped."""
+def jsonl_records(path: str | Path) -> list[dict]:
+    """Every JSON object line of a JSON-lines file the run appends to ([] when it does not exist); a line cut short
+    by a crash (the last one) is skipped."""
     path = Path(path)
     if not path.is_file():
         return []
@@ -39,7 +39,11 @@ def read_records(path: str | Path, kind: Literal["step", "eval", "all"] = "step"
             record = json.loads(line)
         except json.JSONDecodeError:
             continue
-        is_eval = isinstance(record, dict) and record.get("kind") == EVAL_KIND
-        if kind == "all" or (kind == "eval") == is_eval:
+        if isinstance(record, dict):
             records.append(record)
     return records
+
+
+def read_records(path: str | Path, kind: Literal["step", "eval", "all"] = "step") -> list[dict]:
+    """The metrics file's records of one kind: ``step`` (the learner's), ``eval`` (the evaluator's) or ``all``."""
+    return [r for r in jsonl_records(path) if kind == "all" or (kind == "eval") == (r.get("kind") == EVAL_KIND)]
