@@ -63,7 +63,8 @@ def cmd_ref_server(args: argparse.Namespace) -> int:
     # imports (serve checks again); without ref_server.model the hub only queues and relays
     require(config, ["port", "cpu_cores"])
     require_models({key: path for key, path in (("ref_server.model", config.ref_server.model),
-                                                ("ref_server.prm_model", config.ref_server.prm_model))
+                                                ("ref_server.prm_model", config.ref_server.prm_model),
+                                                ("ref_server.teacher_model", config.ref_server.teacher_model))
                     if path is not None})
     from ref_server.server import serve
 
