@@ -105,6 +105,11 @@ def test_one_folder_is_loaded_once_and_teacher_scorers_join_its_pool(tmp_path, t
 
     with LiveServer(make_config(tmp_path, tiny_model_dir, teacher_model=str(tiny_model_dir), **PINNED)) as live:
         assert live.state.teacher is live.state.scorer
+        live.state.hub.report_version(0)
+        live.state.hub.put(make_group(seed=4).to_bytes())
+        batch = live.state.hub.take(1, timeout=30)
+        assert torch.equal(batch.teacher_logprobs, batch.ref_logprobs)  # one scoring, both fields
+        assert live.state.scorer.counters.jobs_submitted == 1
     with LiveServer(make_config(tmp_path / "b", tiny_model_dir, teacher_model=str(teacher_dir), local_scoring=False,
                                 **PINNED)) as live:
         register = {"name": "t1", "vocab_size": live.state.vocab_size, "role": "teacher"}
