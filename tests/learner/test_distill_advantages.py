@@ -72,6 +72,9 @@ def test_a_distill_block_needs_a_teacher_at_load():
     config = load_config(None, ["algorithm.distill.coef=0.5", "ref_server.teacher_model=/t",
                                 "algorithm.advantage.supervision=none"])
     assert config.algorithm.distill == DistillConfig(coef=0.5) and config.algorithm.distill.student == "recompute"
+    with pytest.raises(ConfigError, match="drop_constant_groups"):
+        load_config(None, ["algorithm.distill.coef=0.5", "ref_server.teacher_model=/t",
+                           "generator.drop_constant_groups=true"])
     with pytest.raises(ValidationError, match="mode"):
         GRPOConfig.model_validate({"algorithm": {"distill": {"mode": "forward_kl"}},
                                    "ref_server": {"teacher_model": "/t"}})

@@ -100,6 +100,10 @@ class GRPOConfig(StrictModel):
         if self.algorithm.distill is not None and self.ref_server.teacher_model is None:
             raise ValueError("algorithm.distill needs a teacher to score the student's samples: set "
                              "ref_server.teacher_model (a model folder sharing the student's tokenizer)")
+        if self.algorithm.distill is not None and self.generator.drop_constant_groups:
+            raise ValueError("generator.drop_constant_groups drops groups whose rewards are all equal, but with "
+                             "algorithm.distill every token carries the teacher's signal (under supervision 'none' "
+                             "every group's rewards are equal): set generator.drop_constant_groups false")
         return self
 
     @model_validator(mode="after")
