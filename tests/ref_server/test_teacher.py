@@ -122,3 +122,13 @@ def test_one_folder_is_loaded_once_and_teacher_scorers_join_its_pool(tmp_path, t
         assert live.post(f"/v1/scorers/{scorer_id}/heartbeat").status_code == 200
         assert requests.delete(f"{live.url}/v1/scorers/{scorer_id}", timeout=10).json() == {"requeued": 0}
         assert live.state.teacher.scorers() == 0
+
+
+def test_preflight_checks_the_teacher_folder(tmp_path, tiny_model_dir):
+    from deploy.preflight import model_problems
+    from shared.config.loader import load_config
+
+    config = load_config(None, [f"ref_server.teacher_model={tmp_path / 'missing'}", f"learner.model={tiny_model_dir}",
+                                f"generator.model={tiny_model_dir}"])
+    problems = model_problems(config)
+    assert len(problems) == 1 and problems[0].startswith("ref_server.teacher_model") and "missing" in problems[0]
