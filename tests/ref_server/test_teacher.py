@@ -132,3 +132,22 @@ def test_preflight_checks_the_teacher_folder(tmp_path, tiny_model_dir):
                                 f"generator.model={tiny_model_dir}"])
     problems = model_problems(config)
     assert len(problems) == 1 and problems[0].startswith("ref_server.teacher_model") and "missing" in problems[0]
+
+
+@pytest.mark.slow
+def test_a_grpo_scorer_teacher_process_scores_the_teacher(tmp_path, tiny_model_dir, teacher_dir):
+    from tests.ref_server.test_scorer_processes import start_scorer, stop, wait_for
+
+    config = make_config(tmp_path, tiny_model_dir, teacher_model=str(teacher_dir), local_scoring=False, **PINNED)
+    with LiveServer(config) as live:
+        scorer = start_scorer(live.url, teacher_dir, "t-a", tmp_path, "--teacher")
+        try:
+            wait_for(lambda: live.state.teacher.scorers() == 1, 300, "the teacher scorer to join")
+            assert live.state.scorer.scorers() == 0  # it joined the teacher's pool, not the reference's
+            rows, prompt = [[5, 6, 7, 8, 9, 10], [5, 6, 11]], 2
+            body = {"input_ids": rows, "prompt_lengths": [prompt, prompt], "model": "teacher"}
+            answer = live.post("/v1/logprobs", json=body).json()["logprobs"]
+            for got, want in zip(answer, _logprobs(teacher_dir, rows, prompt)):
+                torch.testing.assert_close(torch.tensor(got), want, atol=1e-5, rtol=0)
+        finally:
+            assert stop(scorer) == 0
