@@ -13,9 +13,12 @@ mean of the two ``one`` phases (so a drift in the machine's other load hits both
 for its shape; a final ``BENCH_JSON {...}`` line holds every number.
 
 Model: random weights (nothing downloaded), the demo's character tokenizer, Llama ``--hidden`` x ``--layers``.
+``--teacher``: the same with the model as on-policy distillation's teacher (``ref_server.teacher_model``, no
+reference: its own pool), scorers started with ``grpo scorer --teacher`` and requests naming ``model=teacher``.
 
     .venv/bin/python bench/scorers.py                       # CPU: hidden 384, 4 layers, 8 x (128 + 384), 20 s phases
     .venv/bin/python bench/scorers.py --seconds 30 --clients 6
+    .venv/bin/python bench/scorers.py --teacher             # the teacher's pool (docs/distillation.md)
 """
 
 from __future__ import annotations
@@ -77,8 +80,11 @@ def start(argv: list[str], log: Path) -> subprocess.Popen:
                             stdout=open(log, "w"), stderr=subprocess.STDOUT)
 
 
+SCORING = "scoring"  # the healthz key that says who scores: "teacher_scoring" with --teacher
+
+
 def joined(url: str) -> str:
-    return requests.get(f"{url}/healthz", timeout=10).json()["scoring"]
+    return requests.get(f"{url}/healthz", timeout=10).json()[SCORING]
 
 
 def wait_scoring(url: str, status: str, timeout: float = 600) -> None:
@@ -105,7 +111,8 @@ class Load:
         while not self.stop.is_set():
             body, tokens, completions = self.bodies[n % len(self.bodies)]
             n += len(self.threads)
-            answer = session.post(f"{self.url}/v1/logprobs", data=body, headers=OCTET, timeout=600)
+            answer = session.post(f"{self.url}/v1/logprobs", data=body, headers=OCTET, timeout=600,
+                                  params={"model": "teacher"} if SCORING == "teacher_scoring" else None)
             answer.raise_for_status()
             rows = decode_logprob_response(answer.content)
             assert [r.numel() for r in rows] == completions, "answer of the wrong shape"
@@ -154,8 +161,12 @@ def main() -> int:
                         "hold, so that work always waits for a free scorer).")
     parser.add_argument("--seconds", type=float, default=20.0, help="Length of each timed phase.")
     parser.add_argument("--warmup", type=float, default=4.0, help="Seconds of load before each phase is timed.")
+    parser.add_argument("--teacher", action="store_true", help="Score the model as the teacher of on-policy "
+                        "distillation (its own pool, grpo scorer --teacher) instead of the reference.")
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
+    global SCORING
+    SCORING = "teacher_scoring" if args.teacher else "scoring"
 
     tmp = tempfile.TemporaryDirectory(prefix="bench-scorers-")
     folder = Path(tmp.name)
@@ -166,8 +177,9 @@ def main() -> int:
     url = f"http://127.0.0.1:{port}"
     config = folder / "hub.yaml"
     config.write_text(yaml.safe_dump({
-        "algorithm": {"loss": {"beta": 0.04}},
-        "ref_server": {"model": str(model), "port": port, "local_scoring": False, "device": "cpu",
+        "algorithm": {"loss": {"beta": 0.0 if args.teacher else 0.04}},
+        "ref_server": {"model": None if args.teacher else str(model), "teacher_model": str(model) if args.teacher
+                       else None, "port": port, "local_scoring": False, "device": "cpu",
                        "dtype": "float32", "spool_dir": None, "weights_dir": str(folder / "relay"),
                        "log_level": "warning", "max_request_bytes": 2**28, "max_request_tokens": 2**22}}))
     gen = torch.Generator().manual_seed(0)
@@ -188,7 +200,7 @@ def main() -> int:
 
         def scorer(name: str) -> subprocess.Popen:
             return start(["scorer", "--config", str(config), "--hub", url, "--id", name, "--device", "cpu",
-                          "--threads", "1"], folder / f"{name}.log")
+                          "--threads", "1", *(["--teacher"] if args.teacher else [])], folder / f"{name}.log")
 
         processes["a"] = scorer("a")
         wait_scoring(url, "1 joined")
@@ -219,7 +231,7 @@ def main() -> int:
     one = (results["one"] + results["one_again"]) / 2
     ratio = results["two"] / one
     print(f"\ntwo / one = {ratio:.2f}x (target >= 1.7x)")
-    summary = {"ratio": ratio, **results, "scorer_cores": cpu, "hidden": args.hidden, "layers": args.layers, "rows": args.rows,
+    summary = {"ratio": ratio, "teacher": args.teacher, **results, "scorer_cores": cpu, "hidden": args.hidden, "layers": args.layers, "rows": args.rows,
                "prompt_tokens": args.prompt_tokens, "completion_tokens": args.completion_tokens,
                "clients": args.clients, "seconds": args.seconds, "cpus": os.cpu_count(),
                "machine": platform.processor() or platform.machine(), "started": started_at,

@@ -131,8 +131,9 @@ def model_roles(config: GRPOConfig) -> dict[str, str | None]:
     models = {"generator.model": config.generator.model, "learner.model": config.learner.model}
     if config.algorithm.needs_reference and config.ref_server.model is not None:
         models["ref_server.model"] = config.ref_server.model
-    if config.ref_server.prm_model is not None:
-        models["ref_server.prm_model"] = config.ref_server.prm_model
+    for key in ("prm_model", "teacher_model"):
+        if getattr(config.ref_server, key) is not None:
+            models[f"ref_server.{key}"] = getattr(config.ref_server, key)
     return models
 
 

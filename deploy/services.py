@@ -63,7 +63,8 @@ def cmd_ref_server(args: argparse.Namespace) -> int:
     # imports (serve checks again); without ref_server.model the hub only queues and relays
     require(config, ["port", "cpu_cores"])
     require_models({key: path for key, path in (("ref_server.model", config.ref_server.model),
-                                                ("ref_server.prm_model", config.ref_server.prm_model))
+                                                ("ref_server.prm_model", config.ref_server.prm_model),
+                                                ("ref_server.teacher_model", config.ref_server.teacher_model))
                     if path is not None})
     from ref_server.server import serve
 
@@ -152,9 +153,9 @@ def cmd_scorer(args: argparse.Namespace) -> int:
 
     from deploy.preflight import require_models
 
-    config = load_with_flags(args, {"model": "ref_server.model", "device": "ref_server.device",
-                                    "token": "ref_server.token"})
-    require_models({"ref_server.model": config.ref_server.model})  # before seconds of imports
+    key = "ref_server.teacher_model" if args.teacher else "ref_server.model"  # --teacher: the teacher's pool
+    config = load_with_flags(args, {"model": key, "device": "ref_server.device", "token": "ref_server.token"})
+    require_models({key: config.ref_server.teacher_model if args.teacher else config.ref_server.model})
     if args.threads is not None:
         if args.threads < 1:
             raise UsageError(f"--threads must be >= 1, got {args.threads}")
@@ -168,7 +169,7 @@ def cmd_scorer(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     hub = args.hub or config.learner.hub_url
-    run_scorer(config, hub, args.id or f"scorer-{socket.gethostname()}-{os.getpid()}")
+    run_scorer(config, hub, args.id or f"scorer-{socket.gethostname()}-{os.getpid()}", teacher=args.teacher)
     return 0
 
 
@@ -225,7 +226,10 @@ def add_service_parsers(add: AddCommand) -> None:
             "the /v1/logprobs requests it is sent; any number may join and leave while training runs "
             "(docs/scale-out.md).")
     p.add_argument("--hub", help="Hub URL (default: learner.hub_url).")
-    p.add_argument("--model", help="Reference model folder (overrides ref_server.model; must be the hub's).")
+    p.add_argument("--model", help="Reference model folder (overrides ref_server.model; must be the hub's; with "
+                   "--teacher: overrides ref_server.teacher_model).")
+    p.add_argument("--teacher", action="store_true", help="Score the teacher (ref_server.teacher_model) of on-policy "
+                   "distillation instead of the reference (docs/distillation.md).")
     p.add_argument("--id", help="Scorer name in the hub's logs (default scorer-HOST-PID).")
     p.add_argument("--device", help="'cpu', 'cuda:N' or 'auto' (overrides ref_server.device).")
     p.add_argument("--threads", type=int, help="Torch CPU threads (torch.set_num_threads).")

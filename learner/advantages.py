@@ -1,6 +1,7 @@
 """The advantages of a pulled batch: one per completion (outcome supervision) or one per token (process
-supervision, the KL penalty in the reward), computed over the whole batch with the pure functions of
-:mod:`shared.grpo.advantages`; their metrics; and the optional JSONL record of what the loss used.
+supervision, the KL penalty in the reward, on-policy distillation), computed over the whole batch with the pure
+functions of :mod:`shared.grpo.advantages` and :mod:`shared.grpo.distill`; their metrics; and the optional JSONL
+record of what the loss used.
 
 ``scale: batch`` means the global batch: the std is taken over every rank's rewards (outcome) or step rewards
 (process), all-reduced as count, sum and sum of squares, so the result does not depend on how the hub split the
@@ -16,8 +17,9 @@ from pathlib import Path
 
 import torch
 
+from learner.lora import reference_logprobs
 from learner.step import all_reduce
-from shared.config.schema import AdvantageConfig, AlgorithmConfig, KLConfig
+from shared.config.schema import AdvantageConfig, AlgorithmConfig, DistillConfig, GRPOConfig, KLConfig
 from shared.grpo.advantages import (
     compute_advantages,
     kl_in_reward_advantages,
@@ -26,6 +28,7 @@ from shared.grpo.advantages import (
     process_advantages,
     step_token_rewards,
 )
+from shared.grpo.distill import distill_token_rewards, reverse_kl_mean
 from shared.grpo.kl import kl_penalty
 from shared.protocol.records import TrainBatch
 from shared.registry import Registry
@@ -112,15 +115,82 @@ class ProcessSupervision:
         return step_token_rewards(normalised, index, end, batch.completion_lengths.long(), width=width)
 
 
-def batch_advantages(batch: TrainBatch, cfg: AdvantageConfig, kl: KLConfig | None = None) -> torch.Tensor:
+@SUPERVISIONS.register("none")
+class NoSupervision:
+    """No task reward: every advantage 0 but what the KL in the reward or on-policy distillation adds (pure
+    distillation: ``algorithm.distill`` with ``supervision: none``)."""
+
+    steps = False
+
+    @staticmethod
+    def advantages(batch: TrainBatch, cfg: AdvantageConfig) -> torch.Tensor:
+        return torch.zeros(batch.batch_size)
+
+    @staticmethod
+    def token_rewards(batch: TrainBatch, cfg: AdvantageConfig, width: int) -> torch.Tensor:
+        return torch.zeros(batch.batch_size, width)
+
+
+def batch_advantages(batch: TrainBatch, cfg: AdvantageConfig, kl: KLConfig | None = None,
+                     distill: DistillConfig | None = None, student: torch.Tensor | None = None) -> torch.Tensor:
     """The advantages the loss uses: ``[B]`` or ``[B, L]`` (``L`` = the batch's completion width).
 
     * without the KL in the reward: the supervision's own (:data:`SUPERVISIONS`): ``outcome`` ``[B]``, ``process``
-      ``[B, L]``;
+      ``[B, L]``, ``none`` zeros;
     * ``kl.in_reward``: ``r_t = -beta k(t) + p_t`` and ``A_t = sum_{s >= t} r_s`` (``kl_in_reward_advantages``),
       ``p`` = the supervision's token rewards (the outcome advantage at the completion's last token, or each step's
-      r~ at its end); ``k`` from the behaviour (sampler's) logprobs and the reference logprobs.
+      r~ at its end); ``k`` from the behaviour (sampler's) logprobs and the reference logprobs;
+    * ``distill``: plus, on each model token, ``-coef * (student - teacher)`` (``distill_token_rewards``) with
+      ``student`` the ``[B, L]`` logprobs :func:`distill_student` chose, ``[B, L]``; no return to go (discount 0).
     """
+    advantages = _task_advantages(batch, cfg, kl)
+    if distill is None:
+        return advantages
+    if batch.teacher_logprobs is None or student is None:
+        raise ValueError(f"algorithm.distill needs the teacher's logprobs, but batch {batch.batch_id!r} has none: "
+                         "the ref server must load ref_server.teacher_model (start it with the same config)")
+    lengths = batch.completion_lengths.long()
+    rewards = distill_token_rewards(student, batch.teacher_logprobs, lengths, coef=distill.coef,
+                                    loss_mask=batch.completion_mask)
+    if advantages.dim() == 1:
+        advantages = torch.where(lengths_to_mask(lengths, rewards.shape[1]), advantages.unsqueeze(1), 0.0)
+    return advantages + torch.nn.functional.pad(rewards, (0, advantages.shape[1] - rewards.shape[1]))
+
+
+def learner_logprobs(model: torch.nn.Module, batch: TrainBatch, device: torch.device, config: GRPOConfig,
+                     clock) -> torch.Tensor | None:
+    """The logprobs the learner scores itself before the advantages: the reference under ``learner.lora.reference:
+    learner`` (set on the batch: the base policy, this model with its adapters off) and on-policy distillation's
+    student (returned: :func:`distill_student`; None without distillation)."""
+    cfg, algorithm = config.learner, config.algorithm
+    if algorithm.needs_reference and cfg.reference_in_learner:
+        batch.ref_logprobs = reference_logprobs(model, batch, device, chunk_tokens=cfg.logprob_chunk_tokens)
+        clock.lap("old_logprobs")  # a scoring forward like the recompute of pi_old: charged with it
+    return distill_student(model, batch, device, algorithm.distill, cfg.logprob_chunk_tokens)
+
+
+def distill_student(model: torch.nn.Module, batch: TrainBatch, device: torch.device, distill: DistillConfig | None,
+                    chunk_tokens: int | None) -> torch.Tensor | None:
+    """The student logprobs of ``algorithm.distill.student``: the sampler's (``behaviour``) or the learner's own
+    before the update (``recompute``: one forward without gradient, adapters on); None without distillation."""
+    if distill is None:
+        return None
+    if distill.student == "behaviour":
+        return batch.behaviour_logprobs
+    return reference_logprobs(model, batch, device, chunk_tokens=chunk_tokens, base=False)
+
+
+def distill_metrics(batch: TrainBatch, student: torch.Tensor | None) -> dict[str, float]:
+    """``distill_reverse_kl``: the mean over the model's tokens of ``student - teacher`` (the k1 estimate of
+    KL(student || teacher), before coef); nothing without distillation."""
+    if student is None or batch.teacher_logprobs is None:
+        return {}
+    return {"distill_reverse_kl": reverse_kl_mean(student, batch.teacher_logprobs, batch.completion_lengths,
+                                                  batch.completion_mask)}
+
+
+def _task_advantages(batch: TrainBatch, cfg: AdvantageConfig, kl: KLConfig | None) -> torch.Tensor:
+    """The advantages of the task reward (and the KL in the reward): :func:`batch_advantages` without distillation."""
     supervision = SUPERVISIONS.get(cfg.supervision)
     if kl is None or not kl.in_reward:
         return supervision.advantages(batch, cfg)

@@ -194,10 +194,11 @@ def merge_checkpoint(checkpoint: str | Path, out: str | Path, base_model: str | 
 
 @torch.no_grad()
 def reference_logprobs(model: torch.nn.Module, batch, device: torch.device, *, chunk_tokens: int | None = None,
-                       row_tokens: int = 16384) -> torch.Tensor:
+                       row_tokens: int = 16384, base: bool = True) -> torch.Tensor:
     """``learner.lora.reference: learner``: the batch's reference logprobs from the learner's own model with the
     adapters switched off (the base policy), in eval mode, at the batch's temperature; ``[B, L]`` float32 on the
-    host like the hub's. Rows go through in chunks of about ``row_tokens`` padded tokens."""
+    host like the hub's. Rows go through in chunks of about ``row_tokens`` padded tokens. ``base`` False: the
+    policy as it is, adapters on (on-policy distillation's recomputed student, learner.advantages.distill_student)."""
     from shared.forward.logprobs import sequence_logprobs
 
     rows, width = batch.behaviour_logprobs.shape
@@ -206,7 +207,7 @@ def reference_logprobs(model: torch.nn.Module, batch, device: torch.device, *, c
     training = model.training
     model.eval()
     try:
-        with adapters_disabled(model):
+        with adapters_disabled(model) if base else contextlib.nullcontext():
             for start in range(0, rows, step):
                 end = min(rows, start + step)
                 prompt = batch.prompt_lengths[start:end].tolist()

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from learner.advantages import AdvantageLog, batch_advantages
+from learner.advantages import AdvantageLog, batch_advantages, distill_metrics, learner_logprobs
 from learner.checkpoint import load_latest, save_checkpoint
 from learner.delivery import DeliveryLedger
 from learner.engine import (
@@ -32,7 +32,6 @@ from learner.engine import (
     uses_bf16,
 )
 from learner.entropy_control import EntropyControl
-from learner.lora import reference_logprobs
 from learner.metrics import LappedEngine, MetricsLogger, StepClock, accuracy_judge, batch_metrics
 from learner.prefetch import BatchPrefetcher, HubCalls
 from learner.session import SessionRefusedError, check_hub, end_session, register_session
@@ -273,12 +272,10 @@ class Learner:
         """``updates_per_batch`` GRPO steps on one batch, each followed by publishing and logging; then the batch
         counts as trained (before any checkpoint, so that a checkpoint holding its update also holds its ids)."""
         cfg, algorithm, clock = self.cfg, self.config.algorithm, self.clock
-        if algorithm.needs_reference and cfg.reference_in_learner:  # the base policy: this model, adapters off
-            batch.ref_logprobs = reference_logprobs(self.engine.module, batch, self.device,
-                                                    chunk_tokens=cfg.logprob_chunk_tokens)
-            clock.lap("old_logprobs")  # a scoring forward like the recompute of pi_old: charged with it
-        advantages = batch_advantages(batch, algorithm.advantage, algorithm.kl)
-        rollout_metrics = batch_metrics(batch, advantages, self.version, algorithm, accuracy_judge(self.config))
+        student = learner_logprobs(self.engine.module, batch, self.device, self.config, clock)
+        advantages = batch_advantages(batch, algorithm.advantage, algorithm.kl, algorithm.distill, student)
+        rollout_metrics = {**batch_metrics(batch, advantages, self.version, algorithm, accuracy_judge(self.config)),
+                           **distill_metrics(batch, student)}
         if self.advantage_log is not None:
             self.advantage_log.write(self.step + 1, batch, advantages)
         # host numbers from host tensors (the batch is still on the CPU here): no device round trip for them

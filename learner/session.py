@@ -39,6 +39,10 @@ def check_hub(client: HubClient, config: GRPOConfig, *, resume: bool, version: i
         raise LearnerSetupError(
             f"{wants} but the ref server at {config.learner.hub_url} has no reference model loaded (its "
             "algorithm.loss.beta is 0?): start both with the same config")
+    if algorithm.distill is not None and health.get("teacher_model") is None:
+        raise LearnerSetupError(
+            f"algorithm.distill is set but the ref server at {config.learner.hub_url} scores no teacher (no "
+            "ref_server.teacher_model): start both with the same config")
     # the newest version the hub knows: on its relay, or reported by a learner (the relay may lag behind the
     # reports: weights reach it only when a generator needs them there)
     relay = client.weights_version()

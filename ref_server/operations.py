@@ -23,7 +23,10 @@ async def healthz(state: State) -> dict:
             "learner_version": state.hub.learner_version,
             # who scores the reference: "local", "local + N joined", "N joined", "no scorer" (groups wait); null: nobody
             "scoring": state.scorer.status() if state.scorer is not None else None,
-            "scoring_jobs_waiting": state.scorer.queue_depth() if state.scorer is not None else 0}
+            "scoring_jobs_waiting": state.scorer.queue_depth() if state.scorer is not None else 0,
+            # on-policy distillation's teacher (ref_server.teacher_model): its folder and who scores it; null: none
+            "teacher_model": (state.teacher_identity or {}).get("model"),
+            "teacher_scoring": state.teacher.status() if state.teacher is not None else None}
 
 
 @router.get("/metrics")

@@ -18,6 +18,7 @@ from ref_server.hub.rollout_hub import RolloutHub
 from ref_server.scorer_pool.job_wire import model_identity
 from ref_server.scorer_pool.pool import ScorerPool
 from ref_server.scoring.loading import ModelLoadError, load_reference_model, load_reference_scorer
+from ref_server.scoring.teacher import check_same_tokenizer, same_model, teacher_student
 from ref_server.session import LearnerSessionStore
 from ref_server.state import ServerState
 from ref_server.tool_api.prm import PRMScorer
@@ -52,6 +53,36 @@ def scratch_relay() -> str:
     return folder
 
 
+def _scorer_pool(cfg: RefServerConfig, local, vocab_size: int | None) -> ScorerPool:
+    return ScorerPool(local=local, vocab_size=vocab_size, lease_s=cfg.scorer_lease_s, wait_s=cfg.scorer_wait_s,
+                      max_jobs=cfg.max_scoring_jobs, max_bad_results=cfg.scorer_max_bad_results,
+                      job_max_failures=cfg.scoring_job_max_failures)
+
+
+def build_teacher(config: GRPOConfig, reference: ScorerPool | None) -> tuple[ScorerPool | None, dict | None]:
+    """The teacher's scorer pool (ref_server.teacher_model; None without one) and its model identity (what a joined
+    ``grpo scorer --teacher`` must load). Its tokenizer is checked against the student's first; the reference's own
+    pool when the two are one folder (one model loaded, each group scored once)."""
+    cfg = config.ref_server
+    if cfg.teacher_model is None:
+        return None, None
+    student = teacher_student(config)
+    if student is not None:
+        check_same_tokenizer(student[1], cfg.teacher_model, student_key=student[0])
+    identity = model_identity(cfg.teacher_model)
+    if reference is not None and same_model(cfg.model, cfg.teacher_model):
+        return reference, identity
+    local, vocab_size = None, model_limits(cfg.teacher_model)[0]
+    if cfg.local_scoring is not False:
+        local, _ = load_reference_scorer(cfg, model_dir=cfg.teacher_model)
+        vocab_size = local.vocab_size
+    elif vocab_size is None:
+        raise ModelLoadError(f"teacher model folder {cfg.teacher_model!r} has no readable config.json with a "
+                             "vocab_size (joined teacher scorers must match it)")
+    log.info("teacher %s: scored %s", cfg.teacher_model, "here" if local is not None else "by joined scorers")
+    return _scorer_pool(cfg, local, vocab_size), identity
+
+
 def build_state(config: GRPOConfig) -> ServerState:
     cfg: RefServerConfig = config.ref_server
     scorer = tokenizer = None
@@ -70,10 +101,10 @@ def build_state(config: GRPOConfig) -> ServerState:
             raise ModelLoadError(f"reference model folder {cfg.model!r} has no readable config.json with a "
                                  "vocab_size (ref_server.local_scoring false still reads it: joined scorers must "
                                  "match it)")
-        scorer = ScorerPool(local=local, vocab_size=vocab_size, lease_s=cfg.scorer_lease_s,
-                            wait_s=cfg.scorer_wait_s, max_jobs=cfg.max_scoring_jobs,
-                            max_bad_results=cfg.scorer_max_bad_results, job_max_failures=cfg.scoring_job_max_failures)
+        scorer = _scorer_pool(cfg, local, vocab_size)
         tokenizer = ServedTokenizer.load(cfg.model, vocab_size, max_context)
+    teacher, teacher_identity = build_teacher(config, scorer)
+    vocab_size = vocab_size if vocab_size is not None or teacher is None else teacher.vocab_size
     prm = None
     if cfg.prm_model is not None:
         device = resolve_device(cfg.device)
@@ -91,7 +122,7 @@ def build_state(config: GRPOConfig) -> ServerState:
                      max_deliveries=cfg.max_deliveries,
                      # 0 is greedy decoding, for evaluation only: no training group is sampled that way
                      temperature=temperature if temperature > 0 else None,
-                     published_version=lambda: weights.current, max_context=max_context)
+                     published_version=lambda: weights.current, max_context=max_context, teacher=teacher)
     if session.learner_version is not None:  # the registered learner's last version survives a hub restart
         hub.report_version(session.learner_version)
     return ServerState(
@@ -101,7 +132,7 @@ def build_state(config: GRPOConfig) -> ServerState:
         token=cfg.resolved_token(), public_docs=cfg.public_docs,
         max_version_ahead=cfg.max_version_ahead,
         model_identity=model_identity(cfg.model) if cfg.model is not None else None,
-        tokenizer=tokenizer, prm=prm, limits=BodyLimits(
+        tokenizer=tokenizer, prm=prm, teacher=teacher, teacher_identity=teacher_identity, limits=BodyLimits(
             json_bytes=cfg.max_json_body_bytes, request_bytes=cfg.max_request_bytes,
             weight_bytes=cfg.max_weight_bytes, timeout_s=cfg.body_timeout_s,
             min_bytes_per_s=cfg.min_body_bytes_per_s),
@@ -120,7 +151,7 @@ def serve(config: GRPOConfig) -> None:
         raise UsageError(problem)
     sock = bind_port(cfg.host, cfg.port, "ref_server.port")
     models = [m for m in (cfg.model if config.hub_scores_reference and cfg.local_scoring is not False else None,
-                          cfg.prm_model) if m]
+                          cfg.teacher_model if cfg.local_scoring is not False else None, cfg.prm_model) if m]
     startup_phase(log, f"loading {' and '.join(models)}" if models else "opening the hub")
     try:
         state = build_state(config)
@@ -150,5 +181,5 @@ def serve(config: GRPOConfig) -> None:
         sock.close()
         state.hub.close()  # leases still held untrained count as failed deliveries (poison pills across restarts)
         state.weights.keep_newest()  # no download in flight any more: one copy of the weights on disk is enough
-        if state.scorer is not None:
-            state.scorer.close()
+        for pool in {id(p): p for p in (state.scorer, state.teacher) if p is not None}.values():
+            pool.close()

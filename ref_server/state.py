@@ -44,3 +44,7 @@ class ServerState:
     # this hub process (a scorer that sees it change re-registers); the model a joined scorer must load
     instance: str = field(default_factory=lambda: secrets.token_hex(8))
     model_identity: dict | None = None
+    # on-policy distillation's teacher (ref_server.teacher_model; ref_server/scoring/teacher.py): its scorer pool
+    # (the reference's own when they are one model) and what a joined `grpo scorer --teacher` must load
+    teacher: ScorerPool | None = None
+    teacher_identity: dict | None = None

@@ -51,8 +51,8 @@ class LiveServer(AppServer):
 
     def __exit__(self, *exc) -> None:
         super().__exit__(*exc)
-        if self.state.scorer is not None:
-            self.state.scorer.close()
+        for pool in {id(p): p for p in (self.state.scorer, self.state.teacher) if p is not None}.values():
+            pool.close()
 
     def get(self, path: str, **kw) -> requests.Response:
         return requests.get(self.url + path, timeout=30, **kw)

@@ -27,25 +27,34 @@ class GroupRows:
     width: int                       # longest row (prompt + completion) of the group
     completion_width: int            # longest completion of the group
     mask: torch.Tensor | None = None  # [G, C] bool, the group's completion_mask (None: a single-turn group)
+    teacher: torch.Tensor | None = None  # float32, None without a teacher (ref_server.teacher_model)
 
     @classmethod
-    def of(cls, group: RolloutGroup, ref_logprobs: list[torch.Tensor] | None) -> GroupRows:
-        """``ref_logprobs``: the scorer's per-row tensors (row i has ``completion_lengths[i]`` entries)."""
+    def of(cls, group: RolloutGroup, ref_logprobs: list[torch.Tensor] | None,
+           teacher_logprobs: list[torch.Tensor] | None = None) -> GroupRows:
+        """``ref_logprobs``, ``teacher_logprobs``: the scorers' per-row tensors (row i has ``completion_lengths[i]``
+        entries)."""
         size, prompt = group.group_size, group.prompt_ids.long()
         lengths = group.completion_lengths.long()
         columns = group.completion_ids.shape[1]
         valid = completion_mask(lengths, columns)
         completion = group.completion_ids.long().masked_fill(~valid, 0)
-        ref = None
-        if ref_logprobs is not None:
-            ref = torch.zeros(size, columns, dtype=torch.float32)
-            for i, row in enumerate(ref_logprobs):
-                ref[i, :row.numel()] = row.float()
         longest = int(lengths.max()) if size else 0
         return cls(input_ids=torch.cat([prompt.expand(size, -1), completion], dim=1),
-                   behaviour=group.behaviour_logprobs.float().masked_fill(~valid, 0.0), ref=ref,
+                   behaviour=group.behaviour_logprobs.float().masked_fill(~valid, 0.0),
+                   ref=_rows_of(ref_logprobs, size, columns), teacher=_rows_of(teacher_logprobs, size, columns),
                    width=prompt.numel() + longest, completion_width=longest,
                    mask=None if group.completion_mask is None else completion_mask(lengths, columns, group.completion_mask))
+
+
+def _rows_of(scored: list[torch.Tensor] | None, size: int, columns: int) -> torch.Tensor | None:
+    """A scorer's per-row logprobs as ``[size, columns]`` float32, zero beyond each row (None stays None)."""
+    if scored is None:
+        return None
+    out = torch.zeros(size, columns, dtype=torch.float32)
+    for i, row in enumerate(scored):
+        out[i, :row.numel()] = row.float()
+    return out
 
 
 def assemble_batch(groups: list[RolloutGroup], rows: list[GroupRows], *, batch_id: str) -> TrainBatch:
@@ -56,8 +65,9 @@ def assemble_batch(groups: list[RolloutGroup], rows: list[GroupRows], *, batch_i
     completion_width = max(r.completion_width for r in rows)
     input_ids = torch.zeros(total, width, dtype=torch.long)
     behaviour = torch.zeros(total, completion_width, dtype=torch.float32)
-    with_ref = rows[0].ref is not None
+    with_ref, with_teacher = rows[0].ref is not None, rows[0].teacher is not None
     ref = torch.zeros(total, completion_width, dtype=torch.float32) if with_ref else None
+    teacher = torch.zeros(total, completion_width, dtype=torch.float32) if with_teacher else None
     any_mask = any(r.mask is not None for r in rows)
     mask = torch.ones(total, completion_width, dtype=torch.bool) if any_mask else None
     start = 0
@@ -67,9 +77,11 @@ def assemble_batch(groups: list[RolloutGroup], rows: list[GroupRows], *, batch_i
         behaviour[start:end, :r.completion_width] = r.behaviour[:, :r.completion_width]
         if ref is not None:
             ref[start:end, :r.completion_width] = r.ref[:, :r.completion_width]
+        if teacher is not None:
+            teacher[start:end, :r.completion_width] = r.teacher[:, :r.completion_width]
         if mask is not None and r.mask is not None:
             mask[start:end] = False
             mask[start:end, :r.completion_width] = r.mask[:, :r.completion_width]
         start = end
     return TrainBatch(input_ids=input_ids, behaviour_logprobs=behaviour, ref_logprobs=ref, batch_id=batch_id,
-                      completion_mask=mask, **fields)
+                      completion_mask=mask, teacher_logprobs=teacher, **fields)

@@ -12,8 +12,10 @@
   one upload are written and fsynced together (a group commit: one wait for the disk per request) before the upload
   takes the lock, and only renamed under it. At start-up
   :meth:`Intake.reload_spool` queues the spooled groups again, in their order.
-* Reference logprobs are computed in the background as groups arrive (when a scorer is given), and each group is
-  laid out as batch rows then (:mod:`ref_server.hub.batching`), so a lease finds them ready.
+* Reference logprobs are computed in the background as groups arrive (when a scorer is given), and so are the
+  teacher's (on-policy distillation, when a teacher scorer is given; the same pool as the reference's when they are
+  one model: scored once); each group is laid out as batch rows once both are in (:mod:`ref_server.hub.batching`),
+  so a lease finds them ready.
 """
 
 from __future__ import annotations
@@ -51,10 +53,12 @@ class GroupRejected(ValueError):
 
 class Intake:
     def __init__(self, queue: RolloutQueue, *, scorer: ReferenceScorer | None, vocab_size: int | None = None,
-                 published_version: Callable[[], int | None] = lambda: None, max_context: int | None = None) -> None:
+                 published_version: Callable[[], int | None] = lambda: None, max_context: int | None = None,
+                 teacher: ReferenceScorer | None = None) -> None:
         self.queue = queue
         self.max_context = max_context
         self.scorer = scorer
+        self.teacher = teacher
         self.vocab_size = vocab_size
         self._published_version = published_version
         self._seen: OrderedDict[str, None] = OrderedDict()
@@ -224,34 +228,57 @@ class Intake:
 
     # -- reference logprobs and batch rows, in the background ---------------------------------------------
     def _start_scoring(self, entry: QueuedGroup) -> None:
-        if self.scorer is None:
+        """Submit the group's rows to the reference scorer and the teacher's (one submission when they are one
+        pool); the group is laid out when every submission is answered."""
+        scorers = list(dict.fromkeys(s for s in (self.scorer, self.teacher) if s is not None))  # distinct, in order
+        if not scorers:
             self._mark_ready(entry, None)
             return
         group = entry.group
         prompt = group.prompt_ids.tolist()
         rows = [Row(prompt + group.completion_ids[i, :int(n)].tolist(), len(prompt))
                 for i, n in enumerate(group.completion_lengths)]
-        future = self.scorer.submit(rows, group.sampling.temperature)
-        future.add_done_callback(lambda f: self._scored(entry, f))
+        futures = {id(s): s.submit(rows, group.sampling.temperature) for s in scorers}
+        remaining, lock = [len(futures)], threading.Lock()
 
-    def _scored(self, entry: QueuedGroup, future) -> None:
-        error = future.exception()
+        def answered(_) -> None:
+            with lock:
+                remaining[0] -= 1
+                if remaining[0]:
+                    return
+            self._scored(entry, futures.get(id(self.scorer)), futures.get(id(self.teacher)))
+
+        for future in futures.values():
+            future.add_done_callback(answered)
+
+    def _scored(self, entry: QueuedGroup, reference, teacher) -> None:
+        """Both Futures answered (None: that model is not scored): the group's rows, or the group dropped."""
+        results, error = [], None
+        for what, future in (("reference", reference), ("teacher", teacher)):
+            if future is None:
+                results.append(None)
+            elif (error := future.exception()) is not None:
+                error = f"{what}: {error}"
+                break
+            elif not all(bool(torch.isfinite(r).all()) for r in future.result()):
+                error = f"{what} logprobs are not finite"
+                break
+            else:
+                results.append(future.result())
         if error is None:
-            result = future.result()
-            if all(bool(torch.isfinite(r).all()) for r in result):
-                self._mark_ready(entry, result)
-                return
-            error = ValueError("reference logprobs are not finite")
-        log.error("reference scoring failed for group %s: %s; dropping it", entry.group.group_id, error)
+            self._mark_ready(entry, *results)
+            return
+        log.error("scoring failed for group %s: %s; dropping it", entry.group.group_id, error)
         queue = self.queue
         with queue.cond:
             if queue.groups.pop(entry.seq, None) is not None:
                 queue.counters.dropped_ref_failure += 1
                 queue.unspool(entry)
 
-    def _mark_ready(self, entry: QueuedGroup, ref_logprobs: list[torch.Tensor] | None) -> None:
+    def _mark_ready(self, entry: QueuedGroup, ref_logprobs: list[torch.Tensor] | None,
+                    teacher_logprobs: list[torch.Tensor] | None = None) -> None:
         with self._gate():
-            rows = GroupRows.of(entry.group, ref_logprobs)  # in the uploading or scoring thread, not in a lease
+            rows = GroupRows.of(entry.group, ref_logprobs, teacher_logprobs)  # in the uploading or scoring thread, not in a lease
         self.queue.mark_ready(entry, rows)
 
     # -- restart ------------------------------------------------------------------------------------------

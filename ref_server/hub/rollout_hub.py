@@ -36,11 +36,12 @@ class RolloutHub:
         max_deliveries: int = 3,
         published_version: Callable[[], int | None] = lambda: None,
         max_context: int | None = None,
+        teacher: ReferenceScorer | None = None,
     ) -> None:
         self.queue = RolloutQueue(capacity=capacity, max_staleness=max_staleness, temperature=temperature,
                                   spool_dir=spool_dir)
         self.intake = Intake(self.queue, scorer=scorer, vocab_size=vocab_size, published_version=published_version,
-                             max_context=max_context)
+                             max_context=max_context, teacher=teacher)
         self.leases = Leases(self.queue, lease_timeout_s=lease_timeout_s, max_deliveries=max_deliveries)
         if self.queue.spool is not None:
             self.intake.reload_spool(self.leases.triage, self.leases.restore)

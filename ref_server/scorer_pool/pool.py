@@ -129,6 +129,11 @@ class ScorerPool(ScoringJobs):
         log.info("scorer %s joined as %s (%d joined)", name, scorer_id, len(self._scorers))
         return scorer_id
 
+    def owns(self, scorer_id: str) -> bool:
+        """Whether this pool gave out ``scorer_id`` (each pool's ids carry its own random prefix): the routes find a
+        joined scorer's pool, the reference's or the teacher's, by it."""
+        return scorer_id.startswith(f"{self._prefix}-s")
+
     def heartbeat(self, scorer_id: str) -> int:
         """The scorer is alive: its leases run another ``lease_s``. Returns how many jobs it holds."""
         with self.cond:

@@ -165,22 +165,26 @@ class RemoteScorer:
                   time.perf_counter() - started, answer.get("status"))
 
 
-def run_scorer(config, hub_url: str, name: str, device: str | None = None, concurrency: int = 2) -> None:
-    """``grpo scorer``: load ref_server.model on ``device``, join the hub at ``hub_url``, score until SIGTERM/SIGINT."""
+def run_scorer(config, hub_url: str, name: str, device: str | None = None, concurrency: int = 2, *,
+               teacher: bool = False) -> None:
+    """``grpo scorer``: load ref_server.model (``teacher``: ref_server.teacher_model, and join the teacher's pool) on
+    ``device``, join the hub at ``hub_url``, score until SIGTERM/SIGINT."""
 
     from ref_server.scorer_pool.job_wire import model_identity
     from ref_server.scoring.loading import ModelLoadError, load_reference_scorer
     from shared.protocol.client import service_client, stop_on_signals
 
     cfg = config.ref_server
-    if cfg.model is None:
-        raise ModelLoadError("grpo scorer needs the reference model: ref_server.model (or --model)")
-    startup_phase(log, f"loading the reference model {cfg.model}")
-    scorer, _ = load_reference_scorer(cfg, device)
+    folder, key = (cfg.teacher_model, "ref_server.teacher_model") if teacher else (cfg.model, "ref_server.model")
+    if folder is None:
+        raise ModelLoadError(f"grpo scorer{' --teacher' if teacher else ''} needs its model: {key} (or --model)")
+    startup_phase(log, f"loading the {'teacher' if teacher else 'reference'} model {folder}")
+    scorer, _ = load_reference_scorer(cfg, device, model_dir=folder)
     client = service_client(hub_url, cfg.resolved_token(), config.learner.retry_max_s, ScorerClient)
     stop = threading.Event()
     stop_on_signals(stop, client, "finishing the jobs held, then leaving the hub")
-    worker = RemoteScorer(client, scorer, name=name, identity=model_identity(cfg.model), concurrency=concurrency)
+    identity = {**model_identity(folder), "role": "teacher" if teacher else "reference"}
+    worker = RemoteScorer(client, scorer, name=name, identity=identity, concurrency=concurrency)
     try:
         worker.run(stop)
     finally:

@@ -31,11 +31,13 @@ def load_reference_model(path: str, device: torch.device, dtype: torch.dtype):
     return model
 
 
-def load_reference_scorer(cfg: RefServerConfig, device: str | None = None) -> tuple[ReferenceScorer, int | None]:
-    """ref_server.model loaded on ``device`` (default ref_server.device) behind a micro-batching ReferenceScorer (the
-    hub's own with local scoring, or a joined scorer's: ``grpo scorer``), and the model's context (None: unknown)."""
+def load_reference_scorer(cfg: RefServerConfig, device: str | None = None, *,
+                          model_dir: str | None = None) -> tuple[ReferenceScorer, int | None]:
+    """ref_server.model (or ``model_dir``: the teacher, ref_server.teacher_model) loaded on ``device`` (default
+    ref_server.device) behind a micro-batching ReferenceScorer (the hub's own with local scoring, or a joined
+    scorer's: ``grpo scorer``), and the model's context (None: unknown)."""
     torch_device = resolve_device(device or cfg.device)
-    model = load_reference_model(cfg.model, torch_device, default_dtype(cfg.dtype, torch_device))
+    model = load_reference_model(model_dir or cfg.model, torch_device, default_dtype(cfg.dtype, torch_device))
     text_config = model.config.get_text_config()
     max_context = getattr(text_config, "max_position_embeddings", None)
     scorer = ReferenceScorer(model, vocab_size=text_config.vocab_size, max_context=max_context or 2**31,

@@ -1,4 +1,5 @@
-"""``POST /v1/logprobs``: per-token reference logprobs for any tool (JSON, or safetensors for throughput)."""
+"""``POST /v1/logprobs``: per-token reference logprobs for any tool (JSON, or safetensors for throughput); the
+teacher's (ref_server.teacher_model) for a request naming it (``"model": "teacher"`` or ``?model=teacher``)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import itertools
 import numpy as np
 import pydantic_core
 import torch
-from fastapi import APIRouter, HTTPException, Request
+from fastapi import APIRouter, HTTPException, Query, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, Field, StrictInt, ValidationError
 from starlette.concurrency import run_in_threadpool
@@ -31,6 +32,8 @@ class LogprobRequest(BaseModel):
     prompt_lengths: list[StrictInt] = Field(description="Prompt tokens at the start of each row (>= 1).")
     temperature: float = Field(1.0, ge=MIN_TEMPERATURE, allow_inf_nan=False,
                                description="Logits are divided by this before the softmax.")
+    model: str | None = Field(None, max_length=512, description="Which model scores: null or 'reference' (the "
+                              "reference model), 'teacher' (ref_server.teacher_model), or either's folder name.")
 
 
 class LogprobResponse(BaseModel):
@@ -125,16 +128,35 @@ def _parse(body: bytes, binary: bool) -> tuple:
     except ValidationError as exc:
         problems = [{"loc": list(e["loc"]), "msg": e["msg"]} for e in exc.errors(include_url=False)]
         raise HTTPException(422, problems) from None
-    return parsed.input_ids, parsed.prompt_lengths, parsed.temperature
+    return parsed.input_ids, parsed.prompt_lengths, parsed.temperature, parsed.model
 
 
-def _rows(state: ServerState, body: bytes, binary: bool) -> tuple[list[Row], float]:
-    """The request's rows and temperature, parsed and checked (run in the thread pool: a big body takes a while)."""
+def _rows(state: ServerState, body: bytes, binary: bool) -> tuple[list[Row], float, str | None]:
+    """The request's rows, temperature and model (None in the binary form: the query names it), parsed and checked
+    (run in the thread pool: a big body takes a while)."""
     if binary:
         flat, row_lengths, prompt_lengths, temperature = _parse(body, binary)
-        return validate_tensor_rows(state, flat, row_lengths, prompt_lengths), temperature
-    input_ids, prompt_lengths, temperature = _parse(body, binary)
-    return validate_rows(state, input_ids, prompt_lengths), temperature
+        return validate_tensor_rows(state, flat, row_lengths, prompt_lengths), temperature, None
+    input_ids, prompt_lengths, temperature, model = _parse(body, binary)
+    return validate_rows(state, input_ids, prompt_lengths), temperature, model
+
+
+def scoring_pool(state: ServerState, model: str | None):
+    """The scorer pool that answers for ``model`` (null/'reference'/its folder name: the reference; 'teacher'/its
+    folder name: the teacher), or a 503 (that model is not served) / 422 (a name this hub does not know)."""
+    reference = (state.model_identity or {}).get("model")
+    teacher = (state.teacher_identity or {}).get("model")
+    if model in (None, "reference") or (model == reference and model != teacher):
+        if state.scorer is None:
+            hint = "; this hub scores the teacher: name it with \"model\": \"teacher\"" if state.teacher else ""
+            raise HTTPException(503, f"no reference model is loaded (beta = 0 mode){hint}")
+        return state.scorer
+    if model in ("teacher", teacher):
+        if state.teacher is None:
+            raise HTTPException(503, "no teacher model is loaded (ref_server.teacher_model is not set)")
+        return state.teacher
+    known = ", ".join(repr(n) for n in dict.fromkeys(("reference", reference, "teacher", teacher)) if n)
+    raise HTTPException(422, f"model {model!r} is not served here; known: {known}")
 
 
 def _encode(result: list[torch.Tensor], binary: bool) -> Response:
@@ -149,20 +171,26 @@ def _encode(result: list[torch.Tensor], binary: bool) -> Response:
                          OCTET: {"schema": {"type": "string", "format": "binary",
                                             "description": "safetensors: input_ids (flat), row_lengths, "
                                                            "prompt_lengths"}}}}})
-async def logprobs(request: Request, state: State):
-    """Per-token reference logprobs of every row's tokens after its prompt (JSON or safetensors)."""
-    if state.scorer is None:
+async def logprobs(request: Request, state: State,
+                   model: str | None = Query(None, max_length=512, description="Which model scores (as the JSON "
+                                             "field; for the safetensors form): 'reference' or 'teacher'.")):
+    """Per-token logprobs of every row's tokens after its prompt (JSON or safetensors), by the reference model or,
+    when the request names it, the teacher."""
+    if state.scorer is None and state.teacher is None:
         raise HTTPException(503, "no reference model is loaded (beta = 0 mode)")
     body = await read_body(request, state.max_request_bytes)
     binary = request.headers.get("content-type", "").split(";")[0].strip() == OCTET
     # parsing, checking and encoding run in the thread pool: the event loop keeps answering (/healthz) meanwhile
-    rows, temperature = await run_in_threadpool(_rows, state, body, binary)
+    rows, temperature, named = await run_in_threadpool(_rows, state, body, binary)
+    if named is not None and model is not None and named != model:
+        raise HTTPException(422, f"the body names model {named!r}, the query {model!r}")
+    pool = scoring_pool(state, named or model)
     try:
-        future = state.scorer.submit(rows, temperature)
+        future = pool.submit(rows, temperature)
     except ScorerBusy as exc:
         raise HTTPException(503, str(exc), {"Retry-After": "1"}) from None
     try:
-        result = await state.scorer.result(future)
+        result = await pool.result(future)
     except ScoringError as exc:  # NoScorer too: no joined scorer answered within ref_server.scorer_wait_s
         raise HTTPException(503, f"scoring failed: {exc}", {"Retry-After": "5"}) from None
     request.app.state.metrics.tokens_scored.inc(sum(t.numel() for t in result))

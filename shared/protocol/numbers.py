@@ -75,7 +75,7 @@ def batch_problem(batch: Any, vocab_size: int | None) -> str | None:
     try:
         check_token_ids("input_ids", batch.input_ids, vocab_size)
         as_float32("rewards", batch.rewards)
-        for name in ("behaviour_logprobs", "ref_logprobs"):
+        for name in ("behaviour_logprobs", "ref_logprobs", "teacher_logprobs"):
             values = getattr(batch, name)
             if values is not None:   # [B, L]: only the completion tokens count, padding means nothing
                 valid = completion_mask(batch.completion_lengths.reshape(-1), values.shape[-1])

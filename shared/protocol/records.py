@@ -261,6 +261,9 @@ class TrainBatch:
     # continuous generation (shared.protocol.token_versions): [B, L] int64 like behaviour_logprobs, each token's
     # version; present when a group of the batch has them (the others' rows hold their policy_version), None: all
     token_versions: torch.Tensor | None = None
+    # on-policy distillation: [B, L] float32 like behaviour_logprobs, the teacher's logprobs of the same tokens
+    # (ref_server.teacher_model); None without a teacher
+    teacher_logprobs: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -303,10 +306,11 @@ class TrainBatch:
 
     @classmethod
     def from_groups(cls, groups: list[RolloutGroup], ref_logprobs: list[torch.Tensor] | None, *,
-                    batch_id: str = "") -> TrainBatch:
-        """Concatenate groups into right-padded rows (``ref_logprobs[i]`` is group i's ``[G, L_i]``)."""
+                    batch_id: str = "", teacher_logprobs: list[torch.Tensor] | None = None) -> TrainBatch:
+        """Concatenate groups into right-padded rows (``ref_logprobs[i]`` and ``teacher_logprobs[i]`` are group
+        i's ``[G, L_i]``)."""
         fields = cls.fields_of_groups(groups)
-        rows, behaviour, refs = [], [], []
+        rows, behaviour, refs, teachers = [], [], [], []
         for index, group in enumerate(groups):
             for i in range(group.group_size):
                 c = int(group.completion_lengths[i])
@@ -314,12 +318,15 @@ class TrainBatch:
                 behaviour.append(group.behaviour_logprobs[i, :c].float())
                 if ref_logprobs is not None:
                     refs.append(ref_logprobs[index][i, :c].float())
+                if teacher_logprobs is not None:
+                    teachers.append(teacher_logprobs[index][i, :c].float())
         pad = torch.nn.utils.rnn.pad_sequence
         behaviour_logprobs = pad(behaviour, batch_first=True)
         return cls(
             input_ids=pad(rows, batch_first=True), behaviour_logprobs=behaviour_logprobs,
             ref_logprobs=pad(refs, batch_first=True) if ref_logprobs is not None else None, batch_id=batch_id,
-            completion_mask=loss_mask.batch_mask(groups, behaviour_logprobs.shape[1]), **fields,
+            completion_mask=loss_mask.batch_mask(groups, behaviour_logprobs.shape[1]),
+            teacher_logprobs=pad(teachers, batch_first=True) if teacher_logprobs is not None else None, **fields,
         )
 
     def select_groups(self, keep: list[int]) -> TrainBatch:
@@ -341,6 +348,7 @@ class TrainBatch:
             group_ids=[self.group_ids[i] for i in keep], generator_ids=[self.generator_ids[i] for i in keep],
             completion_mask=self.completion_mask[rows, :width_c] if self.completion_mask is not None else None,
             token_versions=self.token_versions[rows, :width_c] if self.token_versions is not None else None,
+            teacher_logprobs=self.teacher_logprobs[rows, :width_c] if self.teacher_logprobs is not None else None,
             **step_fields.select_steps(vars(self), rows, self.batch_size))
 
     def to_bytes(self) -> bytes:
@@ -352,6 +360,8 @@ class TrainBatch:
         }
         if self.ref_logprobs is not None:
             tensors["ref_logprobs"] = self.ref_logprobs.float()
+        if self.teacher_logprobs is not None:
+            tensors["teacher_logprobs"] = self.teacher_logprobs.float()
         tensors.update({f"reward/{k}": v.float() for k, v in self.reward_components.items()})
         tensors.update(step_fields.step_tensors(self))
         tensors.update(loss_mask.mask_tensors(self))
@@ -367,6 +377,7 @@ class TrainBatch:
                 input_ids=tensors["input_ids"], prompt_lengths=tensors["prompt_lengths"],
                 completion_lengths=tensors["completion_lengths"], rewards=tensors["rewards"],
                 behaviour_logprobs=tensors["behaviour_logprobs"], ref_logprobs=tensors.get("ref_logprobs"),
+                teacher_logprobs=tensors.get("teacher_logprobs"),
                 group_index=tensors["group_index"], policy_versions=tensors["policy_versions"],
                 truncated=tensors["truncated"],
                 reward_components={k.removeprefix("reward/"): v for k, v in tensors.items()

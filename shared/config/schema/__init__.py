@@ -7,6 +7,7 @@ from pydantic import Field, model_validator
 from shared.config.schema.algorithm import (
     AdvantageConfig,
     AlgorithmConfig,
+    DistillConfig,
     KLConfig,
     LossConfig,
     OffPolicyConfig,
@@ -21,7 +22,7 @@ from shared.config.schema.ref_server import RefServerConfig
 from shared.config.schema.run import PlacementConfig, RunConfig
 from shared.config.schema.weight_sync import WeightSyncConfig
 
-__all__ = ["AdvantageConfig", "AlgorithmConfig", "DatasetConfig", "DemoConfig", "EvalConfig", "GRPOConfig", "GeneratorConfig", "KLConfig", "LearnerConfig", "LossConfig", "OffPolicyConfig",
+__all__ = ["AdvantageConfig", "AlgorithmConfig", "DatasetConfig", "DistillConfig", "DemoConfig", "EvalConfig", "GRPOConfig", "GeneratorConfig", "KLConfig", "LearnerConfig", "LossConfig", "OffPolicyConfig",
            "PlacementConfig", "RunConfig",
            "RefServerConfig", "RewardSpec", "SamplingConfig", "StrictModel", "WeightSyncConfig"]
 
@@ -92,6 +93,17 @@ class GRPOConfig(StrictModel):
                              f"from the update's own forward, which only holds with learner.updates_per_batch 1 (got "
                              f"{self.learner.updates_per_batch}): set bypass false (the learner recomputes pi_old once "
                              "per batch) or updates_per_batch 1")
+        return self
+
+    @model_validator(mode="after")
+    def _distill_needs_a_teacher(self) -> GRPOConfig:
+        if self.algorithm.distill is not None and self.ref_server.teacher_model is None:
+            raise ValueError("algorithm.distill needs a teacher to score the student's samples: set "
+                             "ref_server.teacher_model (a model folder sharing the student's tokenizer)")
+        if self.algorithm.distill is not None and self.generator.drop_constant_groups:
+            raise ValueError("generator.drop_constant_groups drops groups whose rewards are all equal, but with "
+                             "algorithm.distill every token carries the teacher's signal (under supervision 'none' "
+                             "every group's rewards are equal): set generator.drop_constant_groups false")
         return self
 
     @model_validator(mode="after")

@@ -20,7 +20,9 @@ class AdvantageConfig(StrictModel):
         "'eps'; 'scale: batch' = the std of every step reward of the global batch) and a token's advantage is the "
         "sum of the normalised rewards of the steps ending at or after it (shared.grpo.advantages."
         "process_advantages). With 'process' the outcome 'estimator' is not used; a completion without steps gets "
-        "advantage 0 (the learner counts them: rows_without_steps_frac, and warns when a whole batch has none).",
+        "advantage 0 (the learner counts them: rows_without_steps_frac, and warns when a whole batch has none). "
+        "'none': no task reward at all, every advantage 0 but what algorithm.distill (pure distillation) or "
+        "algorithm.kl.in_reward adds.",
     )
     estimator: str = Field(
         "grpo",
@@ -214,6 +216,22 @@ class EntropyConfig(StrictModel):
         return self.coef > 0 or self.target is not None
 
 
+class DistillConfig(StrictModel):
+    """On-policy distillation (docs/distillation.md): a teacher scores the student's own samples and each model
+    token gets the reward -coef * (log pi_student - log pi_teacher) (shared.grpo.distill.distill_token_rewards)."""
+
+    coef: float = Field(1.0, ge=0, allow_inf_nan=False, description="c in the per-token reward -c * (log "
+                        "pi_student - log pi_teacher), added to each model token's advantage without a return to go "
+                        "(discount 0, as slime's --use-opd and Thinking Machines' recipe do).")
+    mode: Literal["reverse_kl"] = Field("reverse_kl", description="The divergence: 'reverse_kl', the per-token k1 "
+                                        "estimate of KL(student || teacher) at the sampled token.")
+    student: Literal["behaviour", "recompute"] = Field(
+        "recompute", description="Where log pi_student comes from. 'recompute' (slime's choice): the learner's own "
+        "forward with the weights before the batch's update (no gradient), the policy being trained; 'behaviour': "
+        "the generator's sampling logprobs as uploaded (Tinker's choice: no extra forward, but they carry the "
+        "engine's numerical drift and the staleness of off-policy groups).")
+
+
 class AlgorithmConfig(StrictModel):
     """The GRPO algorithm: advantages, loss, and where the KL penalty goes."""
 
@@ -225,6 +243,9 @@ class AlgorithmConfig(StrictModel):
                                         "the drift between the generators' and the learner's logprobs.")
     entropy: EntropyConfig = Field(default_factory=EntropyConfig, description="Entropy bonus in the loss, fixed "
                                    "or adaptive to a target entropy.")
+    distill: DistillConfig | None = Field(None, description="On-policy distillation towards ref_server."
+                                          "teacher_model (a per-token reward on the student's samples); null: off. "
+                                          "With advantage.supervision 'none' it is the only signal.")
 
     @property
     def needs_reference(self) -> bool:
@@ -234,7 +255,7 @@ class AlgorithmConfig(StrictModel):
     @property
     def token_advantages(self) -> bool:
         """Whether the advantages are per token (``[B, T]``) rather than per completion (``[B]``)."""
-        return self.advantage.supervision == "process" or self.kl.in_reward
+        return self.advantage.supervision == "process" or self.kl.in_reward or self.distill is not None
 
     @model_validator(mode="after")
     def _tis_cap_is_token_tis(self) -> AlgorithmConfig:

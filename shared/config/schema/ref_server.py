@@ -17,6 +17,12 @@ class RefServerConfig(StrictModel):
     model: str | None = Field(
         None, description="Folder of the reference model (any AutoModelForCausalLM). Not loaded when "
         "algorithm.loss.beta is 0 and algorithm.kl.in_reward is false; the hub and weight relay work without it.")
+    teacher_model: str | None = Field(
+        None, description="Folder of a teacher model for on-policy distillation (algorithm.distill; any "
+        "AutoModelForCausalLM sharing the student's tokenizer, checked at start against ref_server.model). The hub "
+        "scores every group with it as it scores the reference (same micro-batching, joined scorers: `grpo scorer "
+        "--teacher`) and answers POST /v1/logprobs with it for a request naming it (\"model\": \"teacher\"). "
+        "The same folder as ref_server.model is loaded once. Off when null (docs/distillation.md).")
     prm_model: str | None = Field(
         None, description="Folder of a process reward model (any AutoModelForTokenClassification with 2 labels whose "
         "tokenizer has the step tag `<extra_0>` as one token) to serve at POST /pooling in vLLM's schema, a local "

@@ -1,0 +1,69 @@
+"""On-policy distillation: the per-token reward that pulls the student towards a teacher on the student's own samples.
+
+The student samples a completion; the teacher scores those same tokens (the hub's teacher scorer, like reference
+logprobs); each model token gets the negative per-token reverse KL estimate as its reward (Agarwal et al., GKD;
+Thinking Machines' "On-policy distillation"; slime ``--use-opd``, verl):
+
+.. math::  r_t = -c\\,(\\log \\pi_{student}(o_t) - \\log \\pi_{teacher}(o_t))
+
+``log pi_student - log pi_teacher`` at the sampled token is the k1 estimate of KL(student || teacher) at that
+position: a token the teacher finds likelier than the student is rewarded, one it finds unlikelier is penalised.
+The learner adds ``r_t`` to the token's advantage without a return to go (discount 0, as those implementations do:
+each token is graded on its own next-token choice), see :mod:`learner.advantages`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from shared.tensors.masks import lengths_to_mask
+
+
+def distill_token_rewards(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, lengths: torch.Tensor, *,
+                          coef: float, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``-coef * (student_logprobs - teacher_logprobs)`` on the model's tokens, float32 ``[N, T]``.
+
+    ``student_logprobs`` and ``teacher_logprobs`` are ``[N, T]`` logprobs of the sampled tokens, left-aligned;
+    ``lengths`` ``[N]`` the completion lengths (``<= T``); ``loss_mask`` ``[N, >= T]`` (1 = the model wrote the
+    token, 0 = the environment did; None: all the model's). Positions at or past a row's length and environment
+    tokens get 0, whatever they hold (-inf and NaN included). No gradient flows: the result is a reward.
+
+    Example: student ``[[-1, -2, -0.5]]``, teacher ``[[-0.5, -3, -0.5]]``, lengths ``[2]``, coef 1:
+    student - teacher = ``[-0.5, 1, 0]`` and the rewards are ``[[0.5, -1, 0]]`` (the third token is past the
+    length); with ``loss_mask`` ``[[1, 0, 1]]`` they are ``[[0.5, 0, 0]]``.
+    """
+    if student_logprobs.dim() != 2 or teacher_logprobs.shape != student_logprobs.shape:
+        raise ValueError(f"student_logprobs and teacher_logprobs must both be [N, T], got "
+                         f"{tuple(student_logprobs.shape)} and {tuple(teacher_logprobs.shape)}")
+    if not (isinstance(coef, int | float) and math.isfinite(coef) and coef >= 0):
+        raise ValueError(f"coef must be a finite number >= 0, got {coef!r}")
+    lengths = torch.as_tensor(lengths, device=student_logprobs.device)
+    if lengths.shape != student_logprobs.shape[:1] or lengths.dtype.is_floating_point:
+        raise ValueError(f"lengths must be [N] = [{student_logprobs.shape[0]}] integers, got "
+                         f"{tuple(lengths.shape)} {lengths.dtype}")
+    mask = lengths_to_mask(lengths.long(), student_logprobs.shape[1])  # raises for a length < 0 or > T
+    if loss_mask is not None:
+        if loss_mask.dim() != 2 or loss_mask.shape[0] != mask.shape[0] or loss_mask.shape[1] < mask.shape[1]:
+            raise ValueError(f"loss_mask must be [N, >= T] = [{mask.shape[0]}, >= {mask.shape[1]}], got "
+                             f"{tuple(loss_mask.shape)}")
+        mask = mask & loss_mask[:, :mask.shape[1]].to(device=mask.device, dtype=torch.bool)
+    zero = torch.zeros((), dtype=torch.float64, device=student_logprobs.device)
+    student = torch.where(mask, student_logprobs.detach().to(torch.float64), zero)
+    teacher = torch.where(mask, teacher_logprobs.detach().to(torch.float64), zero)
+    if not (torch.isfinite(student).all() and torch.isfinite(teacher).all()):
+        raise ValueError("student_logprobs or teacher_logprobs contain NaN or inf at a model token")
+    return torch.where(mask, -coef * (student - teacher), zero).float()
+
+
+def reverse_kl_mean(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, lengths: torch.Tensor,
+                    loss_mask: torch.Tensor | None = None) -> float:
+    """The mean over the model's tokens of ``student - teacher`` (the k1 estimate of KL(student || teacher) per
+    token): the ``distill_reverse_kl`` metric, ``distill_token_rewards`` with coef 1 negated and averaged."""
+    mask = lengths_to_mask(torch.as_tensor(lengths).long(), student_logprobs.shape[1])
+    if loss_mask is not None:
+        mask = mask & loss_mask[:, :mask.shape[1]].bool()
+    rewards = distill_token_rewards(student_logprobs, teacher_logprobs, lengths, coef=1.0, loss_mask=loss_mask)
+    count = int(mask.sum())
+    return float(-rewards.double().sum() / count) if count else 0.0
