@@ -226,7 +226,7 @@ class DistillConfig(StrictModel):
     mode: Literal["reverse_kl"] = Field("reverse_kl", description="The divergence: 'reverse_kl', the per-token k1 "
                                         "estimate of KL(student || teacher) at the sampled token.")
     student: Literal["behaviour", "recompute"] = Field(
-        "recompute", description="Where log pi_student comes from. 'recompute' (slime's choice): the learner's own "
+        "recompute", description="Where log pi_student comes from. 'recompute' (the default): the learner's own "
         "forward with the weights before the batch's update (no gradient), the policy being trained; 'behaviour': "
         "the generator's sampling logprobs as uploaded (Tinker's choice: no extra forward, but they carry the "
         "engine's numerical drift and the staleness of off-policy groups).")
