@@ -6,6 +6,7 @@ import secrets
 from dataclasses import dataclass, field
 
 from ref_server.body_limits import BodyLimits
+from ref_server.hub.curriculum import SharedCurriculum
 from ref_server.hub.rollout_hub import RolloutHub
 from ref_server.scorer_pool.pool import ScorerPool
 from ref_server.session import LearnerSessionStore
@@ -44,3 +45,5 @@ class ServerState:
     # this hub process (a scorer that sees it change re-registers); the model a joined scorer must load
     instance: str = field(default_factory=lambda: secrets.token_hex(8))
     model_identity: dict | None = None
+    # the curriculum's pass-rate table every generator shares (ref_server/hub/curriculum.py; the spool's folder)
+    curriculum: SharedCurriculum = field(default_factory=SharedCurriculum)
