@@ -51,6 +51,7 @@ class LiveServer(AppServer):
 
     def __exit__(self, *exc) -> None:
         super().__exit__(*exc)
+        self.state.curriculum.close()   # as ref_server.server.serve does at a clean stop
         if self.state.scorer is not None:
             self.state.scorer.close()
 
