@@ -78,15 +78,19 @@ def main() -> None:
     parser.add_argument("--every-steps", type=int, default=10, help="eval.every_steps of the arms that evaluate")
     parser.add_argument("--pool", type=int, default=200, help="curriculum: generator.dataset.arithmetic_pool")
     parser.add_argument("--target", type=float, default=0.85, help="curriculum: the held-out accuracy to reach")
+    parser.add_argument("--transport", default="http", help=(
+        "weight_sync.transport of every arm: http (the default here) puts each version in the relay, which the "
+        "evaluator reads; with the demo's collective transport the relay gets the final version only"))
     parser.add_argument("--model", default=str(ROOT / "runs" / "demo" / "tiny-model"),
                         help="the demo's starting model (make demo builds it)")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench" / "controls")
     args = parser.parse_args()
     evaluate = [f"eval.every_steps={args.every_steps}"]
+    transport = [f"weight_sync.transport={args.transport}"]
     if args.what == "overhead":
-        arms = {"no-eval": [], "eval": evaluate}
+        arms = {"no-eval": transport, "eval": [*transport, *evaluate]}
     else:
-        pool = [f"generator.dataset.arithmetic_pool={args.pool}", *evaluate]
+        pool = [f"generator.dataset.arithmetic_pool={args.pool}", *transport, *evaluate]
         arms = {"plain": pool, "curriculum": [*pool, "generator.curriculum.enabled=true"]}
     results = []
     for seed in args.seeds:
