@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Literal
@@ -81,6 +82,7 @@ class HubPassRateTable(PassRateTable):
         self.client, self.sync_interval_s = client, sync_interval_s
         self.on_hub = True
         self._pending: list[tuple[str, float]] = []
+        self._pending_lock = threading.Lock()   # the continuous schedule scores (record) on its uploader's thread
         self._reported = (0, 0)                  # drawn, skipped: the totals the hub was told
         self._version: str | None = None
         self._hub_settled: set[str] = set()
@@ -89,7 +91,8 @@ class HubPassRateTable(PassRateTable):
     def record(self, example_id: str, share: float) -> bool:
         changed = super().record(example_id, share)
         if self.on_hub:
-            self._pending.append((example_id, float(share)))
+            with self._pending_lock:
+                self._pending.append((example_id, float(share)))
         return changed
 
     def is_settled(self, example_id: str) -> bool:
@@ -109,7 +112,8 @@ class HubPassRateTable(PassRateTable):
     def sync(self, drawn: int, skipped: int) -> None:
         if not self.on_hub or time.monotonic() - self._synced_at < self.sync_interval_s:
             return
-        pending, self._pending = self._pending, []
+        with self._pending_lock:
+            pending, self._pending = self._pending, []
         chunks = [pending[i:i + MAX_SHARES_PER_REPORT] for i in range(0, len(pending), MAX_SHARES_PER_REPORT)]
         for i, shares in enumerate(chunks or [[]]):
             first = i == 0   # the draws travel once
@@ -192,5 +196,6 @@ def curriculum_stream(stream: PromptStream, cfg, seed: int, client: HubClient | 
     rule = dict(window=cfg.window, min_appearances=cfg.min_appearances, threshold=cfg.threshold, mode=cfg.mode,
                 keep_prob=cfg.keep_prob, seed=seed)
     if cfg.shared and client is not None:
-        return CurriculumStream(stream, HubPassRateTable(client, sync_interval_s=sync_interval_s, **rule))
+        # a client of its own: the continuous schedule draws on one thread and uploads on another
+        return CurriculumStream(stream, HubPassRateTable(client.sibling(), sync_interval_s=sync_interval_s, **rule))
     return CurriculumStream(stream, PassRateTable(**rule))
