@@ -121,6 +121,7 @@ class SharedCurriculum:
                         "skipped": self.skipped, "recorded": self.recorded, "shares": dict(self.rates.items())}
                 self._dirty, self._saved_at = False, time.monotonic()
             partial = self.path.with_name(self.path.name + ".partial")
+            partial.parent.mkdir(parents=True, exist_ok=True)
             partial.write_text(json.dumps(body))
             os.replace(partial, self.path)
 
