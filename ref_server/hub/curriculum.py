@@ -121,9 +121,14 @@ class SharedCurriculum:
                         "skipped": self.skipped, "recorded": self.recorded, "shares": dict(self.rates.items())}
                 self._dirty, self._saved_at = False, time.monotonic()
             partial = self.path.with_name(self.path.name + ".partial")
-            partial.parent.mkdir(parents=True, exist_ok=True)
-            partial.write_text(json.dumps(body))
-            os.replace(partial, self.path)
+            try:
+                partial.parent.mkdir(parents=True, exist_ok=True)
+                partial.write_text(json.dumps(body))
+                os.replace(partial, self.path)
+            except OSError as exc:   # the reports are kept in memory: the next write tries again
+                self._dirty = True
+                log.error("curriculum: cannot write %s (%s); the table stays in memory until a write succeeds",
+                          self.path, exc)
 
     def close(self) -> None:
         """A clean shutdown: the reports since the last write are written."""

@@ -143,3 +143,13 @@ def test_an_older_hub_leaves_the_generator_its_own_table(caplog):
             stream.observe(examples(3)[1], [0.0, 0.0])
         drawn = stream.take(10)
     assert table.is_settled("ex1") and "ex1" not in {e.example_id for e in drawn}
+
+
+def test_a_failed_write_keeps_the_reports_and_the_next_write_has_them(tmp_path, caplog):
+    (tmp_path / "file").write_text("x")
+    table = SharedCurriculum(tmp_path / "file" / "spool", save_interval_s=0)   # a folder under a file: no write
+    answer = table.report(report([("p", 1.0), ("p", 1.0)]))
+    assert answer.settled == ["p"] and "cannot write" in caplog.text
+    table.path = tmp_path / FILE_NAME
+    table.close()
+    assert json.loads(table.path.read_text())["shares"] == {"p": [1.0, 1.0]}
