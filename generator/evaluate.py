@@ -239,7 +239,7 @@ def plan_eval(config: GRPOConfig) -> EvalPlan:
     dataset = eval_dataset(config)
     examples = load_examples(dataset, seed=config.seed + 1)[:cfg.num_examples]
     evaluated = describe(dataset, len(examples), gen.dataset)
-    rewards = RewardSet.from_specs(gen.rewards)
+    rewards = RewardSet.from_specs(gen.rewards, config.learner.max_steps)
     environment = gen.environment
     names = ["environment"] if environment is not None and environment.reward == "environment" else \
         [t.name for t in rewards.terms]

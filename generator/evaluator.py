@@ -219,6 +219,7 @@ class Evaluator:
         except HubError as exc:
             raise VersionRefused(f"version {version} could not be downloaded: {exc}") from None
         try:
+            self.plan.rewards.context.trainer_state.global_step = version   # TRL-style rewards' trainer_state
             try:
                 adapter = load_version_file(self.engine, path, version)
             except NonFiniteWeights as exc:

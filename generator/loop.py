@@ -107,8 +107,8 @@ class RolloutLoop:
         self.wait_for_budget = wait_for_budget
         self.budget_poll_s = budget_poll_s
         self.seed = seed
-        self.policy_version = 0
         self.stats = LoopStats()
+        self.policy_version = 0
         self.refusals = RefusalCounter(max_refused_in_a_row)   # groups never accepted: dropped once; a livelock stops
         failures = failures or FailuresConfig()
         self.failures = FailureRule(failures.window, failures.max_rate)   # rewards, environments failing too often
@@ -125,7 +125,22 @@ class RolloutLoop:
         self.environment = environment
         self.multiturn = MultiTurnRollouts(engine, tokenizer, environment) if environment is not None else None
         self.stats.environment = self.multiturn.stats if self.multiturn is not None else None
+        context = getattr(rewards, "context", None)   # TRL-style rewards' log_metric values, for the summaries
+        self.stats.logged_metrics = context.log_metric if context is not None else None
         self.prompt_tools = prompt_tools(environment)   # tool calling: the schemas the chat template shows
+
+    @property
+    def policy_version(self) -> int:
+        """The version the engine serves: what groups are stamped with and TRL-style rewards read as
+        ``trainer_state.global_step``."""
+        return self._policy_version
+
+    @policy_version.setter
+    def policy_version(self, version: int) -> None:
+        self._policy_version = version
+        context = getattr(self.rewards, "context", None)
+        if context is not None:
+            context.trainer_state.global_step = version
 
     # -- weights --------------------------------------------------------------------------------------------
     def sync_weights(self) -> bool:

@@ -127,7 +127,7 @@ def run_generator(config: GRPOConfig, stop: threading.Event | None = None) -> Lo
             return run_generator(config, stop)
     cfg = config.generator
     # Rewards and prompts first: a config mistake there should not wait for a model to load.
-    rewards = RewardSet.from_specs(cfg.rewards)
+    rewards = RewardSet.from_specs(cfg.rewards, config.learner.max_steps)
     examples = load_examples(cfg.dataset, config.seed)
     check_environment(config)
     client = service_client(cfg.hub_url, config.ref_server.token, cfg.retry_max_s)

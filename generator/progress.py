@@ -27,6 +27,11 @@ def environment_summary(env) -> dict[str, float | int]:
     return summary
 
 
+def logged_summary(logged) -> dict[str, float]:
+    """The means of what TRL-style rewards logged with ``log_metric`` (a LoggedMetrics, or None)."""
+    return {} if logged is None else {name: round(mean, 4) for name, mean in sorted(logged.means().items())}
+
+
 class Progress:
     def __init__(self, *, enabled: bool = True, log_every_s: float = 10.0, total: int | None = None) -> None:
         self.enabled = enabled
@@ -49,6 +54,7 @@ class Progress:
             "version": version,
             "queue": stats.last_queue_depth,
             **environment_summary(stats.environment),
+            **logged_summary(stats.logged_metrics),
         }
 
     def update(self, stats: LoopStats, version: int) -> None:

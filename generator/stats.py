@@ -33,6 +33,7 @@ class LoopStats:
     environment: Any = None         # multi-turn: the rollouts' generator.multiturn.EnvStats (None: single-turn)
     service_pause: Any = None       # the loop's generator.failures.ServicePause (pauses for a reward service down)
     schedule: Any = None            # continuous schedule: its generator.continuous.schedule.ScheduleStats
+    logged_metrics: Any = None      # TRL-style rewards' log_metric (generator.rewards.trl_style.LoggedMetrics)
 
     @property
     def mean_reward(self) -> float:

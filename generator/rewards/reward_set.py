@@ -45,6 +45,7 @@ from typing import Any
 from generator.failures import Failure, ServiceDown
 from generator.rewards.base import REWARDS, GroupReward, RewardConfigError, Score, as_score, takes_token_ids
 from generator.rewards.steps import StepScores
+from generator.rewards.trl_style import RewardContext
 from shared.errors import UsageError
 from shared.protocol.float32 import finite_float32
 
@@ -115,16 +116,23 @@ def merge_term_steps(parts: dict[str, tuple[list[int], list[float]]]) -> CharSte
 class RewardSet:
     """The configured rewards; ``score_group`` gives totals, per-reward values and steps, errors contained."""
 
-    def __init__(self, terms: list[RewardTerm]) -> None:
+    def __init__(self, terms: list[RewardTerm], max_steps: int | None = None) -> None:
         names = [t.name for t in terms]
         if len(set(names)) != len(names):
             raise RewardConfigError(f"reward names must be unique, got {names} (use 'label' to tell two apart)")
         self.terms = terms
+        # TRL-style terms' trainer_state and log_metric (generator/rewards/trl_style.py), one for the set: the
+        # loop sets trainer_state.global_step to the version it serves
+        self.context = RewardContext(max_steps)
+        for term in terms:
+            if isinstance(getattr(term.fn, "context", None), RewardContext):
+                term.fn.context = self.context
 
     @classmethod
-    def from_specs(cls, specs: Sequence[Any]) -> RewardSet:
-        """From config entries with ``name``, ``label``, ``weight``, ``on_error`` and ``args``."""
-        return cls([cls.build_term(spec, i) for i, spec in enumerate(specs)])
+    def from_specs(cls, specs: Sequence[Any], max_steps: int | None = None) -> RewardSet:
+        """From config entries with ``name``, ``label``, ``weight``, ``on_error`` and ``args`` (``max_steps``:
+        ``learner.max_steps``, what TRL-style rewards read as ``trainer_state.max_steps``)."""
+        return cls([cls.build_term(spec, i) for i, spec in enumerate(specs)], max_steps)
 
     @staticmethod
     def build_term(spec: Any, index: int) -> RewardTerm:

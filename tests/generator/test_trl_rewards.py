@@ -104,9 +104,57 @@ def test_called_once_per_group_with_prompts_completions_ids_and_every_column():
     scores = rewards.score_group("2+3=", ["5", "five", "6"], {"answer": "5", "level": 2, "prompt": "2+3="},
                                  [[11], [12, 13, 14], [15, 16]])
     assert scores.components == {"record": [1.0, 3.0, 2.0]}
+    context = {"trainer_state": rewards.context.trainer_state, "log_metric": rewards.context.log_metric}
     assert SEEN == [{"prompts": ["2+3="] * 3, "completions": ["5", "five", "6"],
                      "completion_ids": [[11], [12, 13, 14], [15, 16]], "answer": ["5"] * 3, "level": [2] * 3,
-                     "bonus": 0.5}]   # TRL leaves the prompt column out too; config args pass as they are
+                     "bonus": 0.5, **context}]   # TRL leaves the prompt column out too; config args pass as they are
+
+
+# -- TRL's context keywords: trainer_state, log_metric; async rewards ---------------------------------------------
+def warmup_scaled(completions, trainer_state, log_metric, **kwargs):
+    """Shaping that follows training progress, as TRL's docs suggest with trainer_state."""
+    scale = min(1.0, trainer_state.global_step / trainer_state.max_steps)
+    log_metric("warmup_scale", scale)
+    return [scale * len(c) for c in completions]
+
+
+def step_only(completions, trainer_state):   # no **kwargs: given only what it names
+    return [float(trainer_state.global_step)] * len(completions)
+
+
+async def async_len(completions, **kwargs):
+    import asyncio
+
+    await asyncio.sleep(0)
+    return [float(len(c)) for c in completions]
+
+
+def test_trainer_state_is_the_served_version_and_learner_max_steps_and_log_metric_is_averaged():
+    rewards = RewardSet.from_specs([trl_spec("warmup_scaled"), trl_spec("step_only")], max_steps=10)
+    state = rewards.context.trainer_state
+    assert (state.global_step, state.max_steps) == (0, 10)
+    assert rewards.score_group("q", ["ab", "abcd"], {}).components == {"warmup_scaled": [0.0, 0.0],
+                                                                         "step_only": [0.0, 0.0]}
+    state.global_step = 5   # what the loop does when it loads version 5
+    assert rewards.score_group("q", ["ab", "abcd"], {}).components == {"warmup_scaled": [1.0, 2.0],
+                                                                         "step_only": [5.0, 5.0]}
+    assert rewards.context.log_metric.means() == {"warmup_scale": 0.25}
+    from generator.stats import LoopStats
+
+    stats = LoopStats(logged_metrics=rewards.context.log_metric)
+    assert Progress(enabled=False).summary(stats, 5)["warmup_scale"] == 0.25
+    other = RewardSet.from_specs([trl_spec("step_only")])   # each set has its own context
+    assert other.context is not rewards.context and other.score_group("q", ["a"], {}).total == [0.0]
+
+
+def test_an_async_trl_reward_is_awaited_from_any_thread():
+    rewards = RewardSet.from_specs([trl_spec("async_len")])
+    out = {}
+    worker = threading.Thread(target=lambda: out.update(s=rewards.score_group("q", ["ab", "abc"], {})))
+    worker.start()
+    worker.join(10)
+    assert rewards.score_group("q", ["a"], {}).components == {"async_len": [1.0]}
+    assert out["s"].components == {"async_len": [2.0, 3.0]} and out["s"].errors == {}
 
 
 def test_none_is_not_applicable_no_value_no_failure_and_left_out_of_means():
@@ -382,3 +430,15 @@ def test_grpo_eval_runs_a_trl_reward_file_once_per_group(tmp_path, tiny_model_di
     # the mean over the 3 greedy completions it applied to; the total counts the others as 0
     assert out["greedy_rewards"]["lengths"] == pytest.approx(sum(greedy[::2]) / 3)
     assert out["greedy_mean_reward"] == pytest.approx(sum(greedy[::2]) / 6)
+
+
+def test_the_loop_stamps_trl_rewards_trainer_state_with_the_version_it_loads(tiny_model_dir, tmp_path):
+    from generator.engines.hf import TransformersEngine
+    from tests.generator.test_loop import make_loop
+
+    rewards = RewardSet.from_specs([trl_spec("step_only")], max_steps=20)
+    loop = make_loop(TransformersEngine(tiny_model_dir), "http://127.0.0.1:9", tmp_path, rewards=rewards)
+    assert rewards.context.trainer_state.global_step == 0
+    loop.policy_version = 7   # what sync_weights does after loading version 7
+    assert rewards.score_group("q", ["a", "b"], {}).components == {"step_only": [7.0, 7.0]}
+    assert loop.stats.logged_metrics is rewards.context.log_metric
