@@ -90,7 +90,7 @@ def build_loop(config: GRPOConfig, engine, client: HubClient, progress: Progress
     return RolloutLoop(
         engine=engine, tokenizer=tokenizer, client=client, rewards=rewards,
         prompts=curriculum_stream(PromptStream(examples, seed=config.seed, generator_id=generator_id),
-                                  cfg.curriculum, config.seed),
+                                  cfg.curriculum, config.seed, client),
         sampling=SamplingParams(**cfg.sampling.model_dump()), group_size=cfg.group_size,
         prompts_per_batch=cfg.prompts_per_batch, generator_id=generator_id, weights_dir=cfg.weights_dir,
         system_prompt=system_prompt_for(cfg.dataset), template=cfg.dataset.template,

@@ -1,7 +1,7 @@
 """The FastAPI application: reference logprobs, rollout hub, weight relay, health and metrics.
 
-Each job has its routers: the hub (``ref_server/hub/routes.py``), reference scoring
-(``ref_server/scoring/logprobs_routes.py``), joined scorers (``ref_server/scorer_pool/routes.py``), the endpoints in
+Each job has its routers: the hub (``ref_server/hub/routes.py``, its curriculum ``ref_server/hub/curriculum_routes.py``),
+reference scoring (``ref_server/scoring/logprobs_routes.py``), joined scorers (``ref_server/scorer_pool/routes.py``), the endpoints in
 other tools' shapes (``ref_server/tool_api/*_routes.py``), the learner session (``ref_server/session_routes.py``),
 the weight relay (``ref_server/relay/routes.py``), health and metrics (``ref_server/operations.py``); this module
 adds what they share: the request guard (:mod:`ref_server.limits`: bearer-token auth, body limits and deadlines,
@@ -23,6 +23,7 @@ from fastapi import FastAPI
 from ref_server import operations, session_routes
 from ref_server.api_docs import install_api_docs
 from ref_server.http import install_short_errors
+from ref_server.hub import curriculum_routes
 from ref_server.hub import routes as hub_routes
 from ref_server.limits import RequestGuard
 from ref_server.metrics import ServerMetrics
@@ -48,8 +49,8 @@ def create_app(state: ServerState, on_ready: Callable[[], None] | None = None) -
     metrics = ServerMetrics(state)
     app.state.server = state
     app.state.metrics = metrics
-    for module in (logprobs_routes, completions_routes, tokenizer_routes, scorer_routes, hub_routes, session_routes,
-                   weights, operations):
+    for module in (logprobs_routes, completions_routes, tokenizer_routes, scorer_routes, hub_routes,
+                   curriculum_routes, session_routes, weights, operations):
         app.include_router(module.router)
     if state.prm is not None:  # vLLM's /pooling for a process reward model (ref_server.prm_model)
         app.state.prm = state.prm

@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 
 _ENDPOINTS = {"/healthz", "/metrics", "/v1/logprobs", "/v1/rollouts", "/v1/batch", "/v1/batch/ack",
               "/v1/batch/renew", "/v1/learner/version", "/v1/hub/stats", "/v1/weights", "/v1/completions",
-              "/v1/models", "/tokenizer_info", "/tokenize", "/detokenize", "/v1/scorers"}
+              "/v1/models", "/tokenizer_info", "/tokenize", "/detokenize", "/v1/scorers", "/v1/curriculum"}
 
 
 class ServerMetrics:
@@ -45,6 +45,16 @@ class ServerMetrics:
                                      lambda: state.hub.learner_version),
             "grpo_weights_version": ("Newest published weights version (-1: none)",
                                      lambda: -1 if state.weights.current is None else state.weights.current),
+            "grpo_curriculum_skipped_share": ("Share of the prompts generators drew that the curriculum passed over "
+                                              "(generator.curriculum, every generator reporting to this hub)",
+                                              state.curriculum.skipped_share),
+            "grpo_curriculum_prompts_drawn": ("Prompts the generators drew (curriculum reports)",
+                                              lambda: state.curriculum.drawn),
+            "grpo_curriculum_prompts_skipped": ("Of them, passed over (solved always or never lately)",
+                                                lambda: state.curriculum.skipped),
+            "grpo_curriculum_prompts_tracked": ("Prompts in the hub's pass-rate table", state.curriculum.tracked),
+            "grpo_curriculum_prompts_settled": ("Of them, settled: solved always or never in their last "
+                                                "appearances", state.curriculum.settled_count),
         }
         for name, (doc, fn) in gauges.items():
             Gauge(name, doc, registry=self.registry).set_function(fn)

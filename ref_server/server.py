@@ -14,6 +14,7 @@ from ref_server.app import create_app
 from ref_server.body_limits import BodyLimits
 from ref_server.cpu_cores import pin_process
 from ref_server.header_deadline import header_deadline_protocol
+from ref_server.hub.curriculum import SharedCurriculum
 from ref_server.hub.rollout_hub import RolloutHub
 from ref_server.scorer_pool.job_wire import model_identity
 from ref_server.scorer_pool.pool import ScorerPool
@@ -126,7 +127,7 @@ def build_state(config: GRPOConfig) -> ServerState:
     if session.learner_version is not None:  # the registered learner's last version survives a hub restart
         hub.report_version(session.learner_version)
     return ServerState(
-        scorer=scorer, hub=hub, weights=weights, session=session, model_name=cfg.model, vocab_size=vocab_size,
+        curriculum=SharedCurriculum(cfg.spool_dir), scorer=scorer, hub=hub, weights=weights, session=session, model_name=cfg.model, vocab_size=vocab_size,
         max_context=max_context, max_request_bytes=cfg.max_request_bytes,
         max_request_tokens=cfg.max_request_tokens, max_long_poll_s=cfg.max_long_poll_s,
         token=cfg.resolved_token(), public_docs=cfg.public_docs,
@@ -180,6 +181,7 @@ def serve(config: GRPOConfig) -> None:
     finally:
         sock.close()
         state.hub.close()  # leases still held untrained count as failed deliveries (poison pills across restarts)
+        state.curriculum.close()  # the reports since its last write
         state.weights.keep_newest()  # no download in flight any more: one copy of the weights on disk is enough
         for pool in {id(p): p for p in (state.scorer, state.teacher) if p is not None}.values():
             pool.close()

@@ -6,6 +6,7 @@ import secrets
 from dataclasses import dataclass, field
 
 from ref_server.body_limits import BodyLimits
+from ref_server.hub.curriculum import SharedCurriculum
 from ref_server.hub.rollout_hub import RolloutHub
 from ref_server.scorer_pool.pool import ScorerPool
 from ref_server.session import LearnerSessionStore
@@ -48,3 +49,5 @@ class ServerState:
     # (the reference's own when they are one model) and what a joined `grpo scorer --teacher` must load
     teacher: ScorerPool | None = None
     teacher_identity: dict | None = None
+    # the curriculum's pass-rate table every generator shares (ref_server/hub/curriculum.py; the spool's folder)
+    curriculum: SharedCurriculum = field(default_factory=SharedCurriculum)

@@ -51,6 +51,7 @@ class LiveServer(AppServer):
 
     def __exit__(self, *exc) -> None:
         super().__exit__(*exc)
+        self.state.curriculum.close()   # as ref_server.server.serve does at a clean stop
         for pool in {id(p): p for p in (self.state.scorer, self.state.teacher) if p is not None}.values():
             pool.close()
 

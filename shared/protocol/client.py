@@ -28,6 +28,7 @@ from pathlib import Path
 import requests
 
 from shared.errors import GrpoError, ServiceError
+from shared.protocol.curriculum_messages import CurriculumAnswer, CurriculumReport
 from shared.protocol.logprob_messages import decode_logprob_response, encode_logprob_request
 from shared.protocol.records import RolloutGroup, TrainBatch
 from shared.protocol.weight_sync_messages import (
@@ -278,6 +279,17 @@ class HubClient(ServiceClient):
 
     def hub_stats(self) -> dict:
         return self._request("GET", "/v1/hub/stats").json()
+
+    def curriculum_report(self, report: CurriculumReport) -> CurriculumAnswer | None:
+        """Add solved shares and draws to the hub's pass-rate table (``POST /v1/curriculum``) and read its settled
+        prompts; None when the hub has no such route (an older hub: the generator keeps its own table)."""
+        try:
+            response = self._request("POST", "/v1/curriculum", json=report.model_dump(mode="json"))
+        except HubError as exc:
+            if exc.status != 404:
+                raise
+            return None
+        return CurriculumAnswer.model_validate(response.json())
 
     # -- weights ------------------------------------------------------------------------------------------
     def weights_version(self) -> int | None:

@@ -289,3 +289,20 @@ def test_grpo_run_resume_of_a_finished_run_says_so_at_once_and_starts_nothing(tm
     assert f"grpo run {config} --resume --set learner.max_steps=6" in done.stderr
     assert not (tmp_path / "r/logs").exists() and not (tmp_path / "r/config.yaml").exists()
     assert elapsed < 60  # was ~63 s of services starting and stopping on the 2-core machine
+
+
+def test_resume_keeps_the_curriculums_table_and_fresh_deletes_it(tmp_path):
+    """The hub's curriculum table lives in the spool folder (ref_server/hub/curriculum.py): run state."""
+    from ref_server.hub.curriculum import SharedCurriculum
+    from shared.protocol.curriculum_messages import CurriculumReport
+
+    config = config_for(tmp_path / "r")
+    table = SharedCurriculum(config.ref_server.spool_dir)
+    table.report(CurriculumReport(window=2, min_appearances=2, shares=[("p", 1.0), ("p", 1.0)]))
+    table.close()
+    (tmp_path / "r/checkpoints/step00000003").mkdir(parents=True)
+    (tmp_path / "r/checkpoints/step00000003/COMPLETE").write_text(json.dumps({"step": 3, "version": 3}))
+    prepare_run_dir(config, resume=True, fresh=False)
+    assert SharedCurriculum(config.ref_server.spool_dir).rates.settled() == {"p"}
+    prepare_run_dir(config, resume=False, fresh=True)
+    assert SharedCurriculum(config.ref_server.spool_dir).tracked() == 0

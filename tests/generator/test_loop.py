@@ -258,3 +258,40 @@ def test_the_curriculum_stops_drawing_a_prompt_solved_every_time(engine, tmp_pat
     assert settled_after == [1.0, 1.0] and loop.prompts.table.is_settled(first_id)
     assert loop.stats.prompts_skipped == loop.prompts.skipped > 0
     assert all(0.0 < s < 1.0 for e in examples[1:] for s in loop.prompts.table.shares(e.example_id))
+
+
+def test_two_generators_share_the_hubs_curriculum_table(engine, tmp_path):
+    """generator.curriculum.shared: two loops report to one hub; a prompt settles from both generators' groups
+    together, and then neither draws it (nor does the one that saw it less than min_appearances times)."""
+    from generator.curriculum import curriculum_stream
+    from shared.config.schema.generator import CurriculumConfig
+
+    examples = arithmetic_examples(ArithmeticTask(), "train", 3, seed=0)
+    FIRST_ANSWER[:] = [examples[0].data["answer"]]
+    first_id = examples[0].example_id
+    rewards = RewardSet.from_specs([RewardSpec(name="python", args={
+        "function": "tests.generator.test_loop:solved_only_for_the_first"})])
+    with LiveServer(make_config(tmp_path)) as live:
+        loops = [make_loop(engine, live.url, tmp_path, generator_id=g, rewards=rewards) for g in ("gen-a", "gen-b")]
+        for loop in loops:
+            loop.prompts = curriculum_stream(PromptStream(examples, seed=0, generator_id=loop.generator_id),
+                                             CurriculumConfig(enabled=True, window=4, min_appearances=2), seed=0,
+                                             client=loop.client, sync_interval_s=0)
+        drawn = {loop.generator_id: [] for loop in loops}
+        for _ in range(5):
+            for loop in loops:
+                drawn[loop.generator_id].append([g.task["example_id"] for g in loop.step()])
+        hub = live.state.curriculum
+        own = {loop.generator_id: loop.prompts.table.shares(first_id) for loop in loops}
+        assert hub.rates.is_settled(first_id) and set(hub.rates.shares(first_id)) == {1.0}
+        assert sum(len(s) for s in own.values()) == len(hub.rates.shares(first_id))  # one table, both fill it
+        assert all(loop.prompts.table.is_settled(first_id) for loop in loops)
+        # after the last step's reports: every group both generators scored is in the hub's table
+        for loop in loops:
+            loop.prompts.take(0)
+        assert hub.recorded == sum(loop.stats.prompts for loop in loops)
+        assert hub.skipped == sum(loop.stats.prompts_skipped for loop in loops) > 0
+    # each generator drew ex0 once in the first round: settled only by the two together, then drawn by neither
+    assert own == {"gen-a": [1.0], "gen-b": [1.0]}
+    assert all(first_id in batches[0] and not any(first_id in ids for ids in batches[1:])
+               for batches in drawn.values())

@@ -148,6 +148,9 @@ class CurriculumConfig(StrictModel):
                              "is >= this.")
     mode: Literal["skip", "downweight"] = Field("skip", description="'skip' settled prompts, or 'downweight' them.")
     keep_prob: float = Field(0.1, ge=0, le=1, description="'downweight': the chance a settled prompt is drawn.")
+    shared: bool = Field(True, description="Keep the pass rates in the hub's table, shared by every generator "
+                         "reporting to it and kept in its spool folder across restarts (a hub without it: the "
+                         "generator's own); false: this generator's own table, in memory.")
 
 
 class FailuresConfig(StrictModel):
@@ -296,7 +299,7 @@ class GeneratorConfig(StrictModel):
         "this config can be accepted (e.g. an environment's reset() text that fills max_total_tokens). Each "
         "refused group is counted and dropped, never sent again. 0: never stop.")
     curriculum: CurriculumConfig = Field(default_factory=CurriculumConfig, description="Skip prompts the policy "
-                                         "always or never solves (per-generator pass rates).")
+                                         "always or never solves (pass rates shared through the hub).")
     failures: FailuresConfig = Field(default_factory=FailuresConfig, description="Rewards and environments that "
                                      "fail (raise, time out, return garbage) score on_error, until a full window "
                                      "holds max_rate failures or everything so far failed: the generator then stops, "
