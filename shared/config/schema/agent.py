@@ -22,7 +22,8 @@ class AgentConfig(StrictModel):
         "episode; its return value is the episode's reward unless it posted one. null: an external process drives "
         "the endpoint, claiming episodes with POST /episodes (docs/agents.md).")
     host: str = Field("127.0.0.1", description="Address the endpoint binds. Keep 127.0.0.1 unless a token is set.")
-    port: int = Field(8480, ge=0, le=65535, description="Port of the endpoint; 0: any free port (logged).")
+    port: int = Field(0, ge=0, le=65535, description="Port of the endpoint; 0: any free port (logged; each "
+                      "generator of a node gets its own). Set one for an external agent to reach.")
     token: str | None = Field(None, description="Bearer token required on every route but /healthz (the agent's "
                               "client is given it as its api_key); null: none.")
     timeout_s: float = Field(300.0, gt=0, allow_inf_nan=False, description="Wall-clock limit of one episode, from "
@@ -41,6 +42,11 @@ class AgentConfig(StrictModel):
         "or step rewards); 'rewards': generator.rewards score the decoded episode.")
     on_error: float = Field(0.0, allow_inf_nan=False, description="Reward of an episode that failed (the agent "
                             "raised or timed out, its conversation diverged from the recorded one, it expired).")
+
+    @property
+    def name(self) -> str:
+        """What the failure rule calls it (generator/failures.py)."""
+        return f"agent {self.fn}" if self.fn else "external agent"
 
     @model_validator(mode="before")
     @classmethod
