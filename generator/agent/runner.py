@@ -67,6 +67,10 @@ class AgentRollouts:
     def __init__(self, engine, tokenizer, cfg: AgentConfig, sampling: SamplingParams, seed: int = 0) -> None:
         self.cfg = cfg
         self.fn = load_agent(cfg.fn) if cfg.fn else None
+        if self.fn is not None:
+            import openai  # here, not in the first episode's thread: importing it takes a second
+
+            self.openai = openai
         self.stats = AgentStats()
         self.book = EpisodeBook(self.stats)
         self.sampler = TurnSampler(engine, sampling, seed)
@@ -121,8 +125,7 @@ class AgentRollouts:
             pass   # expired meanwhile: counted there
 
     def _call(self, episode: Episode) -> Any:
-        import openai
-
+        openai = self.openai
         key = self.cfg.token or "no-token"
         if inspect.iscoroutinefunction(self.fn):
             async def run():
