@@ -34,6 +34,7 @@ class Turn:
     text: str
     finish: str
     prompt_tokens: int
+    stop_reason: str | None   # the stop string that ended it (vLLM's field); None: EOS or its length
 
 
 class CallHandler:
@@ -67,7 +68,7 @@ class CallHandler:
         reply = reply_message(self.tokenizer, turn.text, tools)
         episode.conversation = [*norm, normalized(reply)]
         finish = "tool_calls" if reply.get("tool_calls") else turn.finish
-        choice = {"index": 0, "message": reply, "finish_reason": finish,
+        choice = {"index": 0, "message": reply, "finish_reason": finish, "stop_reason": turn.stop_reason,
                   "logprobs": {"content": self._token_logprobs(turn)} if request.logprobs else None}
         return _answer("chat.completion", "chatcmpl", choice, turn)
 
@@ -104,7 +105,8 @@ class CallHandler:
             offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
             logprobs = {"tokens": tokens, "token_logprobs": turn.logprobs, "top_logprobs": None,
                         "text_offset": offsets}
-        choice = {"index": 0, "text": turn.text, "finish_reason": turn.finish, "logprobs": logprobs}
+        choice = {"index": 0, "text": turn.text, "finish_reason": turn.finish, "logprobs": logprobs,
+                  "stop_reason": turn.stop_reason}
         return _answer("text_completion", "cmpl", choice, turn)
 
     def _text_continuation(self, episode: Episode, prompt: str | list[int]) -> list[int]:
@@ -154,11 +156,11 @@ class CallHandler:
             stats.turns += 1
             stats.env_calls += bool(added)
         text = self.decode(sampled.token_ids)
-        for stop in stops:   # OpenAI leaves the stop sequence out of the text
-            if sampled.ended == "stop_string" and text.endswith(stop):
-                text = text[:-len(stop)]
+        stop_reason = next((s for s in stops if sampled.ended == "stop_string" and text.endswith(s)), None)
+        if stop_reason is not None:   # OpenAI leaves the stop sequence out of the text
+            text = text[:-len(stop_reason)]
         finish = "length" if sampled.ended == "length" else "stop"
-        return Turn(sampled.token_ids, sampled.logprobs, text, finish, len(context))
+        return Turn(sampled.token_ids, sampled.logprobs, text, finish, len(context), stop_reason)
 
     def _token_logprobs(self, turn: Turn) -> list[dict]:
         out = []

@@ -116,6 +116,8 @@ class AgentRollouts:
             return
         if episode.closed:
             return   # it posted its reward (or failed meanwhile)
+        if value is None and self.cfg.reward == "rewards":
+            value = 0.0   # generator.rewards score the episode: what the agent returns is not used
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             self.book.fail(episode, f"returned {value!r}, not a finite number (its reward)", "agent_errors")
             return

@@ -84,7 +84,7 @@ def test_bad_requests_get_openai_shaped_4xx_and_the_openai_client_reads_them(ext
     agent, _ = external
     base = post(agent, "/episodes?wait_s=5").json()["base_url"].removeprefix(agent.server.url)
     chat = f"{base}/chat/completions"
-    assert_openai_error(post(agent, chat, token=None, json={}), 401, "token")["code"] == "invalid_api_key"
+    assert assert_openai_error(post(agent, chat, token=None, json={}), 401, "token")["code"] == "invalid_api_key"
     assert_openai_error(post(agent, chat, data=b"{not json"), 400, "body")
     assert_openai_error(post(agent, chat, json={"messages": []}), 400, "messages")
     assert_openai_error(post(agent, chat, json={"messages": [{"role": "robot", "content": "x"}]}), 400, "role")
