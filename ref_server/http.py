@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ref_server.state import ServerState
+from shared.protocol.bounded_body import read_bounded
 from shared.protocol.openai_errors import (  # noqa: F401 - MAX_ERROR_TEXT: re-exported for the tests
     MAX_ERROR_ITEMS,
     MAX_ERROR_TEXT,
@@ -33,16 +34,7 @@ State = Annotated[ServerState, Depends(server_state)]
 
 async def read_body(request: Request, limit: int) -> bytes:
     """The request body, refused with 413 as soon as it passes ``limit`` bytes (never read whole first)."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise HTTPException(413, f"request body of {declared} bytes exceeds the {limit}-byte limit")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise HTTPException(413, f"request body exceeds the {limit}-byte limit")
-        chunks.append(chunk)
-    return b"".join(chunks)
+    return await read_bounded(request, limit, lambda reason: HTTPException(413, reason))
 
 
 def binary_body(schema_description: str) -> dict:

@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from generator.agent.calls import MODEL_NAME, CallError, CallHandler
 from generator.agent.episodes import EpisodeGone
 from shared.protocol import strict_json
+from shared.protocol.bounded_body import read_bounded
 from shared.protocol.openai_errors import openai_error
 
 OPEN_PATHS = frozenset({"/healthz"})
@@ -75,21 +76,8 @@ def _error(status: int, message: Any, *, param: str | None = None, code: str | N
 
 
 async def _body(request: Request, limit: int, timeout_s: float) -> bytes:
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise CallError(413, f"request body of {declared} bytes exceeds the {limit}-byte limit")
-
-    async def read() -> bytes:
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise CallError(413, f"request body exceeds the {limit}-byte limit")
-            chunks.append(chunk)
-        return b"".join(chunks)
-
     try:
-        return await asyncio.wait_for(read(), timeout_s)
+        return await asyncio.wait_for(read_bounded(request, limit, lambda reason: CallError(413, reason)), timeout_s)
     except asyncio.TimeoutError:
         raise CallError(408, f"request body not received within {timeout_s} s") from None
 
@@ -109,9 +97,8 @@ def parsed(body: bytes, model: type[BaseModel]) -> Any:
         raise CallError(400, f"{where}: {first['msg']}", param=str(first["loc"][0]) if first["loc"] else None) from None
 
 
-def build_app(handler: CallHandler, token: str | None, max_bytes: int, body_timeout_s: float) -> FastAPI:
-    app = FastAPI(title="grpo-stack agent endpoint", docs_url=None, redoc_url=None, openapi_url=None)
-    book = handler.book
+def install_errors(app: FastAPI, token: str | None) -> None:
+    """The bearer token on every path but /healthz, and every error in OpenAI's shape."""
 
     @app.middleware("http")
     async def guard(request: Request, call_next):
@@ -138,6 +125,12 @@ def build_app(handler: CallHandler, token: str | None, max_bytes: int, body_time
     @app.exception_handler(CallError)
     async def call_error(request: Request, exc: CallError):
         return _error(exc.status, exc.message, param=exc.param, code=exc.code)
+
+
+def build_app(handler: CallHandler, token: str | None, max_bytes: int, body_timeout_s: float) -> FastAPI:
+    app = FastAPI(title="grpo-stack agent endpoint", docs_url=None, redoc_url=None, openapi_url=None)
+    install_errors(app, token)
+    book = handler.book
 
     async def episode_call(episode_id: str, request: Request, model: type[BaseModel], answer) -> JSONResponse:
         call = parsed(await _body(request, max_bytes, body_timeout_s), model)
