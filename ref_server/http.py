@@ -14,12 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ref_server.state import ServerState
 from shared.protocol.bounded_body import read_bounded
-from shared.protocol.openai_errors import (  # noqa: F401 - MAX_ERROR_TEXT: re-exported for the tests
-    MAX_ERROR_ITEMS,
-    MAX_ERROR_TEXT,
-    bounded,
-    openai_error,
-)
+from shared.protocol.openai_errors import MAX_ERROR_ITEMS, bounded, openai_error
 
 OCTET = "application/octet-stream"
 
