@@ -137,6 +137,8 @@ class EpisodeBook:
         """Close an episode with its reward (or step rewards, whose sum is its reward)."""
         with self.lock:
             episode = self._open(episode_id)
+            if episode.busy:
+                raise RuntimeError(f"episode {episode_id} is answering a call: its reward comes after it")
             if steps is not None:
                 if len(steps) > len(episode.turn_ends):
                     raise ValueError(f"steps: {len(steps)} step rewards for {len(episode.turn_ends)} model turns")
@@ -167,7 +169,7 @@ class EpisodeBook:
                 for episode in episodes:
                     if not episode.closed and not episode.busy and now > episode.deadline:
                         self._expire(episode)
-                if all(e.closed for e in episodes):
+                if all(e.closed and not e.busy for e in episodes):   # a call in flight finishes its record
                     return
                 self.lock.wait(poll_s)
 

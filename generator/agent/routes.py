@@ -126,6 +126,10 @@ def install_errors(app: FastAPI, token: str | None) -> None:
     async def call_error(request: Request, exc: CallError):
         return _error(exc.status, exc.message, param=exc.param, code=exc.code)
 
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, exc: Exception):   # logged by Starlette; never its text or traceback
+        return _error(500, "internal server error (logged by the generator)")
+
 
 def build_app(handler: CallHandler, token: str | None, max_bytes: int, body_timeout_s: float) -> FastAPI:
     app = FastAPI(title="grpo-stack agent endpoint", docs_url=None, redoc_url=None, openapi_url=None)
@@ -169,6 +173,8 @@ def build_app(handler: CallHandler, token: str | None, max_bytes: int, body_time
             raise CallError(404, str(exc), code="episode_not_found") from None
         except ValueError as exc:
             raise CallError(400, str(exc), param="steps") from None
+        except RuntimeError as exc:
+            raise CallError(409, str(exc), code="episode_busy") from None
         return {"id": episode.id, "reward": episode.reward, "closed": True}
 
     @app.post("/episodes")

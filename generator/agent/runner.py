@@ -125,6 +125,9 @@ class AgentRollouts:
             self.book.reward(episode.id, float(value), None)
         except LookupError:
             pass   # expired meanwhile: counted there
+        except RuntimeError as exc:   # a call the agent left running: the episode cannot be closed under it
+            self.book.fail(episode, f"returned while a call of its episode was being answered ({exc})",
+                           "agent_errors")
 
     def _call(self, episode: Episode) -> Any:
         openai = self.openai
