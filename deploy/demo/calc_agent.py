@@ -1,7 +1,7 @@
 """The built-in calculator environment re-expressed as an agent (``generator.agent:
 deploy/demo/calc_agent.py:calculator_agent``, docs/agents.md): the same prompt, the same ``</calc>`` stop, the same
 ``<result>...</result>`` observations and the same turn limit as ``generator.environment: {name: calculator,
-max_turns: 3}``, through the OpenAI-compatible text completions of the agent endpoint instead of the engine."""
+max_turns: 2}`` of the calculator demo (deploy/configs/tiny-calculator-cpu.yaml), through the OpenAI-compatible text completions of the agent endpoint instead of the engine."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import re
 from generator.environments.calculator import CalculatorError, evaluate
 
 CALL = re.compile(r"<calc>(.*)$", re.DOTALL)
-MAX_TURNS = 3
+MAX_TURNS = 2   # the calculator demo's environment.max_turns: a call, then the answer
 MAX_TURN_TOKENS = 24
 
 
