@@ -94,6 +94,11 @@ class EpisodeBook:
             self._episodes[episode.id] = episode
         return episode
 
+    def open_count(self) -> int:
+        """Episodes that may still call (open, not closed)."""
+        with self.lock:
+            return sum(not e.closed for e in self._episodes.values())
+
     def claim(self, wait_s: float) -> Episode | None:
         """An unclaimed open episode (an external agent takes it), waiting up to ``wait_s`` for one."""
         with self.lock:

@@ -73,7 +73,7 @@ class AgentRollouts:
             self.openai = openai
         self.stats = AgentStats()
         self.book = EpisodeBook(self.stats)
-        self.sampler = TurnSampler(engine, sampling, seed)
+        self.sampler = TurnSampler(engine, sampling, seed, self.book.open_count)
         self.handler = CallHandler(self.book, self.sampler, tokenizer, cfg, sampling.max_tokens)
         self.server = AgentServer(self.handler, cfg)
         try:

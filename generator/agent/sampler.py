@@ -1,9 +1,11 @@
 """One thread owns the engine: the endpoint's calls, from many episodes at once, are sampled together.
 
 Each call queues its context (token ids), its most tokens and its stop strings, and waits for its turn. The thread
-takes everything queued (after a short gather wait, so concurrent episodes share one engine call), samples the
-calls with the same stop strings in one ``generate_turns`` call at the most tokens any of them asked for, and cuts
-each turn at its own limit: sampling is causal, so a turn's first k tokens are a sample of k tokens.
+gathers calls into a batch until every open episode has a call in it, no call came for :data:`GATHER_S`, or
+:data:`MAX_GATHER_S` passed (so the G episodes of a batch of prompts, whose agents start and answer tools at
+slightly different times, share engine calls), samples the calls with the same stop strings in one
+``generate_turns`` call at the most tokens any of them asked for, and cuts each turn at its own limit: sampling is
+causal, so a turn's first k tokens are a sample of k tokens.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -19,7 +23,8 @@ from shared.protocol.records import SamplingParams
 
 log = logging.getLogger("grpo.generator.agent")
 
-GATHER_S = 0.01   # how long the thread waits for more calls after the first, so concurrent calls share a batch
+GATHER_S = 0.02      # a batch is sampled when no further call came for this long ...
+MAX_GATHER_S = 0.25  # ... or this long after its first call
 
 
 @dataclass
@@ -41,8 +46,12 @@ class TurnSampler:
     """Samples turns with ``engine.generate_turns`` on its own thread, with the generator's sampling parameters
     (temperature, top-p, top-k: the learner's must be the same, so a call's own are not used)."""
 
-    def __init__(self, engine, sampling: SamplingParams, seed: int = 0) -> None:
+    def __init__(self, engine, sampling: SamplingParams, seed: int = 0,
+                 open_episodes: Callable[[], int] = lambda: 0) -> None:
+        """``open_episodes``: how many episodes may still call (a batch holding that many calls waits no more)."""
         self.engine, self.sampling, self.seed = engine, sampling, seed
+        self.open_episodes = open_episodes
+        self.batches: list[int] = []   # calls per engine call, for the tests and the log
         self._queue: queue.Queue[TurnRequest | None] = queue.Queue()
         self._calls = 0
         self._thread = threading.Thread(target=self._serve, name="grpo-agent-sampler", daemon=True)
@@ -63,21 +72,26 @@ class TurnSampler:
             first = self._queue.get()
             if first is None:
                 return
-            batch = [first]
-            try:
-                while True:
-                    item = self._queue.get(timeout=GATHER_S)
-                    if item is None:
-                        self._queue.put(None)   # finish this batch, then stop
-                        break
-                    batch.append(item)
-            except queue.Empty:
-                pass
+            batch = self._gather(first)
+            self.batches.append(len(batch))
             by_stops: dict[tuple[str, ...], list[TurnRequest]] = {}
             for request in batch:
                 by_stops.setdefault(request.stops, []).append(request)
             for stops, requests in by_stops.items():
                 self._sample(list(stops), requests)
+
+    def _gather(self, first: TurnRequest) -> list[TurnRequest]:
+        batch, deadline = [first], time.monotonic() + MAX_GATHER_S
+        while len(batch) < self.open_episodes():
+            try:
+                item = self._queue.get(timeout=max(0.0, min(GATHER_S, deadline - time.monotonic())))
+            except queue.Empty:
+                break
+            if item is None:
+                self._queue.put(None)   # finish this batch, then stop
+                break
+            batch.append(item)
+        return batch
 
     def _sample(self, stops: list[str], requests: list[TurnRequest]) -> None:
         longest = max(r.max_tokens for r in requests)
