@@ -117,6 +117,7 @@ def test_32_concurrent_episodes_are_each_recorded_and_rewarded_and_share_engine_
             assert len(check_record(engine, prompt, completion)) == 2
     assert sum(len(contexts) for contexts, _ in engine.calls) == 64
     assert len(engine.calls) < 64 and max(len(contexts) for contexts, _ in engine.calls) > 1
+    assert agent.sampler.batches == [len(contexts) for contexts, _ in engine.calls]   # one stop set: one call each
 
 
 @pytest.mark.slow
