@@ -179,7 +179,7 @@ def environment_problems(config: GRPOConfig) -> list[str]:
     loads it; a prompt format template cannot show a tool-calling environment's tools."""
     env = config.generator.environment
     if env is None:
-        return []
+        return agent_problems(config)
     from generator.environments.base import prompt_tools
 
     try:
@@ -189,6 +189,26 @@ def environment_problems(config: GRPOConfig) -> list[str]:
     if tools and config.generator.dataset.template is not None:
         return ["generator.dataset.template: tool calling renders the prompt with the chat template (and its tools); "
                 "set it to null"]
+    return []
+
+
+def agent_problems(config: GRPOConfig) -> list[str]:
+    """generator.agent: the openai client installed (the 'agent' extra) and the agent function loads."""
+    agent = config.generator.agent
+    if agent is None:
+        return []
+    try:
+        import openai  # noqa: F401 - only whether it is installed
+    except ImportError:
+        return ["generator.agent needs the openai package: pip install 'grpo-stack[agent]'"]
+    if not agent.fn:
+        return []
+    from generator.agent.runner import load_agent
+
+    try:
+        load_agent(agent.fn)
+    except UsageError as exc:
+        return [str(exc)]
     return []
 
 

@@ -63,9 +63,9 @@ def environment_rewards(scores, samples: list[SampledCompletion], cfg: Environme
     environment``: the sum of the environment's step rewards (0 when it gave none), as the one component
     ``environment``; ``rewards``: the reward functions' scores of the whole trajectory's text, kept. Either way a
     trajectory its environment failed gets ``on_error``."""
-    if cfg.reward == "environment":
+    if cfg.reward in ("environment", "agent"):   # generator.agent's 'agent': the agent's reward, the same way
         scores.total = [s.env_reward or 0.0 for s in samples]
-        scores.components = {"environment": list(scores.total)}
+        scores.components = {cfg.reward: list(scores.total)}
         scores.not_applicable = {}
     scores.total = [cfg.on_error if s.env_failed else total for s, total in zip(samples, scores.total)]
 
@@ -141,6 +141,11 @@ class RolloutLoop:
         context = getattr(self.rewards, "context", None)
         if context is not None:
             context.trainer_state.global_step = version
+
+    def use_agent(self, rollouts, cfg) -> None:
+        """``generator.agent``: the episodes of a user's agent are the rollouts (generator/agent/runner.py), scored
+        as an environment's trajectories are (``cfg`` has its ``reward``, ``on_error`` and ``name``)."""
+        self.multiturn, self.environment, self.stats.environment = rollouts, cfg, rollouts.stats
 
     # -- weights --------------------------------------------------------------------------------------------
     def sync_weights(self) -> bool:
@@ -232,6 +237,8 @@ class RolloutLoop:
                                        scores.steps, scores.total, self.step_rewards)
             self.stats.step_reward_errors += mapped.errors
             steps = mapped.steps
+        elif any(s.token_steps is not None for s in samples):   # an agent's step rewards (generator/agent/)
+            steps = [s.token_steps or [] for s in samples]
         if self.drop_constant_groups and not carries_signal(scores.total, steps):
             self.stats.groups_dropped_constant += 1
             return None

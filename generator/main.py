@@ -73,6 +73,10 @@ def check_environment(config: GRPOConfig) -> None:
     """Multi-turn: the environment class loads (a UsageError naming the key otherwise), before any model is loaded.
     Both engines support it (``generate_turns``)."""
     cfg = config.generator
+    if cfg.agent is not None and cfg.agent.fn:
+        from generator.agent.runner import load_agent
+
+        load_agent(cfg.agent.fn)
     if cfg.environment is None:
         return
     from generator.environments.base import environment_factory
@@ -97,6 +101,20 @@ def build_loop(config: GRPOConfig, engine, client: HubClient, progress: Progress
         drop_constant_groups=cfg.drop_constant_groups, seed=config.seed, progress=progress,
         wait_for_budget=cfg.wait_for_budget, step_rewards=cfg.step_rewards, environment=cfg.environment,
         max_refused_in_a_row=cfg.max_refused_in_a_row, failures=cfg.failures)
+
+
+def start_agent(config: GRPOConfig, engine, loop: RolloutLoop):
+    """``generator.agent``: the endpoint started and its episodes made the loop's rollouts; None without one."""
+    cfg = config.generator
+    if cfg.agent is None:
+        return None
+    if not hasattr(engine, "generate_turns"):
+        raise GeneratorSetupError(f"generator.agent: the {engine.name} engine cannot sample turns")
+    from generator.agent.runner import AgentRollouts
+
+    rollouts = AgentRollouts(engine, loop.tokenizer, cfg.agent, loop.sampling, seed=config.seed)
+    loop.use_agent(rollouts, cfg.agent)
+    return rollouts
 
 
 def continuous_rollouts(loop: RolloutLoop, engine, config: GRPOConfig):
@@ -136,6 +154,7 @@ def run_generator(config: GRPOConfig, stop: threading.Event | None = None) -> Lo
     engine = build_engine(config)
     try:
         loop = build_loop(config, engine, client, Progress(total=cfg.max_groups), rewards, examples)
+        agent = start_agent(config, engine, loop)
         loop.receiver = WeightReceiver(engine, client, config.weight_sync, loop.generator_id, cfg.weights_dir,
                                        stats=loop.stats)
         log.info("generator %s: engine %s, G=%d, %d prompts per batch, hub %s", loop.generator_id, engine.name,
@@ -147,6 +166,8 @@ def run_generator(config: GRPOConfig, stop: threading.Event | None = None) -> Lo
             return loop.run(stop, max_groups=cfg.max_groups)
         finally:
             loop.receiver.close()
+            if agent is not None:
+                agent.close()
     finally:
         engine.close()
         client.close()

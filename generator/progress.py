@@ -24,6 +24,9 @@ def environment_summary(env) -> dict[str, float | int]:
                "env_s": round(env.env_time_s, 1), "env_token_frac": round(env.masked_fraction, 3)}
     if env.tool_calls:
         summary |= {"tool_calls": env.tool_calls, "tool_errors": env.tool_errors}
+    if hasattr(env, "template_mismatches"):   # an agent's episodes (generator/agent/episodes.py: AgentStats)
+        summary |= {name: getattr(env, name) for name in ("template_mismatches", "diverged", "expired",
+                                                          "agent_errors")}
     return summary
 
 

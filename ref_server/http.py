@@ -13,6 +13,8 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ref_server.state import ServerState
+from shared.protocol.bounded_body import read_bounded
+from shared.protocol.openai_errors import MAX_ERROR_ITEMS, bounded, openai_error
 
 OCTET = "application/octet-stream"
 
@@ -27,16 +29,7 @@ State = Annotated[ServerState, Depends(server_state)]
 
 async def read_body(request: Request, limit: int) -> bytes:
     """The request body, refused with 413 as soon as it passes ``limit`` bytes (never read whole first)."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise HTTPException(413, f"request body of {declared} bytes exceeds the {limit}-byte limit")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise HTTPException(413, f"request body exceeds the {limit}-byte limit")
-        chunks.append(chunk)
-    return b"".join(chunks)
+    return await read_bounded(request, limit, lambda reason: HTTPException(413, reason))
 
 
 def binary_body(schema_description: str) -> dict:
@@ -45,52 +38,18 @@ def binary_body(schema_description: str) -> dict:
         OCTET: {"schema": {"type": "string", "format": "binary", "description": schema_description}}}}}
 
 
-# -- short error bodies, in each client's shape ------------------------------------------------------------------------------------------
-MAX_ERROR_TEXT = 300  # characters of any one string in an error body
-MAX_ERROR_ITEMS = 10  # items of any one list or object in an error body
-
-
-def bounded(value: Any, depth: int = 0) -> Any:
-    """``value`` cut to a few hundred characters per string and a few items per list, 4 levels deep: an error body
-    names the problem and never echoes a big input back."""
-    if isinstance(value, str):
-        return value if len(value) <= MAX_ERROR_TEXT else value[:MAX_ERROR_TEXT] + f"... ({len(value)} chars)"
-    if depth >= 4:
-        return "..."
-    if isinstance(value, (list, tuple)):
-        items = [bounded(v, depth + 1) for v in value[:MAX_ERROR_ITEMS]]
-        return items + [f"... ({len(value) - MAX_ERROR_ITEMS} more)"] if len(value) > MAX_ERROR_ITEMS else items
-    if isinstance(value, dict):
-        return {bounded(str(k), depth + 1): bounded(v, depth + 1)
-                for k, v in list(value.items())[:MAX_ERROR_ITEMS]}
-    if value is None or isinstance(value, (bool, int, float)):
-        return value
-    return bounded(str(value), depth)
-
-
+# -- short error bodies, in each client's shape (OpenAI's: shared/protocol/openai_errors.py) ----------------------------
 # The paths whose clients speak OpenAI's API (the openai package, lm-evaluation-harness, vLLM's tools): every
 # error there, from a route, the router (404, 405) or the request guard (401, 408, 413), is answered in OpenAI's
 # shape, which those clients read (they show an empty message for FastAPI's ``{"detail": ...}``).
 OPENAI_PATHS = frozenset({"/v1/completions", "/v1/models", "/v1/chat/completions", "/tokenize", "/detokenize",
                           "/tokenizer_info", "/pooling"})
 OPENAI_PATH_PREFIXES = ("/v1/models/",)  # GET /v1/models/{model}
-# OpenAI's "type" per status (https://platform.openai.com/docs/guides/error-codes); unlisted 4xx: a bad request
-OPENAI_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                      404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
-                      409: "conflict_error", 413: "invalid_request_error", 422: "invalid_request_error",
-                      429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
 
 
 def is_openai_path(path: str) -> bool:
     """Whether ``path``'s clients read OpenAI's error shape (see :data:`OPENAI_PATHS`)."""
     return path in OPENAI_PATHS or path.startswith(OPENAI_PATH_PREFIXES)
-
-
-def openai_error(status: int, message: Any, *, param: Any = None, code: str | None = None) -> dict:
-    """``{"error": {"message", "type", "param", "code"}}``, bounded: what OpenAI answers and its clients read."""
-    text = message if isinstance(message, str) else "; ".join(_problem_text(m) for m in _as_list(message))
-    kind = OPENAI_ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    return {"error": {"message": bounded(text), "type": kind, "param": bounded(param), "code": code}}
 
 
 def error_body(path: str, status: int, message: Any, *, code: str | None = None) -> dict:
@@ -99,18 +58,6 @@ def error_body(path: str, status: int, message: Any, *, code: str | None = None)
     if is_openai_path(path):
         return openai_error(status, message, code=code)
     return {"detail": bounded(message)}
-
-
-def _as_list(value: Any) -> list:
-    return list(value) if isinstance(value, (list, tuple)) else [value]
-
-
-def _problem_text(problem: Any) -> str:
-    """One validation problem (``{"loc", "msg"}``) as ``where: what``."""
-    if isinstance(problem, dict) and "msg" in problem:
-        where = ".".join(str(part) for part in problem.get("loc", ()) if part != "body")
-        return f"{where or 'body'}: {problem['msg']}"
-    return str(problem)
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:

@@ -23,6 +23,8 @@ class SampledCompletion:
     # the policy version that sampled each token (continuous schedule: weights change in flight); None: every
     # token was sampled with the version the loop records for the whole group
     versions: list[int] | None = None
+    # an agent's step rewards (generator/agent/): (index of the step's last token, reward); None: outcome only
+    token_steps: list[tuple[int, float]] | None = None
 
     @property
     def env_failed(self) -> bool:

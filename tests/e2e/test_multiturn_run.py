@@ -24,29 +24,35 @@ def runs(mask):
     return out
 
 
-@pytest.mark.slow
-def test_grpo_run_with_the_calculator_masks_exactly_the_environment_tokens(calc_model_dir, tmp_path):
-    from transformers import AutoTokenizer
-
+def calculator_run(tmp_path, model_dir, **generator):
+    """`grpo run` (2 learner steps) on the memorised calculator problems with ``generator`` settings added; the
+    rows of the learner's batches (its advantages log)."""
     data = tmp_path / "problems.jsonl"
     data.write_text("".join(json.dumps({"question": f"{e}=", "answer": str(v)}) + "\n" for e, v in PROBLEMS.items()))
-    config = write_config(tmp_path, calc_model_dir, free_port(), max_steps=2, lr=1e-4,
+    config = write_config(tmp_path, model_dir, free_port(), max_steps=2, lr=1e-4,
                           advantages_jsonl=str(tmp_path / "advantages.jsonl"))
     cfg = json.loads(config.read_text())
     cfg["generator"].update(
         dataset={"kind": "jsonl", "path": str(data), "system_prompt": ""}, rewards=[{"name": "arithmetic"}],
-        sampling={"max_tokens": 24, "temperature": 0.5},
-        environment={"name": "calculator", "max_turns": 3, "max_total_tokens": 64})
+        sampling={"max_tokens": 24, "temperature": 0.5}, **generator)
     config.write_text(json.dumps(cfg))
     result = forks.run([GRPO, "run", str(config)], capture_output=True, text=True, timeout=600,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stdout[-4000:]
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2]
-    tokenizer = AutoTokenizer.from_pretrained(calc_model_dir)
-    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-    rows = [row for line in (tmp_path / "advantages.jsonl").read_text().splitlines()
+    assert stray_processes(str(config)) == []
+    return [row for line in (tmp_path / "advantages.jsonl").read_text().splitlines()
             for row in json.loads(line)["rows"]]
+
+
+def check_calculator_rows(rows, model_dir) -> None:
+    """Each row holds two or more model turns, and its tokens masked 0 are exactly the calculator's answers to the
+    model's turns before them."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
     assert len(rows) == 2 * 2 * 4  # 2 steps x 2 groups x G = 4
     for row in rows:
         ids, mask = row["completion_ids"], row["mask"]
@@ -62,6 +68,12 @@ def test_grpo_run_with_the_calculator_masks_exactly_the_environment_tokens(calc_
                 observation = calculator.step(turn_text)
                 assert ids[start:end] == tokenizer(observation, add_special_tokens=False)["input_ids"]
         assert pieces[0][2] and pieces[-1][2]
+
+
+@pytest.mark.slow
+def test_grpo_run_with_the_calculator_masks_exactly_the_environment_tokens(calc_model_dir, tmp_path):
+    rows = calculator_run(tmp_path, calc_model_dir,
+                          environment={"name": "calculator", "max_turns": 3, "max_total_tokens": 64})
+    check_calculator_rows(rows, calc_model_dir)
     generator_log = (tmp_path / "run" / "logs" / "gen-0.log").read_text()
     assert "Traceback" not in generator_log
-    assert stray_processes(str(config)) == []

@@ -18,19 +18,13 @@ from hypothesis import strategies as st
 
 from ref_server import session_routes
 from ref_server.app import create_app
-from ref_server.http import (
-    MAX_ERROR_TEXT,
-    OPENAI_ERROR_TYPES,
-    OPENAI_PATHS,
-    error_body,
-    is_openai_path,
-    openai_error,
-)
+from ref_server.http import OPENAI_PATHS, error_body, is_openai_path
 from ref_server.hub import routes as hub_routes
 from ref_server.relay import routes as relay_routes
 from ref_server.scoring import logprobs_routes
 from ref_server.server import build_state
 from ref_server.tool_api import completions_routes, prm_routes, tokenizer_routes
+from shared.protocol.openai_errors import MAX_ERROR_TEXT, OPENAI_ERROR_TYPES, openai_error
 from tests.live_server import AppServer, LiveServer, make_config
 
 TOKEN = "s3cret"

@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from shared.config.schema.agent import AgentConfig, agent_conflict
 from shared.config.schema.base import StrictModel, check_registered
 from shared.config.schema.paths import template_help
 
@@ -277,6 +278,8 @@ class GeneratorConfig(StrictModel):
                                             "(process supervision) and the outcome are uploaded together.")
     environment: EnvironmentConfig | None = Field(None, description="Multi-turn rollouts with an environment "
                                                   "(null: one completion per rollout).")
+    agent: AgentConfig | None = Field(None, description="A user's agent as the rollout, through the generator's "
+                                      "OpenAI-compatible endpoint (docs/agents.md); null: none.")
     max_groups: int | None = Field(None, ge=1, description="Stop after uploading this many groups (null: run "
                                    "until stopped).")
     wait_for_budget: bool = Field(
@@ -312,6 +315,11 @@ class GeneratorConfig(StrictModel):
         list is not run (it was, and a reward for another task then failed the run); rewards listed explicitly
         beside it are a contradiction, named. Otherwise at least one reward is needed."""
         by_environment = self.environment is not None and self.environment.reward == "environment"
+        if self.agent is not None:
+            agent_problem = agent_conflict(self)
+            if agent_problem:
+                raise ValueError(agent_problem)
+            by_environment = self.agent.reward == "agent"
         if by_environment and "rewards" in self.model_fields_set and self.rewards:
             names = [spec.label or spec.name for spec in self.rewards]
             raise ValueError(f"generator.rewards lists {names}, but generator.environment.reward is 'environment', "
