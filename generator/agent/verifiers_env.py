@@ -7,8 +7,9 @@ which is refused elsewhere; the generator's own handlers are put back). Its rows
 (``dataset.kind: verifiers``, generator/datasets/verifiers.py) and each example goes back to the rollout as the row
 it came from. Episodes run on the runner's threads, each in its own event loop, through verifiers' OpenAI chat
 client wrapped around the episode's ``openai.AsyncOpenAI`` client, so every model call is recorded token in/token
-out by the endpoint. A rollout that ends with an error (verifiers keeps it in ``state["error"]``) or raises fails
-its episode only (``on_error``, counted).
+out by the endpoint. A rollout that raises, or ends with an error verifiers keeps in ``state["error"]`` (a failed
+call, a tool error the environment stops on, its infrastructure), fails its episode only (``on_error``, counted);
+one that ends because the model's answer was unusable (empty) is scored by the rubric like any other.
 """
 
 from __future__ import annotations
@@ -103,6 +104,9 @@ class VerifiersAgent:
         from verifiers.legacy.clients import OpenAIChatCompletionsClient
 
         self.client_type = OpenAIChatCompletionsClient
+        # what the model answered is unusable (empty: no text, no tool call): the rollout ends and the rubric scores
+        # it, as verifiers does; the policy wrote it, so it is trained on, not counted as the environment failing
+        self.model_fault = verifiers_legacy().InvalidModelResponseError
 
     async def episode(self, client, example: dict[str, Any]) -> float:
         """One rollout against the episode's endpoint, scored by the rubric: its reward."""
@@ -110,7 +114,7 @@ class VerifiersAgent:
         state = await env.rollout(rollout_input(example), self.client_type(client), MODEL_NAME,
                                   dict(self.sampling_args))
         error = state.get("error")
-        if error is not None:
+        if error is not None and not isinstance(error, self.model_fault):
             cause = f" (caused by {error.__cause__!r})" if error.__cause__ is not None else ""
             raise RuntimeError(f"the verifiers rollout ended with {type(error).__name__}: {error}{cause}")
         try:

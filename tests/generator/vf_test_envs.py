@@ -21,8 +21,8 @@ def checksum(text: str) -> float:
 
 
 def answer_text(completion) -> str:
-    """The last assistant message's text."""
-    return next((m.content or "") for m in reversed(completion) if m.role == "assistant")
+    """The last assistant message's text; "" when the rollout ended before one (an empty answer)."""
+    return next(((m.content or "") for m in reversed(completion) if m.role == "assistant"), "")
 
 
 def checksum_reward(completion, answer: str, **kwargs) -> float:
