@@ -22,8 +22,9 @@ NOT_APPLICABLE = {"max_turn_tokens": "generator.sampling.max_tokens", "max_env_t
 class VerifiersConfig(StrictModel):
     """The environment ``verifiers.load_environment(env_id, **env_args)`` returns."""
 
-    env_id: str = Field(min_length=1, description="The environment: the module of an installed environment package "
-                        "('vf-gsm8k' or 'gsm8k' imports gsm8k), or any importable module with load_environment().")
+    env_id: str = Field(min_length=1, description="The environment, as verifiers names it: the module of an "
+                        "installed environment package ('OWNER/vf-gsm8k' imports vf_gsm8k) or any importable module "
+                        "with load_environment().")
     env_args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the environment's "
                                      "load_environment().")
 
