@@ -16,27 +16,16 @@ from shared.config.schema.verifiers import VerifiersConfig
 from shared.errors import UsageError
 from shared.protocol.records import SamplingParams
 from tests.generator import agent_kit
+from tests.generator import test_agent_episodes as agent_tests
 from tests.generator.test_agent_episodes import GREEDY, check_record
 
 ENV_ID = "tests.generator.vf_test_envs"
+# the agent tests' tiny models (a chat tokenizer; one memorised the calc tool episode)
+tool_model_dir, untrained_dir = agent_tests.tool_model_dir, agent_tests.untrained_dir
 
 
 def vf_env(kind: str, **args) -> dict:
     return {"name": "verifiers", "args": {"env_id": ENV_ID, "env_args": {"kind": kind, **args}}}
-
-
-@pytest.fixture(scope="module")
-def tool_model_dir(tmp_path_factory):
-    return agent_kit.build_tool_model_dir(tmp_path_factory.mktemp("vf-tool-model"))
-
-
-@pytest.fixture(scope="module")
-def untrained_dir(tmp_path_factory):
-    from deploy.demo.tiny_model import TinyModelSpec, build_tiny_model, save_model_dir
-
-    tokenizer = agent_kit.chat_tokenizer()
-    return str(save_model_dir(build_tiny_model(tokenizer, TinyModelSpec(seed=1)), tokenizer,
-                              tmp_path_factory.mktemp("vf-untrained")))
 
 
 def episodes(model_dir, kind: str, n: int, sampling: SamplingParams, **env_args):
