@@ -203,7 +203,7 @@ def agent_problems(config: GRPOConfig) -> list[str]:
     if agent.verifiers is not None:
         from generator.agent.verifiers_env import verifiers_problems
 
-        return verifiers_problems(agent.verifiers)
+        return verifiers_problems(config.generator)
     if not agent.fn:
         return []
     from generator.agent.runner import load_agent

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import signal
 import threading
 from typing import Any
@@ -52,6 +53,9 @@ def _load(env_id: str, env_args_json: str):
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError("a verifiers environment is loaded in the main thread (it installs signal handlers)")
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    quiet = logging.getLogger("verifiers.legacy.utils.env_utils")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)   # its errors are the UsageErrors below, said once
     try:
         env = vf.load_environment(env_id, **json.loads(env_args_json))
     except ValueError as exc:   # verifiers' "Could not import ..." (an ImportError inside)
@@ -64,6 +68,7 @@ def _load(env_id: str, env_args_json: str):
         raise UsageError(f"{KEY}: verifiers environment {env_id!r} did not load with env_args {env_args_json} "
                          f"({type(cause).__name__}: {cause})") from None
     finally:
+        quiet.setLevel(level)
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
     return checked(vf, env, env_id)
@@ -132,9 +137,13 @@ def verifiers_agent(cfg: VerifiersConfig):
     return VerifiersAgent(cfg).episode
 
 
-def verifiers_problems(cfg: VerifiersConfig) -> list[str]:
-    """What ``grpo check-config`` says about a verifiers environment: the package missing, the env_id not
-    importable, its load_environment failing, an environment this adapter cannot run."""
+def verifiers_problems(generator) -> list[str]:
+    """What ``grpo check-config`` says about the verifiers environment of a generator section (its agent has one):
+    the package missing, the env_id not importable, its load_environment failing, an environment this adapter cannot
+    run. Nothing when the dataset is that environment's rows: the dataset's check loads it and says it once."""
+    cfg = generator.agent.verifiers
+    if generator.dataset.kind == "verifiers" and generator.dataset.verifiers == cfg:
+        return []
     try:
         load_environment(cfg)
     except UsageError as exc:

@@ -81,20 +81,26 @@ def test_a_verifiers_config_that_cannot_work_is_refused_naming_the_key(section, 
 # -- check-config: the package missing, an env_id that does not import --------------------------------------------
 @pytest.mark.slow
 def test_check_config_names_an_env_id_that_does_not_import_and_a_missing_verifiers_package(monkeypatch):
-    from deploy.preflight import agent_problems
+    from deploy.preflight import agent_problems, dataset_problems
     from shared.config.schema import GRPOConfig
 
-    config = GRPOConfig.model_validate({"generator": {"environment": {
-        "name": "verifiers", "args": {"env_id": "vf-no-such-env", "env_args": {}}}}})
-    (problem,) = agent_problems(config)
-    assert problem.startswith("generator.environment.args.env_id: cannot import the module 'vf_no_such_env' of "
-                              "verifiers environment 'vf-no-such-env' (ModuleNotFoundError")
-    broken = config.model_copy(deep=True)
-    broken.generator.agent.verifiers = VerifiersConfig(env_id=ENV_ID, env_args={"kind": "nothing"})
-    (problem,) = agent_problems(broken)
-    assert "did not load with env_args" in problem and "unknown kind 'nothing'" in problem
+    def problems(env_id: str, env_args: dict, dataset: dict | None = None) -> list[str]:
+        generator = {"environment": {"name": "verifiers", "args": {"env_id": env_id, "env_args": env_args}}}
+        config = GRPOConfig.model_validate({"generator": {**generator, **({"dataset": dataset} if dataset else {})}})
+        return dataset_problems(config) + agent_problems(config)
+
+    # the environment's rows as the dataset: its check says it (once)
+    (problem,) = problems("vf-no-such-env", {})
+    assert problem.startswith("generator.dataset: generator.environment.args.env_id: cannot import the module "
+                              "'vf_no_such_env' of verifiers environment 'vf-no-such-env' (ModuleNotFoundError")
+    # a dataset of its own: the agent's check loads the environment
+    rows = {"kind": "arithmetic"}
+    (problem,) = problems(ENV_ID, {"kind": "nothing"}, rows)
+    assert problem.startswith(f"generator.environment.args: verifiers environment '{ENV_ID}' did not load with "
+                              'env_args {"kind": "nothing"}') and "unknown kind 'nothing'" in problem
+    assert problems(ENV_ID, {"kind": "single"}, rows) == []
     monkeypatch.setitem(sys.modules, "verifiers.legacy", None)   # as if verifiers were not installed
-    (problem,) = agent_problems(config.model_copy(update={}, deep=True))
+    (problem,) = problems(ENV_ID, {"kind": "tools"}, rows)
     assert "needs the verifiers package: pip install 'grpo-stack[verifiers]'" in problem
 
 
