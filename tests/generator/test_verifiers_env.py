@@ -5,6 +5,7 @@ kind and check-config's messages."""
 
 from __future__ import annotations
 
+import signal
 import sys
 
 import pytest
@@ -110,7 +111,10 @@ def test_the_environments_rows_are_the_examples_and_its_eval_dataset_the_eval_sp
     from generator.datasets import load_examples
 
     dataset = GeneratorConfig.model_validate({"environment": vf_env("single", rows=3)}).dataset
+    handlers = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
     train = load_examples(dataset, seed=0)
+    # verifiers' constructor installs its own SIGINT/SIGTERM handlers: the process's own are put back
+    assert [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)] == handlers
     assert [(e.question, e.data["answer"], e.prompt_messages) for e in train] == [
         (f"{i}+{i}", str(i), [{"role": "user", "content": f"{i}+{i}"}]) for i in range(3)]
     assert [e.example_id for e in train] == [f"verifiers:{ENV_ID}:train:{i}" for i in range(3)]
