@@ -12,7 +12,8 @@ import pytest
 
 from generator.agent.runner import AgentRollouts
 from generator.engines.hf import TransformersEngine
-from shared.config.schema.generator import GeneratorConfig
+from shared.config.schema.agent import AgentConfig
+from shared.config.schema.generator import DatasetConfig, GeneratorConfig
 from shared.config.schema.verifiers import VerifiersConfig
 from shared.errors import UsageError
 from shared.protocol.records import SamplingParams
@@ -62,6 +63,11 @@ def test_environment_verifiers_is_an_agent_with_the_environments_rows_as_its_dat
     assert [r.name for r in own.rewards] == ["arithmetic"]
     # what a run writes out loads again as it is
     assert GeneratorConfig.model_validate(generator.model_dump()) == generator
+    # sections given as config objects (the Python API) are kept as they were given
+    objects = GeneratorConfig.model_validate({"environment": vf_env("single"), "agent": AgentConfig(timeout_s=9),
+                                              "dataset": DatasetConfig(kind="jsonl", path="x.jsonl")})
+    assert (objects.agent.timeout_s, objects.agent.verifiers, objects.dataset.kind) == (9.0, agent.verifiers, "jsonl")
+    assert GeneratorConfig.model_validate({"agent": AgentConfig(verifiers=agent.verifiers)}).dataset == generator.dataset
 
 
 @pytest.mark.parametrize(("section", "message"), [

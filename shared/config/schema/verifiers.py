@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field
+from pydantic import BaseModel, Field
 
 from shared.config.schema.base import StrictModel
 
@@ -38,10 +38,10 @@ def environment_as_agent(generator: Any) -> Any:
     environment = generator.get("environment")
     if isinstance(environment, dict) and environment.get("name") == NAME:
         generator = {**generator, "environment": None, "agent": _agent(environment, generator.get("agent"))}
-    agent = generator.get("agent")
+    agent = _fields(generator.get("agent"))
     if not isinstance(agent, dict) or agent.get(NAME) is None:
         return generator
-    dataset = generator.get("dataset")
+    dataset = _fields(generator.get("dataset"))
     dataset = dict(dataset) if isinstance(dataset, dict) else {}
     dataset.setdefault("kind", NAME)
     if dataset["kind"] == NAME:
@@ -49,11 +49,17 @@ def environment_as_agent(generator: Any) -> Any:
     return {**generator, "dataset": dataset}
 
 
+def _fields(section: Any) -> Any:
+    """A section given as a config object (the Python API) as the keys it was given; anything else as it is."""
+    return section.model_dump(exclude_unset=True) if isinstance(section, BaseModel) else section
+
+
 def _agent(environment: dict, agent: Any) -> dict:
     for key, instead in NOT_APPLICABLE.items():
         if key in environment:
             raise ValueError(f"generator.environment.{key} does not apply to a verifiers environment (its episodes "
                              "run through the agent endpoint)" + (f": use {instead}" if instead else ""))
+    agent = _fields(agent)
     if agent is not None and not isinstance(agent, dict):
         raise ValueError("generator.environment (verifiers) and generator.agent are both set: a verifiers "
                          "environment is the agent; generator.agent may only hold its endpoint settings (a mapping)")
