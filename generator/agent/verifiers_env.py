@@ -90,8 +90,8 @@ def checked(vf, env, env_id: str):
 
 def rollout_input(example: dict[str, Any]) -> dict[str, Any]:
     """The verifiers rollout input of an example: its row as the environment gave it (the example's own keys
-    dropped); an example from another dataset kind gets its prompt messages (or its question as the user message),
-    an empty answer and info, and example_id 0."""
+    dropped); an example from another dataset kind gets its prompt messages (or its question as the user message)
+    as ``prompt`` and example_id 0 (its other fields, ``answer`` among them, go as they are)."""
     row = {k: v for k, v in example.items() if k not in OWN_KEYS}
     if not isinstance(row.get("prompt"), list):
         messages = example.get("prompt_messages") or [{"role": "user", "content": example["question"]}]
