@@ -201,6 +201,10 @@ def agent_problems(config: GRPOConfig) -> list[str]:
         import openai  # noqa: F401 - only whether it is installed
     except ImportError:
         return ["generator.agent needs the openai package: pip install 'grpo-stack[agent]'"]
+    if agent.verifiers is not None:
+        from generator.agent.verifiers_env import verifiers_problems
+
+        return verifiers_problems(config.generator)
     if not agent.fn:
         return []
     from generator.agent.runner import load_agent

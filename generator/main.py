@@ -77,6 +77,10 @@ def check_environment(config: GRPOConfig) -> None:
         from generator.agent.runner import load_agent
 
         load_agent(cfg.agent.fn)
+    if cfg.agent is not None and cfg.agent.verifiers is not None:
+        from generator.agent.verifiers_env import load_environment
+
+        load_environment(cfg.agent.verifiers)   # in the main thread (it installs signal handlers), once
     if cfg.environment is None:
         return
     from generator.environments.base import environment_factory

@@ -66,7 +66,12 @@ class AgentRollouts:
 
     def __init__(self, engine, tokenizer, cfg: AgentConfig, sampling: SamplingParams, seed: int = 0) -> None:
         self.cfg = cfg
-        self.fn = load_agent(cfg.fn) if cfg.fn else None
+        if cfg.verifiers is not None:   # a verifiers environment's rollouts as the agent
+            from generator.agent.verifiers_env import verifiers_agent
+
+            self.fn = verifiers_agent(cfg.verifiers)
+        else:
+            self.fn = load_agent(cfg.fn) if cfg.fn else None
         if self.fn is not None:
             import openai  # here, not in the first episode's thread: importing it takes a second
 
@@ -86,7 +91,7 @@ class AgentRollouts:
             self.sampler.close()
             raise
         log.info("agent endpoint at %s/episodes/{id}/v1 (%s)", self.server.url,
-                 f"agent {cfg.fn}" if self.fn else "external agents claim episodes with POST /episodes")
+                 cfg.name if self.fn else "external agents claim episodes with POST /episodes")
 
     def close(self) -> None:
         self.server.stop()

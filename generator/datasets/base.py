@@ -13,7 +13,8 @@ from shared.errors import UsageError
 from shared.registry import Registry
 
 # generator.dataset.kind -> fn(cfg: DatasetConfig, seed: int) -> list[Example]: the built-in tasks, files, Hugging Face
-DATASETS: Registry = Registry("dataset kind", modules=("generator.datasets.tasks", "generator.datasets.files"))
+DATASETS: Registry = Registry("dataset kind", modules=("generator.datasets.tasks", "generator.datasets.files",
+                                                    "generator.datasets.verifiers"))
 
 # TRL's conversational format: the roles a prompt message may have
 MESSAGE_ROLES = ("system", "user", "assistant", "tool")

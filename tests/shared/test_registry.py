@@ -63,7 +63,7 @@ def test_dataset_kinds_are_a_registry_the_config_checks():
     from generator.datasets import DATASETS, load_examples
     from shared.config.schema.generator import DatasetConfig
 
-    assert DATASETS.names() == ["arithmetic", "arithmetic_words", "chain", "hf", "jsonl"]
+    assert DATASETS.names() == ["arithmetic", "arithmetic_words", "chain", "hf", "jsonl", "verifiers"]
     with pytest.raises(ValueError, match="unknown dataset kind 'csv'; known: arithmetic, arithmetic_words, chain"):
         DatasetConfig(kind="csv")
     examples = load_examples(DatasetConfig(kind="chain", arithmetic_pool=3), seed=1)

@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from shared.config.schema.base import StrictModel
+from shared.config.schema.verifiers import VerifiersConfig
 
 
 class AgentConfig(StrictModel):
@@ -21,6 +22,10 @@ class AgentConfig(StrictModel):
         "-> float (or an async fn) G times per prompt, concurrently, with an openai.OpenAI client pointed at its "
         "episode; its return value is the episode's reward unless it posted one. null: an external process drives "
         "the endpoint, claiming episodes with POST /episodes (docs/agents.md).")
+    verifiers: VerifiersConfig | None = Field(
+        None, description="A verifiers environment as the agent (generator/agent/verifiers_env.py; "
+        "generator.environment: {name: verifiers, args: ...} sets it): its rollout and rubric run each episode. "
+        "null: the agent is fn.")
     host: str = Field("127.0.0.1", description="Address the endpoint binds. Keep 127.0.0.1 unless a token is set.")
     port: int = Field(0, ge=0, le=65535, description="Port of the endpoint; 0: any free port (logged; each "
                       "generator of a node gets its own). Set one for an external agent to reach.")
@@ -46,7 +51,16 @@ class AgentConfig(StrictModel):
     @property
     def name(self) -> str:
         """What the failure rule calls it (generator/failures.py)."""
+        if self.verifiers is not None:
+            return f"verifiers environment {self.verifiers.env_id}"
         return f"agent {self.fn}" if self.fn else "external agent"
+
+    @model_validator(mode="after")
+    def _one_agent(self) -> AgentConfig:
+        if self.fn and self.verifiers is not None:
+            raise ValueError(f"generator.agent.fn ({self.fn}) and generator.agent.verifiers are both set: an episode "
+                             "is driven by one of them; remove one")
+        return self
 
     @model_validator(mode="before")
     @classmethod

@@ -9,6 +9,7 @@ from pydantic import Field, field_validator, model_validator
 from shared.config.schema.agent import AgentConfig, agent_conflict
 from shared.config.schema.base import StrictModel, check_registered
 from shared.config.schema.paths import template_help
+from shared.config.schema.verifiers import VerifiersConfig, environment_as_agent
 
 
 class SamplingConfig(StrictModel):
@@ -70,7 +71,7 @@ class DatasetConfig(StrictModel):
     kind: str = Field(
         "arithmetic", description="'arithmetic' (built-in task), 'arithmetic_words' (the same in words for chat "
         "models: 'What is 23 plus 58? Reply with only the number.'), 'chain' (built-in multi-step task: "
-        "'3+5-2=' -> '8\\n6', one running total per line; see the chain block), 'jsonl' (a file) or 'hf' (through "
+        "'3+5-2=' -> '8\\n6', one running total per line; see the chain block), 'jsonl' (a file), 'verifiers' (a verifiers environment's rows) or 'hf' (through "
         "Hugging Face datasets, offline: a .jsonl/.json/.csv/.parquet/.arrow file, a folder of such files, a "
         "save_to_disk folder, or a dataset name in the local datasets cache).")
     path: str | None = Field(None, description="The JSONL file; for 'hf' the data file, folder or cached dataset "
@@ -102,6 +103,9 @@ class DatasetConfig(StrictModel):
                                  "seed) into the training pool.")
     chain: ChainOptions = Field(default_factory=ChainOptions, description="Settings of the 'chain' task (used "
                                 "only with kind 'chain').")
+    verifiers: VerifiersConfig | None = Field(None, description="kind 'verifiers': the environment whose rows are "
+                                              "the examples (split 'train': its dataset, 'eval' or 'test': its "
+                                              "eval_dataset); filled from generator.agent.verifiers.")
 
     @field_validator("kind")
     @classmethod
@@ -112,6 +116,9 @@ class DatasetConfig(StrictModel):
     def _path_when_needed(self) -> DatasetConfig:
         if self.kind in ("jsonl", "hf") and not self.path:
             raise ValueError(f"dataset kind {self.kind!r} needs a path")
+        if self.kind == "verifiers" and self.verifiers is None:
+            raise ValueError("dataset kind 'verifiers' needs its environment: generator.environment {name: verifiers, "
+                             "args: {env_id: ...}} (or generator.dataset.verifiers)")
         return self
 
 
@@ -308,6 +315,11 @@ class GeneratorConfig(StrictModel):
                                      "holds max_rate failures or everything so far failed: the generator then stops, "
                                      "exit 2, with the first failure's file:line. A PRM or HTTP reward service that "
                                      "is down (connection refused, timeout, 5xx, 429) pauses generation instead.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _verifiers_environment(cls, value: Any) -> Any:
+        return environment_as_agent(value)   # environment: {name: verifiers} is an agent (shared/config/schema/verifiers.py)
 
     @model_validator(mode="after")
     def _one_source_of_rewards(self) -> GeneratorConfig:
