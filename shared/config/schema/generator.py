@@ -314,9 +314,6 @@ class GeneratorConfig(StrictModel):
             raise ValueError(f"generator.rewards lists {names}, but generator.environment.reward is 'environment', "
                              "which scores trajectories by the environment's step rewards alone: remove "
                              "generator.rewards, or set generator.environment.reward: rewards to score with them")
-        if self.environment is not None and self.schedule.mode == "continuous":
-            raise ValueError("generator.schedule.mode is 'continuous', which drives single-turn rollouts only for "
-                             "now: use generator.schedule.mode: batch with generator.environment")
         if by_environment:
             self.__dict__["rewards"] = []   # not through validate_assignment: it would run this validator again
         elif not self.rewards:
