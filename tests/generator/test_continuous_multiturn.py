@@ -180,3 +180,49 @@ def test_every_multiturn_group_is_uploaded_once_through_the_schedule(engine, tmp
     assert batch.completion_mask is not None and not batch.completion_mask.all()   # the calculator's tokens: 0
     assert stats.environment.trajectories >= 24 and stats.environment.turns >= 24
     assert stats.completion_tokens >= int(batch.completion_lengths.sum())
+
+
+FAULTY = '''
+import itertools
+
+from generator.environments.calculator import Calculator
+
+COUNT = itertools.count()
+
+
+class Broken(Calculator):
+    def step(self, text):
+        raise RuntimeError("the tool is broken")
+
+
+class Wordy(Calculator):
+    def reset(self, sample):   # a different text per trajectory, longer than max_total_tokens
+        return "1" * 40 + str(next(COUNT) % 10)
+'''
+
+
+@pytest.mark.slow  # a live hub
+def test_the_failure_and_refusal_rules_stop_the_schedule_as_they_stop_batch_mode(engine, tmp_path, calc_model_dir):
+    from generator.failures import FailureRateExceeded
+    from generator.refusals import GroupsRefused
+    from tests.generator.test_loop import make_loop
+    from tests.live_server import LiveServer, make_config
+
+    path = tmp_path / "faulty.py"
+    path.write_text(FAULTY)
+    rules = {"Broken": (EnvironmentConfig(name=f"{path}:Broken"), FailureRateExceeded, "the tool is broken"),
+             "Wordy": (EnvironmentConfig(name=f"{path}:Wordy", max_total_tokens=32), GroupsRefused,
+                       "leaves no room for a model token")}
+    with LiveServer(make_config(tmp_path, calc_model_dir)) as live:
+        for name, (cfg, error, reason) in rules.items():
+            loop = make_loop(engine, live.url, tmp_path, generator_id=name, wait_for_budget=False,
+                             rewards=RewardSet.from_specs([RewardSpec(name="arithmetic")]), environment=cfg,
+                             max_refused_in_a_row=3)
+            loop.sampling = GREEDY   # every trajectory calls the calculator: every one fails, or is refused
+            continuous = ContinuousTransformers(engine, max_in_flight=8)
+            schedule = ContinuousRollouts(loop, continuous, max_in_flight=8, upload_interval_s=0.0,
+                                          check_interval_s=0.05)
+            with pytest.raises(error, match=reason):
+                schedule.run(threading.Event(), max_groups=20)
+            assert loop.stats.groups_uploaded == 0 and continuous.num_unfinished() == 0
+        assert live.state.hub.depth() == 0
