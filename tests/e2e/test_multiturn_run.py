@@ -1,6 +1,6 @@
-"""End to end, multi-turn: `grpo run` with the calculator environment on a tiny model that calls it; the learner's
-batches (its advantages log) hold two or more turns per trajectory, and their masks are 0 exactly on the tokens the
-calculator wrote."""
+"""End to end, multi-turn: `grpo run` with the calculator environment on a tiny model that calls it, on either rollout
+schedule; the learner's batches (its advantages log) hold two or more turns per trajectory, and their masks are 0
+exactly on the tokens the calculator wrote."""
 
 import json
 import os
@@ -25,7 +25,8 @@ def runs(mask):
 
 
 @pytest.mark.slow
-def test_grpo_run_with_the_calculator_masks_exactly_the_environment_tokens(calc_model_dir, tmp_path):
+@pytest.mark.parametrize("schedule", ["batch", "continuous"])
+def test_grpo_run_with_the_calculator_masks_exactly_the_environment_tokens(calc_model_dir, tmp_path, schedule):
     from transformers import AutoTokenizer
 
     data = tmp_path / "problems.jsonl"
@@ -36,7 +37,8 @@ def test_grpo_run_with_the_calculator_masks_exactly_the_environment_tokens(calc_
     cfg["generator"].update(
         dataset={"kind": "jsonl", "path": str(data), "system_prompt": ""}, rewards=[{"name": "arithmetic"}],
         sampling={"max_tokens": 24, "temperature": 0.5},
-        environment={"name": "calculator", "max_turns": 3, "max_total_tokens": 64})
+        environment={"name": "calculator", "max_turns": 3, "max_total_tokens": 64},
+        schedule={"mode": schedule, "max_in_flight": 8, "upload_interval_s": 0.1})
     config.write_text(json.dumps(cfg))
     result = forks.run([GRPO, "run", str(config)], capture_output=True, text=True, timeout=600,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -64,4 +66,5 @@ def test_grpo_run_with_the_calculator_masks_exactly_the_environment_tokens(calc_
         assert pieces[0][2] and pieces[-1][2]
     generator_log = (tmp_path / "run" / "logs" / "gen-0.log").read_text()
     assert "Traceback" not in generator_log
+    assert ("continuous schedule:" in generator_log) == (schedule == "continuous")
     assert stray_processes(str(config)) == []
