@@ -29,3 +29,25 @@ def test_grpo_run_with_the_continuous_schedule_trains_and_records_token_versions
     assert "continuous schedule:" in generator_log and "policy version 0 -> " in generator_log
     assert "grpo generator: error" not in generator_log   # the stop at the end (a full queue, the hub going) is not an error
     assert stray_processes(str(config)) == []
+
+
+@pytest.mark.slow
+def test_grpo_run_with_lora_adapters_on_the_continuous_schedule_applies_each_version_in_flight(tiny_model_dir,
+                                                                                                tmp_path):
+    """learner.lora.publish: adapter: each adapter version reaches the transformers engine between decoding steps
+    (applied onto its base, then the unfinished sequences continue on it) as full weights do."""
+    config = write_config(tmp_path, tiny_model_dir, free_port(), max_steps=4, lr=5e-2,
+                          lora={"r": 4, "alpha": 16.0, "target_modules": ["q_proj", "v_proj"]})
+    data = json.loads(config.read_text())
+    data["generator"]["sampling"]["max_tokens"] = 24
+    data["generator"]["schedule"] = {"mode": "continuous", "max_in_flight": 8, "upload_interval_s": 0.1}
+    config.write_text(json.dumps(data))
+    result = forks.run([GRPO, "run", str(config)], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-3000:]
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4] and metrics[-1]["version"] == 4
+    generator_log = (tmp_path / "run" / "logs" / "gen-0.log").read_text()
+    assert "continuous schedule:" in generator_log and "applied a LoRA adapter" in generator_log
+    assert "grpo generator: error" not in generator_log
+    assert stray_processes(str(config)) == []

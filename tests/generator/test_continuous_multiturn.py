@@ -39,12 +39,12 @@ def encode(engine, text):
     return engine.tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def drive(engine, cfg, questions, n, max_in_flight, on_step=None, limit=3000):
-    """Every question's group through TrajectoriesInFlight and a ContinuousTransformers of ``max_in_flight`` rows,
-    as the schedule drives them; ``on_step(step, continuous)`` before each engine step. The groups by question
-    (a group completed twice fails) and the environment stats."""
+def drive(engine, cfg, questions, n, max_in_flight, on_step=None, limit=3000, continuous=None):
+    """Every question's group through TrajectoriesInFlight and ``continuous`` (default: a ContinuousTransformers of
+    ``max_in_flight`` rows), as the schedule drives them; ``on_step(step, continuous)`` before each engine step. The
+    groups by question (a group completed twice fails) and the environment stats."""
     multiturn = MultiTurnRollouts(engine, engine.tokenizer, cfg)
-    continuous = ContinuousTransformers(engine, max_in_flight=max_in_flight)
+    continuous = continuous or ContinuousTransformers(engine, max_in_flight=max_in_flight)
     flights = TrajectoriesInFlight(multiturn, n, seed=0, generator_id="g", stats=LoopStats(), max_workers=4)
     for question in questions:
         assert flights.submit(Example(question), encode(engine, question), GREEDY, version=0) == []
