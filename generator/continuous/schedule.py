@@ -1,7 +1,9 @@
 """The continuous schedule's loop: keep the engine full within the hub's budget, step it, hand finished groups to
 the uploader, and take new weights between two decoding steps.
 
-One thread drives the engine (``ContinuousRollouts.run``); the uploader scores and uploads on another. Between two
+One thread drives the engine (``ContinuousRollouts.run``); the uploader scores and uploads on another; with a
+multi-turn environment, its calls run on a pool (generator/continuous/trajectories.py) and their answers become the
+next turns' sequences at the loop's next pass. Between two
 ``engine.step()`` calls no forward pass runs, so that is where weights are swapped: the base engine loads them (the
 weight-sync receiver, as in the call-at-a-time loop) and ``engine.weights_changed(version)`` makes the unfinished
 sequences continue with them, every new token carrying the new version.
