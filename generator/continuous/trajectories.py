@@ -65,7 +65,7 @@ class TrajectoriesInFlight:
         self._next = 0
         self._pool: ThreadPoolExecutor | None = None
         self._jobs: list[tuple[Future, Callable[[Any], None]]] = []   # environment calls running, their handlers
-        self._asked: list[_Asked] = []          # step() calls of this engine step's turns, sent together by poll
+        self._asked: list[_Asked] = []          # step() calls of turns ended since the last poll, sent by it
         self._running: set[str] = set()         # request ids given to the engine and not finished
         self._requests: list[SequenceRequest] = []   # next turns, for the engine
         self._complete: list[OpenGroup] = []
