@@ -9,7 +9,10 @@ The model is built for the workload (:func:`build_length_model`): a Llama of the
 whose layers add nothing (``o_proj``, ``down_proj`` zero: the compute is a real forward's) and whose logits are 0
 for every token but EOS, at ``eos_logit``. Every step then samples EOS with the same probability ``p``: completion
 lengths are geometric, most short and a few up to the cap (``--workload long_tail``), or every completion runs to
-the cap (``uniform``, EOS at -50).
+the cap (``uniform``, EOS at -50). ``multi_turn``: trajectories of an environment (:class:`ToolStandIn`, a tool
+answering after ``--tool-latency-s``): a turn ends at the stop string ``!`` (its token at probability
+``--stop-prob``, a tool call) or at EOS (``--eos-prob``, the answer: the trajectory ends), at most ``--turns`` turns
+and ``--max-tokens`` tokens in all; tokens/s and idle count the model's tokens.
 
 Figures per arm: completion tokens per second (wall, first engine call to last upload); the engine's idle fraction
 (1 - tokens / (decoding steps x sequence slots): a slot idles while its sequence is done and the call or step
@@ -36,13 +39,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-WORKLOADS = {"long_tail": None, "uniform": -50.0}   # eos_logit; None: from --eos-prob
+WORKLOADS = {"long_tail": None, "uniform": -50.0, "multi_turn": None}   # eos_logit; None: from --eos-prob
+MULTI_TURN_STOP = "!"   # the multi-turn workload's stop string: one token of the tiny model's tokenizer
 # continuous: on_weights recompute (the default); continuous_keep: on_weights keep (the transformers engine only)
 SCHEDULES = ("batch", "continuous", "continuous_keep")
 
 
-def build_length_model(base: Path, out: Path, eos_logit: float, hidden: int, layers: int) -> Path:
-    """A Llama with ``base``'s tokenizer whose every step samples EOS with one probability (see the docstring)."""
+def build_length_model(base: Path, out: Path, eos_logit: float, hidden: int, layers: int,
+                       stop_logit: float | None = None) -> Path:
+    """A Llama with ``base``'s tokenizer whose every step samples EOS with one probability (see the docstring);
+    ``stop_logit``: the logit of :data:`MULTI_TURN_STOP`'s token too."""
     import torch
     from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
 
@@ -66,15 +72,35 @@ def build_length_model(base: Path, out: Path, eos_logit: float, hidden: int, lay
         head = model.lm_head.weight
         head.zero_()
         head[tokenizer.eos_token_id, 0] = eos_logit / math.sqrt(hidden)
+        if stop_logit is not None:
+            head[tokenizer.convert_tokens_to_ids(MULTI_TURN_STOP), 0] = stop_logit / math.sqrt(hidden)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
 
 
-def eos_logit_for(p: float, vocab: int) -> float:
-    """The EOS logit that makes its probability ``p`` when the other ``vocab - 1`` logits are 0."""
-    return math.log(p * (vocab - 1) / (1 - p))
+def eos_logit_for(p: float, vocab: int, other: float = 0.0) -> float:
+    """The EOS logit that makes its probability ``p`` when the other ``vocab - 1`` logits are 0, or, with ``other``
+    > 0, when one of them is set to have probability ``other`` (and the remaining ``vocab - 2`` are 0)."""
+    return math.log(p * (vocab - 1 - (other > 0)) / (1 - p - other))
+
+
+class ToolStandIn:
+    """The multi-turn workload's environment: every turn ending at the stop string is a tool call answered
+    ``(ok)`` after ``latency_s`` seconds (a search, a sandbox); a turn ending at EOS ends the trajectory."""
+
+    stop = [MULTI_TURN_STOP]
+
+    def __init__(self, latency_s: float = 0.05) -> None:
+        self.latency_s = latency_s
+
+    def reset(self, sample):
+        return None
+
+    def step(self, text):
+        time.sleep(self.latency_s)
+        return "(ok)"
 
 
 class Publisher:
@@ -127,6 +153,15 @@ class Probe:
 
         loop.upload = timed_upload
 
+    def counting(self, generate):
+        """``generate`` (an engine call) counting its decoding steps: its longest completion or turn."""
+        def counted(*call, **kw):
+            self.engine_used(0)
+            results = generate(*call, **kw)
+            self.steps += max(len(c.token_ids) for group in results for c in group)
+            return results
+        return counted
+
     def engine_used(self, steps: int) -> None:
         now = time.monotonic()
         self.started = self.started or now
@@ -134,7 +169,7 @@ class Probe:
         self.steps += steps
 
 
-def run_arm(args, schedule: str, model: Path, url: str) -> dict:
+def run_arm(args, workload: str, schedule: str, model: Path, url: str) -> dict:
     from generator.continuous.engines import continuous_engine
     from generator.continuous.schedule import ContinuousRollouts
     from generator.datasets import PromptStream, arithmetic_examples
@@ -146,6 +181,12 @@ def run_arm(args, schedule: str, model: Path, url: str) -> dict:
     from shared.protocol.records import SamplingParams
 
     engine = build_engine(args, model)
+    environment = None
+    if workload == "multi_turn":
+        from shared.config.schema.generator import EnvironmentConfig
+
+        environment = EnvironmentConfig(name="bench.rollout_schedule:ToolStandIn", max_turns=args.turns,
+                                        max_total_tokens=args.max_tokens, args={"latency_s": args.tool_latency_s})
     examples = arithmetic_examples(ArithmeticTask(), "train", 1000, seed=0)
     work = Path(tempfile.mkdtemp(prefix="rollout-schedule-"))
     loop = RolloutLoop(engine=engine, tokenizer=engine.tokenizer, client=HubClient(url),
@@ -153,20 +194,13 @@ def run_arm(args, schedule: str, model: Path, url: str) -> dict:
                        prompts=PromptStream(examples, seed=0, generator_id=schedule),
                        sampling=SamplingParams(temperature=1.0, max_tokens=args.max_tokens),
                        group_size=args.group_size, prompts_per_batch=args.prompts_per_batch,
-                       generator_id=schedule, weights_dir=work, wait_for_budget=False)
+                       generator_id=schedule, weights_dir=work, wait_for_budget=False, environment=environment)
     publisher = Publisher(url, next(model.glob("*.safetensors")), args.publish_every_s)
     probe = Probe(loop, publisher)
     slots = args.prompts_per_batch * args.group_size
     if schedule == "batch":
-        generate = engine.generate
-
-        def counted(prompts, sampling, n, seed=None):
-            probe.engine_used(0)
-            results = generate(prompts, sampling, n, seed)
-            probe.steps += max(len(c.token_ids) for group in results for c in group)
-            return results
-
-        engine.generate = counted
+        for name in ("generate", "generate_turns"):   # multi-turn: generate_turns
+            setattr(engine, name, probe.counting(getattr(engine, name)))
         runner = lambda: loop.run(threading.Event(), max_groups=args.groups)  # noqa: E731
     else:
         wrapped = continuous_engine(engine, slots)
@@ -184,18 +218,21 @@ def run_arm(args, schedule: str, model: Path, url: str) -> dict:
         engine.close()
         shutil.rmtree(work, ignore_errors=True)
     wall = probe.ended - probe.started
+    sampled = stats.environment.model_tokens if stats.environment is not None else stats.completion_tokens
     # a publish reaches the engine when it first samples with that version or a newer one (a version published
     # while a call runs and superseded before it ends is never used: its wait ends with its successor's)
     delays = [min(at for used, at in probe.first_use.items() if used >= v) - t
               for v, t in publisher.published_at.items() if any(used >= v for used in probe.first_use)]
     return {"schedule": schedule, "groups": stats.groups_uploaded, "completion_tokens": stats.completion_tokens,
-            "wall_s": round(wall, 2), "tokens_per_s": round(stats.completion_tokens / wall, 1),
-            "idle_fraction": round(1 - stats.completion_tokens / max(probe.steps * slots, 1), 3),
+            "model_tokens": sampled, "wall_s": round(wall, 2), "tokens_per_s": round(sampled / wall, 1),
+            "idle_fraction": round(1 - sampled / max(probe.steps * slots, 1), 3),
             "publishes": len(publisher.published_at), "versions_used": len(delays),
             "publish_to_first_use_s": round(statistics.median(delays), 3) if delays else None,
             "version_lag_mean": round(statistics.fmean(probe.lags), 2) if probe.lags else None,
             "token_version_lag_mean": round(statistics.fmean(probe.token_lags), 2) if probe.token_lags else None,
-            "weight_swap_s": round(stats.schedule.weight_swap_s, 2) if stats.schedule is not None else None}
+            "weight_swap_s": round(stats.schedule.weight_swap_s, 2) if stats.schedule is not None else None,
+            **({"turns_per_trajectory": round(stats.environment.turns / max(stats.environment.trajectories, 1), 2),
+                "env_s": round(stats.environment.env_time_s, 2)} if stats.environment is not None else {})}
 
 
 def draw(out: dict, path: Path) -> None:
@@ -240,7 +277,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--engine", choices=["transformers", "vllm"], default="transformers")
     p.add_argument("--device", default="auto")
     p.add_argument("--workloads", default="long_tail,uniform")
-    p.add_argument("--eos-prob", type=float, default=1 / 32, help="long_tail: P(EOS) at each step")
+    p.add_argument("--eos-prob", type=float, default=1 / 32, help="long_tail, multi_turn: P(EOS) at each step")
+    p.add_argument("--stop-prob", type=float, default=1 / 24, help="multi_turn: P(the stop string) at each step")
+    p.add_argument("--turns", type=int, default=4, help="multi_turn: model turns per trajectory at most")
+    p.add_argument("--tool-latency-s", type=float, default=0.05, help="multi_turn: seconds per tool call")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--prompts-per-batch", type=int, default=8)
@@ -264,15 +304,17 @@ def main(argv=None) -> int:
            "groups": args.groups, "publish_every_s": args.publish_every_s, "workloads": {}}
     schedules = SCHEDULES if args.engine == "transformers" else SCHEDULES[:2]
     for workload in args.workloads.split(","):
+        stop = args.stop_prob if workload == "multi_turn" else 0.0
         logit = WORKLOADS[workload]
-        logit = eos_logit_for(args.eos_prob, vocab) if logit is None else logit
+        logit = eos_logit_for(args.eos_prob, vocab, stop) if logit is None else logit
         with tempfile.TemporaryDirectory(prefix="length-model-") as folder:
-            model = build_length_model(Path(args.model), Path(folder), logit, args.hidden, args.layers)
+            model = build_length_model(Path(args.model), Path(folder), logit, args.hidden, args.layers,
+                                       eos_logit_for(stop, vocab, args.eos_prob) if stop else None)
             arms = {}
             for schedule in schedules:
                 hub = HubProcess(None, capacity=100_000, max_staleness=1_000_000)
                 try:
-                    arms[schedule] = run_arm(args, schedule, model, hub.url)
+                    arms[schedule] = run_arm(args, workload, schedule, model, hub.url)
                 finally:
                     hub.stop()
                 print(json.dumps({workload: arms[schedule]}), flush=True)

@@ -81,16 +81,36 @@ class Trajectory:
     finish: str | None = None    # None while the trajectory goes on
     error: Failure | None = None  # what failed it (its environment)
     unusable: str | None = None  # why it can never be trained on (its reset text left no room for a model token)
+    # the policy version of each token (the continuous schedule; None for environment tokens until completion());
+    # empty while no model token came with versions
+    versions: list[int | None] = field(default_factory=list)
 
-    def append(self, ids: Sequence[int], logprobs: Sequence[float] | None, model: bool) -> None:
+    def append(self, ids: Sequence[int], logprobs: Sequence[float] | None, model: bool,
+               versions: Sequence[int] | None = None) -> None:
+        if versions is not None or self.versions:
+            self.versions += [None] * (len(self.tokens) - len(self.versions))
+            self.versions += list(versions) if versions is not None else [None] * len(ids)
         self.tokens += list(ids)
         self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
         self.mask += [1 if model else 0] * len(ids)
 
+    def token_versions(self) -> list[int] | None:
+        """Each token's version: a model token's own; an environment token the version of the model token before
+        it (the first model token's for those before any), so a row never goes back
+        (shared/protocol/token_versions.py). None when no token came with one (the call-at-a-time schedule)."""
+        known = [v for v in self.versions if v is not None]
+        if not known:
+            return None
+        out, last = [], known[0]
+        for version in self.versions:
+            last = last if version is None else version
+            out.append(last)
+        return out
+
     def completion(self) -> SampledCompletion:
         return SampledCompletion(self.tokens, self.logprobs, self.finish or "length", mask=self.mask,
                                  env_reward=self.env_reward, env_failure=self.error,
-                                 unusable=self.unusable)
+                                 unusable=self.unusable, versions=self.token_versions())
 
 
 def call_all(calls: list[Callable[[], Any]], timeout_s: float) -> list[tuple[Any, Failure | None]]:
@@ -122,6 +142,15 @@ def call_all(calls: list[Callable[[], Any]], timeout_s: float) -> list[tuple[Any
         else:
             results.append((box["value"], None))
     return results
+
+
+@dataclass
+class OpenedEnvironments:
+    """What building and resetting a batch's environments gave (:meth:`MultiTurnRollouts.create_and_reset`)."""
+
+    created: list[tuple[Any, Failure | None]]        # per trajectory: its environment, or what failed building it
+    resets: dict[int, tuple[Any, Failure | None]]    # per trajectory built: what reset() returned, or what failed
+    seconds: float                                   # wall time of the calls
 
 
 def parse_step(value: Any) -> StepResult:
@@ -201,14 +230,32 @@ class MultiTurnRollouts:
                  seed: int | None = None) -> tuple[list[list[int]], list[list[SampledCompletion]]]:
         """``n`` trajectories of each prompt: the prompts (each extended by its environments' reset text when they
         all gave the same one) and, per prompt, ``n`` completions with their masks."""
+        opened = self.create_and_reset([samples[i // n] for i in range(len(prompts) * n)])
+        self.stats.env_time_s += opened.seconds
+        rows, prompts, shared_prompt = self.open_rows(opened, prompts, n)
+        self._run_turns(rows, prompts, sampling, n, seed, first_turn_shared=shared_prompt)
+        completions = self.close_rows(rows)
+        return prompts, [completions[p * n:(p + 1) * n] for p in range(len(prompts))]
+
+    def create_and_reset(self, samples: list[dict[str, Any]]) -> OpenedEnvironments:
+        """One environment per sample, built and reset: the environment calls only, so any thread may run it (the
+        continuous schedule runs it off its engine loop); :meth:`open_rows` makes the trajectories of the answers."""
+        started = time.perf_counter()
+        created = call_all([self.make_env for _ in samples], self.cfg.timeout_s)
+        live = [i for i, (_, error) in enumerate(created) if error is None]
+        answers = call_all([lambda env=created[i][0], s=samples[i]: env.reset(s) for i in live], self.cfg.timeout_s)
+        return OpenedEnvironments(created, dict(zip(live, answers)), time.perf_counter() - started)
+
+    def open_rows(self, opened: OpenedEnvironments, prompts: list[list[int]], n: int
+                  ) -> tuple[list[Trajectory], list[list[int]], bool]:
+        """The trajectories of ``n`` environments per prompt (``opened``), the prompts extended by their group's
+        reset text when all ``n`` gave the same one, and whether every prompt was (its first turn can be shared)."""
         rows = [Trajectory(env=None) for _ in range(len(prompts) * n)]
-        created = self._calls([self.make_env for _ in rows])
-        for row, (env, error) in zip(rows, created):
+        for row, (env, error) in zip(rows, opened.created):
             row.env = env
             if error is not None:
                 self._fail(row, error.prefixed("creating the environment "))
-        live = [i for i, r in enumerate(rows) if r.finish is None]
-        resets = dict(zip(live, self._calls([lambda r=rows[i], s=samples[i // n]: r.env.reset(s) for i in live])))
+        resets = opened.resets
         prompts = [list(p) for p in prompts]
         shared_prompt = True
         for p in range(len(prompts)):
@@ -233,7 +280,10 @@ class MultiTurnRollouts:
                     except EnvironmentFailure as exc:
                         self._fail(rows[i], f"reset() {exc}")
                     self._check_room(rows[i])
-        self._run_turns(rows, prompts, sampling, n, seed, first_turn_shared=shared_prompt)
+        return rows, prompts, shared_prompt
+
+    def close_rows(self, rows: list[Trajectory]) -> list[SampledCompletion]:
+        """Finished trajectories as completions, counted in the stats."""
         self.stats.trajectories += len(rows)
         for row in rows:
             self.stats.model_tokens += sum(row.mask)
@@ -243,19 +293,22 @@ class MultiTurnRollouts:
                 count = getattr(row.env, name, 0)
                 if isinstance(count, int) and not isinstance(count, bool):
                     setattr(self.stats, name, getattr(self.stats, name) + count)
-        return prompts, [[rows[p * n + j].completion() for j in range(n)] for p in range(len(prompts))]
+        return [row.completion() for row in rows]
+
+    def turn_sampling(self, sampling: SamplingParams, rows: list[Trajectory]) -> SamplingParams:
+        """A model turn's sampling: at most ``max_turn_tokens`` (else ``sampling.max_tokens``) and at most the room
+        the longest-to-go of ``rows`` has left under ``max_total_tokens``."""
+        room = max(self.cfg.max_total_tokens - len(row.tokens) for row in rows)
+        return SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                              max_tokens=max(1, min(self.cfg.max_turn_tokens or sampling.max_tokens, room)))
 
     def _run_turns(self, rows: list[Trajectory], prompts: list[list[int]], sampling: SamplingParams, n: int,
                    seed: int | None, first_turn_shared: bool) -> None:
-        cfg = self.cfg
-        turn_cap = cfg.max_turn_tokens or sampling.max_tokens
-        for turn in range(cfg.max_turns):
+        for turn in range(self.cfg.max_turns):
             active = [i for i, r in enumerate(rows) if r.finish is None]
             if not active:
                 return
-            room = max(cfg.max_total_tokens - len(rows[i].tokens) for i in active)
-            turn_sampling = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
-                                           top_k=sampling.top_k, max_tokens=max(1, min(turn_cap, room)))
+            turn_sampling = self.turn_sampling(sampling, [rows[i] for i in active])
             turn_seed = None if seed is None else seed + turn
             if turn == 0 and first_turn_shared and all(r.finish is None for r in rows):
                 sampled = self.engine.generate_turns(prompts, turn_sampling, n, self.stops, seed=turn_seed)
@@ -267,48 +320,61 @@ class MultiTurnRollouts:
             self._after_turn(rows, active, turns)
 
     def _after_turn(self, rows: list[Trajectory], active: list[int], turns: dict[int, SampledTurn]) -> None:
+        asking = [i for i in active if self.take_turn(rows[i], turns[i])]
+        answers = self._calls([self.step_call(rows[i], turns[i]) for i in asking])
+        for i, answer in zip(asking, answers):
+            self.apply_step(rows[i], turns[i].ended, answer)
+
+    def take_turn(self, row: Trajectory, sampled: SampledTurn, versions: list[int] | None = None) -> bool:
+        """Append a model turn (cut to the room left under ``max_total_tokens``); whether the environment is asked
+        about it (it ended at EOS or a stop string; a turn cut at a token cap ends the trajectory: ``length``).
+        ``versions``: the policy version of each of its tokens (the continuous schedule)."""
+        room = self.cfg.max_total_tokens - len(row.tokens)
+        ids, logprobs, ended = sampled.token_ids, sampled.logprobs, sampled.ended
+        if len(ids) > room:
+            ids, logprobs, ended = ids[:room], logprobs[:room], "length"
+            versions = None if versions is None else versions[:room]
+        row.append(ids, logprobs, model=True, versions=versions)
+        row.turns += 1
+        self.stats.turns += 1
+        if ended == "length":   # cut at max_turn_tokens or at max_total_tokens
+            row.finish = "length"
+            return False
+        return True
+
+    def step_call(self, row: Trajectory, sampled: SampledTurn) -> Callable[[], Any]:
+        """The environment's ``step`` on the text of the model's latest turn, as a call for :func:`call_all`."""
+        text = self._decode(sampled.token_ids)
+        return lambda: row.env.step(text)
+
+    def apply_step(self, row: Trajectory, ended: str, answer: tuple[Any, Failure | None]) -> None:
+        """What the environment answered a turn that ``ended`` at "eos" or "stop_string": its reward counted, the
+        trajectory over, or its observation appended."""
         cfg = self.cfg
-        asking = []
-        for i in active:
-            row, sampled = rows[i], turns[i]
-            room = cfg.max_total_tokens - len(row.tokens)
-            ids, logprobs, ended = sampled.token_ids, sampled.logprobs, sampled.ended
-            if len(ids) > room:
-                ids, logprobs, ended = ids[:room], logprobs[:room], "length"
-            row.append(ids, logprobs, model=True)
-            row.turns += 1
-            self.stats.turns += 1
-            if ended == "length":   # cut at max_turn_tokens or at max_total_tokens
-                row.finish = "length"
-            else:
-                asking.append((i, ended))
-        answers = self._calls([lambda r=rows[i], t=turns[i]: r.env.step(self._decode(t.token_ids))
-                               for i, _ in asking])
-        for (i, ended), (value, error) in zip(asking, answers):
-            row = rows[i]
-            if error is not None:
-                self._fail(row, error.prefixed("step() "))
-                continue
-            try:
-                result = parse_step(value)
-            except EnvironmentFailure as exc:
-                self._fail(row, str(exc))
-                continue
-            if result.reward is not None:
-                row.env_reward = (row.env_reward or 0.0) + float(result.reward)
-            if ended == "eos" or result.done or result.observation is None:
-                row.finish = "stop"
-                continue
-            if row.turns >= cfg.max_turns:
-                row.finish = "length"   # it asked for more than max_turns allows
-                continue
-            try:
-                ids = self.observation_tokens(result.observation)
-            except EnvironmentFailure as exc:
-                self._fail(row, str(exc))
-                continue
-            self.stats.env_calls += 1
-            if len(row.tokens) + len(ids) >= cfg.max_total_tokens:
-                row.finish = "length"   # no room left for the observation and a model turn
-                continue
-            row.append(ids, None, model=False)
+        value, error = answer
+        if error is not None:
+            self._fail(row, error.prefixed("step() "))
+            return
+        try:
+            result = parse_step(value)
+        except EnvironmentFailure as exc:
+            self._fail(row, str(exc))
+            return
+        if result.reward is not None:
+            row.env_reward = (row.env_reward or 0.0) + float(result.reward)
+        if ended == "eos" or result.done or result.observation is None:
+            row.finish = "stop"
+            return
+        if row.turns >= cfg.max_turns:
+            row.finish = "length"   # it asked for more than max_turns allows
+            return
+        try:
+            ids = self.observation_tokens(result.observation)
+        except EnvironmentFailure as exc:
+            self._fail(row, str(exc))
+            return
+        self.stats.env_calls += 1
+        if len(row.tokens) + len(ids) >= cfg.max_total_tokens:
+            row.finish = "length"   # no room left for the observation and a model turn
+            return
+        row.append(ids, None, model=False)

@@ -54,6 +54,17 @@ class GroupsInFlight:
             return None
         return self.open.pop(int(index))
 
+    @property
+    def live(self) -> int:
+        """Sequences not finished (all in the engine: a group's G are submitted together)."""
+        return sum(len(group.samples) - group.done for group in self.open.values())
+
+    waiting = False   # nothing runs outside the engine (the multi-turn TrajectoriesInFlight has environment calls)
+
+    def poll(self) -> tuple[list[SequenceRequest], list[OpenGroup]]:
+        """Nothing: every sequence is submitted by ``submit``, every complete group returned by ``finish``."""
+        return [], []
+
     def abandon(self) -> list[str]:
         """Forget every open group; the request ids of their unfinished sequences (to abort in the engine)."""
         ids = [f"{index}/{j}" for index, group in self.open.items()

@@ -1,7 +1,9 @@
 """The continuous schedule's loop: keep the engine full within the hub's budget, step it, hand finished groups to
 the uploader, and take new weights between two decoding steps.
 
-One thread drives the engine (``ContinuousRollouts.run``); the uploader scores and uploads on another. Between two
+One thread drives the engine (``ContinuousRollouts.run``); the uploader scores and uploads on another; with a
+multi-turn environment, its calls run on a pool (generator/continuous/trajectories.py) and their answers become the
+next turns' sequences at the loop's next pass. Between two
 ``engine.step()`` calls no forward pass runs, so that is where weights are swapped: the base engine loads them (the
 weight-sync receiver, as in the call-at-a-time loop) and ``engine.weights_changed(version)`` makes the unfinished
 sequences continue with them, every new token carrying the new version.
@@ -20,6 +22,7 @@ import time
 from dataclasses import dataclass
 
 from generator.continuous.groups import GroupsInFlight
+from generator.continuous.trajectories import TrajectoriesInFlight
 from generator.continuous.uploader import GroupUploader
 from generator.engines.base import ContinuousEngine
 from generator.failures import FailureRateExceeded
@@ -48,7 +51,11 @@ class ContinuousRollouts:
         self.max_in_flight = max(max_in_flight, loop.group_size)   # room for one whole group at least
         self.upload_interval_s, self.check_interval_s = upload_interval_s, check_interval_s
         self.recompute = recompute   # at a switch, unfinished prefixes are recomputed by the new weights
-        self.groups = GroupsInFlight(loop.group_size, loop.seed, loop.generator_id)
+        if loop.multiturn is None:
+            self.groups = GroupsInFlight(loop.group_size, loop.seed, loop.generator_id)
+        else:   # a chain of turns per trajectory, the environment's calls between them (off this thread)
+            self.groups = TrajectoriesInFlight(loop.multiturn, loop.group_size, loop.seed, loop.generator_id,
+                                               loop.stats, max_workers=self.max_in_flight)
         self.stats = loop.stats.schedule = ScheduleStats()
         self._budget = 0            # prompts the hub's last answer allows, less those submitted since
         self._next_check = 0.0
@@ -63,7 +70,8 @@ class ContinuousRollouts:
 
     # -- pacing ---------------------------------------------------------------------------------------------
     def free_groups(self) -> int:
-        return (self.max_in_flight - self.engine.num_unfinished()) // self.loop.group_size
+        """Groups that fit: a trajectory waiting for its environment keeps its place (its next turn will need it)."""
+        return (self.max_in_flight - self.groups.live) // self.loop.group_size
 
     def refresh_budget(self, wait_s: float) -> None:
         """Prompts the hub lets this generator start now: the groups it wants, less those open or waiting for
@@ -135,7 +143,11 @@ class ContinuousRollouts:
                 next_sync = time.monotonic() + self.check_interval_s
                 self.sync_weights()
             self.top_up(max_groups)
+            self._collect()
             if self.engine.num_unfinished() == 0:
+                if self.groups.waiting:   # turns waiting for their environment
+                    self.groups.wait(self.check_interval_s)
+                    continue
                 self._idle(stop, max_groups)
                 continue
             self._step()
@@ -152,6 +164,15 @@ class ContinuousRollouts:
             group = self.groups.finish(sequence)
             if group is not None:
                 self.uploader.put(group)
+
+    def _collect(self) -> None:
+        """Multi-turn: the turns the environments' answers make, into the engine; the groups they complete, to the
+        uploader."""
+        requests, complete = self.groups.poll()
+        if requests:
+            self.engine.submit(requests)
+        for group in complete:
+            self.uploader.put(group)
 
     def _idle(self, stop: threading.Event, max_groups: int | None) -> None:
         """Nothing in the engine: the budget is 0, a reward service is down, or the last groups are uploading."""

@@ -62,12 +62,15 @@ class SequenceRequest:
     prompt_ids: list[int]
     sampling: SamplingParams     # max_tokens caps this completion
     seed: int | None = None      # this sequence's sampling seed (engines that can seed per request)
+    # strings that end it at the token completing one (a multi-turn environment's turn end; that token included)
+    stops: tuple[str, ...] = ()
 
 
 @dataclass
 class FinishedSequence:
     request_id: str
     completion: SampledCompletion   # its ``versions`` say which policy version sampled each token
+    ended: str = "eos"              # as SampledTurn.ended: "eos", "stop_string" or "length"
 
 
 @dataclass
@@ -85,9 +88,11 @@ class SequenceSoFar:
         """The prompt and the completion so far: what the next token is sampled after."""
         return self.request.prompt_ids + self.tokens
 
-    def finished(self, reason: str) -> FinishedSequence:
+    def finished(self, reason: str, ended: str | None = None) -> FinishedSequence:
+        """``reason``: "stop" or "length"; ``ended`` (default "eos" for "stop"): "stop_string" for a stop string."""
         return FinishedSequence(self.request.request_id,
-                                SampledCompletion(self.tokens, self.logprobs, reason, versions=self.versions))
+                                SampledCompletion(self.tokens, self.logprobs, reason, versions=self.versions),
+                                ended or ("eos" if reason == "stop" else "length"))
 
 
 class ContinuousEngine(Protocol):
@@ -103,7 +108,7 @@ class ContinuousEngine(Protocol):
 
     def step(self) -> list[FinishedSequence]:
         """Advance every running sequence by (about) one decoding step, admitting queued ones; returns the
-        sequences that finished (EOS or ``max_tokens``)."""
+        sequences that finished (EOS, the token completing one of its ``stops``, or ``max_tokens``)."""
 
     def num_unfinished(self) -> int:
         """Sequences submitted and not yet returned by ``step`` (queued or running)."""

@@ -11,6 +11,9 @@ A model whose cache layers are not plain ``DynamicLayer`` s (sliding window, lin
 cache spliced; for it every change of the batch's rows rebuilds the cache by one prefill of all rows: correct,
 slower.
 
+A request's ``stops`` end it at the token completing one of them (a multi-turn environment's turn end), found as
+``generate_turns`` finds it: over a window of the row's newest tokens decoded.
+
 Sampling is ``sample_with_logprobs``'s: logprob = log_softmax(logits / T) of the sampled token over the whole
 vocabulary (T = 1 when greedy), ``filter_logits`` for top-k/top-p. Requests may each have their own temperature,
 top-k and top-p (the filters run once per distinct (top-k, top-p) among the sampled rows). A request with a seed
@@ -26,7 +29,7 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from generator.engines.base import FinishedSequence, SequenceRequest, SequenceSoFar
-from generator.engines.hf import TransformersEngine, filter_logits, left_padded
+from generator.engines.hf import TransformersEngine, filter_logits, left_padded, stop_string_end
 from shared.protocol.records import SamplingParams
 
 
@@ -197,6 +200,8 @@ class ContinuousTransformers:
             row.versions.append(self._version)
             if token in eos:
                 finished.append(row.finished("stop"))
+            elif row.request.stops and self._completes_stop(row):
+                finished.append(row.finished("stop", "stop_string"))
             elif len(row.tokens) >= row.request.sampling.max_tokens:
                 finished.append(row.finished("length"))
             else:
@@ -207,6 +212,11 @@ class ContinuousTransformers:
         if self._logits is not None:
             self._decode(chosen)
         return finished
+
+    def _completes_stop(self, row: _Row) -> bool:
+        """Whether the row's newest token completes one of its stop strings (as ``generate_turns`` ends a turn)."""
+        decode = lambda ids: self.engine.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+        return stop_string_end(decode, row.tokens, list(row.request.stops), start=len(row.tokens) - 1) is not None
 
     # -- the batch ---------------------------------------------------------------------------------------------
     def _admit(self) -> list[_Row]:

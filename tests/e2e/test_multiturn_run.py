@@ -71,9 +71,12 @@ def check_calculator_rows(rows, model_dir) -> None:
 
 
 @pytest.mark.slow
-def test_grpo_run_with_the_calculator_masks_exactly_the_environment_tokens(calc_model_dir, tmp_path):
+@pytest.mark.parametrize("schedule", ["batch", "continuous"])
+def test_grpo_run_with_the_calculator_masks_exactly_the_environment_tokens(calc_model_dir, tmp_path, schedule):
     rows = calculator_run(tmp_path, calc_model_dir,
-                          environment={"name": "calculator", "max_turns": 3, "max_total_tokens": 64})
+                          environment={"name": "calculator", "max_turns": 3, "max_total_tokens": 64},
+                          schedule={"mode": schedule, "max_in_flight": 8, "upload_interval_s": 0.1})
     check_calculator_rows(rows, calc_model_dir)
     generator_log = (tmp_path / "run" / "logs" / "gen-0.log").read_text()
     assert "Traceback" not in generator_log
+    assert ("continuous schedule:" in generator_log) == (schedule == "continuous")

@@ -50,3 +50,29 @@ def test_vllm_multi_turn_trajectories_equal_the_transformers_engine_under_greedy
     assert first[1].count(0) == len(observation) and first[2] == "stop"
     assert vllm_stats.turns == hf_stats.turns >= 2 * len(questions)
     assert (vllm_stats.env_calls, vllm_stats.env_tokens) == (hf_stats.env_calls, hf_stats.env_tokens) > (0, 0)
+
+
+def test_vllm_continuous_trajectories_equal_its_call_at_a_time_ones_across_a_weight_switch(model_dir):
+    """generator.schedule.mode: continuous with an environment on vLLM: each turn a request of its own (stop
+    strings vLLM's), the environment between them; under greedy decoding the trajectories are the call-at-a-time
+    ones. A switch (abort and resubmit, the same weights reloaded) mid-turn keeps them and versions each token."""
+    from generator.engines.vllm_continuous import ContinuousVLLM
+    from tests.generator.test_continuous_multiturn import drive
+
+    questions = [f"{e}=" for e in PROBLEMS][:3] + ["6*7="]
+    engine = VLLMEngine(model_dir, device="cpu", max_model_len=256, seed=0)
+    try:
+        _, expected = trajectories(engine, questions, 2)
+
+        def switch(step, continuous):
+            if step == 6:
+                continuous.weights_changed(1)
+
+        cfg = EnvironmentConfig(name="calculator", max_turns=3)
+        groups, _ = drive(engine, cfg, questions, 2, 8, on_step=switch, continuous=ContinuousVLLM(engine))
+    finally:
+        engine.close()
+    got = [[(s.token_ids, s.mask, s.finish_reason, s.env_failed) for s in groups[q].samples] for q in questions]
+    assert got == expected
+    versions = [s.versions for q in questions for s in groups[q].samples]
+    assert all(v == sorted(v) and set(v) <= {0, 1} for v in versions) and any(set(v) == {0, 1} for v in versions)

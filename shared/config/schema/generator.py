@@ -230,10 +230,12 @@ class ScheduleConfig(StrictModel):
         "longest completion and new weights are loaded between calls. 'continuous': sequences are submitted one by "
         "one and replaced as they finish, each group is scored and uploaded as soon as its G completions are done, "
         "and new weights are taken between two decoding steps (unfinished sequences continue with them; every token "
-        "records the version that sampled it). Single-turn rollouts only for now.")
+        "records the version that sampled it). With an environment, each model turn is a sequence of its own and "
+        "the environment's calls run off the engine loop.")
     max_in_flight: int | None = Field(
         None, ge=1, description="continuous: the most sequences in the engine at once (null: prompts_per_batch x "
-        "group_size, what one engine call holds in 'batch'). At least one group's G.")
+        "group_size, what one engine call holds in 'batch'). At least one group's G. With an environment: "
+        "trajectories, one waiting for its environment counted.")
     upload_interval_s: float = Field(
         0.5, ge=0, description="continuous: the least time between two uploads; complete groups wait and go "
         "together (keeps the hub's request rate sane).")
@@ -337,9 +339,6 @@ class GeneratorConfig(StrictModel):
             raise ValueError(f"generator.rewards lists {names}, but generator.environment.reward is 'environment', "
                              "which scores trajectories by the environment's step rewards alone: remove "
                              "generator.rewards, or set generator.environment.reward: rewards to score with them")
-        if self.environment is not None and self.schedule.mode == "continuous":
-            raise ValueError("generator.schedule.mode is 'continuous', which drives single-turn rollouts only for "
-                             "now: use generator.schedule.mode: batch with generator.environment")
         if by_environment:
             self.__dict__["rewards"] = []   # not through validate_assignment: it would run this validator again
         elif not self.rewards:
