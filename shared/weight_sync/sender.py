@@ -105,6 +105,7 @@ class WeightSender:
         self.version_sent = False                # a transfer of the buffer's version started ("superseded")
         self.published_at: dict[int, float] = {}  # the buffer's version -> when it was complete
         self.relay_version = relay_version
+        self.relay_uploaded_at = time.monotonic()   # relay_every_s counts from here, then from each upload
         self.highest_sent: int | None = None     # the newest version this sender itself sent to the relay
         self.announced: int | None = None
         self.error: WeightsRefusedError | None = None   # the hub refused our weights: raised at the next publish
@@ -276,9 +277,20 @@ class WeightSender:
     def _relay_wanted(self) -> bool:
         return self.members is None or self.members.http_members > 0 or self.members.alive() == 0
 
+    def _relay_due(self, version: int) -> bool:
+        """Does ``version`` go onto the relay: someone reads it there, or ``relay_every_versions`` /
+        ``relay_every_s`` (the evaluator follows the relay) passed since the last upload?"""
+        if self.relay_version is not None and version <= self.relay_version:
+            return False
+        if self._relay_wanted():
+            return True
+        every, every_s = self.cfg.relay_every_versions, self.cfg.relay_every_s
+        return ((every is not None and version >= (self.relay_version or 0) + every)
+                or (every_s is not None and time.monotonic() - self.relay_uploaded_at >= every_s))
+
     def _pending(self, version: int) -> bool:
         """Does ``version`` still have to be uploaded or announced?"""
-        relay = self._relay_wanted() and (self.relay_version is None or version > self.relay_version)
+        relay = self._relay_due(version)
         announce = self.groups_enabled and (self.announced is None or version > self.announced)
         return relay or announce
 
@@ -292,8 +304,7 @@ class WeightSender:
                 if self.stopping.is_set() or self.error is not None:
                     return
                 version, need_check = self.version, not self.checked
-                upload = not need_check and self._relay_wanted() and (self.relay_version is None
-                                                                      or version > self.relay_version)
+                upload = not need_check and self._relay_due(version)
                 if need_check or upload:  # both read the buffer: no publish overwrites it meanwhile
                     self.transfers.add("check" if need_check else "relay")
             if need_check:
@@ -342,6 +353,7 @@ class WeightSender:
             self.client.upload_weights_stream(version, SafetensorsStream(header, self.buffer))
             with self.lock:
                 self.relay_version = version
+                self.relay_uploaded_at = time.monotonic()
                 self.counters.relay_uploads += 1
                 if version in self.published_at:
                     self.counters.last_transfer_s = time.perf_counter() - self.published_at[version]

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from generator.engines.hf import TransformersEngine
@@ -129,6 +129,47 @@ def test_two_generators_hold_the_learners_weights_bit_for_bit_after_each_version
             assert counters.last_transfer_s > 0
         finally:
             publisher.close()
+
+
+def test_relay_every_versions_puts_every_nth_version_on_the_relay_beside_the_group(
+        tiny_model_dir, learner_model, tmp_path):
+    """The evaluator reads the relay: with a generator in a group, weight_sync.relay_every_versions 2 puts versions
+    2 and 4 of 1..5 there too (each a whole, downloadable file equal to the learner's), and the group still
+    delivers every version."""
+    with LiveServer(make_config(tmp_path)) as live:
+        publisher = make_publisher(learner_model, live.url, relay_every_versions=2)
+        try:
+            gen = Generator(tiny_model_dir, live.url, "gen-a", tmp_path)
+            gen.connect()
+            assert gen.receiver.transport == "collective"
+            hub, on_relay = HubClient(live.url), {}
+            for version in (1, 2, 3, 4, 5):
+                perturb(learner_model, version)
+                publish(publisher, version)
+                sync_all([gen], version)
+                assert_same_weights(learner_model, gen.engine)
+                assert publisher.sender.wait_idle(20)
+                on_relay[version] = hub.weights_version()
+                if version in (2, 4):   # the relay's file is this version's weights
+                    path = hub.download_weights(version, tmp_path / f"relay-{version}.safetensors")
+                    relay_state = load_file(str(path))
+                    for name, param in learner_model.named_parameters():
+                        if name in relay_state:
+                            assert torch.equal(relay_state[name], param.detach()), name
+            assert on_relay == {1: None, 2: 2, 3: 2, 4: 4, 5: 4}
+            assert publisher.sender.counters.relay_uploads == 2
+        finally:
+            publisher.close()
+
+
+def test_evaluation_while_training_sets_the_relay_cadence_unless_the_config_does():
+    from shared.config.schema import GRPOConfig
+
+    assert GRPOConfig().weight_sync.relay_every_versions is None
+    derived = GRPOConfig.model_validate({"eval": {"every_steps": 5, "every_minutes": 2}})
+    assert (derived.weight_sync.relay_every_versions, derived.weight_sync.relay_every_s) == (5, 120.0)
+    own = GRPOConfig.model_validate({"eval": {"every_steps": 5}, "weight_sync": {"relay_every_versions": 3}})
+    assert (own.weight_sync.relay_every_versions, own.weight_sync.relay_every_s) == (3, None)
 
 
 def test_a_late_joiner_loads_the_current_version_over_http_then_receives_through_the_group(

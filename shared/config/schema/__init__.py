@@ -128,6 +128,17 @@ class GRPOConfig(StrictModel):
         return self
 
     @model_validator(mode="after")
+    def _relay_for_the_evaluator(self) -> GRPOConfig:
+        """The evaluator follows the relay's versions: a run that evaluates while training puts every
+        eval.every_steps-th version (or one every eval.every_minutes) there, whatever the transport."""
+        sync = self.weight_sync
+        if self.eval.while_training and "relay_every_versions" not in sync.model_fields_set \
+                and "relay_every_s" not in sync.model_fields_set:
+            sync.__dict__["relay_every_versions"] = self.eval.every_steps   # not through validate_assignment
+            sync.__dict__["relay_every_s"] = None if self.eval.every_minutes is None else self.eval.every_minutes * 60
+        return self
+
+    @model_validator(mode="after")
     def _state_paths_under_run_dir(self) -> GRPOConfig:
         """Every state path's ``<run_dir>`` replaced here, in one place, so every service agrees on it."""
         for section, key in STATE_PATHS:

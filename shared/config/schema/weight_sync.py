@@ -30,6 +30,15 @@ class WeightSyncConfig(StrictModel):
                                  "transfers. Keep it above the longest engine call.")
     host: str = Field("127.0.0.1", description="Address the learner's rank 0 listens on for groups and announces "
                       "through the hub (set a reachable address when generators run on other hosts).")
+    relay_every_versions: int | None = Field(
+        None, ge=1, description="Put every this many versions on the HTTP relay also while every generator takes "
+        "them over a group or CUDA IPC (the relay then gets a version only at a late join and at the end); the "
+        "evaluator of eval.every_steps reads the relay. null: eval.every_steps when evaluation while training is on, "
+        "else never.")
+    relay_every_s: float | None = Field(
+        None, gt=0, allow_inf_nan=False, description="The same by time: the newest version onto the relay once this "
+        "many seconds passed since the last relay upload. null: eval.every_minutes * 60 when that is set, else "
+        "never.")
     poll_s: float = Field(1.0, gt=0, le=30, description="Long-poll wait of the sender's rendezvous requests "
                           "(it also wakes at once for a new version).")
 
