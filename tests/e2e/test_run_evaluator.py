@@ -3,6 +3,7 @@ process, keeps the best as a loadable model and names it in the closing lines.""
 
 import json
 import os
+import re
 import subprocess
 
 import pytest
@@ -27,6 +28,15 @@ def test_grpo_run_evaluates_while_training_and_keeps_the_best(tiny_model_dir, tm
     versions = [r["version"] for r in records]
     # every eval.every_steps or more, and the final version when the learner finished (eval.final_wait_s)
     assert all(b - a >= 2 for a, b in zip([0, *versions[:-1]], versions[:-1])) and versions[-1] == 14
+    # the generator takes versions over a gloo group (the default transport), yet the learner put every
+    # eval.every_steps-th on the relay the evaluator reads (weight_sync.relay_every_versions); how many the evaluator
+    # reached before the end depends on its start-up against the learner's pace
+    learner_log = (run / "logs" / "learner.log").read_text()
+    assert "joined (collective, gloo" in learner_log
+    after_join = learner_log[learner_log.index("joined (collective, gloo"):]
+    on_relay = [int(v) for v in re.findall(r"weight sync: version (\d+) on the relay", after_join)]
+    assert on_relay and all(v % 2 == 0 for v in on_relay) and on_relay[-1] == 14, on_relay
+    assert len(on_relay) >= 3, on_relay
     assert all("error" not in r and 0 <= r["eval/arithmetic/accuracy"] <= 1 for r in records)
     best = json.loads((run / "best" / "best.json").read_text())
     assert best["value"] == max(r["eval/arithmetic/mean_reward"] for r in records)
