@@ -163,9 +163,9 @@ def test_supervisions_are_the_registry_the_config_checks():
     from learner.advantages import SUPERVISIONS, OutcomeSupervision, ProcessSupervision
     from shared.config.schema import AdvantageConfig
 
-    assert SUPERVISIONS.names() == ["outcome", "process"]
+    assert SUPERVISIONS.names() == ["none", "outcome", "process"]
     assert SUPERVISIONS.get("outcome") is OutcomeSupervision and SUPERVISIONS.get("process") is ProcessSupervision
-    with pytest.raises(ValueError, match="unknown advantage supervision 'steps'; known: outcome, process"):
+    with pytest.raises(ValueError, match="unknown advantage supervision 'steps'; known: none, outcome, process"):
         AdvantageConfig(supervision="steps")
 
 
