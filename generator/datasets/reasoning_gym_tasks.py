@@ -83,6 +83,7 @@ def _items(args: ReasoningGymArgs, seed: int, size: int) -> list[dict[str, Any]]
 
 def reasoning_gym_examples(args: ReasoningGymArgs, split: str) -> list[Example]:
     """The examples of ``split``: item ``i`` of the split's seed, its question, answer, metadata and settings."""
+    require_reasoning_gym()   # first: a dataset cached before the package went missing would hide it
     seed, size = args.seed_and_size(split)
     examples = []
     for i, item in enumerate(_items(args, seed, size)):
