@@ -20,7 +20,7 @@ def reasoning_gym_entry(question: str, example: dict[str, Any]) -> tuple[str, di
     """The task name and reasoning-gym's item (question, answer, metadata) of ``example``."""
     metadata = example.get("metadata")
     if not isinstance(metadata, dict) or "source_dataset" not in metadata or "answer" not in example:
-        raise KeyError(f"the example is no reasoning-gym item (an answer, and metadata naming its source_dataset; "
+        raise ValueError(f"the example is no reasoning-gym item (an answer, and metadata naming its source_dataset; "
                        f"fields: {sorted(example)}): the reasoning_gym reward scores generator.dataset.kind "
                        "reasoning_gym")
     return metadata["source_dataset"], {"question": question, "answer": example["answer"], "metadata": metadata}
