@@ -130,6 +130,11 @@ def test_the_reward_scores_right_wrong_and_malformed_answers_of_leg_counting():
                         "<answer>183</answer>", "<answer>184</answer> no, <answer>190</answer>",   # the last one counts
                         "184", "<answer>184", ""], example)
     assert scores == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    # tag null: the whole completion, stripped, is the answer (the task's own partial credit: len(oracle)/len(answer)
+    # when the answer contains the oracle)
+    whole = RewardSet.from_specs([RewardSpec(name="reasoning_gym", args={"tag": None})])
+    assert whole.score_group(example.question, [" 184\n", "<answer>184</answer>", "184 legs", "  "],
+                             example.data).components["reasoning_gym"] == pytest.approx([1.0, 3 / 20, 3 / 8, 0.0])
 
 
 def test_the_reward_scores_right_wrong_and_malformed_answers_of_spell_backward():
