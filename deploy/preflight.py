@@ -254,6 +254,7 @@ def dataset_problems(config: GRPOConfig) -> list[str]:
         return [f"generator.dataset: {exc}", *missing_eval]
     except (TypeError, ValueError) as exc:  # a built-in task's settings (generator.dataset.arithmetic / chain)
         return [f"generator.dataset ({dataset.kind}): {exc}"]
+    missing_eval += reasoning_gym_items_problems(config, examples)
     if dataset.kind not in ("jsonl", "hf"):
         return missing_eval  # the built-in tasks give every field their rewards read
     problems = list(missing_eval)
@@ -263,6 +264,22 @@ def dataset_problems(config: GRPOConfig) -> list[str]:
             problems.append(f"generator.dataset: {missing.example_id}: no {name!r} field, which {who} needs "
                             f"(fields: {sorted(missing.data)})")
     return problems
+
+
+def reasoning_gym_items_problems(config: GRPOConfig, examples: list) -> list[str]:
+    """The ``reasoning_gym`` reward scores reasoning-gym items only (an answer and metadata naming the task: kind
+    reasoning_gym, or rows exported from reasoning-gym): any other example is named."""
+    i = next((i for i, spec in enumerate(config.generator.rewards) if spec.name == "reasoning_gym"), None)
+    if i is None:
+        return []
+    from generator.rewards.reasoning_gym_reward import reasoning_gym_entry
+
+    for example in examples:
+        try:
+            reasoning_gym_entry(example.question, example.data)
+        except ValueError as exc:
+            return [f"generator.rewards[{i}] (reasoning_gym): {example.example_id}: {exc}"]
+    return []
 
 
 def eval_path_problem(config: GRPOConfig) -> list[str]:

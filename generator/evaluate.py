@@ -38,6 +38,7 @@ from generator.rewards import RewardSet
 from generator.rewards.reward_set import GroupScores
 from shared.config.schema import GRPOConfig
 from shared.config.schema.generator import DatasetConfig, FailuresConfig
+from shared.config.schema.reasoning_gym import reasoning_gym_args
 from shared.errors import UsageError
 from shared.progress import Ticker
 from shared.protocol.records import SamplingParams
@@ -218,6 +219,10 @@ def describe(dataset: DatasetConfig, count: int, training: DatasetConfig) -> str
     if dataset.kind == "hf":
         subset = f" ({dataset.subset})" if dataset.subset else ""
         return f"{count} examples of {dataset.path}{subset}, split {dataset.split!r}"
+    if dataset.kind == "reasoning_gym":
+        args = reasoning_gym_args(dataset.args)
+        seed, _ = args.seed_and_size(dataset.split)
+        return f"{count} examples of reasoning-gym {', '.join(args.weights())}, split {dataset.split!r} (seeds from {seed})"
     return f"{count} examples of the {dataset.kind} task's {dataset.split!r} split"
 
 

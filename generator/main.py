@@ -11,7 +11,7 @@ import threading
 import torch
 
 from generator.curriculum import curriculum_stream
-from generator.datasets import R1_SYSTEM_PROMPT, PromptStream, load_examples
+from generator.datasets import R1_SYSTEM_PROMPT, REASONING_GYM_SYSTEM_PROMPT, PromptStream, load_examples
 from generator.loop import RolloutLoop
 from generator.progress import Progress
 from generator.rewards import RewardSet
@@ -34,6 +34,8 @@ class GeneratorSetupError(UsageError):
 def system_prompt_for(cfg: DatasetConfig) -> str | None:
     if cfg.system_prompt is not None:
         return cfg.system_prompt or None
+    if cfg.kind == "reasoning_gym":
+        return REASONING_GYM_SYSTEM_PROMPT
     return None if cfg.kind in ("arithmetic", "arithmetic_words", "chain") else R1_SYSTEM_PROMPT
 
 

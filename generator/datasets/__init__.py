@@ -1,4 +1,5 @@
-"""Prompt sources (the built-in arithmetic and chain tasks, JSONL files, Hugging Face datasets) and prompt rendering.
+"""Prompt sources (the built-in arithmetic and chain tasks, JSONL files, Hugging Face datasets,
+reasoning-gym's tasks) and prompt rendering.
 
 Every source yields :class:`Example` rows: the question (or TRL's conversational prompt, a list of messages), the
 reference data rewards need (``answer``, ``tests``, ... every column of the dataset) and a stable id.
@@ -12,6 +13,7 @@ The package, by concept:
   ``DATASETS`` registry of sources (``generator.dataset.kind``), :class:`PromptStream`;
 * :mod:`generator.datasets.tasks`: the built-in tasks;
 * :mod:`generator.datasets.files`: ``jsonl`` and ``hf`` (any local file or folder ``datasets`` reads, offline);
+* :mod:`generator.datasets.reasoning_gym_tasks`: ``reasoning_gym`` (reasoning-gym's procedural tasks, an extra);
 * :mod:`generator.datasets.render`: the prompt text.
 """
 
@@ -36,10 +38,17 @@ from generator.datasets.files import (
     jsonl_examples,
     looks_local,
 )
-from generator.datasets.render import R1_SYSTEM_PROMPT, render_example, render_messages, render_prompt
+from generator.datasets.render import (
+    R1_SYSTEM_PROMPT,
+    REASONING_GYM_SYSTEM_PROMPT,
+    render_example,
+    render_messages,
+    render_prompt,
+)
 from generator.datasets.tasks import arithmetic_examples, arithmetic_words_examples, chain_examples
 
-__all__ = ["DATASETS", "DATA_FILE_BUILDERS", "FILE_SPLIT", "MESSAGE_ROLES", "R1_SYSTEM_PROMPT", "DatasetError",
+__all__ = ["DATASETS", "DATA_FILE_BUILDERS", "FILE_SPLIT", "MESSAGE_ROLES", "R1_SYSTEM_PROMPT",
+           "REASONING_GYM_SYSTEM_PROMPT", "DatasetError",
            "Example", "PromptStream", "arithmetic_examples", "arithmetic_words_examples", "chain_examples",
            "example_from_row", "has_one_split", "hf_examples", "hf_table", "jsonl_examples", "load_examples",
            "looks_local", "prompt_messages", "render_example", "render_messages", "render_prompt"]

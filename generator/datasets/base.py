@@ -12,8 +12,10 @@ from shared.config.schema.generator import DatasetConfig
 from shared.errors import UsageError
 from shared.registry import Registry
 
-# generator.dataset.kind -> fn(cfg: DatasetConfig, seed: int) -> list[Example]: the built-in tasks, files, Hugging Face
+# generator.dataset.kind -> fn(cfg: DatasetConfig, seed: int) -> list[Example]: the built-in tasks, files, Hugging Face,
+# reasoning-gym, a verifiers environment's rows
 DATASETS: Registry = Registry("dataset kind", modules=("generator.datasets.tasks", "generator.datasets.files",
+                                                    "generator.datasets.reasoning_gym_tasks",
                                                     "generator.datasets.verifiers"))
 
 # TRL's conversational format: the roles a prompt message may have

@@ -14,6 +14,16 @@ R1_SYSTEM_PROMPT = (
     "<answer> </answer> tags, respectively, i.e., <think> reasoning process here </think><answer> answer here "
     "</answer>."
 )
+# reasoning-gym's own default system prompt (reasoning_gym.utils.SYSTEM_PROMPTS["default"]): the answer between
+# <answer> tags, where the reward reads it; the default of generator.dataset.system_prompt for
+# dataset.kind reasoning_gym
+REASONING_GYM_SYSTEM_PROMPT = (
+    "Given a problem, your task is to answer the question by thinking step-by-step in a clear and specific manner.\n"
+    "Once you have thought about the reasoning process, provide the answer in the following format:\n"
+    "<answer>answer here</answer>\n"
+    "Do not explain your reasoning inside the answer tags, provide only the final answer. When an example is "
+    "provided, you should strictly follow the format of the output/answer in that example.\n"
+)
 
 
 def render_prompt(tokenizer, question: str, system_prompt: str | None, template: str | None = None,

@@ -38,6 +38,7 @@ REWARDS: Registry = Registry("reward", modules=(
     "generator.rewards.chain",      # chain, chain_steps: the multi-step task (outcome and one reward per line)
     "generator.rewards.prm",        # a process reward model behind vLLM's /pooling API
     "generator.rewards.length",     # soft_overlong (DAPO), group_length (Kimi k1.5): length shaping
+    "generator.rewards.reasoning_gym_reward",   # reasoning_gym: a reasoning-gym task's own score_answer
 ))
 
 

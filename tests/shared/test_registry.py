@@ -63,7 +63,8 @@ def test_dataset_kinds_are_a_registry_the_config_checks():
     from generator.datasets import DATASETS, load_examples
     from shared.config.schema.generator import DatasetConfig
 
-    assert DATASETS.names() == ["arithmetic", "arithmetic_words", "chain", "hf", "jsonl", "verifiers"]
+    assert DATASETS.names() == ["arithmetic", "arithmetic_words", "chain", "hf", "jsonl", "reasoning_gym",
+                               "verifiers"]
     with pytest.raises(ValueError, match="unknown dataset kind 'csv'; known: arithmetic, arithmetic_words, chain"):
         DatasetConfig(kind="csv")
     examples = load_examples(DatasetConfig(kind="chain", arithmetic_pool=3), seed=1)
@@ -76,7 +77,7 @@ def test_environments_and_rewards_are_complete_when_read():
     from generator.rewards import REWARDS
 
     assert ENVIRONMENTS.names() == ["calculator", "guess", "tools"] and ENVIRONMENTS.get("calculator") is Calculator
-    assert {"format", "math", "chain", "chain_steps", "prm", "python"} <= set(REWARDS.names())
+    assert {"format", "math", "chain", "chain_steps", "prm", "python", "reasoning_gym"} <= set(REWARDS.names())
 
 
 def _schema_checks() -> set[tuple[str, str]]:

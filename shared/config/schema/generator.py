@@ -9,6 +9,7 @@ from pydantic import Field, field_validator, model_validator
 from shared.config.schema.agent import AgentConfig, agent_conflict
 from shared.config.schema.base import StrictModel, check_registered
 from shared.config.schema.paths import template_help
+from shared.config.schema.reasoning_gym import SPLITS, reasoning_gym_args
 from shared.config.schema.verifiers import VerifiersConfig, environment_as_agent
 
 
@@ -71,9 +72,11 @@ class DatasetConfig(StrictModel):
     kind: str = Field(
         "arithmetic", description="'arithmetic' (built-in task), 'arithmetic_words' (the same in words for chat "
         "models: 'What is 23 plus 58? Reply with only the number.'), 'chain' (built-in multi-step task: "
-        "'3+5-2=' -> '8\\n6', one running total per line; see the chain block), 'jsonl' (a file), 'verifiers' (a verifiers environment's rows) or 'hf' (through "
+        "'3+5-2=' -> '8\\n6', one running total per line; see the chain block), 'jsonl' (a file), 'hf' (through "
         "Hugging Face datasets, offline: a .jsonl/.json/.csv/.parquet/.arrow file, a folder of such files, a "
-        "save_to_disk folder, or a dataset name in the local datasets cache).")
+        "save_to_disk folder, or a dataset name in the local datasets cache), 'reasoning_gym' (reasoning-gym's "
+        "procedural tasks, the optional extra grpo-stack[reasoning-gym]; see args) or 'verifiers' (a verifiers "
+        "environment's rows).")
     path: str | None = Field(None, description="The JSONL file; for 'hf' the data file, folder or cached dataset "
                              "name.")
     split: str = Field("train", description="Dataset split to train on ('train' or 'test' for arithmetic; a data "
@@ -90,7 +93,8 @@ class DatasetConfig(StrictModel):
         default_factory=dict, description="Columns renamed before anything reads them, dataset column -> name "
         "here, e.g. {solution: answer}. Every other column is kept as it is: the rewards receive all of them.")
     system_prompt: str | None = Field(
-        None, description="System prompt; null means none for arithmetic and the R1-style prompt otherwise. Use "
+        None, description="System prompt; null means none for arithmetic, reasoning-gym's own (the answer in "
+        "<answer> tags) for reasoning_gym and the R1-style prompt otherwise. Use "
         "an empty string for no system prompt with other datasets. A conversational prompt with a system message "
         "keeps its own and gets none added.")
     template: str | None = Field(
@@ -106,6 +110,11 @@ class DatasetConfig(StrictModel):
     verifiers: VerifiersConfig | None = Field(None, description="kind 'verifiers': the environment whose rows are "
                                               "the examples (split 'train': its dataset, 'eval' or 'test': its "
                                               "eval_dataset); filled from generator.agent.verifiers.")
+    args: dict[str, Any] = Field(
+        default_factory=dict, description="Arguments of kind 'reasoning_gym' (refused with other kinds): {task: a "
+        "task name, a list or {name: weight}, size: 1000, seed: 0, eval_seed: null (seed + size), eval_size: 200, "
+        "config: the task's own settings}; split 'train' is seed's examples, 'test' eval_seed's, never overlapping "
+        "(docs/reasoning-gym.md).")
 
     @field_validator("kind")
     @classmethod
@@ -119,6 +128,12 @@ class DatasetConfig(StrictModel):
         if self.kind == "verifiers" and self.verifiers is None:
             raise ValueError("dataset kind 'verifiers' needs its environment: generator.environment {name: verifiers, "
                              "args: {env_id: ...}} (or generator.dataset.verifiers)")
+        if self.kind == "reasoning_gym":
+            reasoning_gym_args(self.args)
+            if self.split not in SPLITS:
+                raise ValueError(f"dataset kind 'reasoning_gym' has the splits {list(SPLITS)}, not {self.split!r}")
+        elif self.args:
+            raise ValueError(f"args apply to dataset kind 'reasoning_gym' only, not {self.kind!r}")
         return self
 
 
