@@ -35,6 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.process_vs_outcome import steps_to  # noqa: E402
 from bench.vs_trl import (  # noqa: E402
     eval_config,
     eval_steps,
@@ -60,12 +61,8 @@ def arm_settings(arm: str, teacher: Path, coef: float) -> dict:
             "ref_server__teacher_model": str(teacher), "generator__drop_constant_groups": False}
 
 
-def steps_to(target: float, accuracy: dict[int, float | None]) -> int | None:
-    """The first evaluated step whose accuracy reaches ``target`` (None: not within the run)."""
-    return next((s for s, a in sorted(accuracy.items()) if a is not None and a >= target - 1e-9), None)
-
-
 def reached(run: dict, target: float) -> dict:
+    """Steps and wall seconds (launch to that step) to the first evaluated step at ``target`` (None: not reached)."""
     accuracy = {int(s): a for s, a in run["accuracy"].items()}
     step = steps_to(target, accuracy)
     clock = {int(s): c for s, c in run["clock"].items()}
