@@ -2,13 +2,15 @@
 
     .venv/bin/python bench/distill.py --figure docs/distillation.png      # the tiny demo (~30 min on 2 loaded cores)
     .venv/bin/python bench/distill.py --arm-steps 40 --eval-every 5 --seeds 0 1
+    .venv/bin/python bench/distill.py --teacher runs/bench/distill/teacher-model --set learner.lr=3e-4 --out OTHER
 
 Every run is a real ``grpo run`` (launcher, three services, a fresh run folder), one at a time:
 
 1. The student: the config's start model (the demo's warmed-up tiny model, built as ``grpo demo`` builds it).
 2. The teacher: the student trained further with GRPO by the config as it is (``--teacher-steps`` steps); its
    last checkpoint, as a Hugging Face folder, is the teacher. Its held-out greedy accuracy must exceed the
-   student's (else the script stops: there is nothing to distil).
+   student's (else the script stops: there is nothing to distil). ``--teacher DIR`` takes an earlier run's
+   ``OUT/teacher-model`` instead (evaluated again, not trained again: arms with other settings, same teacher).
 3. Three arms from the same student, per seed, ``--arm-steps`` steps each, the same batch (the config's groups
    per step): ``grpo`` (the config as it is), ``distill`` (``supervision: none``, the teacher's reward alone) and
    ``grpo+distill`` (outcome advantages plus the teacher's reward). The distillation arms serve the teacher as
@@ -150,6 +152,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="deploy/configs/tiny-cpu.yaml", help="grpo YAML: model, task, settings.")
     parser.add_argument("--teacher-steps", type=int, default=150, help="GRPO steps that build the teacher.")
+    parser.add_argument("--teacher", help="Use this teacher folder (an earlier OUT/teacher-model), not a new one.")
     parser.add_argument("--arm-steps", type=int, default=60, help="Learner steps of every arm.")
     parser.add_argument("--eval-every", type=int, default=5, help="Held-out accuracy every N steps (and the last).")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="Seeds; every arm runs once per seed.")
@@ -178,7 +181,11 @@ def main(argv: list[str] | None = None) -> int:
                      "heldout_examples": config.eval.num_examples, "machine_before": machine(), "runs": {}}
     summary["student_accuracy"] = evaluate_points(ev, {0: Path(model_dir)})[0]
     print(f"[bench] student: greedy accuracy {summary['student_accuracy']:.1%}", flush=True)
-    teacher, summary["teacher"] = build_teacher(config, model_dir, ev, args, out, tree)
+    if args.teacher:  # an earlier run's teacher: evaluated again, not trained again
+        teacher = Path(args.teacher).resolve()
+        summary["teacher"] = {"folder": str(teacher), "accuracy": evaluate_points(ev, {0: teacher})[0]}
+    else:
+        teacher, summary["teacher"] = build_teacher(config, model_dir, ev, args, out, tree)
     if summary["teacher"]["accuracy"] <= summary["student_accuracy"]:
         raise SystemExit(f"the teacher ({summary['teacher']['accuracy']:.1%}) is not better than the student "
                          f"({summary['student_accuracy']:.1%}): more --teacher-steps")

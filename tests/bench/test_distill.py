@@ -51,6 +51,7 @@ def test_table_says_not_reached_with_the_budget():
 def test_arguments_and_their_defaults():
     args = parse(["--arm-steps", "40", "--seeds", "0", "1", "--arms", "grpo", "distill"])
     assert (args.arm_steps, args.seeds, args.arms, args.teacher_steps) == (40, [0, 1], ["grpo", "distill"], 150)
-    assert parse([]).arms == list(ARMS) and parse([]).target_fraction == 0.9
+    assert parse([]).arms == list(ARMS) and parse([]).target_fraction == 0.9 and parse([]).teacher is None
+    assert parse(["--teacher", "t/teacher-model"]).teacher == "t/teacher-model"
     with pytest.raises(SystemExit):
         parse(["--arms", "kd"])
