@@ -1,6 +1,6 @@
 """On-policy distillation measured (issue 42 item 3): GRPO alone, distillation alone, GRPO + distillation.
 
-    .venv/bin/python bench/distill.py --figure docs/distillation.png      # the tiny demo, one seed (~8 min on 2 cores)
+    .venv/bin/python bench/distill.py --figure docs/distillation.png      # the tiny demo, one seed (~6 min on 2 cores)
     .venv/bin/python bench/distill.py --arm-steps 40 --eval-every 5 --seeds 0 1
     .venv/bin/python bench/distill.py --teacher runs/bench/distill/teacher-model --set learner.lr=3e-4 --out OTHER
 
