@@ -188,6 +188,9 @@ BENCHMARKS: list[Bench] = [
     Bench("off_policy", None, None, _flat("off-policy", ("final_accuracy",)),
           why="a grid of 12 training runs (staleness x correction) and their evals (~40 min on this CPU), "
           "docs/off-policy.md: run it alone"),
+    Bench("distill", None, None, _flat("distillation", ("steps", "wall_s")),
+          why="a teacher's training run, then three arms per seed and their evals (~19 min for 3 seeds on this CPU), "
+          "docs/distillation.md: run it alone"),
     Bench("rollout_schedule", ("--model", TINY_MODEL, "--groups", "32"),
           ("--model", TINY_MODEL, "--engine", "transformers", "--device", "cuda", "--groups", "96", "--max-tokens",
            "1024", "--prompts-per-batch", "32"),
