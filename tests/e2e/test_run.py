@@ -116,8 +116,10 @@ def check_startup_lines(console: list[str], startup: list[str]) -> None:
     assert seconds == sorted(seconds), startup
     for name, phases in seen.items():
         assert phases == sorted(phases), (name, startup)   # never back to an earlier phase
-    # more than the first phase of each: the lines follow what the services say they do
-    assert max(seen["learner"]) >= STARTUP_ORDER["learner"].index("registering with the hub"), startup
+    # more than the first phase of each: the lines follow what the services say they do (how far the learner got
+    # before its first step is a matter of timing: the lines come every 0.5 s, and a fast start-up passes
+    # DeepSpeed's set-up and the registration between two of them, as a CI run did)
+    assert max(seen["learner"]) >= STARTUP_ORDER["learner"].index("loading the model"), startup
     assert max(seen["gen-0"], default=99) >= 1, startup
 
 
