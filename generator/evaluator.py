@@ -45,7 +45,7 @@ from generator.eval_files import BEST_JSON, last_evaluated
 from generator.evaluate import EvalPlan, EvalResult, eval_engine, evaluate_engine, plan_eval
 from shared.config.schema import GRPOConfig
 from shared.errors import UsageError
-from shared.metrics_file import append_eval_record
+from shared.metrics_file import append_eval_record, append_jsonl
 from shared.progress import PROGRESS_MARK
 from shared.protocol.client import HubClient, HubError, HubUnavailable, service_client, stop_on_signals
 from shared.weight_sync.download_dir import DownloadDir
@@ -258,9 +258,7 @@ class Evaluator:
         return f"eval/{self.dataset}/{name}"
 
     def write(self, record: dict) -> None:
-        self.jsonl.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.jsonl, "a") as fh:
-            fh.write(json.dumps({**record, "time": time.time()}) + "\n")
+        append_jsonl(self.jsonl, record)
 
     def run(self, stop: threading.Event, final: threading.Event | None = None) -> None:
         """Until ``stop`` is set (the launcher stops it with the run), or ``final`` (the learner finished: SIGUSR1

@@ -17,14 +17,19 @@ from typing import Literal
 EVAL_KIND = "eval"
 
 
-def append_eval_record(path: str | Path, version: int, metrics: dict[str, float]) -> None:
-    """Append the evaluation of weights ``version`` (at step = version: a version is the learner step that
-    published it) as one line."""
-    record = {"kind": EVAL_KIND, "step": version, "version": version, "time": time.time(), **metrics}
+def append_jsonl(path: str | Path, record: dict) -> None:
+    """``record`` with the time added, as one line appended to the JSON-lines file ``path`` (one write: two
+    processes appending never interleave a line)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as fh:
-        fh.write(json.dumps(record) + "\n")
+        fh.write(json.dumps({**record, "time": time.time()}) + "\n")
+
+
+def append_eval_record(path: str | Path, version: int, metrics: dict[str, float]) -> None:
+    """Append the evaluation of weights ``version`` (at step = version: a version is the learner step that
+    published it) as one line."""
+    append_jsonl(path, {"kind": EVAL_KIND, "step": version, "version": version, **metrics})
 
 
 def jsonl_records(path: str | Path) -> list[dict]:
