@@ -179,7 +179,7 @@ def test_every_multiturn_group_is_uploaded_once_through_the_schedule(engine, tmp
         schedule = ContinuousRollouts(loop, continuous, max_in_flight=8, upload_interval_s=0.0, check_interval_s=0.05)
         stats = schedule.run(threading.Event(), max_groups=6)
         assert stats.groups_uploaded == 6 and live.state.hub.depth() == 6
-        batch = HubClient(live.url).get_batch(6)
+        batch = HubClient(live.url).get_batch(6, wait_s=30)   # depth counts groups still being scored
     assert len(set(batch.group_ids)) == 6 and schedule.groups.open == {} and not schedule.groups.waiting
     assert batch.completion_mask is not None and not batch.completion_mask.all()   # the calculator's tokens: 0
     assert stats.environment.trajectories >= 24 and stats.environment.turns >= 24

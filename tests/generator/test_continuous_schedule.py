@@ -95,7 +95,7 @@ def test_groups_are_uploaded_as_they_finish_and_the_engine_stays_full(engine, tm
         scripted = ScriptedEngine(engine, max_in_flight=8, length=straggling_first_group)
         stats = schedule(loop, scripted).run(threading.Event(), max_groups=10)
         assert stats.groups_uploaded == 10 and live.state.hub.depth() == 10
-        batch = HubClient(live.url).get_batch(10)
+        batch = HubClient(live.url).get_batch(10, wait_s=30)   # depth counts groups still being scored
     # the straggler (group 0, 30 steps) did not hold the others: while it ran, its 4 free slots finished a short
     # group (5 steps) every 5 steps, each uploaded at once: 5 of them reached the hub before it
     lengths = batch.completion_lengths.view(10, 4)
@@ -130,7 +130,7 @@ def test_new_weights_reach_the_engine_between_steps_and_groups_take_their_oldest
         # the step during which it was published, whatever the machine's speed
         stats = ContinuousRollouts(loop, scripted, max_in_flight=8, upload_interval_s=0.0,
                                    check_interval_s=0.0).run(threading.Event(), max_groups=12)
-        batch = HubClient(live.url).get_batch(12)
+        batch = HubClient(live.url).get_batch(12, wait_s=30)
     switch = next(step for step, version in scripted.switches if version == 4)
     assert switch == 11 and stats.weight_updates == 1
     torch.testing.assert_close(engine.model.model.norm.weight, model.model.norm.weight)

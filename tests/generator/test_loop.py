@@ -111,7 +111,7 @@ def test_late_joiner_starts_from_the_current_version(engine, tmp_path, tiny_mode
         HubClient(live.url).upload_weights(3, path)
         loop = make_loop(engine, live.url, tmp_path, generator_id="late")
         loop.run(threading.Event(), max_groups=1)
-        assert HubClient(live.url).get_batch(1).policy_versions.tolist() == [3] * 4
+        assert HubClient(live.url).get_batch(1, wait_s=30).policy_versions.tolist() == [3] * 4
 
 
 def test_generator_survives_a_hub_restart(engine, tmp_path):
