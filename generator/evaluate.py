@@ -8,7 +8,9 @@ evaluated (:func:`describe`, the result's ``evaluated``).
 With ``generator.environment`` set, the same environment runs (generator/multiturn.py): every trajectory is scored
 as in training (the reward functions on the whole trajectory's text, or the environment's reward with ``reward:
 environment``, whose component is then ``environment``), and the result adds the tool-call rate (greedy
-trajectories with at least one observation appended), turns per trajectory and environment failures.
+trajectories with at least one observation appended), turns per trajectory and environment failures. With
+``generator.agent`` the agent's episodes are the trajectories (generator/agent/runner.py, through an endpoint of the
+evaluation's own), scored as in training (``reward: agent``: component ``agent``).
 
 It says how far it is (logger ``grpo.eval``, a line every :data:`PROGRESS_EVERY_S` seconds with the percentage and
 the time left): on a CPU the demo's 500 examples take a while.
@@ -173,20 +175,42 @@ def sample(engine, examples: list, prompts: list[list[int]], config: GRPOConfig,
                               max_tokens=gen.sampling.max_tokens)
     on_greedy = lambda done: ticker.update(done, "greedy")  # noqa: E731
     on_sampled = lambda done: ticker.update(len(prompts) + done, f"pass@{cfg.k} samples")  # noqa: E731
-    if environment is None:
+    if environment is None and gen.agent is None:
         greedy = generate_in_chunks(engine, prompts, greedy_sampling, 1, None, on_greedy, scoring.into(scoring.greedy))
         return greedy, generate_in_chunks(engine, prompts, sampling, cfg.k, config.seed, on_sampled,
                                           scoring.into(scoring.sampled)), None
-    from generator.multiturn import MultiTurnRollouts
-
     samples = [{"question": e.question, **e.data} for e in examples]
-    runner = MultiTurnRollouts(engine, engine.tokenizer, environment)
-    greedy = rollouts_in_chunks(runner, samples, prompts, greedy_sampling, 1, config.seed, on_greedy,
-                                on_chunk=scoring.into(scoring.greedy))
-    greedy_env = replace(runner.stats)
-    sampled = rollouts_in_chunks(runner, samples, prompts, sampling, cfg.k, config.seed, on_sampled,
-                                 on_chunk=scoring.into(scoring.sampled))
+    runner = multi_turn_runner(engine, config, greedy_sampling)
+    try:
+        greedy = rollouts_in_chunks(runner, samples, prompts, greedy_sampling, 1, config.seed, on_greedy,
+                                    on_chunk=scoring.into(scoring.greedy))
+        greedy_env = replace(runner.stats)
+        sampled = rollouts_in_chunks(runner, samples, prompts, sampling, cfg.k, config.seed, on_sampled,
+                                     on_chunk=scoring.into(scoring.sampled))
+    finally:
+        if hasattr(runner, "close"):
+            runner.close()
     return greedy, sampled, greedy_env
+
+
+def multi_turn_runner(engine, config: GRPOConfig, sampling: SamplingParams):
+    """What makes the trajectories of an evaluation: the environment's (generator/multiturn.py), or the episodes of
+    ``generator.agent`` through its own endpoint (generator/agent/runner.py; started here, closed by the caller),
+    each pass with its own sampling (greedy, then ``eval.temperature``)."""
+    gen = config.generator
+    if gen.agent is None:
+        from generator.multiturn import MultiTurnRollouts
+
+        return MultiTurnRollouts(engine, engine.tokenizer, gen.environment)
+    if not (gen.agent.fn or gen.agent.verifiers is not None):
+        raise UsageError("grpo eval with generator.agent needs an agent to run: generator.agent.fn (or a verifiers "
+                         "environment); an external agent process (fn: null) drives the endpoint itself, so "
+                         "evaluate with it, or set generator.agent.fn")
+    if not hasattr(engine, "generate_turns"):
+        raise UsageError(f"generator.agent: the {engine.name} engine cannot sample turns (eval.engine)")
+    from generator.agent.runner import AgentRollouts
+
+    return AgentRollouts(engine, engine.tokenizer, gen.agent, sampling, seed=config.seed)
 
 
 def eval_dataset(config: GRPOConfig) -> DatasetConfig:
@@ -245,14 +269,15 @@ def plan_eval(config: GRPOConfig) -> EvalPlan:
     examples = load_examples(dataset, seed=config.seed + 1)[:cfg.num_examples]
     evaluated = describe(dataset, len(examples), gen.dataset)
     rewards = RewardSet.from_specs(gen.rewards, config.learner.max_steps)
-    environment = gen.environment
-    names = ["environment"] if environment is not None and environment.reward == "environment" else \
+    rollouts = gen.environment or gen.agent   # an agent's episodes are scored as an environment's trajectories
+    names = [rollouts.reward] if rollouts is not None and rollouts.reward in ("environment", "agent") else \
         [t.name for t in rewards.terms]
     judge = cfg.accuracy_reward or names[0]
     if judge not in names:
         raise UsageError(f"eval.accuracy_reward {judge!r} is not one of the generator's rewards {names}"
                          + (" (generator.environment.reward: environment scores with 'environment' only)"
-                            if names == ["environment"] else ""))
+                            if names == ["environment"] else
+                            " (generator.agent.reward: agent scores with 'agent' only)" if names == ["agent"] else ""))
     return EvalPlan(examples, evaluated, rewards, names, judge)
 
 
@@ -285,7 +310,7 @@ def evaluate_engine(config: GRPOConfig, engine, plan: EvalPlan, label: str) -> E
                          add_special_tokens=not chat)["input_ids"] for e in examples]
     ticker = Ticker(f"evaluating {label} on {evaluated}", len(prompts) * (1 + cfg.k),
                     log.info, every_s=PROGRESS_EVERY_S, unit="sequences")
-    scoring = EvalScoring(rewards, tokenizer, examples, environment, gen.failures)
+    scoring = EvalScoring(rewards, tokenizer, examples, environment or gen.agent, gen.failures)
     greedy, sampled, greedy_env = sample(engine, examples, prompts, config, ticker, scoring)
     correct = 0
     totals: dict[str, float] = dict.fromkeys(names, 0.0)

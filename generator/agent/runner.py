@@ -105,8 +105,10 @@ class AgentRollouts:
     def generate(self, samples: list[dict[str, Any]], prompts: list[list[int]], sampling: SamplingParams, n: int,
                  seed: int | None = None) -> tuple[list[list[int]], list[list[SampledCompletion]]]:
         """``n`` episodes of each sample; the group prompts and the episodes as completions. ``prompts`` (the
-        dataset's rendering) and ``sampling`` are not used: the agent's calls make the prompts, the endpoint samples
-        with the generator's sampling."""
+        dataset's rendering) are not used: the agent's calls make the prompts. The endpoint samples these episodes'
+        calls with ``sampling``'s temperature, top-p and top-k (in training the generator's; ``grpo eval``: greedy,
+        then eval.temperature), never a call's own."""
+        self.sampler.sampling = sampling   # between batches: no episode is open, no call is being sampled
         groups = [[self.book.open(sample, self.cfg.timeout_s) for _ in range(n)] for sample in samples]
         episodes = [e for group in groups for e in group]
         if self.fn is not None:

@@ -175,3 +175,26 @@ def test_an_environment_that_raises_fails_its_episodes_only(untrained_dir):
             else:
                 assert not completion.env_failed and completion.env_reward == 1.0
                 assert len(check_record(engine, prompt, completion)) == 2
+
+
+@pytest.mark.slow
+def test_grpo_eval_runs_the_environment_on_its_eval_split_and_judges_by_its_rubric(untrained_dir):
+    from generator.evaluate import evaluate
+    from shared.config.schema import GRPOConfig
+    from tests.generator.vf_test_envs import checksum
+
+    config = GRPOConfig.model_validate({
+        "generator": {"environment": vf_env("single", rows=3), "sampling": {"max_tokens": 8}},
+        "eval": {"split": "eval", "num_examples": 2, "k": 2, "engine": "transformers", "threshold": 1.0}})
+    result = evaluate(config, untrained_dir)
+    # an independent count: the engine's greedy answer to each held-out row's chat prompt, scored by the rubric
+    engine = TransformersEngine(untrained_dir)
+    held_out = [("0*0", 0.0), ("1*1", 1.0)]
+    prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                                    tokenize=True, return_dict=False) for q, _ in held_out]
+    answers = [engine.tokenizer.decode(group[0].token_ids, skip_special_tokens=True)
+               for group in engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8), 1)]
+    rubric = [checksum(text) + answer for text, (_, answer) in zip(answers, held_out)]
+    assert result.num_examples == 2 and result.accuracy_reward == "agent" and result.env_errors == 0
+    assert result.greedy_mean_reward == pytest.approx(sum(rubric) / 2)
+    assert result.greedy_accuracy == sum(r >= 1.0 for r in rubric) / 2 and result.turns_per_trajectory == 1.0
