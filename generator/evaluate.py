@@ -210,7 +210,10 @@ def multi_turn_runner(engine, config: GRPOConfig, sampling: SamplingParams):
         raise UsageError(f"generator.agent: the {engine.name} engine cannot sample turns (eval.engine)")
     from generator.agent.runner import AgentRollouts
 
-    return AgentRollouts(engine, engine.tokenizer, gen.agent, sampling, seed=config.seed)
+    # the evaluation's own endpoint, for its own agent only: loopback, any free port (a training generator may hold
+    # the configured one)
+    own = gen.agent.model_copy(update={"host": "127.0.0.1", "port": 0})
+    return AgentRollouts(engine, engine.tokenizer, own, sampling, seed=config.seed)
 
 
 def eval_dataset(config: GRPOConfig) -> DatasetConfig:

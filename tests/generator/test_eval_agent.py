@@ -1,6 +1,7 @@
 """``grpo eval`` with ``generator.agent``: the agent's episodes are what is evaluated, scored as in training."""
 
 import json
+import socket
 from pathlib import Path
 
 import pytest
@@ -43,8 +44,11 @@ def test_eval_of_the_calculator_agent_equals_the_calculator_environment(calc_mod
     data, count = problems(tmp_path)
     environment = evaluate(calc_config(data, count, environment={"name": "calculator", "max_turns": 2,
                                                                  "max_total_tokens": 64}), str(calc_model_dir))
-    agent = evaluate(calc_config(data, count, agent={"fn": CALC_AGENT, "reward": "rewards",
-                                                     "max_total_tokens": 64}), str(calc_model_dir))
+    with socket.socket() as held:   # the configured port is taken (a training generator's): eval takes its own
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        agent = evaluate(calc_config(data, count, agent={"fn": CALC_AGENT, "reward": "rewards", "max_total_tokens": 64,
+                                                         "port": held.getsockname()[1]}), str(calc_model_dir))
     # greedy: the agent's episodes are the environment's trajectories token for token (docs/agents.md), so the
     # same problems are right and the same ones call the tool
     assert environment.greedy_accuracy >= 4 / count and environment.tool_call_rate >= 4 / count
