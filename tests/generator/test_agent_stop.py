@@ -5,7 +5,6 @@ driven lets the next generator count what a killed one lost. Real processes kill
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import requests
@@ -16,6 +15,7 @@ from generator.engines.hf import TransformersEngine
 from shared.config.schema.agent import AgentConfig
 from shared.protocol.records import SamplingParams
 from tests.generator import agent_kit
+from tests.generator.test_failures_cli import wait_for
 
 
 def test_the_journal_of_a_dead_process_is_counted_once_and_a_live_or_closed_one_never(tmp_path):
@@ -43,13 +43,6 @@ def untrained_dir(tmp_path_factory):
                               tmp_path_factory.mktemp("agent-untrained")))
 
 
-def wait_until(condition, what: str, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 @pytest.mark.slow
 def test_a_stop_drops_groups_with_unfinished_episodes_whole_counted_and_keeps_the_finished_ones(untrained_dir,
                                                                                                   tmp_path):
@@ -68,7 +61,7 @@ def test_a_stop_drops_groups_with_unfinished_episodes_whole_counted_and_keeps_th
         driving.start()
         for _ in range(2):
             assert held.acquire(timeout=60)
-        wait_until(lambda: agent.book.open_count() == 2, "the other groups' rewards")   # only the held two open
+        wait_for(lambda: agent.book.open_count() == 2, "the other groups' rewards")   # only the held two open
         assert len(agent.journal.path.read_text().split()) == 6 and driving.is_alive()
         stop.set()
         driving.join(timeout=10)
