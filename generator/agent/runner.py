@@ -109,13 +109,19 @@ class AgentRollouts:
         """This process's journal, after counting the episodes that killed generators left in ``folder``."""
         if folder is None:
             return None
-        lost = claim_orphans(folder)
+        try:
+            lost = claim_orphans(folder)
+            journal = EpisodeJournal(folder)
+        except OSError as exc:   # a folder without locks (some network filesystems) or not writable
+            log.warning("the agent's episode journal cannot be kept in %s (%s): a kill of this generator will not "
+                        "be counted by the next one", folder, exc)
+            return None
         if lost:
             self.stats.episodes_dropped_at_restart = sum(lost.values())
             log.warning("%d episodes of %d generator process(es) that ended while driving them (killed) are dropped: "
                         "nothing of their batches was uploaded (journals %s in %s)",
                         self.stats.episodes_dropped_at_restart, len(lost), ", ".join(lost), folder)
-        return EpisodeJournal(folder)
+        return journal
 
     def _close_journal(self) -> None:
         if self.journal is not None:

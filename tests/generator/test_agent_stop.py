@@ -81,3 +81,21 @@ def test_a_stop_drops_groups_with_unfinished_episodes_whole_counted_and_keeps_th
         driving.join(timeout=30)
         agent.close()
     assert list(tmp_path.iterdir()) == []   # a clean close leaves no journal to count
+
+
+@pytest.mark.slow
+def test_a_folder_where_no_journal_can_be_kept_is_a_warning_and_the_generator_goes_on(untrained_dir, tmp_path,
+                                                                                      caplog):
+    sampling = SamplingParams(temperature=1.0, max_tokens=3)
+    engine = TransformersEngine(untrained_dir)
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    agent = AgentRollouts(engine, engine.tokenizer, AgentConfig(fn="tests.generator.agent_kit:holding_agent", port=0),
+                          sampling, seed=3, journal_dir=blocked)
+    try:
+        assert agent.journal is None
+        assert f"the agent's episode journal cannot be kept in {blocked}" in caplog.text
+        _, groups = agent.generate([{"question": "ab", "reward": 1.0}], [[0]], sampling, 2)
+        assert [c.env_reward for c in groups[0]] == [1.0, 1.0]
+    finally:
+        agent.close()
