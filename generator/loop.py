@@ -146,6 +146,7 @@ class RolloutLoop:
         """``generator.agent``: the episodes of a user's agent are the rollouts (generator/agent/runner.py), scored
         as an environment's trajectories are (``cfg`` has its ``reward``, ``on_error`` and ``name``)."""
         self.multiturn, self.environment, self.stats.environment = rollouts, cfg, rollouts.stats
+        rollouts.stopping = lambda: self.stop.is_set()   # a stop ends the wait on a batch's unfinished episodes
 
     # -- weights --------------------------------------------------------------------------------------------
     def sync_weights(self) -> bool:
@@ -279,6 +280,8 @@ class RolloutLoop:
             samples = self.engine.generate(prompt_ids, self.sampling, self.group_size, seed=seed)
         groups = []
         for example, ids, group_samples in zip(examples, prompt_ids, samples):
+            if not group_samples:   # an agent's group dropped at a stop (generator/agent/runner.py), counted there
+                continue
             group = self.build_group(example, ids, group_samples)
             self.stats.prompts += 1
             self.stats.completion_tokens += sum(len(s.token_ids) for s in group_samples)

@@ -116,9 +116,11 @@ def start_agent(config: GRPOConfig, engine, loop: RolloutLoop):
         return None
     if not hasattr(engine, "generate_turns"):
         raise GeneratorSetupError(f"generator.agent: the {engine.name} engine cannot sample turns")
+    from generator.agent.journal import journal_dir
     from generator.agent.runner import AgentRollouts
 
-    rollouts = AgentRollouts(engine, loop.tokenizer, cfg.agent, loop.sampling, seed=config.seed)
+    rollouts = AgentRollouts(engine, loop.tokenizer, cfg.agent, loop.sampling, seed=config.seed,
+                             journal_dir=journal_dir(cfg.weights_dir))
     loop.use_agent(rollouts, cfg.agent)
     return rollouts
 

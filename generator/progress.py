@@ -26,7 +26,8 @@ def environment_summary(env) -> dict[str, float | int]:
         summary |= {"tool_calls": env.tool_calls, "tool_errors": env.tool_errors}
     if hasattr(env, "template_mismatches"):   # an agent's episodes (generator/agent/episodes.py: AgentStats)
         summary |= {name: getattr(env, name) for name in ("template_mismatches", "diverged", "expired",
-                                                          "agent_errors")}
+                                                          "agent_errors", "episodes_dropped",
+                                                          "episodes_dropped_at_restart")}
     return summary
 
 

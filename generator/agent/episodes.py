@@ -5,7 +5,7 @@ their behaviour logprobs) and the text the agent added between calls (tool resul
 the end of each model turn (for step rewards) and the last call's conversation (chat) to check the next call
 continues it. The :class:`EpisodeBook` holds the episodes of the batch being generated: one call at a time per
 episode, a deadline each (an episode past it expires: failed and counted), and a condition the runner waits on
-until every episode of the batch is closed.
+until every episode of the batch is closed, or the generator is stopping (the unfinished groups are then dropped).
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ class AgentStats(EnvStats):
     diverged: int = 0              # episodes failed by a call that did not continue their conversation
     expired: int = 0               # episodes without a reward before their deadline
     agent_errors: int = 0          # episodes whose agent function raised
+    episodes_dropped: int = 0      # episodes of groups left unfinished by a stop (SIGTERM, ctrl-c): not uploaded
+    episodes_dropped_at_restart: int = 0   # episodes a killed generator was driving, found at start (journal.py)
 
 
 @dataclass
@@ -78,6 +80,11 @@ class Episode:
         return SampledCompletion(own + self.tokens, [0.0] * len(own) + self.logprobs, self.finish or "stop",
                                  mask=[0] * len(own) + self.mask, env_reward=self.reward, env_failure=self.failure,
                                  token_steps=steps)
+
+
+def finished(episode: Episode) -> bool:
+    """Closed, with no call of it still being answered."""
+    return episode.closed and not episode.busy
 
 
 class EpisodeBook:
@@ -166,17 +173,31 @@ class EpisodeBook:
     def _expire(self, episode: Episode) -> None:
         self.fail(episode, "no reward before generator.agent.timeout_s", "expired")
 
-    def wait_closed(self, episodes: list[Episode], poll_s: float = 0.5) -> None:
-        """Until every one of ``episodes`` is closed; those past their deadline expire (failed and counted)."""
+    def wait_closed(self, episodes: list[Episode], stopping=lambda: False, poll_s: float = 0.5) -> bool:
+        """Until every one of ``episodes`` is closed (True), or ``stopping()`` (False: some may be open); those
+        past their deadline expire (failed and counted)."""
         with self.lock:
             while True:
                 now = time.monotonic()
                 for episode in episodes:
                     if not episode.closed and not episode.busy and now > episode.deadline:
                         self._expire(episode)
-                if all(e.closed and not e.busy for e in episodes):   # a call in flight finishes its record
-                    return
+                if all(finished(e) for e in episodes):   # a call in flight finishes its record
+                    return True
+                if stopping():
+                    return False
                 self.lock.wait(poll_s)
+
+    def drop(self, episodes: list[Episode]) -> None:
+        """The generator stops before these episodes' group is finished: closed (a later call or reward gets 404
+        saying so), not failed (no failure of the agent's), counted in ``episodes_dropped``."""
+        with self.lock:
+            for episode in episodes:
+                if not episode.closed:
+                    episode.failure = Failure("dropped: the generator stopped before its group finished")
+                    episode.closed = True
+            self.stats.episodes_dropped += len(episodes)
+            self.lock.notify_all()
 
     def forget(self, episodes: list[Episode]) -> None:
         with self.lock:

@@ -8,6 +8,11 @@ something other than a finite number, or has no reward by ``timeout_s`` fails it
 the tokens it recorded, is rewarded ``on_error`` and counted (``env_errors``; generator/failures.py's rule stops a
 run whose agent fails too often). A group's prompt is the tokens its episodes' first calls share; the rest of each
 episode's first prompt starts its completion as non-model tokens.
+
+A stop (SIGTERM, ctrl-c) while a batch is driven ends the wait: its finished groups go on to be uploaded, a group
+with an unfinished episode is dropped whole (an empty group: nothing of it is uploaded) and its episodes counted
+(``episodes_dropped``). A kill loses the whole batch; the next generator started on the same
+``generator.weights_dir`` counts it (``episodes_dropped_at_restart``, generator/agent/journal.py).
 """
 
 from __future__ import annotations
@@ -17,10 +22,12 @@ import inspect
 import logging
 import math
 import threading
+from pathlib import Path
 from typing import Any
 
 from generator.agent.calls import CallHandler
-from generator.agent.episodes import AgentStats, Episode, EpisodeBook
+from generator.agent.episodes import AgentStats, Episode, EpisodeBook, finished
+from generator.agent.journal import EpisodeJournal, claim_orphans
 from generator.agent.sampler import TurnSampler
 from generator.agent.server import AgentServer
 from generator.engines.base import SampledCompletion
@@ -64,8 +71,11 @@ def shared_prefix(rows: list[list[int]]) -> list[int]:
 class AgentRollouts:
     """Serves the endpoint for the generator's life and turns each batch of prompts into groups of episodes."""
 
-    def __init__(self, engine, tokenizer, cfg: AgentConfig, sampling: SamplingParams, seed: int = 0) -> None:
+    def __init__(self, engine, tokenizer, cfg: AgentConfig, sampling: SamplingParams, seed: int = 0,
+                 journal_dir: str | Path | None = None) -> None:
+        """``journal_dir``: where the episodes being driven are journaled (None: nowhere, a kill is not counted)."""
         self.cfg = cfg
+        self.stopping = lambda: False   # the rollout loop's stop (RolloutLoop.use_agent): ends a batch's wait
         if cfg.verifiers is not None:   # a verifiers environment's rollouts as the agent
             from generator.agent.verifiers_env import verifiers_agent
 
@@ -81,6 +91,7 @@ class AgentRollouts:
             self.client = openai.OpenAI(base_url="http://127.0.0.1/v1", api_key=cfg.token or "no-token",
                                         max_retries=0, timeout=cfg.timeout_s)
         self.stats = AgentStats()
+        self.journal = self._journal(journal_dir)
         self.book = EpisodeBook(self.stats)
         self.sampler = TurnSampler(engine, sampling, seed, self.book.open_count)
         self.handler = CallHandler(self.book, self.sampler, tokenizer, cfg, sampling.max_tokens)
@@ -89,15 +100,39 @@ class AgentRollouts:
             self.server.start()
         except BaseException:
             self.sampler.close()
+            self._close_journal()
             raise
         log.info("agent endpoint at %s/episodes/{id}/v1 (%s)", self.server.url,
                  cfg.name if self.fn else "external agents claim episodes with POST /episodes")
+
+    def _journal(self, folder: str | Path | None) -> EpisodeJournal | None:
+        """This process's journal, after counting the episodes that killed generators left in ``folder``."""
+        if folder is None:
+            return None
+        try:
+            lost = claim_orphans(folder)
+            journal = EpisodeJournal(folder)
+        except OSError as exc:   # a folder without locks (some network filesystems) or not writable
+            log.warning("the agent's episode journal cannot be kept in %s (%s): a kill of this generator will not "
+                        "be counted by the next one", folder, exc)
+            return None
+        if lost:
+            self.stats.episodes_dropped_at_restart = sum(lost.values())
+            log.warning("%d episodes of %d generator process(es) that ended while driving them (killed) are dropped: "
+                        "nothing of their batches was uploaded (journals %s in %s)",
+                        self.stats.episodes_dropped_at_restart, len(lost), ", ".join(lost), folder)
+        return journal
+
+    def _close_journal(self) -> None:
+        if self.journal is not None:
+            self.journal.close()
 
     def close(self) -> None:
         self.server.stop()
         self.sampler.close()
         if self.fn is not None:
             self.client.close()
+        self._close_journal()
 
     def base_url(self, episode: Episode) -> str:
         return f"{self.server.url}/episodes/{episode.id}/v1"
@@ -111,14 +146,32 @@ class AgentRollouts:
         self.sampler.sampling = sampling   # between batches: no episode is open, no call is being sampled
         groups = [[self.book.open(sample, self.cfg.timeout_s) for _ in range(n)] for sample in samples]
         episodes = [e for group in groups for e in group]
+        if self.journal is not None:
+            self.journal.opened([e.id for e in episodes])
         if self.fn is not None:
             for episode in episodes:
                 threading.Thread(target=self._drive, args=(episode,), daemon=True, name="grpo-agent").start()
-        self.book.wait_closed(episodes)
+        if not self.book.wait_closed(episodes, self.stopping):
+            groups = self._drop_unfinished(groups)
         self.book.forget(episodes)
-        result = [self._group(group) for group in groups]
+        if self.journal is not None:
+            self.journal.handed_on()
+        result = [self._group(group) if group else ([], []) for group in groups]
         self._count(episodes)
         return [prompt for prompt, _ in result], [completions for _, completions in result]
+
+    def _drop_unfinished(self, groups: list[list[Episode]]) -> list[list[Episode]]:
+        """The generator is stopping: each group with an unfinished episode dropped whole (counted), as an empty
+        group the loop skips; the finished groups kept."""
+        kept = [all(finished(e) for e in group) for group in groups]
+        unfinished = [group for group, keep in zip(groups, kept) if not keep]
+        for group in unfinished:
+            self.book.drop(group)
+        if unfinished:
+            log.warning("stopping: %d of %d groups of this batch have unfinished episodes: dropped, their %d "
+                        "episodes counted (episodes_dropped); the %d finished groups go on", len(unfinished),
+                        len(groups), sum(map(len, unfinished)), len(groups) - len(unfinished))
+        return [group if keep else [] for group, keep in zip(groups, kept)]
 
     def _drive(self, episode: Episode) -> None:
         """Run the agent on one episode; its value is the reward unless it posted one."""

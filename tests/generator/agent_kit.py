@@ -143,3 +143,15 @@ def raising_agent(client, example) -> float:
 async def async_agent(client, example) -> float:
     answer = await client.completions.create(model="policy", prompt=example["question"], max_tokens=3)
     return float(len(answer.choices[0].text))
+
+
+def holding_agent(client, example) -> float:
+    """One call; then, for an example with a ``gate`` (a threading.Event), the episode holds until the gate is set,
+    each held episode releasing ``held`` (a semaphore) and noting its reward URL in ``urls`` first."""
+    client.completions.create(model="policy", prompt=example["question"], max_tokens=3)
+    gate = example.get("gate")
+    if gate is not None:
+        example["urls"].append(str(client.base_url).removesuffix("/").removesuffix("/v1") + "/reward")
+        example["held"].release()
+        gate.wait(60)
+    return float(example["reward"])
