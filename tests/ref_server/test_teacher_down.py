@@ -114,11 +114,24 @@ def teacher_logprobs(model, group) -> list[torch.Tensor]:
     return out
 
 
-def lease_all(client: HubClient, seen: dict, count: int, timeout: float) -> None:
-    """Lease and acknowledge batches until ``seen`` holds ``count`` groups (group id -> its rows' teacher logprobs)."""
+def kill_holding(scorer, process) -> set[str]:
+    """SIGKILL a scorer process once the hub has leased it a job (no leave, no result); the jobs it still holds
+    once a result it sent just before dying has settled: those must go back to the queue."""
+    wait_for(lambda: bool(scorer.jobs), 30, f"{scorer.name} to hold a job")
+    process.kill()
+    process.wait(timeout=30)
+    time.sleep(0.5)
+    held = set(scorer.jobs)
+    assert held, f"{scorer.name} held no job when killed"
+    return held
+
+
+def lease_all(client: HubClient, seen: dict, count: int, timeout: float, size: int = 4) -> None:
+    """Lease and acknowledge batches of up to ``size`` groups until ``seen`` holds ``count`` groups (group id -> its
+    rows' teacher logprobs) or ``timeout`` passed."""
     deadline = time.monotonic() + timeout
     while len(seen) < count and time.monotonic() < deadline:
-        batch = client.get_batch(4, wait_s=1.0)
+        batch = client.get_batch(min(size, count - len(seen)), wait_s=1.0)
         if batch is None:
             continue
         assert batch.teacher_logprobs is not None and bool(torch.isfinite(batch.teacher_logprobs).all())
@@ -135,8 +148,8 @@ def test_every_teacher_scorer_killed_mid_run_then_one_back(tmp_path, tiny_model_
     config = make_config(tmp_path, tiny_model_dir, teacher_model=str(teacher_dir), local_scoring=False, beta=0.0,
                          scorer_lease_s=2.0, scorer_wait_s=3.0, queue_capacity=64, max_staleness=1, **PINNED)
     caplog.set_level(logging.WARNING, logger=POOL_LOG)
-    groups = [make_group(seed=i, group_size=8, prompt=tuple(range(1, 33)), lengths=(60, 50, 40, 64, 55, 45, 30, 64))
-              for i in range(20)]
+    groups = [make_group(seed=i, group_size=8, prompt=tuple(range(1, 33)),
+                         lengths=(200, 180, 160, 200, 190, 150, 120, 200)) for i in range(20)]
     with LiveServer(config) as live:
         pool, hub, client = live.state.teacher, live.state.hub, HubClient(live.url)
         scorers = [start_scorer(live.url, teacher_dir, name, tmp_path, "--teacher") for name in ("t-a", "t-b")]
@@ -144,22 +157,24 @@ def test_every_teacher_scorer_killed_mid_run_then_one_back(tmp_path, tiny_model_
         try:
             wait_for(lambda: pool.scorers() == 2, 300, "two teacher scorers to join")
             hub.report_version(0, groups_per_step=4)
-            for group in groups[:12]:
+            by_name = {s.name: s for s in pool._scorers.values()}
+            # one teacher scorer killed mid-request: its jobs go to the other after its lease, none lost
+            for group in groups[:8]:
                 client.upload_group(group)
-            wait_for(lambda: any(s.jobs for s in pool._scorers.values()), 20, "a teacher scorer to hold a job")
-            victims = list(pool._scorers.values())
-            for process in scorers:     # every teacher scorer, at once, mid-request: no leave, no result
-                process.kill()
-            for process in scorers:
-                process.wait(timeout=30)
-            time.sleep(0.5)
-            held = {job for v in victims for job in v.jobs}
-            for group in groups[12:]:
+            held_a = kill_holding(by_name["t-a"], scorers[0])
+            for group in groups[8:12]:
+                client.upload_group(group)
+            wait_for(lambda: not held_a & set(pool._jobs), 30, "t-b to score the jobs t-a held")
+            # then the last one, mid-request too: nobody scores the teacher now
+            for group in groups[12:18]:
+                client.upload_group(group)
+            held_b = kill_holding(by_name["t-b"], scorers[1])
+            for group in groups[18:]:
                 client.upload_group(group)
             wait_for(lambda: pool.scorers() == 0, 20, "the killed scorers' leases to expire")
-            lease_all(client, seen, len(groups), 3)   # what was scored before the kill
+            lease_all(client, seen, len(groups), 3, size=1)   # what was scored before the kills
             waiting = len(groups) - len(seen)
-            assert waiting >= 8 and pool.counters.jobs_requeued >= len(held)
+            assert waiting >= 2 and pool.counters.jobs_requeued >= len(held_a) + len(held_b)
             assert client.get_batch(1, wait_s=1.0) is None  # nothing leased without the teacher's logprobs
             health = live.get("/healthz").json()
             assert (health["teacher_scoring"], health["teacher_scoring_jobs_waiting"]) == ("no scorer", waiting)
@@ -179,6 +194,7 @@ def test_every_teacher_scorer_killed_mid_run_then_one_back(tmp_path, tiny_model_
             lease_all(client, seen, len(groups), 300)
             assert set(seen) == {g.group_id for g in groups}
             assert "a teacher scorer is back after" in caplog.text
+            assert not (held_a | held_b) & set(pool._jobs)
             stats = client.hub_stats()
             assert (stats["accepted"], stats["consumed"], stats["dropped_ref_failure"]) == (20, 20, 0)
             assert stats["scoring_pools"]["teacher"] == {"scoring": "1 joined", "jobs_waiting": 0,
