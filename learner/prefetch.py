@@ -204,7 +204,8 @@ class BatchPrefetcher:
             if self.progress is not None and self._consumer_waiting.is_set() and not self._closed.is_set():
                 stats = self.client.hub_stats()
                 self.progress(f"waiting for {self.num_groups} groups: hub holds {stats['ready']} ready of "
-                              f"{stats['queue_depth']} queued, waited {time.monotonic() - started:.0f}s")
+                              f"{stats['queue_depth']} queued, waited {time.monotonic() - started:.0f}s"
+                              + scoring_waits(stats))
         return None
 
     def _release(self, batch_ids: list[str], request_ids: list[str]) -> None:
@@ -274,3 +275,14 @@ class HubCalls:
             with self._idle:
                 self._pending -= 1
                 self._idle.notify_all()
+
+
+def scoring_waits(stats: dict) -> str:
+    """What the hub's unready groups wait for, from its stats (``scoring_pools``; absent on an older hub): e.g.
+    "; 12 wait for the teacher's logprobs (no scorer for 40s)" ('' when nothing waits)."""
+    parts = []
+    for role, pool in (stats.get("scoring_pools") or {}).items():
+        if pool.get("groups"):
+            who = f"no scorer for {pool['down_s']:.0f}s" if pool.get("down_s") else f"scoring: {pool['scoring']}"
+            parts.append(f"; {pool['groups']} wait for the {role}'s logprobs ({who})")
+    return "".join(parts)

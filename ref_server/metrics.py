@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 if TYPE_CHECKING:
+    from ref_server.scorer_pool.pool import ScorerPool
     from ref_server.state import ServerState
 
 _ENDPOINTS = {"/healthz", "/metrics", "/v1/logprobs", "/v1/rollouts", "/v1/batch", "/v1/batch/ack",
@@ -32,15 +33,6 @@ class ServerMetrics:
             "grpo_hub_queue_depth": ("Rollout groups held by the hub", state.hub.depth),
             "grpo_hub_ready_groups": ("Groups with reference logprobs attached", state.hub.ready_depth),
             "grpo_hub_leased_groups": ("Groups leased to the learner, not yet acknowledged", state.hub.leased_depth),
-            "grpo_scorer_queue_depth": ("Scoring requests waiting for the model",
-                                        lambda: state.scorer.queue_depth() if state.scorer else 0),
-            "grpo_scorers_joined": ("Reference scorers registered with the hub (grpo scorer)",
-                                    lambda: state.scorer.scorers() if state.scorer else 0),
-            "grpo_scoring_jobs_leased": ("Scoring jobs held by a scorer, not yet answered",
-                                         lambda: state.scorer.leased() if state.scorer else 0),
-            "grpo_no_scorer": ("1 while reference scoring is needed and nobody can do it (no local scoring, no "
-                               "scorer joined): groups wait", lambda: int(state.scorer is not None
-                                                                          and state.scorer.status() == "no scorer")),
             "grpo_learner_version": ("Policy version last reported by the learner",
                                      lambda: state.hub.learner_version),
             "grpo_weights_version": ("Newest published weights version (-1: none)",
@@ -66,14 +58,35 @@ class ServerMetrics:
                       "quarantined"):
             hub_events.labels(event=event).set_function(lambda e=event: getattr(counters, e))
 
-        if state.scorer is not None:
-            pool = state.scorer.counters
-            jobs = Gauge("grpo_scoring_jobs", "Reference scoring jobs (ref_server/scorer_pool/pool.py) by what happened",
-                         ["event"], registry=self.registry)
-            for event in ("jobs_submitted", "jobs_scored", "jobs_failed", "jobs_given_up", "jobs_cancelled",
-                          "jobs_requeued", "results_duplicate", "results_refused", "scorers_joined", "scorers_lost",
-                          "scorers_quarantined"):
-                jobs.labels(event=event).set_function(lambda e=event: getattr(pool, e))
+        self._pool_gauges("", "Reference", state.scorer, lambda: state.hub.unscored()["reference"])
+        if state.teacher is not None:
+            self._pool_gauges("teacher_", "Teacher", state.teacher, lambda: state.hub.unscored()["teacher"])
+
+    def _pool_gauges(self, prefix: str, role: str, pool: ScorerPool | None, unscored) -> None:
+        """One scorer pool's gauges, the reference's (``grpo_scorers_joined``, ...) or the teacher's
+        (``grpo_teacher_scorers_joined``, ...): the same names and meanings for both, the same rule behind them."""
+        gauges = {
+            "scorer_queue_depth": ("Scoring requests waiting for the model", lambda: pool.queue_depth() if pool else 0),
+            "scorers_joined": ("Scorers registered with the hub (grpo scorer)", lambda: pool.scorers() if pool else 0),
+            "scoring_jobs_leased": ("Scoring jobs held by a scorer, not yet answered",
+                                    lambda: pool.leased() if pool else 0),
+            "no_scorer": ("1 while scoring is needed and nobody can do it (no local scoring, no scorer joined): "
+                          "groups wait", lambda: int(pool is not None and pool.status() == "no scorer")),
+            "scoring_oldest_job_seconds": ("Seconds the oldest scoring job waiting for a scorer has waited",
+                                           lambda: pool.oldest_wait_s() if pool else 0.0),
+            "hub_unscored_groups": ("The hub's groups waiting for this model's logprobs (unready meanwhile)",
+                                    unscored),
+        }
+        for name, (doc, fn) in gauges.items():
+            Gauge(f"grpo_{prefix}{name}", f"{role}: {doc}", registry=self.registry).set_function(fn)
+        if pool is None:
+            return
+        jobs = Gauge(f"grpo_{prefix}scoring_jobs", f"{role} scoring jobs (ref_server/scorer_pool/pool.py) by what "
+                     "happened", ["event"], registry=self.registry)
+        for event in ("jobs_submitted", "jobs_scored", "jobs_failed", "jobs_given_up", "jobs_cancelled",
+                      "jobs_requeued", "results_duplicate", "results_refused", "scorers_joined", "scorers_lost",
+                      "scorers_quarantined", "down_warnings"):
+            jobs.labels(event=event).set_function(lambda e=event: getattr(pool.counters, e))
 
     def observe(self, path: str, status: int, started: float) -> None:
         """One answered request; ``status`` 499 is a client that left before its answer (never counted as 5xx)."""

@@ -54,10 +54,11 @@ def scratch_relay() -> str:
     return folder
 
 
-def _scorer_pool(cfg: RefServerConfig, local, vocab_size: int | None) -> ScorerPool:
+def _scorer_pool(cfg: RefServerConfig, local, vocab_size: int | None, role: str = "reference") -> ScorerPool:
+    """The reference's pool or the teacher's: one class, one config, one rule for scorers that fail or go away."""
     return ScorerPool(local=local, vocab_size=vocab_size, lease_s=cfg.scorer_lease_s, wait_s=cfg.scorer_wait_s,
                       max_jobs=cfg.max_scoring_jobs, max_bad_results=cfg.scorer_max_bad_results,
-                      job_max_failures=cfg.scoring_job_max_failures)
+                      job_max_failures=cfg.scoring_job_max_failures, role=role)
 
 
 def build_teacher(config: GRPOConfig, reference: ScorerPool | None) -> tuple[ScorerPool | None, dict | None]:
@@ -81,7 +82,7 @@ def build_teacher(config: GRPOConfig, reference: ScorerPool | None) -> tuple[Sco
         raise ModelLoadError(f"teacher model folder {cfg.teacher_model!r} has no readable config.json with a "
                              "vocab_size (joined teacher scorers must match it)")
     log.info("teacher %s: scored %s", cfg.teacher_model, "here" if local is not None else "by joined scorers")
-    return _scorer_pool(cfg, local, vocab_size), identity
+    return _scorer_pool(cfg, local, vocab_size, role="teacher"), identity
 
 
 def build_state(config: GRPOConfig) -> ServerState:

@@ -51,3 +51,14 @@ class ServerState:
     teacher_identity: dict | None = None
     # the curriculum's pass-rate table every generator shares (ref_server/hub/curriculum.py; the spool's folder)
     curriculum: SharedCurriculum = field(default_factory=SharedCurriculum)
+
+    def pools(self) -> dict[str, ScorerPool]:
+        """The scorer pools by the model they score, ``reference`` and ``teacher`` (one pool under both names when
+        they are one model); a model this hub does not score is absent."""
+        return {role: pool for role, pool in (("reference", self.scorer), ("teacher", self.teacher)) if pool is not None}
+
+    def scoring_health(self) -> dict[str, dict]:
+        """Per model scored: who scores it, its jobs waiting and for how long, since when nobody can
+        (:meth:`ScorerPool.health`), and ``groups``: the hub's groups waiting for its logprobs (unready meanwhile)."""
+        unscored = self.hub.unscored()
+        return {role: {**pool.health(), "groups": unscored[role]} for role, pool in self.pools().items()}

@@ -69,6 +69,9 @@ class Intake:
         # parallel, and on several cores they pay for it: ~200 context switches and 2-4x the CPU per group measured
         # with 40 uploads at once on 2 cores (docs/hub-capacity.md). Waiting on this lock costs no CPU. None: no gate.
         self.cpu_gate: threading.Lock | None = threading.Lock()
+        # groups submitted to each model's scorer and not answered yet (a scorer pool with nobody to score waits)
+        self._unscored = {"reference": 0, "teacher": 0}
+        self._unscored_lock = threading.Lock()
 
     # -- uploads ------------------------------------------------------------------------------------------
     def put(self, data: bytes) -> dict:
@@ -240,6 +243,10 @@ class Intake:
                 for i, n in enumerate(group.completion_lengths)]
         futures = {id(s): s.submit(rows, group.sampling.temperature) for s in scorers}
         remaining, lock = [len(futures)], threading.Lock()
+        for role, scorer in (("reference", self.scorer), ("teacher", self.teacher)):
+            if scorer is not None:  # counted down before the group is laid out (callbacks run in their order)
+                self._count_unscored(role, 1)
+                futures[id(scorer)].add_done_callback(lambda _, role=role: self._count_unscored(role, -1))
 
         def answered(_) -> None:
             with lock:
@@ -250,6 +257,15 @@ class Intake:
 
         for future in futures.values():
             future.add_done_callback(answered)
+
+    def _count_unscored(self, role: str, change: int) -> None:
+        with self._unscored_lock:
+            self._unscored[role] += change
+
+    def unscored(self) -> dict[str, int]:
+        """Groups waiting for each model's logprobs (``reference``, ``teacher``): submitted, not answered yet."""
+        with self._unscored_lock:
+            return dict(self._unscored)
 
     def _scored(self, entry: QueuedGroup, reference, teacher) -> None:
         """Both Futures answered (None: that model is not scored): the group's rows, or the group dropped."""

@@ -122,6 +122,10 @@ class RolloutHub:
     def leased_depth(self) -> int:
         return self.leases.leased_depth()
 
+    def unscored(self) -> dict[str, int]:
+        """Groups waiting for each model's logprobs (``reference``, ``teacher``), unready meanwhile."""
+        return self.intake.unscored()
+
     @property
     def counters(self) -> HubCounters:
         return self.queue.counters

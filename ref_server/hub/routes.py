@@ -172,4 +172,6 @@ async def hub_stats(state: State) -> dict:
             "groups_per_step": hub.groups_per_step,
             "max_staleness": hub.max_staleness, "lease_timeout_s": hub.lease_timeout_s,
             "learner_session_ttl_s": state.session.ttl_s,
-            "temperature": hub.temperature}
+            "temperature": hub.temperature,
+            # per model scored (reference, teacher): who scores it and the groups waiting for its logprobs
+            "scoring_pools": state.scoring_health()}

@@ -44,7 +44,7 @@ class ScoringJobs:
                 raise ScorerBusy(f"{self.max_jobs} scoring jobs are already queued or leased")
             job_id = f"{self._prefix}-{next(self._ids)}"
             job = Job(JobSpec(job_id, rows, temperature, top_k), future,
-                      [r.tokens - r.prompt_length for r in rows])
+                      [r.tokens - r.prompt_length for r in rows], submitted=self.clock())
             self._jobs[job_id] = job
             self._waiting.append(job_id)
             self.counters.jobs_submitted += 1
@@ -68,6 +68,12 @@ class ScoringJobs:
     def queue_depth(self) -> int:
         """Jobs waiting for a scorer (not leased)."""
         return len(self._waiting)
+
+    def oldest_wait_s(self) -> float:
+        """Seconds since the oldest job still waiting for a scorer was submitted (0 when none waits)."""
+        with self.cond:
+            oldest = min((self._jobs[job_id].submitted for job_id in self._waiting), default=None)
+            return 0.0 if oldest is None else max(self.clock() - oldest, 0.0)
 
     def leased(self) -> int:
         return len(self._jobs) - len(self._waiting)

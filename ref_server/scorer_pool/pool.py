@@ -21,8 +21,11 @@ dropped from the pool, its leases back in the queue for the others, and refused 
 call and when it registers again under its name. A job that failed ``job_max_failures`` times on joined scorers
 (bad results, leases that expired) fails its Future with the reasons: the hub drops the group (counted
 ``dropped_ref_failure``), a route answers 503 with them.
-With no local scoring and no scorer registered, jobs wait: the hub's groups stay queued and the routes answer 503
-after ``ref_server.scorer_wait_s`` (:meth:`ScorerPool.wait_s`).
+With no local scoring and no scorer registered (none joined, or every one killed: their leases expire and the jobs
+go back to the queue), jobs wait: the hub's groups stay queued, unready (never leased without these logprobs), the
+routes answer 503 after ``ref_server.scorer_wait_s`` (:meth:`ScorerPool.wait_s`), and every ``scorer_wait_s`` of it
+the log warns (:meth:`ScorerPool.expire`; ``down_warnings``, :meth:`ScorerPool.health`); a scorer that joins takes
+the waiting jobs at once. One rule for both pools: the teacher's (``role="teacher"``) is this class too.
 """
 
 from __future__ import annotations
@@ -55,10 +58,12 @@ log = logging.getLogger("grpo.ref_server.pool")
 class ScorerPool(ScoringJobs):
     def __init__(self, *, local: ReferenceScorer | None, vocab_size: int | None, lease_s: float = 30.0,
                  wait_s: float = 60.0, max_jobs: int = 1024, clock: Callable[[], float] = time.monotonic,
-                 reaper: bool = True, max_bad_results: int = 3, job_max_failures: int = 4) -> None:
+                 reaper: bool = True, max_bad_results: int = 3, job_max_failures: int = 4,
+                 role: str = "reference") -> None:
         """``reaper``: a thread calls :meth:`expire` a few times a second (tests with a ``clock`` of their own call
         it themselves). ``max_bad_results``: bad results before a scorer is quarantined; ``job_max_failures``: failed
-        attempts (bad results, expired leases) before a job fails."""
+        attempts (bad results, expired leases) before a job fails. ``role``: the model it scores, ``reference`` or
+        ``teacher`` (for the messages)."""
         super().__init__(max_jobs=max_jobs, job_max_failures=job_max_failures, clock=clock)
         self.local = local
         self.max_bad_results = max_bad_results
@@ -69,6 +74,9 @@ class ScorerPool(ScoringJobs):
         self._scorers: dict[str, JoinedScorer] = {}
         self._local_tokens = 0
         self._closed = False
+        self.role = role
+        self._down_since: float | None = None   # since when no scorer can take the jobs that wait (None: not down)
+        self._next_warning = 0.0
         self._threads = [threading.Thread(target=self._reap, name="scorer-pool-leases", daemon=True)] if reaper else []
         if local is not None:
             self._threads.append(threading.Thread(target=self._dispatch_local, name="scorer-pool-local",
@@ -85,7 +93,7 @@ class ScorerPool(ScoringJobs):
             return await asyncio.wait_for(asyncio.wrap_future(future), wait)
         except TimeoutError:
             future.cancel()
-            raise NoScorer(f"no reference scorer answered within {wait:.0f}s (scoring: {self.status()}, "
+            raise NoScorer(f"no {self.role} scorer answered within {wait:.0f}s (scoring: {self.status()}, "
                            f"{self.queue_depth()} jobs waiting)") from None
 
     def wait_s(self) -> float | None:
@@ -106,6 +114,14 @@ class ScorerPool(ScoringJobs):
         if self.local is not None:
             return f"local + {joined} joined" if joined else "local"
         return f"{joined} joined" if joined else "no scorer"
+
+    def health(self) -> dict:
+        """Who scores (:meth:`status`), the jobs waiting for a scorer and how long the oldest has waited, and since
+        when nobody could take them (``down_s``, 0 while up): /healthz, /v1/hub/stats."""
+        with self.cond:
+            down_s = 0.0 if self._down_since is None else max(self.clock() - self._down_since, 0.0)
+        return {"scoring": self.status(), "jobs_waiting": self.queue_depth(),
+                "oldest_job_wait_s": round(self.oldest_wait_s(), 1), "down_s": round(down_s, 1)}
 
     def close(self) -> None:
         """Stop handing out work. Pending Futures stay unresolved: the hub's groups stay spooled for its restart."""
@@ -268,7 +284,33 @@ class ScorerPool(ScoringJobs):
             for job in overdue:
                 log.warning("scoring job %s: lease of %s expired; back in the queue", job.spec.job_id, job.holder)
                 self._requeue(job, failure=f"the lease of scorer {job.holder} expired")
+            self._watch_down(now)
             return len(overdue)
+
+    def _watch_down(self, now: float) -> None:
+        """Under the lock: jobs that wait with no scorer to take them are not dropped, and not silent either: a
+        warning when it starts lasting and every ``wait_s`` after (a route's request gives up after as long), a
+        line when a scorer is back."""
+        down = self.local is None and not self._scorers and bool(self._waiting)
+        if not down:
+            if self._down_since is not None and self._scorers:
+                log.warning("a %s scorer is back after %.0fs without one; it takes the %d jobs waiting", self.role,
+                            now - self._down_since, len(self._waiting))
+                self._down_since = None
+            elif not self._waiting:
+                self._down_since = None
+            return
+        if self._down_since is None:
+            self._down_since, self._next_warning = now, now + self._wait_s
+        if now < self._next_warning:
+            return
+        self._next_warning = now + self._wait_s
+        self.counters.down_warnings += 1
+        oldest = min(self._jobs[job_id].submitted for job_id in self._waiting)
+        log.warning("no %s scorer for %.0fs: %d scoring jobs wait, the oldest for %.0fs; the hub's groups wait for "
+                    "them (none is leased without these logprobs, none dropped): start `grpo scorer%s --hub URL`",
+                    self.role, now - self._down_since, len(self._waiting), now - oldest,
+                    " --teacher" if self.role == "teacher" else "")
 
     def _reap(self) -> None:
         tick = min(self.lease_s / 4, 0.5)

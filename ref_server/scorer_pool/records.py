@@ -37,6 +37,7 @@ class Job:
     deadline: float = 0.0
     holders: set[str] = field(default_factory=set)  # every scorer it was ever leased to: whose results count
     failures: list[str] = field(default_factory=list)  # bad results and expired leases, each with its reason
+    submitted: float = 0.0             # the pool's clock when it was submitted (how long it has waited, in health)
 
     @property
     def tokens(self) -> int:
@@ -65,6 +66,7 @@ class PoolCounters:
     scorers_joined: int = 0
     scorers_lost: int = 0           # removed after a lease's worth of silence
     scorers_quarantined: int = 0    # refused for good after ref_server.scorer_max_bad_results bad results
+    down_warnings: int = 0          # "no scorer while jobs wait" logged (every ref_server.scorer_wait_s of it)
 
 
 class Quarantine:

@@ -118,7 +118,8 @@ class RefServerConfig(StrictModel):
     scorer_wait_s: float = Field(
         60.0, gt=0, allow_inf_nan=False, description="Without local scoring: how long /v1/logprobs and "
         "/v1/completions wait for a joined scorer to answer before replying 503 with Retry-After and the reason "
-        "(never hanging forever when no scorer is registered).")
+        "(never hanging forever when no scorer is registered); while jobs wait with no scorer to take them (the "
+        "reference's or the teacher's), the hub logs a warning this often.")
     scorer_max_bad_results: int = Field(
         3, ge=1, le=1000, description="Bad results a joined scorer may send (a result of the wrong shape or dtype, "
         "not finite, above 0, or for a job it does not hold) before the hub quarantines it: it is dropped from the "
