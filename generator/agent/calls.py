@@ -147,7 +147,7 @@ class CallHandler:
             episode.prompt = prompt
         else:
             episode.append(added, None, model=False)
-        episode.append(sampled.token_ids, sampled.logprobs, model=True)
+        episode.append(sampled.token_ids, sampled.logprobs, model=True, versions=sampled.versions)
         episode.calls, episode.last_ended = episode.calls + 1, sampled.ended
         if sampled.ended == "length" and len(episode.tokens) >= cfg.max_total_tokens:
             episode.finish = "length"

@@ -57,12 +57,22 @@ class Episode:
     closed: bool = False
     busy: bool = False                       # a call of this episode is being answered
     claimed: bool = False                    # an external process took it (POST /episodes)
+    # the policy version of each token (continuous schedule: weights change between and inside calls); None: the
+    # batch schedule's episodes, sampled with one version
+    versions: list[int] | None = None
 
     @property
     def context(self) -> list[int]:
         return (self.prompt or []) + self.tokens
 
-    def append(self, ids: list[int], logprobs: list[float] | None, model: bool) -> None:
+    def append(self, ids: list[int], logprobs: list[float] | None, model: bool,
+               versions: list[int] | None = None) -> None:
+        """Tokens of the episode: the model's (with their logprobs and, on the continuous schedule, the version
+        that sampled each) or another's (logprob 0; the version of the model token before them)."""
+        if versions is not None and self.versions is None:
+            self.versions = [versions[0] if versions else 0] * len(self.tokens)   # before it: the first version
+        if self.versions is not None:
+            self.versions += versions if versions is not None else [self.versions[-1] if self.versions else 0] * len(ids)
         self.tokens += ids
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
         self.mask += [1 if model else 0] * len(ids)
@@ -77,9 +87,12 @@ class Episode:
         if self.step_rewards is not None and self.failure is None:
             offset = len(own)
             steps = [(self.turn_ends[i] + offset, r) for i, r in enumerate(self.step_rewards)]
+        versions = None
+        if self.versions is not None:   # the first prompt's own part: the first model token's version
+            versions = [self.versions[0] if self.versions else 0] * len(own) + self.versions
         return SampledCompletion(own + self.tokens, [0.0] * len(own) + self.logprobs, self.finish or "stop",
                                  mask=[0] * len(own) + self.mask, env_reward=self.reward, env_failure=self.failure,
-                                 token_steps=steps)
+                                 token_steps=steps, versions=versions)
 
 
 def finished(episode: Episode) -> bool:
@@ -176,17 +189,22 @@ class EpisodeBook:
     def wait_closed(self, episodes: list[Episode], stopping=lambda: False, poll_s: float = 0.5) -> bool:
         """Until every one of ``episodes`` is closed (True), or ``stopping()`` (False: some may be open); those
         past their deadline expire (failed and counted)."""
-        with self.lock:
-            while True:
-                now = time.monotonic()
-                for episode in episodes:
-                    if not episode.closed and not episode.busy and now > episode.deadline:
-                        self._expire(episode)
-                if all(finished(e) for e in episodes):   # a call in flight finishes its record
-                    return True
+        with self.lock:   # reentrant: settle takes it again
+            while not self.settle(episodes):   # a call in flight finishes its record first
                 if stopping():
                     return False
                 self.lock.wait(poll_s)
+            return True
+
+    def settle(self, episodes: list[Episode]) -> bool:
+        """Without waiting: whether every one of ``episodes`` has ended (those past their deadline expire first,
+        failed and counted), as :meth:`wait_closed` decides it."""
+        with self.lock:
+            now = time.monotonic()
+            for episode in episodes:
+                if not episode.closed and not episode.busy and now > episode.deadline:
+                    self._expire(episode)
+            return all(finished(e) for e in episodes)
 
     def drop(self, episodes: list[Episode]) -> None:
         """The generator stops before these episodes' group is finished: closed (a later call or reward gets 404

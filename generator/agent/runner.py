@@ -144,13 +144,11 @@ class AgentRollouts:
         calls with ``sampling``'s temperature, top-p and top-k (in training the generator's; ``grpo eval``: greedy,
         then eval.temperature), never a call's own."""
         self.sampler.sampling = sampling   # between batches: no episode is open, no call is being sampled
-        groups = [[self.book.open(sample, self.cfg.timeout_s) for _ in range(n)] for sample in samples]
+        groups = [self.open_episodes(sample, n) for sample in samples]
         episodes = [e for group in groups for e in group]
         if self.journal is not None:
             self.journal.opened([e.id for e in episodes])
-        if self.fn is not None:
-            for episode in episodes:
-                threading.Thread(target=self._drive, args=(episode,), daemon=True, name="grpo-agent").start()
+        self.start(episodes)
         if not self.book.wait_closed(episodes, self.stopping):
             groups = self._drop_unfinished(groups)
         self.book.forget(episodes)
@@ -159,6 +157,39 @@ class AgentRollouts:
         result = [self._group(group) if group else ([], []) for group in groups]
         self._count(episodes)
         return [prompt for prompt, _ in result], [completions for _, completions in result]
+
+    # -- the parts of a batch, which the continuous schedule drives one group at a time (continuous/episodes.py)
+    def open_episodes(self, sample: dict[str, Any], n: int) -> list[Episode]:
+        return [self.book.open(sample, self.cfg.timeout_s) for _ in range(n)]
+
+    def start(self, episodes: list[Episode]) -> None:
+        """The agent function on each episode, a thread each (an external agent claims them instead)."""
+        if self.fn is not None:
+            for episode in episodes:
+                threading.Thread(target=self._drive, args=(episode,), daemon=True, name="grpo-agent").start()
+
+    def close_group(self, group: list[Episode]) -> tuple[list[int], list[SampledCompletion]]:
+        """Ended episodes of one prompt, forgotten by the book and counted: the group's prompt and completions."""
+        self.book.forget(group)
+        self._count(group)
+        return self._group(group)
+
+    def drop(self, episodes: list[Episode]) -> None:
+        """A stop before these episodes' group ended: closed, counted (``episodes_dropped``), forgotten."""
+        self.book.drop(episodes)
+        self.book.forget(episodes)
+
+    def use_sampler(self, sampler) -> None:
+        """Sample the endpoint's calls with ``sampler`` (``sample(context, max_tokens, stops)``), not the batch
+        schedule's TurnSampler, which stops."""
+        self.sampler.close()
+        self.sampler = self.handler.sampler = sampler
+
+    def journal_driving(self, episode_ids: list[str]) -> None:
+        """The journal lists exactly these episodes (the continuous schedule's, as groups open and end)."""
+        if self.journal is not None:
+            self.journal.handed_on()
+            self.journal.opened(episode_ids)
 
     def _drop_unfinished(self, groups: list[list[Episode]]) -> list[list[Episode]]:
         """The generator is stopping: each group with an unfinished episode dropped whole (counted), as an empty

@@ -21,6 +21,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from generator.agent.runner import AgentRollouts
+from generator.continuous.episodes import EpisodesInFlight
 from generator.continuous.groups import GroupsInFlight
 from generator.continuous.trajectories import TrajectoriesInFlight
 from generator.continuous.uploader import GroupUploader
@@ -53,6 +55,9 @@ class ContinuousRollouts:
         self.recompute = recompute   # at a switch, unfinished prefixes are recomputed by the new weights
         if loop.multiturn is None:
             self.groups = GroupsInFlight(loop.group_size, loop.seed, loop.generator_id)
+        elif isinstance(loop.multiturn, AgentRollouts):   # an agent's episodes: each of its calls a sequence
+            self.groups = EpisodesInFlight(loop.multiturn, loop.group_size, loop.seed, loop.generator_id,
+                                           loop.sampling, loop.stats)
         else:   # a chain of turns per trajectory, the environment's calls between them (off this thread)
             self.groups = TrajectoriesInFlight(loop.multiturn, loop.group_size, loop.seed, loop.generator_id,
                                                loop.stats, max_workers=self.max_in_flight)

@@ -38,6 +38,7 @@ class SampledTurn:
     token_ids: list[int]     # the turn's tokens, its EOS or the tokens completing its stop string included
     logprobs: list[float]    # as in SampledCompletion
     ended: str               # "eos", "stop_string" or "length" (max_tokens reached)
+    versions: list[int] | None = None   # the policy version of each token (continuous engines); None: one version
 
 
 class Engine(Protocol):

@@ -108,11 +108,11 @@ def test_the_config_names_what_contradicts_an_agent():
     assert GeneratorConfig(agent="my_agent.py:run").agent.fn == "my_agent.py:run"
     assert GeneratorConfig(agent="my_agent.py:run").rewards == []   # the agent's reward alone scores
     for extra, words in [({"environment": {"name": "calculator"}}, "both set"),
-                         ({"schedule": {"mode": "continuous"}}, "continuous"),
                          ({"rewards": [{"name": "arithmetic"}]}, "generator.agent.reward is 'agent'")]:
         with pytest.raises(ValidationError, match=words):
             GeneratorConfig(agent="my_agent.py:run", **extra)
     assert GeneratorConfig(agent={"fn": "a.py:f", "reward": "rewards"}).rewards[0].name == "arithmetic"
+    assert GeneratorConfig(agent="my_agent.py:run", schedule={"mode": "continuous"}).agent is not None   # both run
 
 
 def test_an_agent_function_is_checked_at_start(tmp_path):

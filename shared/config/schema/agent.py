@@ -73,9 +73,6 @@ def agent_conflict(generator: Any) -> str | None:
     if generator.environment is not None:
         return ("generator.agent and generator.environment are both set: an episode is driven by the agent or by the "
                 "environment, not both; remove one")
-    if generator.schedule.mode == "continuous":
-        return ("generator.schedule.mode is 'continuous', which does not drive an agent's episodes yet (it drives "
-                "environments): use generator.schedule.mode: batch with generator.agent")
     if generator.agent.reward == "agent" and "rewards" in generator.model_fields_set and generator.rewards:
         names = [spec.label or spec.name for spec in generator.rewards]
         return (f"generator.rewards lists {names}, but generator.agent.reward is 'agent', which scores episodes by "
