@@ -33,11 +33,14 @@ AGENT = AgentConfig(fn=CALC_AGENT, reward="rewards", max_total_tokens=64, timeou
 
 
 def drive_agents(engine, questions, n, max_in_flight, on_step=None, stop_at=None, limit=3000):  # noqa: F811
-    """Every question's group of ``n`` calculator-agent episodes through EpisodesInFlight and a ContinuousTransformers
-    of ``max_in_flight`` rows, as the schedule drives them; ``on_step(step, continuous)`` before each engine step;
-    ``stop_at``: abandon everything before that step. The groups by question, the agent, what abandon returned."""
+    """Every question's group of ``n`` calculator-agent episodes through EpisodesInFlight and the engine's
+    continuous wrapper (``max_in_flight`` rows), as the schedule drives them; ``on_step(step, continuous)`` before
+    each engine step; ``stop_at``: abandon everything before that step. The groups by question, the agent, what
+    abandon returned."""
+    from generator.continuous.engines import continuous_engine
+
     agent = AgentRollouts(engine, engine.tokenizer, AGENT, GREEDY, seed=0)
-    continuous = ContinuousTransformers(engine, max_in_flight=max_in_flight)
+    continuous = continuous_engine(engine, max_in_flight)
     flights = EpisodesInFlight(agent, n, seed=0, generator_id="g", sampling=GREEDY, stats=LoopStats())
     try:
         for question in questions:

