@@ -12,7 +12,8 @@ lengths are geometric, most short and a few up to the cap (``--workload long_tai
 the cap (``uniform``, EOS at -50). ``multi_turn``: trajectories of an environment (:class:`ToolStandIn`, a tool
 answering after ``--tool-latency-s``): a turn ends at the stop string ``!`` (its token at probability
 ``--stop-prob``, a tool call) or at EOS (``--eos-prob``, the answer: the trajectory ends), at most ``--turns`` turns
-and ``--max-tokens`` tokens in all; tokens/s and idle count the model's tokens.
+and ``--max-tokens`` tokens in all; tokens/s and idle count the model's tokens. ``agent``: the same trajectories
+driven by an agent through the generator's endpoint (:func:`tool_agent`, ``generator.agent``).
 
 Figures per arm: completion tokens per second (wall, first engine call to last upload); the engine's idle fraction
 (1 - tokens / (decoding steps x sequence slots): a slot idles while its sequence is done and the call or step
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
 import statistics
 import sys
@@ -39,7 +41,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-WORKLOADS = {"long_tail": None, "uniform": -50.0, "multi_turn": None}   # eos_logit; None: from --eos-prob
+WORKLOADS = {"long_tail": None, "uniform": -50.0, "multi_turn": None, "agent": None}   # eos_logit; None: --eos-prob
 MULTI_TURN_STOP = "!"   # the multi-turn workload's stop string: one token of the tiny model's tokenizer
 # continuous: on_weights recompute (the default); continuous_keep: on_weights keep (the transformers engine only)
 SCHEDULES = ("batch", "continuous", "continuous_keep")
@@ -101,6 +103,22 @@ class ToolStandIn:
     def step(self, text):
         time.sleep(self.latency_s)
         return "(ok)"
+
+
+def tool_agent(client, example) -> None:
+    """The agent workload: :class:`ToolStandIn`'s trajectories written as an agent (``generator.agent``) on the
+    endpoint's text completions: a call ending at the stop string is a tool call, answered ``(ok)`` after the
+    latency, then the next call; a call ending otherwise is the answer. Settings from the bench's environment."""
+    text = example["question"]
+    latency, turns = float(os.environ["GRPO_BENCH_TOOL_LATENCY_S"]), int(os.environ["GRPO_BENCH_TURNS"])
+    for _ in range(turns):
+        choice = client.completions.create(model="policy", prompt=text, max_tokens=4096,
+                                           stop=[MULTI_TURN_STOP]).choices[0]
+        if getattr(choice, "stop_reason", None) != MULTI_TURN_STOP:
+            return None
+        time.sleep(latency)
+        text += f"{choice.text}{MULTI_TURN_STOP}(ok)"
+    return None
 
 
 class Publisher:
@@ -181,7 +199,14 @@ def run_arm(args, workload: str, schedule: str, model: Path, url: str) -> dict:
     from shared.protocol.records import SamplingParams
 
     engine = build_engine(args, model)
-    environment = None
+    environment = agent = None
+    if workload == "agent":
+        from generator.agent.runner import AgentRollouts
+        from shared.config.schema.agent import AgentConfig
+
+        os.environ.update(GRPO_BENCH_TOOL_LATENCY_S=str(args.tool_latency_s), GRPO_BENCH_TURNS=str(args.turns))
+        agent_cfg = AgentConfig(fn=f"{Path(__file__).resolve()}:tool_agent", reward="rewards", timeout_s=600,
+                                max_turns=args.turns, max_total_tokens=args.max_tokens)
     if workload == "multi_turn":
         from shared.config.schema.generator import EnvironmentConfig
 
@@ -195,6 +220,9 @@ def run_arm(args, workload: str, schedule: str, model: Path, url: str) -> dict:
                        sampling=SamplingParams(temperature=1.0, max_tokens=args.max_tokens),
                        group_size=args.group_size, prompts_per_batch=args.prompts_per_batch,
                        generator_id=schedule, weights_dir=work, wait_for_budget=False, environment=environment)
+    if workload == "agent":
+        agent = AgentRollouts(engine, engine.tokenizer, agent_cfg, loop.sampling)
+        loop.use_agent(agent, agent_cfg)
     publisher = Publisher(url, next(model.glob("*.safetensors")), args.publish_every_s)
     probe = Probe(loop, publisher)
     slots = args.prompts_per_batch * args.group_size
@@ -215,6 +243,8 @@ def run_arm(args, workload: str, schedule: str, model: Path, url: str) -> dict:
         stats = runner()
     finally:
         publisher.stop()
+        if agent is not None:
+            agent.close()
         engine.close()
         shutil.rmtree(work, ignore_errors=True)
     wall = probe.ended - probe.started
@@ -304,7 +334,7 @@ def main(argv=None) -> int:
            "groups": args.groups, "publish_every_s": args.publish_every_s, "workloads": {}}
     schedules = SCHEDULES if args.engine == "transformers" else SCHEDULES[:2]
     for workload in args.workloads.split(","):
-        stop = args.stop_prob if workload == "multi_turn" else 0.0
+        stop = args.stop_prob if workload in ("multi_turn", "agent") else 0.0
         logit = WORKLOADS[workload]
         logit = eos_logit_for(args.eos_prob, vocab, stop) if logit is None else logit
         with tempfile.TemporaryDirectory(prefix="length-model-") as folder:
