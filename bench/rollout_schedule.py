@@ -13,7 +13,8 @@ the cap (``uniform``, EOS at -50). ``multi_turn``: trajectories of an environmen
 answering after ``--tool-latency-s``): a turn ends at the stop string ``!`` (its token at probability
 ``--stop-prob``, a tool call) or at EOS (``--eos-prob``, the answer: the trajectory ends), at most ``--turns`` turns
 and ``--max-tokens`` tokens in all; tokens/s and idle count the model's tokens. ``agent``: the same trajectories
-driven by an agent through the generator's endpoint (:func:`tool_agent`, ``generator.agent``).
+driven by an agent through the generator's endpoint (:func:`tool_agent`, ``generator.agent``), by a model that
+never samples special tokens (they would not survive the agent's text round trip).
 
 Figures per arm: completion tokens per second (wall, first engine call to last upload); the engine's idle fraction
 (1 - tokens / (decoding steps x sequence slots): a slot idles while its sequence is done and the call or step
@@ -48,9 +49,9 @@ SCHEDULES = ("batch", "continuous", "continuous_keep")
 
 
 def build_length_model(base: Path, out: Path, eos_logit: float, hidden: int, layers: int,
-                       stop_logit: float | None = None) -> Path:
+                       stop_logit: float | None = None, mute: tuple[int, ...] = ()) -> Path:
     """A Llama with ``base``'s tokenizer whose every step samples EOS with one probability (see the docstring);
-    ``stop_logit``: the logit of :data:`MULTI_TURN_STOP`'s token too."""
+    ``stop_logit``: the logit of :data:`MULTI_TURN_STOP`'s token too; ``mute``: tokens never sampled (logit -50)."""
     import torch
     from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
 
@@ -76,6 +77,8 @@ def build_length_model(base: Path, out: Path, eos_logit: float, hidden: int, lay
         head[tokenizer.eos_token_id, 0] = eos_logit / math.sqrt(hidden)
         if stop_logit is not None:
             head[tokenizer.convert_tokens_to_ids(MULTI_TURN_STOP), 0] = stop_logit / math.sqrt(hidden)
+        for token in mute:
+            head[token, 0] = -50.0 / math.sqrt(hidden)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
@@ -262,7 +265,9 @@ def run_arm(args, workload: str, schedule: str, model: Path, url: str) -> dict:
             "token_version_lag_mean": round(statistics.fmean(probe.token_lags), 2) if probe.token_lags else None,
             "weight_swap_s": round(stats.schedule.weight_swap_s, 2) if stats.schedule is not None else None,
             **({"turns_per_trajectory": round(stats.environment.turns / max(stats.environment.trajectories, 1), 2),
-                "env_s": round(stats.environment.env_time_s, 2)} if stats.environment is not None else {})}
+                "env_s": round(stats.environment.env_time_s, 2), "failed_trajectories": stats.environment.env_errors,
+                **({"diverged": stats.environment.diverged} if hasattr(stats.environment, "diverged") else {})}
+               if stats.environment is not None else {})}
 
 
 def draw(out: dict, path: Path) -> None:
@@ -329,17 +334,21 @@ def main(argv=None) -> int:
     from bench.hub_process import HubProcess
 
     args = parse_args(argv)
-    vocab = len(AutoTokenizer.from_pretrained(args.model))
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    # the agent sends its text back: special tokens (BOS, padding) would not survive decoding, so it never samples them
+    specials = tuple(t for t in tokenizer.all_special_ids if t != tokenizer.eos_token_id)
     out = {"engine": args.engine, "max_tokens": args.max_tokens, "slots": args.prompts_per_batch * args.group_size,
            "groups": args.groups, "publish_every_s": args.publish_every_s, "workloads": {}}
     schedules = SCHEDULES if args.engine == "transformers" else SCHEDULES[:2]
     for workload in args.workloads.split(","):
         stop = args.stop_prob if workload in ("multi_turn", "agent") else 0.0
+        mute = specials if workload == "agent" else ()
+        vocab = len(tokenizer) - len(mute)
         logit = WORKLOADS[workload]
         logit = eos_logit_for(args.eos_prob, vocab, stop) if logit is None else logit
         with tempfile.TemporaryDirectory(prefix="length-model-") as folder:
             model = build_length_model(Path(args.model), Path(folder), logit, args.hidden, args.layers,
-                                       eos_logit_for(stop, vocab, args.eos_prob) if stop else None)
+                                       eos_logit_for(stop, vocab, args.eos_prob) if stop else None, mute)
             arms = {}
             for schedule in schedules:
                 hub = HubProcess(None, capacity=100_000, max_staleness=1_000_000)
