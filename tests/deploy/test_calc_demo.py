@@ -172,6 +172,7 @@ def test_the_calculator_demo_runs_end_to_end_and_reports_tool_call_rates(tmp_pat
                 "learner.hub_url": f"http://127.0.0.1:{port}", "learner.advantages_jsonl": tmp_path / "adv.jsonl",
                 "learner.max_steps": 2, "generator.group_size": 4, "generator.prompts_per_batch": 2,
                 "learner.groups_per_step": 2, "demo.warmup_steps": 3, "demo.batch_size": 8,
+                "demo.warmup_target_accuracy": "null",  # 3 fixed steps: the toy size never learns to copy
                 "demo.heldout_examples": 8, "eval.num_examples": 8, "eval.k": 2, "learner.batch_wait_s": 2.0}
     grpo = str(Path(sys.executable).parent / "grpo")
     command = [grpo, "demo", "--config", CONFIG, *(f"--set={k}={v}" for k, v in settings.items())]
