@@ -44,6 +44,13 @@ def direct_demonstration(problem: Problem) -> list[Segment]:
     return [(format_target(problem), True)]
 
 
+def answer_turn_context(problem: Problem) -> str:
+    """The prompt and the tool demonstration up to its answer turn (``37*45=<calc>37*45</calc><result>1665</result>``):
+    what the model reads before it copies the calculator's result into ``<answer>``. The warm-up's validation checks
+    of the calculator demo are greedy answers from here (deploy.demo.warmup.clean_stop_rule)."""
+    return problem.prompt + demonstration_text(tool_demonstration(problem)[:-1])
+
+
 def calls_tool(target: Sequence[Segment]) -> bool:
     """Whether a demonstration calls the calculator."""
     return any(text.startswith("<calc>") for text, _ in target)

@@ -18,12 +18,12 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from operator import itemgetter
 
 import torch
 
-from deploy.demo.calc_data import calculator_demonstrations
+from deploy.demo.calc_data import answer_turn_context, calculator_demonstrations
 from deploy.demo.chain_data import check_flawed_chain_task, flawed_chain_demonstrations
 from deploy.demo.greedy import greedy_accuracy
 from deploy.demo.sft_data import Task, build_sft_batch, flawed_demonstrations, sample_excluding, target_text
@@ -54,7 +54,8 @@ class StopRule:
     """Ends an SFT phase once greedy accuracy on ``validation`` crosses ``target`` (``above``: >=, else <=).
 
     Checked after every ``every`` steps and after the cap's last step; each check is kept in ``checks`` as
-    ``(steps done, accuracy)``.
+    ``(steps done, accuracy)``. The greedy answers continue ``context(problem)`` when given (the calculator demo:
+    the answer turn after the tool's call and result), else the problem's prompt.
     """
 
     phase: str  # named in the error message
@@ -63,6 +64,7 @@ class StopRule:
     every: int
     validation: Sequence[Problem]
     max_new_tokens: int = 16
+    context: Callable[[Problem], str] | None = None
     checks: list[tuple[int, float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -70,12 +72,14 @@ class StopRule:
             raise ValueError(f"{self.phase}: checks every {self.every} steps; need at least 1")
         if not self.validation:
             raise ValueError(f"{self.phase}: an accuracy target needs a non-empty validation set")
+        self.checked_problems = list(self.validation) if self.context is None else [
+            replace(p, prompt=self.context(p)) for p in self.validation]
 
     def done(self, model, tokenizer, task: Task, steps_done: int, cap: int) -> bool:
         """Whether the phase may stop after ``steps_done`` steps (evaluates only at check steps)."""
         if steps_done % self.every and steps_done != cap:
             return False
-        accuracy = greedy_accuracy(model, tokenizer, task, self.validation, self.max_new_tokens)
+        accuracy = greedy_accuracy(model, tokenizer, task, self.checked_problems, self.max_new_tokens)
         self.checks.append((steps_done, accuracy))
         return self.met(accuracy)
 
@@ -115,10 +119,16 @@ def needs_validation(cfg: DemoConfig) -> bool:
 
 
 def clean_stop_rule(cfg: DemoConfig, validation: Sequence[Problem]) -> StopRule | None:
+    """The correct demonstrations' target: greedy accuracy on ``validation``; with tool demonstrations
+    (``cfg.tool_fraction`` > 0) the accuracy of the answer turn after the right call and the calculator's result,
+    i.e. how well the model copies the result (a direct answer cannot call the tool, and whether the model learns to
+    copy within a fixed step count depends on the machine's arithmetic: docs/calculator-demo.md)."""
     if cfg.warmup_target_accuracy is None:
         return None
-    return StopRule("correct demonstrations", cfg.warmup_target_accuracy, True, cfg.warmup_check_every,
-                    validation, cfg.greedy_max_new_tokens)
+    tool = cfg.tool_fraction > 0
+    return StopRule("correct demonstrations" + (" (the answer copied from the calculator)" if tool else ""),
+                    cfg.warmup_target_accuracy, True, cfg.warmup_check_every, validation,
+                    cfg.greedy_max_new_tokens, answer_turn_context if tool else None)
 
 
 def flawed_stop_rule(cfg: DemoConfig, validation: Sequence[Problem]) -> StopRule | None:

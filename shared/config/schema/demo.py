@@ -71,12 +71,12 @@ class DemoConfig(StrictModel):
                                  "calculator (37*45=<calc>37*45</calc><result>1665</result><answer>1665</answer>; "
                                  "the <result> text is the environment's and left out of the loss); the rest answer "
                                  "directly. Above 0 it needs generator.environment.name: calculator, an arithmetic "
-                                 "task, warmup_target_accuracy null and flawed_steps 0 (docs/calculator-demo.md).")
+                                 "task and flawed_steps 0, and warmup_target_accuracy is checked on the answer turn "
+                                 "after the right call and the calculator's result (docs/calculator-demo.md).")
 
     @model_validator(mode="after")
-    def _tool_demonstrations_run_fixed_steps(self) -> DemoConfig:
-        # the accuracy targets are checked by single-turn greedy answers, which cannot call the calculator
-        if self.tool_fraction > 0 and (self.warmup_target_accuracy is not None or self.flawed_steps):
-            raise ValueError("demo.tool_fraction > 0 runs a fixed number of warm-up steps: set "
-                             "demo.warmup_target_accuracy: null and demo.flawed_steps: 0")
+    def _tool_demonstrations_have_no_flawed_teacher(self) -> DemoConfig:
+        # the flawed teacher slips in direct answers of + and - problems; the calculator demo multiplies
+        if self.tool_fraction > 0 and self.flawed_steps:
+            raise ValueError("demo.tool_fraction > 0 has no flawed-teacher phase: set demo.flawed_steps: 0")
         return self
