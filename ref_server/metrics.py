@@ -84,8 +84,8 @@ class ServerMetrics:
         jobs = Gauge(f"grpo_{prefix}scoring_jobs", f"{role} scoring jobs (ref_server/scorer_pool/pool.py) by what "
                      "happened", ["event"], registry=self.registry)
         for event in ("jobs_submitted", "jobs_scored", "jobs_failed", "jobs_given_up", "jobs_cancelled",
-                      "jobs_requeued", "results_duplicate", "results_refused", "scorers_joined", "scorers_lost",
-                      "scorers_quarantined", "down_warnings"):
+                      "jobs_requeued", "results_duplicate", "results_refused", "jobs_failed_by_scorer",
+                      "scorers_joined", "scorers_lost", "scorers_quarantined", "down_warnings"):
             jobs.labels(event=event).set_function(lambda e=event: getattr(pool.counters, e))
 
     def observe(self, path: str, status: int, started: float) -> None:

@@ -231,15 +231,32 @@ class ScorerPool(ScoringJobs):
         resolve_future(job.future, rows)
         return "scored"
 
+    def fail(self, scorer_id: str, job_id: str, reason: str) -> str:
+        """The scorer could not score a job it holds (its forward raised: out of memory, a device error): the job
+        goes back to the queue at once, the failure counted against it (``job_max_failures``: a job that fails
+        everywhere is given up, not handed round) and against the scorer as a bad result (a scorer whose every
+        forward fails is quarantined). ``requeued``, or ``unknown`` for a job it does not hold (finished, expired
+        or reassigned meanwhile: nothing to do)."""
+        with self.cond:
+            self._scorer(scorer_id)   # quarantined: 403; unknown: 404 (register again)
+            job = self._jobs.get(job_id)
+            if job is None or job.holder != scorer_id:
+                return "unknown"
+            self.counters.jobs_failed_by_scorer += 1
+            self._requeue(job, failure=f"scorer {scorer_id} could not score it: {reason}")
+            self._bad_result(scorer_id, f"job {job_id}: could not score it: {reason}", refused=False)
+            return "requeued"
+
     def bad_result(self, scorer_id: str, problem: str) -> None:
         """A result the route refused before it reached :meth:`finish` (it names another job than its path)."""
         with self.cond:
             self._bad_result(scorer_id, problem)
 
     # -- inside ----------------------------------------------------------------------------------------------
-    def _bad_result(self, scorer_id: str, problem: str) -> None:
-        """Under the lock: count a bad result against a registered scorer; quarantine it at ``max_bad_results``."""
-        self.counters.results_refused += 1
+    def _bad_result(self, scorer_id: str, problem: str, refused: bool = True) -> None:
+        """Under the lock: count a bad result (``refused``: a result sent, else a job it reported it could not
+        score) against a registered scorer; quarantine it at ``max_bad_results``."""
+        self.counters.results_refused += refused
         scorer = self._scorers.get(scorer_id)
         if scorer is None:
             return

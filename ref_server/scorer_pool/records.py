@@ -63,6 +63,7 @@ class PoolCounters:
     jobs_requeued: int = 0          # leases expired, scorers left, bad results: the job went back for another
     results_duplicate: int = 0      # a result for a job already scored: acknowledged, ignored
     results_refused: int = 0        # results that did not fit their job, or for a job the scorer did not hold
+    jobs_failed_by_scorer: int = 0  # a joined scorer reported it could not score a job it held (its forward raised)
     scorers_joined: int = 0
     scorers_lost: int = 0           # removed after a lease's worth of silence
     scorers_quarantined: int = 0    # refused for good after ref_server.scorer_max_bad_results bad results

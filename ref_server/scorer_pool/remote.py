@@ -9,6 +9,9 @@ scoring jobs (:mod:`ref_server.scorer_pool.routes`) until told to stop.
 * The hub answering 404 for this scorer (it restarted, or it removed a scorer it had not heard from) means: register
   again. A hub that stays unreachable past ``retry_max_s`` ends the scorer (exit 1); a model the hub refuses (409)
   ends it at once (exit 2), and so does a hub that quarantined it for bad results (403, with the hub's reason).
+* A job whose forward raises (out of memory on a long row, a device error) is reported to the hub, which requeues
+  it for another scorer and counts it against the job and this scorer (a scorer whose every forward fails is
+  quarantined, and then ends with the hub's reason); the scorer goes on with its next job.
 * SIGTERM/SIGINT: the loops finish the jobs they hold, post them, and the scorer leaves (its nothing-left leases are
   dropped at once instead of after a lease).
 """
@@ -46,6 +49,7 @@ class RemoteScorer:
         self.scorer_id: str | None = None
         self.lease_s = 30.0
         self.jobs_scored = 0
+        self.jobs_failed = 0   # jobs whose forward raised, reported to the hub
         self.tokens_scored = 0
         self.registrations = 0
         self._lock = threading.Lock()
@@ -148,7 +152,11 @@ class RemoteScorer:
             log.error("the hub sent a job this scorer cannot read: %s", exc)
             return  # its lease expires and another scorer takes it
         started = time.perf_counter()
-        rows = self.scorer.score(job.rows, job.temperature, top_k=job.top_k)
+        try:
+            rows = self.scorer.score(job.rows, job.temperature, top_k=job.top_k)
+        except Exception as exc:  # noqa: BLE001 - out of memory on a long row, a device error: this job only
+            self._failed(scorer_id, job.job_id, exc)
+            return
         body = encode_result(job.job_id, rows)
         try:
             answer = self.client.post_result(scorer_id, job.job_id, body)
@@ -163,6 +171,23 @@ class RemoteScorer:
             self.tokens_scored += tokens
         log.debug("job %s: %d rows, %d tokens in %.3fs: %s", job.job_id, len(job.rows), tokens,
                   time.perf_counter() - started, answer.get("status"))
+
+
+    def _failed(self, scorer_id: str, job_id: str, exc: Exception) -> None:
+        """Tell the hub at once (the job goes to another scorer; the hub counts it, and quarantines a scorer whose
+        every forward fails), and go on with the next job."""
+        reason = f"{type(exc).__name__}: {exc}"
+        log.exception("job %s: scoring failed (%s); reported to the hub, going on", job_id, reason)
+        try:
+            status = self.client.fail_job(scorer_id, job_id, reason)
+        except HubError as exc:
+            if exc.status == 403:
+                raise self._refused(exc) from None
+            log.warning("failure of job %s not taken: %s (its lease expires instead)", job_id, exc)
+            return
+        with self._lock:
+            self.jobs_failed += 1
+        log.debug("job %s: the hub says %s", job_id, status)
 
 
 def run_scorer(config, hub_url: str, name: str, device: str | None = None, concurrency: int = 2, *,

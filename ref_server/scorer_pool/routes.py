@@ -8,6 +8,8 @@
 * ``POST /v1/scorers/{id}/results/{job}``: the job's safetensors result; 200 ``{"status": "scored"|"duplicate"}``,
   422 with the reason for a result that does not fit its job (the job goes back to the queue), 404 for an unknown
   job or scorer.
+* ``POST /v1/scorers/{id}/jobs/{job}/failed`` ``{"reason"}``: the scorer could not score a job it holds (its forward
+  raised); the job goes back to the queue at once, counted against the job and the scorer (``requeued``/``unknown``).
 * ``POST /v1/scorers/{id}/heartbeat`` (renews its leases; 404: register again), ``DELETE /v1/scorers/{id}`` (leave:
   its jobs go back to the queue at once).
 * A scorer quarantined for bad results (``ref_server.scorer_max_bad_results``, :mod:`ref_server.scorer_pool.pool`) is
@@ -22,7 +24,7 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, HTTPException, Path, Query, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 from ref_server.http import OCTET, State, binary_body, read_body
@@ -145,6 +147,19 @@ async def result(request: Request, scorer_id: Id, job_id: Id, state: State) -> d
     except BadResult as exc:
         raise HTTPException(422, f"scoring result for job {job_id}: {exc}; the job goes back to the queue") from None
     return {"status": status}
+
+
+class JobFailure(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    reason: str = Field(..., min_length=1, max_length=2000, description="Why the scorer could not score the job.")
+
+
+@router.post("/v1/scorers/{scorer_id}/jobs/{job_id}/failed")
+async def failed(scorer_id: Id, job_id: Id, body: JobFailure, state: State) -> dict:
+    """The scorer could not score a job it holds (its forward raised): the job goes back to the queue at once, the
+    failure counted against the job and the scorer (``requeued``; ``unknown``: it does not hold that job)."""
+    pool = _pool(state, scorer_id)
+    return {"status": await run_in_threadpool(_known, pool, pool.fail, scorer_id, job_id, body.reason)}
 
 
 @router.post("/v1/scorers/{scorer_id}/heartbeat")

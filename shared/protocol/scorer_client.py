@@ -30,6 +30,11 @@ class ScorerClient(ServiceClient):
         return self._request("POST", f"/v1/scorers/{scorer_id}/results/{job_id}", data=body,
                              headers={"Content-Type": OCTET}).json()
 
+    def fail_job(self, scorer_id: str, job_id: str, reason: str) -> str:
+        """This scorer could not score a job it holds: back to the queue at once (``requeued``, or ``unknown``)."""
+        return self._request("POST", f"/v1/scorers/{scorer_id}/jobs/{job_id}/failed",
+                             json={"reason": reason[:2000]}).json()["status"]
+
     def leave(self, scorer_id: str) -> None:
         """Leave the hub: the jobs still held go back to the queue at once."""
         self._request("DELETE", f"/v1/scorers/{scorer_id}")

@@ -176,3 +176,73 @@ def _raised(fn, *args):
     except Exception as exc:  # noqa: BLE001 - the test inspects it
         return exc
     return None
+
+
+def test_a_job_a_scorer_cannot_score_is_reported_and_goes_to_another_at_once(server_factory):
+    live = server_factory(local_scoring=False, scorer_max_bad_results=2, scoring_job_max_failures=10,
+                          scorer_wait_s=60.0)
+    failing, honest = HandScorer(live, "failing"), HandScorer(live, "honest")
+    waiting, answer = in_background(lambda: live.post("/v1/logprobs", json=REQUEST))
+    job = failing.take()
+    report = live.post(f"/v1/scorers/{failing.id}/jobs/{job.job_id}/failed", json={"reason": "out of memory"})
+    assert report.json() == {"status": "requeued"}
+    # not after a lease (30 s): the other scorer has it now, and answers the waiting request
+    again = honest.take()
+    assert again.job_id == job.job_id and honest.post(again.job_id, valid(again)).json() == {"status": "scored"}
+    waiting.join(timeout=30)
+    assert answer[0].status_code == 200 and metric(live, "jobs_failed_by_scorer") == 1
+    assert metric(live, "results_refused") == 0   # a report is no refused result
+    assert live.post(f"/v1/scorers/{failing.id}/jobs/{job.job_id}/failed",
+                     json={"reason": "late"}).json() == {"status": "unknown"}   # it holds that job no more
+    for body in ({}, {"reason": ""}, {"reason": "x" * 2001}, {"reason": "oom", "extra": 1}):
+        assert live.post(f"/v1/scorers/{failing.id}/jobs/{job.job_id}/failed", json=body).status_code == 422, body
+    # a scorer whose every forward fails is quarantined like one sending bad results (max_bad_results 2)
+    waiting, answer = in_background(lambda: live.post("/v1/logprobs", json=REQUEST))
+    job = failing.take()
+    assert live.post(f"/v1/scorers/{failing.id}/jobs/{job.job_id}/failed", json={"reason": "device error"}).json() \
+        == {"status": "requeued"}
+    refused = failing.work(wait_s=0)
+    assert refused.status_code == 403 and "could not score it: device error" in refused.json()["detail"]
+    again = honest.take()
+    assert honest.post(again.job_id, valid(again)).json() == {"status": "scored"}
+    waiting.join(timeout=30)
+    assert answer[0].status_code == 200 and metric(live, "scorers_quarantined") == 1
+
+
+class OutOfMemoryOnLongRows:
+    """A reference model that runs out of memory on rows of more than 4 tokens (and scores the others)."""
+
+    vocab_size = None
+
+    def score(self, rows, temperature=1.0, timeout=None, top_k=0):
+        if any(r.tokens > 4 for r in rows):
+            raise RuntimeError("CUDA out of memory (a stand-in)")
+        return [torch.full((r.tokens - r.prompt_length,), -0.5) for r in rows]
+
+
+def test_grpo_scorers_loop_reports_a_job_it_cannot_score_and_goes_on(server_factory):
+    """RemoteScorer (what `grpo scorer` runs) over a model that fails on long rows: it reports each failure, stays
+    joined and scores the next jobs; the job that fails everywhere is given up with the reason, not handed round."""
+    from ref_server.scorer_pool.remote import RemoteScorer
+    from shared.protocol.scorer_client import ScorerClient
+
+    live = server_factory(local_scoring=False, scorer_max_bad_results=100, scoring_job_max_failures=2,
+                          scorer_wait_s=60.0)
+    model = OutOfMemoryOnLongRows()
+    model.vocab_size = live.state.vocab_size
+    worker = RemoteScorer(ScorerClient(live.url), model, name="oom-scorer", identity={}, concurrency=1, poll_s=0.5)
+    stop = threading.Event()
+    failed: list = []
+    thread = threading.Thread(target=lambda: failed.append(_raised(worker.run, stop)), daemon=True)
+    thread.start()
+    try:
+        long_rows = live.post("/v1/logprobs", json=REQUEST)              # a row of 5 tokens: fails twice
+        assert long_rows.status_code == 503 and "CUDA out of memory" in long_rows.json()["detail"], long_rows.text
+        short = live.post("/v1/logprobs", json={"input_ids": [[1, 2, 3]], "prompt_lengths": [1]})
+        assert short.status_code == 200 and short.json()["logprobs"] == [[-0.5, -0.5]]
+        assert thread.is_alive() and worker.jobs_failed == 2 and worker.jobs_scored == 1
+        assert metric(live, "jobs_failed_by_scorer") == 2 and metric(live, "jobs_given_up") == 1
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+    assert failed == [None]
