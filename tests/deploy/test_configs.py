@@ -18,6 +18,7 @@ def test_the_shipped_configs_exist():
                                          "smollm2-chain-cpu.yaml", "smollm2-calculator-cpu.yaml",
                                          "tiny-calculator-cpu.yaml", "smollm2-reasoning-gym-cpu.yaml",
                                          "smollm2-reasoning-gym-arithmetic-cpu.yaml",
+                                         "smollm2-reasoning-gym-chain-sum-cpu.yaml",
                                          "smollm2-reasoning-gym-letter-counting-cpu.yaml"}
 
 
