@@ -16,7 +16,10 @@ def test_the_shipped_configs_exist():
                                          "smollm2-arithmetic.yaml", "smollm2-arithmetic-cpu.yaml",
                                          "smollm2-arithmetic-lora-cpu.yaml", "tiny-chain-cpu.yaml",
                                          "smollm2-chain-cpu.yaml", "smollm2-calculator-cpu.yaml",
-                                         "tiny-calculator-cpu.yaml", "smollm2-reasoning-gym-cpu.yaml"}
+                                         "tiny-calculator-cpu.yaml", "smollm2-reasoning-gym-cpu.yaml",
+                                         "smollm2-reasoning-gym-arithmetic-cpu.yaml",
+                                         "smollm2-reasoning-gym-chain-sum-cpu.yaml",
+                                         "smollm2-reasoning-gym-letter-counting-cpu.yaml"}
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
