@@ -25,7 +25,14 @@ from shared.config.schema.generator import EnvironmentConfig
 from shared.forward.logprobs import naive_sequence_logprobs
 from shared.protocol.client import HubClient
 from shared.protocol.records import SamplingParams
-from tests.generator.test_continuous_multiturn import GREEDY, QUESTIONS, drive, encode, engine  # noqa: F401
+from tests.generator.test_continuous_multiturn import (  # noqa: F401
+    GREEDY,
+    QUESTIONS,
+    drive,
+    encode,
+    engine,
+    run_flights,
+)
 
 pytestmark = pytest.mark.slow   # the agent endpoint: a uvicorn server
 CALC_AGENT = str(Path(__file__).resolve().parents[2] / "deploy" / "demo" / "calc_agent.py") + ":calculator_agent"
@@ -45,26 +52,7 @@ def drive_agents(engine, questions, n, max_in_flight, on_step=None, stop_at=None
     try:
         for question in questions:
             assert flights.submit(Example(question), encode(engine, question), GREEDY, version=0) == []
-        groups, steps, aborted = {}, 0, None
-        while flights.open:
-            requests, complete = flights.poll()
-            continuous.submit(requests)
-            for group in complete:
-                assert group.example.question not in groups and group.complete
-                groups[group.example.question] = group
-            if stop_at is not None and steps == stop_at:
-                aborted = flights.abandon()
-                continuous.abort(aborted)
-                break
-            if continuous.num_unfinished() == 0:
-                flights.wait(0.2)
-                continue
-            if on_step is not None:
-                on_step(steps, continuous)
-            for finished in continuous.step():
-                flights.finish(finished)
-            steps += 1
-            assert steps < limit
+        groups, aborted = run_flights(flights, continuous, on_step=on_step, stop_at=stop_at, limit=limit, wait_s=0.2)
         return groups, agent, aborted
     finally:
         agent.close()

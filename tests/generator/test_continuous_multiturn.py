@@ -48,6 +48,14 @@ def drive(engine, cfg, questions, n, max_in_flight, on_step=None, limit=3000, co
     flights = TrajectoriesInFlight(multiturn, n, seed=0, generator_id="g", stats=LoopStats(), max_workers=4)
     for question in questions:
         assert flights.submit(Example(question), encode(engine, question), GREEDY, version=0) == []
+    groups, _ = run_flights(flights, continuous, on_step=on_step, limit=limit)
+    return groups, multiturn.stats
+
+
+def run_flights(flights, continuous, on_step=None, stop_at=None, limit=3000, wait_s=1.0):
+    """Drive ``flights`` (opened groups: trajectories or episodes) on ``continuous`` as the schedule does, until none
+    is open or waiting; ``stop_at``: abandon everything before that engine step. The complete groups by question
+    (each completed once, stamped ``completed_at``) and what abandon returned (None: no stop)."""
     groups, steps = {}, 0
     while True:
         requests, complete = flights.poll()
@@ -57,9 +65,13 @@ def drive(engine, cfg, questions, n, max_in_flight, on_step=None, limit=3000, co
             groups[group.example.question] = group
             group.completed_at = time.monotonic()
         if not (flights.open or flights.waiting):
-            return groups, multiturn.stats
+            return groups, None
+        if stop_at is not None and steps == stop_at:
+            aborted = flights.abandon()
+            continuous.abort(aborted)
+            return groups, aborted
         if continuous.num_unfinished() == 0:
-            flights.wait(1.0)
+            flights.wait(wait_s)
             continue
         if on_step is not None:
             on_step(steps, continuous)
