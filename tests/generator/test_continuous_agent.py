@@ -22,12 +22,12 @@ from generator.stats import LoopStats
 from shared.config.schema import RewardSpec
 from shared.config.schema.agent import AgentConfig
 from shared.config.schema.generator import EnvironmentConfig
-from shared.forward.logprobs import naive_sequence_logprobs
 from shared.protocol.client import HubClient
 from shared.protocol.records import SamplingParams
 from tests.generator.test_continuous_multiturn import (  # noqa: F401
     GREEDY,
     QUESTIONS,
+    check_switched,
     drive,
     encode,
     engine,
@@ -88,21 +88,7 @@ def test_a_weight_switch_mid_call_gives_each_token_the_version_and_logprob_that_
 
     try:
         groups, _, _ = drive_agents(engine, QUESTIONS, 2, 8, on_step=switch)
-        after, olds = engine.model, []
-        for question, group in groups.items():
-            prompt = encode(engine, question)
-            for sample in group.samples:
-                versions, mask = sample.versions, sample.mask
-                old = versions.count(0)   # version 0 up to the switch (tool text: its model token's), 1 after
-                olds.append(old)
-                assert old <= 5 < mask.index(0) and versions == [0] * old + [1] * (len(versions) - old)
-                ids = torch.tensor([prompt + sample.token_ids])
-                for model, version in ((before, 0), (after, 1)):
-                    with torch.no_grad():
-                        full = naive_sequence_logprobs(model, ids, torch.tensor([len(prompt)]),
-                                                       torch.tensor([len(sample.token_ids)]))[0]
-                    mine = torch.tensor([m == 1 and v == version for m, v in zip(mask, versions)])
-                    torch.testing.assert_close(torch.tensor(sample.logprobs)[mine], full[mine], atol=1e-4, rtol=0)
+        olds = check_switched(engine, groups, before, engine.model)   # tool text: its model token's version
         assert max(olds) >= 1, olds   # at least one episode switched in the middle of its first call
     finally:
         engine.model.load_state_dict(saved)

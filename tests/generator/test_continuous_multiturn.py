@@ -126,24 +126,8 @@ def test_a_weight_switch_mid_turn_gives_each_token_the_version_and_logprob_that_
     try:
         groups, _ = drive(engine, EnvironmentConfig(name="calculator"), QUESTIONS, 2, 8, on_step=switch)
         after = engine.model
-        olds = []
-        for question, group in groups.items():
-            prompt = encode(engine, question)
-            for sample in group.samples:
-                versions, mask = sample.versions, sample.mask
-                # the switch came in turn 1: version 0 up to it, 1 after (environment tokens included); a trajectory
-                # whose reset (on the environments' thread pool) came after the switch is all version 1
-                old = versions.count(0)
-                olds.append(old)
-                assert old <= 5 < mask.index(0) and versions == [0] * old + [1] * (len(versions) - old)
-                ids = torch.tensor([prompt + sample.token_ids])
-                for model, version in ((before, 0), (after, 1)):
-                    with torch.no_grad():
-                        full = naive_sequence_logprobs(model, ids, torch.tensor([len(prompt)]),
-                                                       torch.tensor([len(sample.token_ids)]))[0]
-                    mine = torch.tensor([m == 1 and v == version for m, v in zip(mask, versions)])
-                    torch.testing.assert_close(torch.tensor(sample.logprobs)[mine], full[mine], atol=1e-4, rtol=0)
-                assert all(lp == 0.0 for lp, m in zip(sample.logprobs, mask) if m == 0)
+        # a trajectory whose reset (on the environments' thread pool) came after the switch is all version 1
+        olds = check_switched(engine, groups, before, after)
         assert max(olds) >= 1, olds   # at least one trajectory switched in the middle of its first turn
     finally:
         engine.model.load_state_dict(saved)
@@ -242,3 +226,27 @@ def test_the_failure_and_refusal_rules_stop_the_schedule_as_they_stop_batch_mode
                 schedule.run(threading.Event(), max_groups=20)
             assert loop.stats.groups_uploaded == 0 and continuous.num_unfinished() == 0
         assert live.state.hub.depth() == 0
+
+
+def check_switched(engine, groups, before, after, switch_step: int = 5) -> list[int]:
+    """Groups sampled across one switch (version 0 -> 1) at engine step ``switch_step``, in the first model turn:
+    each sample is version 0 up to the switch and 1 after (text the model did not sample takes its model token's
+    version), each model token's logprob that of the model of its version, the others' 0. The version-0 token
+    count of each sample."""
+    olds = []
+    for question, group in groups.items():
+        prompt = encode(engine, question)
+        for sample in group.samples:
+            versions, mask = sample.versions, sample.mask
+            old = versions.count(0)
+            olds.append(old)
+            assert old <= switch_step < mask.index(0) and versions == [0] * old + [1] * (len(versions) - old)
+            ids = torch.tensor([prompt + sample.token_ids])
+            for model, version in ((before, 0), (after, 1)):
+                with torch.no_grad():
+                    full = naive_sequence_logprobs(model, ids, torch.tensor([len(prompt)]),
+                                                   torch.tensor([len(sample.token_ids)]))[0]
+                mine = torch.tensor([m == 1 and v == version for m, v in zip(mask, versions)])
+                torch.testing.assert_close(torch.tensor(sample.logprobs)[mine], full[mine], atol=1e-4, rtol=0)
+            assert all(lp == 0.0 for lp, m in zip(sample.logprobs, mask) if m == 0)
+    return olds
