@@ -25,7 +25,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from generator.engines.base import SampledCompletion, SampledTurn
@@ -299,8 +299,7 @@ class MultiTurnRollouts:
         """A model turn's sampling: at most ``max_turn_tokens`` (else ``sampling.max_tokens``) and at most the room
         the longest-to-go of ``rows`` has left under ``max_total_tokens``."""
         room = max(self.cfg.max_total_tokens - len(row.tokens) for row in rows)
-        return SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                              max_tokens=max(1, min(self.cfg.max_turn_tokens or sampling.max_tokens, room)))
+        return replace(sampling, max_tokens=max(1, min(self.cfg.max_turn_tokens or sampling.max_tokens, room)))
 
     def _run_turns(self, rows: list[Trajectory], prompts: list[list[int]], sampling: SamplingParams, n: int,
                    seed: int | None, first_turn_shared: bool) -> None:

@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from generator.engines.base import SampledTurn
 from shared.protocol.records import SamplingParams
@@ -95,8 +95,7 @@ class TurnSampler:
 
     def _sample(self, stops: list[str], requests: list[TurnRequest]) -> None:
         longest = max(r.max_tokens for r in requests)
-        params = SamplingParams(temperature=self.sampling.temperature, top_p=self.sampling.top_p,
-                                top_k=self.sampling.top_k, max_tokens=longest)
+        params = replace(self.sampling, max_tokens=longest)
         self._calls += 1
         try:
             turns = self.engine.generate_turns([r.context for r in requests], params, 1, stops,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import threading
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from generator.agent.calls import CallError
 from generator.agent.episodes import Episode, finished
@@ -59,9 +59,7 @@ class QueuedTurns:
                 raise stopping()
             n = next(self._ids)
             request_id = f"{CALL}/{n}"
-            sampling = SamplingParams(temperature=self.sampling.temperature, top_p=self.sampling.top_p,
-                                      top_k=self.sampling.top_k, max_tokens=max_tokens)
-            self._queued.append(SequenceRequest(request_id, list(context), sampling,
+            self._queued.append(SequenceRequest(request_id, list(context), replace(self.sampling, max_tokens=max_tokens),
                                                 derived_seed(self.seed, self.generator_id, CALL, n), tuple(stops)))
             self._calls[request_id] = answer
             self._lock.notify_all()
@@ -71,9 +69,6 @@ class QueuedTurns:
         with self._lock:
             queued, self._queued = self._queued, []
             return queued
-
-    def owns(self, request_id: str) -> bool:
-        return request_id.startswith(f"{CALL}/")
 
     def answer(self, sequence: FinishedSequence) -> None:
         with self._lock:
@@ -87,10 +82,6 @@ class QueuedTurns:
         with self._lock:
             if not self._queued:
                 self._lock.wait(timeout_s)
-
-    def notify(self) -> None:
-        with self._lock:
-            self._lock.notify_all()
 
     def close(self) -> list[str]:
         """No more calls: the waiting ones fail (their episodes are dropped); the ids still in the engine."""
