@@ -1,6 +1,5 @@
 """``grpo eval`` with ``generator.agent``: the agent's episodes are what is evaluated, scored as in training."""
 
-import json
 import socket
 from pathlib import Path
 
@@ -9,6 +8,7 @@ import pytest
 from generator.evaluate import evaluate
 from shared.config.schema import GRPOConfig
 from shared.errors import UsageError
+from tests.generator.test_evaluate import write_jsonl
 
 CALC_AGENT = str(Path(__file__).resolve().parents[2] / "deploy" / "demo" / "calc_agent.py") + ":calculator_agent"
 
@@ -24,9 +24,7 @@ def problems(tmp_path):
     from tests.calc_model import PROBLEMS
 
     questions = [f"{e}=" for e in PROBLEMS] + ["6*7=", "3+4="]   # memorised (calls the calculator) and not
-    data = tmp_path / "problems.jsonl"
-    data.write_text("".join(json.dumps({"question": q, "answer": str(eval(q[:-1]))}) + "\n" for q in questions))
-    return data, len(questions)
+    return write_jsonl(tmp_path / "problems.jsonl", questions), len(questions)
 
 
 PYTHON_REWARD = [{"name": "python", "args": {"function": "tests.generator.test_evaluate:final_after_result"}}]
