@@ -2,6 +2,9 @@
 /v1/completions with logprobs) into its own types with the values the server sent, and our errors into its own
 exceptions (status, code, param and message), as docs/http-api.md shows it."""
 
+import re
+from pathlib import Path
+
 import openai
 import pytest
 import requests
@@ -84,3 +87,20 @@ def test_the_client_raises_its_own_exceptions_with_our_status_code_and_message(s
         wrong_key.models.list()
     assert denied.value.status_code == 401 and denied.value.code == "invalid_api_key"
     assert denied.value.message.endswith("missing or wrong bearer token")
+
+
+@pytest.mark.slow
+def test_the_http_api_pages_example_runs_as_written(served, capsys):
+    """docs/http-api.md's openai block, only its URL and key pointed at this server: it prints the greedy completion
+    with its logprobs, then the 400 for a sampling temperature."""
+    live, _ = served
+    page = (Path(__file__).resolve().parents[2] / "docs" / "http-api.md").read_text()
+    start = page.index("### With the openai client")
+    block = re.compile(r"```python\n(.*?)```", re.DOTALL).search(page, start).group(1)
+    assert 'base_url="http://127.0.0.1:8470/v1"' in block
+    block = block.replace("http://127.0.0.1:8470/v1", live.url + "/v1").replace(
+        '"<ref_server.token, or any text without one>"', repr(TOKEN))
+    exec(compile(block, "docs/http-api.md", "exec"), {})
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].startswith("12+3=") and "None" in printed[0]      # echo, the first logprob None
+    assert printed[-1].startswith("400 temperature ")
