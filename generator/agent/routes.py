@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import time
 from typing import Any, Literal
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from generator.agent.calls import MODEL_NAME, CallError, CallHandler
@@ -27,6 +28,12 @@ from shared.protocol.bounded_body import read_bounded
 from shared.protocol.openai_errors import openai_error
 
 OPEN_PATHS = frozenset({"/healthz"})
+# A call holds a thread until its turn is sampled, and a claim until an episode is free or its wait ends. anyio's
+# one shared pool (40 threads) would cap the engine's batch at 40 calls and let 40 waiting claims stall every call,
+# so each has its own limiter. Calls are bounded anyway by the open episodes (one call per episode at a time: a
+# second is refused 409 before it takes a thread).
+CALL_THREADS = 4096
+CLAIM_THREADS = 256
 
 
 class _Open(BaseModel):
@@ -135,6 +142,7 @@ def build_app(handler: CallHandler, token: str | None, max_bytes: int, body_time
     app = FastAPI(title="grpo-stack agent endpoint", docs_url=None, redoc_url=None, openapi_url=None)
     install_errors(app, token)
     book = handler.book
+    call_threads, claim_threads = anyio.CapacityLimiter(CALL_THREADS), anyio.CapacityLimiter(CLAIM_THREADS)
 
     async def episode_call(episode_id: str, request: Request, model: type[BaseModel], answer) -> JSONResponse:
         call = parsed(await _body(request, max_bytes, body_timeout_s), model)
@@ -145,7 +153,7 @@ def build_app(handler: CallHandler, token: str | None, max_bytes: int, body_time
         except RuntimeError as exc:
             raise CallError(409, str(exc), code="episode_busy") from None
         try:
-            return JSONResponse(await run_in_threadpool(answer, episode, call))
+            return JSONResponse(await anyio.to_thread.run_sync(answer, episode, call, limiter=call_threads))
         finally:
             book.end_call(episode)
 
@@ -179,7 +187,9 @@ def build_app(handler: CallHandler, token: str | None, max_bytes: int, body_time
 
     @app.post("/episodes")
     async def claim(request: Request, wait_s: float = 30.0):
-        episode = await run_in_threadpool(book.claim, min(max(wait_s, 0.0), 60.0))
+        deadline = time.monotonic() + min(max(wait_s, 0.0), 60.0)   # a claim queued for a thread waits no longer
+        episode = await anyio.to_thread.run_sync(lambda: book.claim(max(deadline - time.monotonic(), 0.0)),
+                                                 limiter=claim_threads)
         if episode is None:
             return JSONResponse({"id": None, "example": None, "base_url": None}, 200)
         return {"id": episode.id, "example": episode.example,
