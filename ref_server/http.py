@@ -1,12 +1,14 @@
 """What every router needs: the server's state (the ``State`` dependency), reading a bounded body, the binary
-media type, short error bodies (:func:`install_short_errors`) in the shape each path's clients read
+media type, long polls on their own threads (:func:`long_poll`), short error bodies (:func:`install_short_errors`) in the shape each path's clients read
 (:func:`error_body`: OpenAI's on the OpenAI-style paths, ``{"detail": ...}`` elsewhere). No router is imported here:
 ``ref_server.state`` and what it imports never import a router."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from collections.abc import Callable
+from typing import Annotated, Any, TypeVar
 
+import anyio
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -17,6 +19,7 @@ from shared.protocol.bounded_body import read_bounded
 from shared.protocol.openai_errors import MAX_ERROR_ITEMS, bounded, openai_error
 
 OCTET = "application/octet-stream"
+T = TypeVar("T")
 
 
 def server_state(request: Request) -> ServerState:
@@ -30,6 +33,12 @@ State = Annotated[ServerState, Depends(server_state)]
 async def read_body(request: Request, limit: int) -> bytes:
     """The request body, refused with 413 as soon as it passes ``limit`` bytes (never read whole first)."""
     return await read_bounded(request, limit, lambda reason: HTTPException(413, reason))
+
+
+async def long_poll(state: ServerState, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)``, a call that may block for a long poll's wait, on one of the long polls' own threads
+    (``ServerState.long_polls``): never one that short work is waiting for."""
+    return await anyio.to_thread.run_sync(fn, *args, limiter=state.long_polls)
 
 
 def binary_body(schema_description: str) -> dict:

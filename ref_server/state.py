@@ -5,6 +5,8 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass, field
 
+import anyio
+
 from ref_server.body_limits import BodyLimits
 from ref_server.hub.curriculum import SharedCurriculum
 from ref_server.hub.rollout_hub import RolloutHub
@@ -14,6 +16,11 @@ from ref_server.tool_api.prm import PRMScorer
 from ref_server.tool_api.tokenizer import ServedTokenizer
 from shared.weight_sync.relay_store import WeightStore
 from shared.weight_sync.rendezvous import SyncRendezvous
+
+# Long polls (a generator's budget wait, a learner's batch, a scorer's next job) hold a thread for their wait; in
+# anyio's one shared pool of 40 threads, 40 of them (40 generators at a full hub) stalled every short piece of work
+# (an upload's decode, an ack) until their waits ended. They get this many threads of their own.
+LONG_POLL_THREADS = 1024
 
 
 @dataclass
@@ -51,6 +58,8 @@ class ServerState:
     teacher_identity: dict | None = None
     # the curriculum's pass-rate table every generator shares (ref_server/hub/curriculum.py; the spool's folder)
     curriculum: SharedCurriculum = field(default_factory=SharedCurriculum)
+    # the long polls' own threads (LONG_POLL_THREADS above), used through ref_server.http.long_poll
+    long_polls: anyio.CapacityLimiter = field(default_factory=lambda: anyio.CapacityLimiter(LONG_POLL_THREADS))
 
     def pools(self) -> dict[str, ScorerPool]:
         """The scorer pools by the model they score, ``reference`` and ``teacher`` (one pool under both names when

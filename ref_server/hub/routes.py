@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field, StrictInt
 from starlette.concurrency import run_in_threadpool
 
-from ref_server.http import OCTET, State, binary_body, read_body
+from ref_server.http import OCTET, State, binary_body, long_poll, read_body
 from ref_server.hub.intake import HubFull
 from ref_server.session_routes import check_learner
 from shared.protocol.records import MAX_VERSION
@@ -95,7 +95,7 @@ async def rollout_budget(state: State,
     """How many groups sampled at ``policy_version`` the learner can still train within ``max_staleness``
     (``wanted``; null while the learner has not reported its step size). Waits up to ``wait_s`` while that is 0
     and the learner's version does not change. Generators ask before each engine call."""
-    return await run_in_threadpool(state.hub.budget, policy_version, min(wait_s, state.max_long_poll_s))
+    return await long_poll(state, state.hub.budget, policy_version, min(wait_s, state.max_long_poll_s))
 
 
 @router.get("/v1/batch", responses={200: {"content": {OCTET: {}}}, 204: {"description": "not enough groups"}})
@@ -117,7 +117,7 @@ async def take_batch(request: Request, state: State,
     deadline = time.monotonic() + min(timeout, state.max_long_poll_s)
     while True:
         wait = min(max(deadline - time.monotonic(), 0.0), LONG_POLL_SLICE_S)
-        batch = await run_in_threadpool(state.hub.take, num_groups, wait, min_version, request_id)
+        batch = await long_poll(state, state.hub.take, num_groups, wait, min_version, request_id)
         if await request.is_disconnected():
             if batch is not None:
                 await run_in_threadpool(state.hub.release, [batch.batch_id])

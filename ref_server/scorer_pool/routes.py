@@ -27,7 +27,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
-from ref_server.http import OCTET, State, binary_body, read_body
+from ref_server.http import OCTET, State, binary_body, long_poll, read_body
 from ref_server.scorer_pool.job_wire import BadResult, encode_job, result_job_id
 from ref_server.scorer_pool.pool import ScorerPool, ScorerQuarantined, UnknownJob, UnknownScorer
 from ref_server.state import ServerState
@@ -114,7 +114,7 @@ async def work(request: Request, scorer_id: Id, state: State,
     deadline = time.monotonic() + min(wait_s, state.max_long_poll_s)
     while True:
         wait = min(max(deadline - time.monotonic(), 0.0), LONG_POLL_SLICE_S)
-        spec = await run_in_threadpool(_known, pool, pool.take, scorer_id, wait)
+        spec = await long_poll(state, _known, pool, pool.take, scorer_id, wait)
         if await request.is_disconnected():
             if spec is not None:
                 pool.release(scorer_id, spec.job_id)
