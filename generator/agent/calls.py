@@ -99,6 +99,7 @@ class CallHandler:
         else:
             first, added = None, self._text_continuation(episode, prompt)
         turn = self._sample(episode, first, added, request.max_tokens, _stops(request.stop))
+        episode.shown = (prompt if isinstance(prompt, str) else self.decode(list(prompt), special=True)) + turn.text
         logprobs = None
         if request.logprobs is not None:
             tokens = [self.decode([t], special=True) for t in turn.ids]
@@ -116,10 +117,17 @@ class CallHandler:
                 self._diverged(episode, "prompt: the token ids do not start with the episode's recorded tokens")
             return prompt[len(recorded):]
         recorded_text = self.decode(recorded, special=True)
-        if not prompt.startswith(recorded_text):
-            self._diverged(episode, "prompt: the text does not start with the episode's recorded text")
-        added = self.encode(prompt[len(recorded_text):])
-        if self.encode(prompt) != recorded + added:   # the whole text tokenizes otherwise: detected, not used
+        if prompt.startswith(recorded_text):
+            added = self.encode(prompt[len(recorded_text):])
+            mismatch = self.encode(prompt) != recorded + added   # the whole text tokenizes otherwise: detected
+        elif episode.shown is not None and prompt.startswith(episode.shown):
+            # the client continued the text it was answered, which leaves out what the model sampled but the text
+            # does not show (the stop string, special tokens): the recorded tokens stay, the rest is appended
+            added, mismatch = self.encode(prompt[len(episode.shown):]), True
+        else:
+            self._diverged(episode, "prompt: the text does not start with the episode's recorded text (nor with "
+                           "the last prompt and its answer's text)")
+        if mismatch:
             with self.book.lock:
                 self.book.stats.template_mismatches += 1
         return added

@@ -48,6 +48,7 @@ class Episode:
     mask: list[int] = field(default_factory=list)
     turn_ends: list[int] = field(default_factory=list)   # index in ``tokens`` of each model turn's last token
     conversation: list[tuple] | None = None  # chat: the last call's messages and the reply, normalized
+    shown: str | None = None                 # text calls: the last prompt and the answer's text, as the client read them
     last_ended: str = ""                     # how the last model turn ended: "eos", "stop_string" or "length"
     calls: int = 0
     reward: float | None = None
