@@ -27,8 +27,10 @@ class SamplingConfig(StrictModel):
 class RewardSpec(StrictModel):
     """One reward function of the weighted sum."""
 
-    name: str = Field(description="Registered reward: format, math, arithmetic, final_number, code, http or "
-                      "python.")
+    name: str = Field(description="Registered reward: format, math, arithmetic, final_number, code, python (a "
+                      "function of yours), http (a reward service), prm (a process reward model, step rewards), "
+                      "chain and chain_steps (the chain task's outcome and steps), reasoning_gym, soft_overlong or "
+                      "group_length (length penalties).")
     label: str | None = Field(None, description="Name used in metrics (default: name); needed when one reward "
                               "appears twice.")
     weight: float = Field(1.0, description="Weight in the total reward.")
