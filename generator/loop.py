@@ -231,6 +231,7 @@ class RolloutLoop:
         if env is not None:
             environment_rewards(scores, samples, env)
         self.stats.reward_errors += sum(scores.errors.values())
+        self.stats.step_only_rewards = [t.name for t in self.rewards.terms if t.gives_steps and not t.gives_outcome]
         self.stats.step_reward_errors += scores.step_errors
         steps = None
         if scores.steps is not None:  # a process-supervised group; outcome-only groups skip all of this
@@ -311,6 +312,7 @@ class RolloutLoop:
             self.stats.reward_count += group.group_size
             if group.step_rewards is not None:
                 self.stats.steps_uploaded += int(group.step_rewards.numel())
+                self.stats.step_reward_sum += float(group.step_rewards.sum())
                 self.stats.groups_with_steps += 1
             for name, values in group.reward_components.items():
                 self.stats.component_sums[name] = self.stats.component_sums.get(name, 0.0) + float(values.sum())

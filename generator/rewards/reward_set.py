@@ -61,6 +61,7 @@ class RewardTerm:
     weight: float
     on_error: float
     gives_steps: bool = False   # set once the term has returned a StepScores: its failures then drop steps
+    gives_outcome: bool = False  # set once it has returned an outcome (a number, or a StepScores' outcome)
 
 
 @dataclass
@@ -164,6 +165,8 @@ class RewardSet:
                 not_applicable[term.name] = [v is None for v in values]
                 values = [0.0 if v is None else v for v in values]
             term.gives_steps = term.gives_steps or any(isinstance(v, StepScores) for v in values)
+            term.gives_outcome = term.gives_outcome or any(
+                (v.outcome is not None) if isinstance(v, StepScores) else not math.isnan(v) for v in values)
             outcomes = [self._outcome(term, i, v, completions[i], found, failures[term.name])
                         for i, v in enumerate(values)]
             components[term.name] = outcomes
