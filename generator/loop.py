@@ -243,6 +243,7 @@ class RolloutLoop:
             steps = [s.token_steps or [] for s in samples]
         if self.drop_constant_groups and not carries_signal(scores.total, steps):
             self.stats.groups_dropped_constant += 1
+            self.refusals.constant(self.policy_version if policy_version is None else policy_version, scores.total)
             return None
         group = RolloutGroup.from_samples(
             prompt_ids=prompt_ids, completion_ids=[s.token_ids for s in samples],

@@ -326,7 +326,9 @@ class GeneratorConfig(StrictModel):
         64, ge=0, description="Stop (exit 2, with the hub's reason) after this many groups in a row were refused "
         "(by the hub, or by the generator's own check of what the hub would refuse) with none accepted: no group of "
         "this config can be accepted (e.g. an environment's reset() text that fills max_total_tokens). Each "
-        "refused group is counted and dropped, never sent again. 0: never stop.")
+        "refused group is counted and dropped, never sent again. Also the most groups in a row, sampled from one "
+        "policy version, that drop_constant_groups may drop with none accepted (a constant reward would otherwise "
+        "sample forever: the learner gets no batch, so the policy cannot change). 0: never stop.")
     curriculum: CurriculumConfig = Field(default_factory=CurriculumConfig, description="Skip prompts the policy "
                                          "always or never solves (pass rates shared through the hub).")
     failures: FailuresConfig = Field(default_factory=FailuresConfig, description="Rewards and environments that "
