@@ -35,6 +35,11 @@ class RewardSpec(StrictModel):
                               "appears twice.")
     weight: float = Field(1.0, description="Weight in the total reward.")
     on_error: float = Field(0.0, description="Score given when the reward raises or returns a non-finite value.")
+    timeout_s: float | None = Field(None, ge=0, allow_inf_nan=False, description="Wall-clock limit of one call of "
+                                    "the reward on a group; a call past it fails the group (on_error, under "
+                                    "generator.failures' rule, with the line it was running) and is abandoned. "
+                                    "null: 300 for python (your code), no limit for the built-in rewards (each "
+                                    "bounded by its own timeouts); 0: no limit, called on the generator's thread.")
     args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the reward's factory, "
                                  "e.g. {match: 1.25, mismatch: -1} for format or {function: 'my_reward.py:score'} (or "
                                  "'package.module:score') for python.")
