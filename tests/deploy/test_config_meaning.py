@@ -124,6 +124,23 @@ def test_every_config_error_at_once_with_did_you_mean(tmp_path, capsys):
         load_config(None, ["generator.zzz=1"])
 
 
+def test_an_unknown_key_does_not_hide_the_checks_of_its_section(tmp_path, capsys):
+    """A section with an unknown key was not checked as a whole: its model validators (here: rewards beside an
+    environment's own reward) waited for the next round, after the typo was fixed."""
+    data = {"generator": {"modle": "x", "rewards": [{"name": "format", "wieght": 1}],
+                          "environment": {"name": "calculator", "reward": "environment", "max_turn": 2}}}
+    status, _, err = check_config(tmp_path, data, capsys=capsys)
+    assert status == 2
+    *unknown, hidden = err.splitlines()[1:]
+    assert sorted(unknown) == ["  generator.environment.max_turn: unknown key (did you mean 'max_turns' or "
+                               "'max_turn_tokens'?)",
+                               "  generator.modle: unknown key (did you mean 'model'?)",
+                               "  generator.rewards.0.wieght: unknown key (did you mean 'weight'?)"], err
+    assert hidden == ("  generator.rewards lists ['format'], but generator.environment.reward is 'environment', which "
+                      "scores trajectories by the environment's step rewards alone: remove generator.rewards, or set "
+                      "generator.environment.reward: rewards to score with them"), err
+
+
 # -- no torch to check a reward -----------------------------------------------------------------------------------
 @pytest.mark.slow   # a subprocess: this process imported torch long ago
 def test_the_reward_and_environment_checks_import_no_torch():
