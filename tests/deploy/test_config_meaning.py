@@ -89,6 +89,14 @@ def test_a_stop_string_is_one_stop_sequence_in_the_config_and_on_the_class():
     assert stop_strings(EnvironmentConfig(name="x:y"), AnswerEnv) == ["</answer>"]
 
 
+@pytest.mark.parametrize("stop", ['""', '[""]', '["</calc>", ""]', "[1]", "{a: 1}"])
+def test_a_stop_that_is_no_string_or_an_empty_one_is_refused_at_load(stop):
+    """An empty stop string ends every turn before its first token: refused by check-config (it was refused only
+    when the generator started), as a number or a mapping is."""
+    with pytest.raises(ConfigError, match=r"generator\.environment\.stop"):
+        load_config(None, [f"generator.environment={{name: guess, stop: {stop}}}"])
+
+
 # -- derived addresses --------------------------------------------------------------------------------------------
 def test_a_port_override_reaches_every_address_derived_from_it(tmp_path, capsys):
     status, out, _ = check_config(tmp_path, {}, "ref_server.port=9123", capsys=capsys)

@@ -237,6 +237,15 @@ class EnvironmentConfig(StrictModel):
         at its first '<')."""
         return [value] if isinstance(value, str) else value
 
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop_string(cls, value: list[str] | None) -> list[str] | None:
+        """An empty stop string would end every turn before its first token (the class's own is checked at
+        start: generator.environments.base.stop_strings)."""
+        if value is not None and "" in value:
+            raise ValueError("an empty string is no stop string: it would end every turn before its first token")
+        return value
+
     @field_validator("name")
     @classmethod
     def _known_environment(cls, value: str) -> str:
