@@ -18,6 +18,7 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from generator.datasets import Example, PromptStream, render_example
@@ -49,13 +50,14 @@ def carries_signal(outcomes: list[float], steps: list[list[tuple[int, float]]] |
     return steps is not None and len({reward for pairs in steps for _, reward in pairs}) > 1
 
 
-def uploaded_components(scores: GroupScores) -> dict[str, list[float]]:
+def uploaded_components(scores: GroupScores, step_only: Sequence[str] = ()) -> dict[str, list[float]]:
     """The per-reward values a group carries: a reward that applied to none of its completions (a TRL-style
     reward's None everywhere) is left out, so the learner's ``reward/NAME`` mean leaves the group out as it does a
     group without that reward; one that applied to some carries 0.0 for the others (the protocol's floats are
-    finite)."""
+    finite). A reward in ``step_only`` (it gave steps and never an outcome, a PRM) is left out too: its 0.0 would be
+    no score (its steps are the group's step rewards, the learner's step_reward_mean)."""
     return {name: values for name, values in scores.components.items()
-            if not all(scores.not_applicable.get(name, [False]))}
+            if not all(scores.not_applicable.get(name, [False])) and name not in step_only}
 
 
 def environment_rewards(scores, samples: list[SampledCompletion], cfg: EnvironmentConfig) -> None:
@@ -250,7 +252,7 @@ class RolloutLoop:
             behaviour_logprobs=[s.logprobs for s in samples], rewards=scores.total,
             finish_reasons=[s.finish_reason for s in samples],
             **sample_versions(samples, self.policy_version if policy_version is None else policy_version),
-            generator_id=self.generator_id, sampling=self.sampling, reward_components=uploaded_components(scores),
+            generator_id=self.generator_id, sampling=self.sampling, reward_components=uploaded_components(scores, self.stats.step_only_rewards),
             task={k: str(v) for k, v in example.data.items() if isinstance(v, (str, int, float))}
                  | {"example_id": example.example_id},
             steps=steps, masks=[s.mask for s in samples] if any(s.mask is not None for s in samples) else None,

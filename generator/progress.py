@@ -80,10 +80,9 @@ class Progress:
         if self._bar is not None:
             self._bar.close()
         if self.enabled:
-            # over the completions each reward applied to (a TRL-style reward's None left out); a reward that gave
-            # steps alone (a PRM) has no outcome to average: its signal is the step rewards' line below
-            means = {k: round(v / max(stats.component_counts.get(k, 0), 1), 3) if k not in stats.step_only_rewards
-                     else "steps only" for k, v in stats.component_sums.items()}
+            # over the completions each reward applied to (a TRL-style reward's None left out; one that gave steps
+            # alone, a PRM, is not uploaded as a component: its mean is the step rewards' line below)
+            means = {k: round(v / max(stats.component_counts.get(k, 0), 1), 3) for k, v in stats.component_sums.items()}
             log.info("done: %d groups uploaded, %d dropped (constant reward), %d refused as stale, %d refused as "
                      "invalid, %d dropped as unacceptable, %d reward errors, %d engine calls put off for %.1fs (the learner could not use more "
                      "groups yet), per-reward means %s, %s", stats.groups_uploaded, stats.groups_dropped_constant,

@@ -22,7 +22,7 @@ class LoopStats:
     steps_uploaded: int = 0         # step rewards in accepted groups
     groups_with_steps: int = 0      # accepted groups that carried steps (process supervision)
     step_reward_sum: float = 0.0    # of the step rewards in accepted groups (each the weighted sum of the terms')
-    # rewards that gave steps and never an outcome (a PRM): their per-reward mean, 0.0, says nothing
+    # rewards that gave steps and never an outcome (a PRM): not uploaded as components (their 0.0 is no score)
     step_only_rewards: list[str] = field(default_factory=list)
     weight_updates: int = 0
     weight_versions_vanished: int = 0  # versions the hub named that were gone from the relay when asked for
