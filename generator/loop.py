@@ -302,8 +302,23 @@ class RolloutLoop:
 
     def upload(self, groups: list[RolloutGroup]) -> None:
         """One request for the groups of an engine call (retried by the client on 429 / 5xx / connection errors)."""
-        for group, answer in zip(groups, self.client.upload_groups(groups)):
+        for group, answer in zip(groups, self._upload_within_limit(groups)):
             self._count(group, answer)
+
+    def _upload_within_limit(self, groups: list[RolloutGroup]) -> list[dict]:
+        """The hub's answers to ``groups``; a request over its ``ref_server.max_request_bytes`` (413) is sent again
+        in halves, and a group over it alone can never be accepted: refused, as the hub refuses a group (it killed
+        the generator)."""
+        try:
+            return self.client.upload_groups(groups)
+        except HubError as exc:
+            if exc.status != 413 or not groups:
+                raise
+            if len(groups) == 1:
+                return [{"refused": f"the group alone is larger than the hub takes in one request: {exc.detail}",
+                         "status": 413}]
+            half = len(groups) // 2
+            return self._upload_within_limit(groups[:half]) + self._upload_within_limit(groups[half:])
 
     def _count(self, group: RolloutGroup, answer: dict) -> None:
         self.stats.last_queue_depth = answer.get("queue_depth")
