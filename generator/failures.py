@@ -31,6 +31,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import signal
 import sys
 import sysconfig
 import threading
@@ -40,7 +41,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from shared.errors import ServiceError, UsageError
 
@@ -53,6 +54,7 @@ _OURS = tuple(os.path.join(_PROJECT, package, "") for package in ("generator", "
 _LIBRARIES = tuple({os.path.join(Path(sysconfig.get_paths()[key]).resolve(), "")
                     for key in ("stdlib", "platstdlib", "purelib", "platlib")})
 TRACE_FRAMES = 8   # frames of a failure's traceback that are kept (the innermost)
+T = TypeVar("T")
 
 
 def is_user_file(filename: str) -> bool:
@@ -105,6 +107,69 @@ class Failure:
 def thread_frame(ident: int | None) -> FrameType | None:
     """The current frame of a running thread (None once it ended)."""
     return sys._current_frames().get(ident) if ident is not None else None   # noqa: SLF001 - documented in sys
+
+
+class CallHung(BaseException):  # noqa: N818 - what happened to the call, as ServiceDown
+    """A call of user code still running after its time limit; ``failure`` says where it was then. A
+    BaseException, as KeyboardInterrupt: raised inside the call on the main thread, it must not be caught by the
+    call's own ``except Exception`` (per-completion containment would go on to the next completion)."""
+
+    def __init__(self, failure: Failure) -> None:
+        super().__init__(failure.what)
+        self.failure = failure
+
+
+def call_within(call: Callable[[], T], timeout_s: float | None, limit: str) -> T:
+    """``call()``'s value, or what it raised; :class:`CallHung` when it still runs ``timeout_s`` later (None: no
+    limit). ``limit``: the setting that set ``timeout_s``, for the message.
+
+    On the main thread the call runs there, and a timer interrupts it (SIGUSR2 to the main thread, whose handler
+    raises CallHung at the line it reached): user code keeps the main thread, which math_verify's signal.alarm
+    needs (TRL's accuracy_reward). Elsewhere it runs in a daemon thread, abandoned when it hangs: Python cannot stop
+    a thread."""
+    if timeout_s is None:
+        return call()
+    if threading.current_thread() is threading.main_thread():
+        return _call_on_main(call, timeout_s, limit)
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = call()
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True, name="grpo-user-call")
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise CallHung(Failure.hung(f"took longer than {limit} = {timeout_s:g}s", thread_frame(thread.ident)))
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def _call_on_main(call: Callable[[], T], timeout_s: float, limit: str) -> T:
+    running = [True]
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        if running[0]:   # a signal that arrives as the call returns is ignored
+            running[0] = False
+            raise CallHung(Failure.hung(f"took longer than {limit} = {timeout_s:g}s", frame))
+
+    previous = signal.signal(signal.SIGUSR2, interrupt)
+    timer = threading.Timer(timeout_s, signal.pthread_kill, (threading.main_thread().ident, signal.SIGUSR2))
+    timer.daemon = True
+    timer.start()
+    try:
+        value = call()
+        running[0] = False
+        return value
+    finally:
+        running[0] = False
+        timer.cancel()
+        timer.join()
+        signal.signal(signal.SIGUSR2, previous)
 
 
 class FailureRateExceeded(UsageError):
@@ -163,9 +228,6 @@ class ServiceDown(ServiceError):
     def __init__(self, service: str, url: str, reason: str) -> None:
         super().__init__(f"{service} at {url} unreachable ({reason})")
         self.service, self.url, self.reason = service, url, reason
-
-
-T = TypeVar("T")
 
 
 class ServicePause:

@@ -18,6 +18,7 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from generator.datasets import Example, PromptStream, render_example
@@ -49,13 +50,14 @@ def carries_signal(outcomes: list[float], steps: list[list[tuple[int, float]]] |
     return steps is not None and len({reward for pairs in steps for _, reward in pairs}) > 1
 
 
-def uploaded_components(scores: GroupScores) -> dict[str, list[float]]:
+def uploaded_components(scores: GroupScores, step_only: Sequence[str] = ()) -> dict[str, list[float]]:
     """The per-reward values a group carries: a reward that applied to none of its completions (a TRL-style
     reward's None everywhere) is left out, so the learner's ``reward/NAME`` mean leaves the group out as it does a
     group without that reward; one that applied to some carries 0.0 for the others (the protocol's floats are
-    finite)."""
+    finite). A reward in ``step_only`` (it gave steps and never an outcome, a PRM) is left out too: its 0.0 would be
+    no score (its steps are the group's step rewards, the learner's step_reward_mean)."""
     return {name: values for name, values in scores.components.items()
-            if not all(scores.not_applicable.get(name, [False]))}
+            if not all(scores.not_applicable.get(name, [False])) and name not in step_only}
 
 
 def environment_rewards(scores, samples: list[SampledCompletion], cfg: EnvironmentConfig) -> None:
@@ -231,6 +233,7 @@ class RolloutLoop:
         if env is not None:
             environment_rewards(scores, samples, env)
         self.stats.reward_errors += sum(scores.errors.values())
+        self.stats.step_only_rewards = [t.name for t in self.rewards.terms if t.gives_steps and not t.gives_outcome]
         self.stats.step_reward_errors += scores.step_errors
         steps = None
         if scores.steps is not None:  # a process-supervised group; outcome-only groups skip all of this
@@ -242,13 +245,14 @@ class RolloutLoop:
             steps = [s.token_steps or [] for s in samples]
         if self.drop_constant_groups and not carries_signal(scores.total, steps):
             self.stats.groups_dropped_constant += 1
+            self.refusals.constant(self.policy_version if policy_version is None else policy_version, scores.total)
             return None
         group = RolloutGroup.from_samples(
             prompt_ids=prompt_ids, completion_ids=[s.token_ids for s in samples],
             behaviour_logprobs=[s.logprobs for s in samples], rewards=scores.total,
             finish_reasons=[s.finish_reason for s in samples],
             **sample_versions(samples, self.policy_version if policy_version is None else policy_version),
-            generator_id=self.generator_id, sampling=self.sampling, reward_components=uploaded_components(scores),
+            generator_id=self.generator_id, sampling=self.sampling, reward_components=uploaded_components(scores, self.stats.step_only_rewards),
             task={k: str(v) for k, v in example.data.items() if isinstance(v, (str, int, float))}
                  | {"example_id": example.example_id},
             steps=steps, masks=[s.mask for s in samples] if any(s.mask is not None for s in samples) else None,
@@ -298,8 +302,23 @@ class RolloutLoop:
 
     def upload(self, groups: list[RolloutGroup]) -> None:
         """One request for the groups of an engine call (retried by the client on 429 / 5xx / connection errors)."""
-        for group, answer in zip(groups, self.client.upload_groups(groups)):
+        for group, answer in zip(groups, self._upload_within_limit(groups)):
             self._count(group, answer)
+
+    def _upload_within_limit(self, groups: list[RolloutGroup]) -> list[dict]:
+        """The hub's answers to ``groups``; a request over its ``ref_server.max_request_bytes`` (413) is sent again
+        in halves, and a group over it alone can never be accepted: refused, as the hub refuses a group (it killed
+        the generator)."""
+        try:
+            return self.client.upload_groups(groups)
+        except HubError as exc:
+            if exc.status != 413 or not groups:
+                raise
+            if len(groups) == 1:
+                return [{"refused": f"the group alone is larger than the hub takes in one request: {exc.detail}",
+                         "status": 413}]
+            half = len(groups) // 2
+            return self._upload_within_limit(groups[:half]) + self._upload_within_limit(groups[half:])
 
     def _count(self, group: RolloutGroup, answer: dict) -> None:
         self.stats.last_queue_depth = answer.get("queue_depth")
@@ -311,6 +330,7 @@ class RolloutLoop:
             self.stats.reward_count += group.group_size
             if group.step_rewards is not None:
                 self.stats.steps_uploaded += int(group.step_rewards.numel())
+                self.stats.step_reward_sum += float(group.step_rewards.sum())
                 self.stats.groups_with_steps += 1
             for name, values in group.reward_components.items():
                 self.stats.component_sums[name] = self.stats.component_sums.get(name, 0.0) + float(values.sum())

@@ -55,6 +55,7 @@ class Progress:
             "prompts/s": round(stats.prompts / elapsed, 2),
             "tokens/s": round(stats.completion_tokens / elapsed, 1),
             "reward": round(stats.mean_reward, 3),
+            **({} if stats.mean_step_reward is None else {"step_reward": round(stats.mean_step_reward, 3)}),
             "version": version,
             "queue": stats.last_queue_depth,
             **environment_summary(stats.environment),
@@ -79,7 +80,8 @@ class Progress:
         if self._bar is not None:
             self._bar.close()
         if self.enabled:
-            # over the completions each reward applied to (a TRL-style reward's None left out)
+            # over the completions each reward applied to (a TRL-style reward's None left out; one that gave steps
+            # alone, a PRM, is not uploaded as a component: its mean is the step rewards' line below)
             means = {k: round(v / max(stats.component_counts.get(k, 0), 1), 3) for k, v in stats.component_sums.items()}
             log.info("done: %d groups uploaded, %d dropped (constant reward), %d refused as stale, %d refused as "
                      "invalid, %d dropped as unacceptable, %d reward errors, %d engine calls put off for %.1fs (the learner could not use more "
@@ -106,6 +108,8 @@ class Progress:
                 log.info("weight sync: %d versions the hub named were gone from the relay when asked for (the "
                          "current one was loaded instead)", stats.weight_versions_vanished)
             if stats.groups_with_steps or stats.step_reward_errors:
-                log.info("step rewards: %d groups carried %d steps (%.2f per group); %d completions lost their steps "
-                         "to a failed or mismatched step reward", stats.groups_with_steps, stats.steps_uploaded,
-                         stats.steps_uploaded / max(stats.groups_with_steps, 1), stats.step_reward_errors)
+                log.info("step rewards: %d groups carried %d steps (%.2f per group), mean step reward %s; %d "
+                         "completions lost their steps to a failed or mismatched step reward", stats.groups_with_steps,
+                         stats.steps_uploaded, stats.steps_uploaded / max(stats.groups_with_steps, 1),
+                         "-" if stats.mean_step_reward is None else f"{stats.mean_step_reward:.3f}",
+                         stats.step_reward_errors)

@@ -21,6 +21,9 @@ class LoopStats:
     step_reward_errors: int = 0     # completions whose steps were dropped (a failed step reward, a mismatch)
     steps_uploaded: int = 0         # step rewards in accepted groups
     groups_with_steps: int = 0      # accepted groups that carried steps (process supervision)
+    step_reward_sum: float = 0.0    # of the step rewards in accepted groups (each the weighted sum of the terms')
+    # rewards that gave steps and never an outcome (a PRM): not uploaded as components (their 0.0 is no score)
+    step_only_rewards: list[str] = field(default_factory=list)
     weight_updates: int = 0
     weight_versions_vanished: int = 0  # versions the hub named that were gone from the relay when asked for
     budget_waits: int = 0           # engine calls put off because the learner could not use more groups yet
@@ -38,3 +41,8 @@ class LoopStats:
     @property
     def mean_reward(self) -> float:
         return self.reward_sum / self.reward_count if self.reward_count else 0.0
+
+    @property
+    def mean_step_reward(self) -> float | None:
+        """The mean step reward uploaded (None: no step was)."""
+        return self.step_reward_sum / self.steps_uploaded if self.steps_uploaded else None

@@ -42,7 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from generator.failures import Failure, ServiceDown
+from generator.failures import CallHung, Failure, ServiceDown, call_within
 from generator.rewards.base import REWARDS, GroupReward, RewardConfigError, Score, as_score, takes_token_ids
 from generator.rewards.steps import StepScores
 from generator.rewards.trl_style import RewardContext
@@ -51,6 +51,7 @@ from shared.protocol.float32 import finite_float32
 
 log = logging.getLogger("grpo.generator.rewards")
 
+USER_TIMEOUT_S = 300.0   # a python reward's time limit per group call when its timeout_s is not set
 CharSteps = list[tuple[int, float]]   # (exclusive character end, reward) per step of one completion
 
 
@@ -61,6 +62,8 @@ class RewardTerm:
     weight: float
     on_error: float
     gives_steps: bool = False   # set once the term has returned a StepScores: its failures then drop steps
+    gives_outcome: bool = False  # set once it has returned an outcome (a number, or a StepScores' outcome)
+    timeout_s: float | None = None  # wall-clock limit of one call (None: none; RewardSpec.timeout_s)
 
 
 @dataclass
@@ -146,7 +149,8 @@ class RewardSet:
                                     f"{exc}") from None
         except UsageError as exc:
             raise RewardConfigError(f"generator.rewards[{index}] ({spec.name}): {exc}") from None
-        return RewardTerm(spec.label or spec.name, fn, spec.weight, spec.on_error)
+        timeout_s = spec.timeout_s if spec.timeout_s is not None else USER_TIMEOUT_S if spec.name == "python" else 0
+        return RewardTerm(spec.label or spec.name, fn, spec.weight, spec.on_error, timeout_s=timeout_s or None)
 
     def score_group(self, prompt: str, completions: Sequence[str], example: dict[str, Any],
                     completion_ids: Sequence[Sequence[int]] | None = None) -> GroupScores:
@@ -164,6 +168,8 @@ class RewardSet:
                 not_applicable[term.name] = [v is None for v in values]
                 values = [0.0 if v is None else v for v in values]
             term.gives_steps = term.gives_steps or any(isinstance(v, StepScores) for v in values)
+            term.gives_outcome = term.gives_outcome or any(
+                (v.outcome is not None) if isinstance(v, StepScores) else not math.isnan(v) for v in values)
             outcomes = [self._outcome(term, i, v, completions[i], found, failures[term.name])
                         for i, v in enumerate(values)]
             components[term.name] = outcomes
@@ -225,16 +231,17 @@ class RewardSet:
         n = len(completions)
         with_ids = takes_token_ids(term.fn)
         try:
-            raw = list(term.fn(prompt, completions, example, completion_ids) if with_ids
-                       else term.fn(prompt, completions, example))
+            raw = list(call_within(lambda: term.fn(prompt, completions, example, completion_ids) if with_ids
+                                   else term.fn(prompt, completions, example), term.timeout_s,
+                                   f"the reward's timeout_s (generator.rewards '{term.name}')"))
             if len(raw) != n:
                 raise ValueError(f"returned {len(raw)} values for {n} completions")
         except ServiceDown:
             raise
-        except Exception as exc:  # noqa: BLE001 - a reward must never take the generator down
+        except (Exception, CallHung) as exc:  # noqa: BLE001 - a reward must never take the generator down
             log.warning("reward %r failed on a group (%s: %s); scoring it %s", term.name, type(exc).__name__,
                         exc, term.on_error)
-            return [math.nan] * n, [Failure.of(exc)] * n
+            return [math.nan] * n, [exc.failure if isinstance(exc, CallHung) else Failure.of(exc)] * n
         # per_completion's lift says what raised on each completion; otherwise the value itself was the failure
         raised = getattr(term.fn, "failures", None)
         raised = raised if isinstance(raised, list) and len(raised) == n else [None] * n

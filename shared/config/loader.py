@@ -7,6 +7,7 @@ registries when the config is loaded, not when a training step first uses them.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import json
 from pathlib import Path
@@ -49,11 +50,11 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return tree
 
 
-def format_validation_error(exc: ValidationError, source: str, schema: type[BaseModel] = GRPOConfig) -> str:
-    """Every problem at once, one line each, naming the dotted key: ``algorithm.loss.bta: unknown key (did you mean
-    'beta'?)``."""
+def format_validation_error(exc: ValidationError | list, source: str, schema: type[BaseModel] = GRPOConfig) -> str:
+    """Every problem at once (a ValidationError, or its errors), one line each, naming the dotted key:
+    ``algorithm.loss.bta: unknown key (did you mean 'beta'?)``."""
     lines = []
-    for error in exc.errors():
+    for error in exc.errors() if isinstance(exc, ValidationError) else exc:
         key = ".".join(str(part) for part in error["loc"]) or "<top level>"
         if error["type"] == "extra_forbidden":
             lines.append(f"{key}: unknown key{did_you_mean(schema, error['loc'])}")
@@ -112,7 +113,29 @@ def validate_tree(tree: dict[str, Any], source: str, schema: type[StrictModel] =
     try:
         return schema.model_validate(tree)
     except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc, source, schema)) from None
+        errors = exc.errors()
+    raise ConfigError(format_validation_error(errors + _hidden_by_unknown_keys(tree, errors, schema), source,
+                                              schema)) from None
+
+
+def _hidden_by_unknown_keys(tree: dict[str, Any], errors: list, schema: type[StrictModel]) -> list:
+    """The errors an unknown key hid: a section with one is not checked as a whole (its model validators, such as
+    generator.rewards beside an environment's own reward, do not run), so the tree is checked again without them."""
+    unknown = [error["loc"] for error in errors if error["type"] == "extra_forbidden"]
+    if not unknown:
+        return []
+    stripped = copy.deepcopy(tree)
+    for *path, key in unknown:
+        section = stripped
+        for part in path:
+            section = section[part] if isinstance(section, (dict, list)) else None
+        if isinstance(section, dict):
+            section.pop(key, None)
+    try:
+        schema.model_validate(stripped)
+    except ValidationError as again:
+        return [error for error in again.errors() if error not in errors]
+    return []
 
 
 def _nested_model(annotation: Any) -> tuple[type[BaseModel] | None, str]:

@@ -89,6 +89,14 @@ def test_a_stop_string_is_one_stop_sequence_in_the_config_and_on_the_class():
     assert stop_strings(EnvironmentConfig(name="x:y"), AnswerEnv) == ["</answer>"]
 
 
+@pytest.mark.parametrize("stop", ['""', '[""]', '["</calc>", ""]', "[1]", "{a: 1}"])
+def test_a_stop_that_is_no_string_or_an_empty_one_is_refused_at_load(stop):
+    """An empty stop string ends every turn before its first token: refused by check-config (it was refused only
+    when the generator started), as a number or a mapping is."""
+    with pytest.raises(ConfigError, match=r"generator\.environment\.stop"):
+        load_config(None, [f"generator.environment={{name: guess, stop: {stop}}}"])
+
+
 # -- derived addresses --------------------------------------------------------------------------------------------
 def test_a_port_override_reaches_every_address_derived_from_it(tmp_path, capsys):
     status, out, _ = check_config(tmp_path, {}, "ref_server.port=9123", capsys=capsys)
@@ -122,6 +130,23 @@ def test_every_config_error_at_once_with_did_you_mean(tmp_path, capsys):
         assert line in err, err
     with pytest.raises(ConfigError, match=r"generator\.zzz: unknown key \(known: model, engine, id, hub_url"):
         load_config(None, ["generator.zzz=1"])
+
+
+def test_an_unknown_key_does_not_hide_the_checks_of_its_section(tmp_path, capsys):
+    """A section with an unknown key was not checked as a whole: its model validators (here: rewards beside an
+    environment's own reward) waited for the next round, after the typo was fixed."""
+    data = {"generator": {"modle": "x", "rewards": [{"name": "format", "wieght": 1}],
+                          "environment": {"name": "calculator", "reward": "environment", "max_turn": 2}}}
+    status, _, err = check_config(tmp_path, data, capsys=capsys)
+    assert status == 2
+    *unknown, hidden = err.splitlines()[1:]
+    assert sorted(unknown) == ["  generator.environment.max_turn: unknown key (did you mean 'max_turns' or "
+                               "'max_turn_tokens'?)",
+                               "  generator.modle: unknown key (did you mean 'model'?)",
+                               "  generator.rewards.0.wieght: unknown key (did you mean 'weight'?)"], err
+    assert hidden == ("  generator.rewards lists ['format'], but generator.environment.reward is 'environment', which "
+                      "scores trajectories by the environment's step rewards alone: remove generator.rewards, or set "
+                      "generator.environment.reward: rewards to score with them"), err
 
 
 # -- no torch to check a reward -----------------------------------------------------------------------------------

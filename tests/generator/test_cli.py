@@ -139,3 +139,23 @@ def test_an_environment_reward_runs_alone_in_the_generator(tmp_path, tiny_model_
         batch = HubClient(live.url).get_batch(2, wait_s=10)
     assert result.returncode == 0, result.stderr[-3000:]
     assert set(batch.reward_components) == {"environment"} and "arithmetic" not in result.stderr
+
+
+@pytest.mark.slow
+def test_a_generator_whose_every_group_is_dropped_as_constant_stops_with_the_scores(tmp_path, tiny_model_dir):
+    """Dynamic sampling with a reward that scores every completion alike (a bug in the reward, a task never solved):
+    every group is dropped, none reaches the learner, the policy cannot change: it sampled forever. Now the
+    generator stops after max_refused_in_a_row such groups, exit 2, naming the scores."""
+    (tmp_path / "flat_reward.py").write_text("def score(prompt, completion, example):\n    return 0.25\n")
+    with LiveServer(make_config(tmp_path, tiny_model_dir)) as live:
+        config = write_config(tmp_path, live.url, tiny_model_dir, drop_constant_groups="true",
+                              max_refused_in_a_row=4, rewards=f"[{{name: python, args: {{function: "
+                                                              f"'{tmp_path / 'flat_reward.py'}:score'}}}}]")
+        result = forks.run([GRPO, "generator", "--config", str(config)], capture_output=True, text=True,
+                           timeout=300, env=ENV)
+        accepted = live.state.hub.counters.accepted
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert accepted == 0 and "0 groups uploaded, 4 dropped (constant reward)" in result.stderr
+    assert ("the last 4 groups, all sampled from policy version 0, were dropped by dynamic sampling "
+            "(generator.drop_constant_groups): the completions of each scored alike (the last group: 0.25 for all "
+            "3)") in result.stderr, result.stderr[-3000:]

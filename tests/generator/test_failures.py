@@ -184,3 +184,64 @@ def test_http_reward_with_nothing_listening_is_down():
     rewards = RewardSet.from_specs([RewardSpec(name="http", args={"url": f"http://127.0.0.1:{port}/"})])
     with pytest.raises(ServiceDown, match="unreachable \\(ConnectionError"):
         rewards.score_group("p", ["a"], {})
+
+
+def sleepy(seconds: float) -> str:
+    time.sleep(seconds)   # the line a hung call is found at
+    return "woke"
+
+
+SLEEP_LINE = f"{__file__}:{sleepy.__code__.co_firstlineno + 1} in sleepy"
+
+
+@pytest.mark.parametrize("where", ["main", "thread"])
+def test_a_call_past_its_limit_is_cut_off_with_the_line_it_was_at(where, monkeypatch):
+    """A reward that hangs (issue 36: rewards that fail, hang or say nothing): call_within ends the wait after
+    timeout_s with CallHung naming the user's line. On the main thread the call itself is interrupted (it keeps the
+    main thread, which math_verify's signal.alarm needs); elsewhere it runs in a thread that is abandoned."""
+    import signal as signals
+
+    from generator.failures import CallHung, call_within
+
+    monkeypatch.setattr(generator.failures, "is_user_file", lambda filename: filename == __file__)
+    outcome: dict = {}
+
+    def attempt() -> None:
+        started = time.monotonic()
+        try:
+            call_within(lambda: sleepy(30), 0.3, "timeout_s")
+        except CallHung as exc:
+            outcome.update(failure=exc.failure, took=time.monotonic() - started)
+        outcome["quick"] = call_within(lambda: sleepy(0.01), 5, "timeout_s")
+        with pytest.raises(ZeroDivisionError):
+            call_within(lambda: 1 / 0, 5, "timeout_s")
+
+    handler = signals.getsignal(signals.SIGUSR2)
+    if where == "main":
+        attempt()
+    else:
+        worker = threading.Thread(target=attempt)
+        worker.start()
+        worker.join(20)
+    assert outcome["took"] < 5 and outcome["quick"] == "woke"
+    assert outcome["failure"].what == "took longer than timeout_s = 0.3s" and outcome["failure"].where == SLEEP_LINE
+    assert signals.getsignal(signals.SIGUSR2) == handler   # restored
+    assert call_within(lambda: "direct", None, "timeout_s") == "direct"
+
+
+def test_a_python_reward_that_hangs_fails_its_group_with_its_line(tmp_path):
+    """timeout_s on a reward: a call past it scores the group on_error, its failure the line it hung at; python
+    rewards get 300 s when it is not set, the built-in ones none (their own timeouts bound them)."""
+    (tmp_path / "hangs.py").write_text("import time\n\ndef score(prompt, completion, example):\n"
+                                       "    time.sleep(60)\n    return 1.0\n")
+    spec = RewardSpec(name="python", on_error=-1.0, timeout_s=0.3, args={"function": f"{tmp_path}/hangs.py:score"})
+    rewards = RewardSet.from_specs([spec, RewardSpec(name="format")])
+    started = time.monotonic()
+    scores = rewards.score_group("q", ["a", "b"], {})
+    assert time.monotonic() - started < 5 and scores.components["python"] == [-1.0, -1.0]
+    failure = scores.failures["python"][0]
+    assert failure.what == "took longer than the reward's timeout_s (generator.rewards 'python') = 0.3s"
+    assert failure.where == f"{tmp_path}/hangs.py:4 in score"
+    assert [t.timeout_s for t in RewardSet.from_specs([spec.model_copy(update={"timeout_s": None}),
+                                                        RewardSpec(name="format")]).terms] == [300.0, None]
+    assert RewardSet.from_specs([spec.model_copy(update={"timeout_s": 0})]).terms[0].timeout_s is None

@@ -136,3 +136,31 @@ def test_a_reward_server_that_goes_down_pauses_generation_until_it_answers_again
     assert "reward services: generation paused 1 time(s) while one was down" in log   # the summary at the end
     assert -7.0 not in batch.rewards.tolist()   # no group scored on_error: the down server failed none
     assert "Traceback" not in log
+
+
+HANGS = """import time
+
+
+def score(prompt, completion, example):
+    time.sleep(3600)   # a reward that never answers
+    return 1.0
+"""
+
+
+@pytest.mark.slow
+def test_a_reward_that_hangs_stops_the_generator_with_its_line(tmp_path, tiny_model_dir):
+    """A python reward that never returns held the generator forever, silent. Its timeout_s cuts each call off (the
+    group scored on_error); every completion failed so far, so the rule stops the run at once, exit 2, naming the
+    line it hung at."""
+    (tmp_path / "hangs.py").write_text(HANGS)
+    started = time.monotonic()
+    result, accepted = generator_run(tmp_path, tiny_model_dir, rewards=f"[{{name: python, timeout_s: 1, args: "
+                                                                        f"{{function: {tmp_path}/hangs.py:score}}}}]")
+    assert result.returncode == 2 and time.monotonic() - started < 120, result.stderr[-3000:]
+    where = f"{tmp_path}/hangs.py:{line_of(HANGS, 'time.sleep')} in score"
+    assert result.stderr.strip().splitlines()[-1] == (
+        "grpo generator: error: reward 'python' failed on all 6 completions it was given so far: the rule is to stop "
+        "at 50% of a window of 64 (generator.failures.max_rate and .window), since training would learn from "
+        "on_error scores alone; the first failure in the window: took longer than the reward's timeout_s "
+        f"(generator.rewards 'python') = 1s (at {where})")
+    assert accepted == 0

@@ -295,3 +295,26 @@ def test_two_generators_share_the_hubs_curriculum_table(engine, tmp_path):
     assert own == {"gen-a": [1.0], "gen-b": [1.0]}
     assert all(first_id in batches[0] and not any(first_id in ids for ids in batches[1:])
                for batches in drawn.values())
+
+
+def test_an_upload_over_the_hubs_request_limit_goes_in_halves_and_a_group_over_it_alone_is_refused(engine, tmp_path,
+                                                                                                 caplog):
+    """ref_server.max_request_bytes bounds one upload: the hub answered 413 to the engine call's request and the
+    generator died with it (an upload of many long groups). Now the request goes again in halves; a group that is
+    over the limit by itself can never be accepted: counted, logged once and dropped, as the hub's refusals."""
+    from shared.protocol.records import RolloutGroup
+
+    def group(tokens: int) -> RolloutGroup:
+        return RolloutGroup.from_samples(
+            prompt_ids=[1, 2, 3], completion_ids=[[5] * tokens, [6] * tokens],
+            behaviour_logprobs=[[-1.0] * tokens] * 2, rewards=[0.0, 1.0], finish_reasons=["length"] * 2,
+            policy_version=0, generator_id="gen-a", sampling=SamplingParams(temperature=1.0, max_tokens=tokens))
+
+    with LiveServer(make_config(tmp_path, max_request_bytes=4096)) as live:
+        loop = make_loop(engine, live.url, tmp_path)
+        groups = [group(10), group(10), group(10), group(600), group(10)]
+        assert len(groups[3].to_bytes()) > 4096 > 2 * len(groups[0].to_bytes()) + 512
+        loop.upload(groups)
+        assert live.state.hub.depth() == 4 and live.state.hub.counters.accepted == 4
+    assert loop.stats.groups_uploaded == 4 and loop.stats.groups_refused_invalid == 1
+    assert sum(loop.refusals.kinds.values()) == 1 and "larger than the hub takes in one request" in caplog.text

@@ -136,3 +136,37 @@ def test_dynamic_sampling_keeps_a_group_whose_outcomes_or_steps_differ(engine, t
     kept = steps_only.step()
     assert len(kept) == 2 and steps_only.stats.groups_dropped_constant == 0
     assert all(set(g.rewards.tolist()) == {0.0} and len(set(g.step_rewards.tolist())) > 1 for g in kept)
+
+
+def test_the_closing_lines_give_the_mean_step_reward_and_no_outcome_mean_for_a_steps_only_reward(engine, tmp_path,
+                                                                                                 caplog):
+    """A reward that gives steps alone (a PRM) has no outcome: the summary said ``prm 0.0`` and never the step
+    rewards, and the group carried the 0.0 as its component (the learner's reward/prm). Now it is no component: the
+    per-reward means leave it out, and the mean of the step rewards uploaded is given, in the progress fields and
+    the closing line (checked against the accepted groups' own step rewards)."""
+    import logging
+
+    import torch
+
+    from generator.progress import Progress
+
+    loop = make_loop(engine, tmp_path, [STEPS, OUTCOME], step_rewards=StepRewardsConfig(outcome="none"))
+    groups = loop.step()
+    for group in groups:
+        loop._count(group, {"accepted": True, "queue_depth": 0})
+    step_rewards = torch.cat([g.step_rewards for g in groups])
+    lengths = torch.cat([g.rewards for g in groups]) / 0.5   # OUTCOME's weight: the total is 0.5 * length
+    assert step_rewards.numel() > 8 and loop.stats.step_only_rewards == ["steps"]
+    assert all(set(g.reward_components) == {"length"} for g in groups)
+    assert loop.stats.mean_step_reward == pytest.approx(step_rewards.mean().item())
+    caplog.set_level(logging.INFO, logger="grpo.generator")
+    progress = Progress(enabled=True)
+    assert progress.summary(loop.stats, 1)["step_reward"] == round(step_rewards.mean().item(), 3)
+    progress.close(loop.stats, version=1)
+    assert f"per-reward means {{'length': {round(lengths.mean().item(), 3)}}}" in caplog.text, caplog.text
+    alone = make_loop(engine, tmp_path, [STEPS], step_rewards=StepRewardsConfig(outcome="none"))
+    built = alone.step()   # each checked as the hub checks a group (build_group: validate)
+    assert len(built) == 2 and all(g.reward_components == {} and g.step_rewards.numel() for g in built)
+    assert (f"step rewards: {len(groups)} groups carried {step_rewards.numel()} steps "
+            f"({step_rewards.numel() / len(groups):.2f} per group), mean step reward "
+            f"{step_rewards.mean().item():.3f}; 0 completions") in caplog.text, caplog.text

@@ -13,4 +13,5 @@ def test_the_summary_reports_step_rewards_only_when_there_were_some(caplog):
     caplog.clear()
     Progress(enabled=True).close(LoopStats(groups_uploaded=4, groups_with_steps=4, steps_uploaded=30,
                                            step_reward_errors=2), version=1)
-    assert "step rewards: 4 groups carried 30 steps (7.50 per group); 2 completions lost their steps" in caplog.text
+    assert ("step rewards: 4 groups carried 30 steps (7.50 per group), mean step reward 0.000; 2 completions lost "
+            "their steps") in caplog.text

@@ -32,3 +32,26 @@ def test_each_kind_of_reason_is_logged_once(caplog):
             counter.refused("the hub (400)", "rollout group is missing 'group_id'")
     assert len(caplog.records) == 2 and counter.in_a_row == 400
     assert "completion 0: 300 tokens exceed the model's context of 256" in caplog.records[0].getMessage()
+
+
+def test_groups_dropped_as_constant_stop_only_in_an_unbroken_run_from_one_policy_version():
+    """Dynamic sampling's livelock: while every group is dropped as constant nothing reaches the learner and the
+    policy cannot change. An accepted group or a new policy version (another generator's groups trained on) starts
+    the count again; the limit's worth in a row from one version stops with the scores named."""
+    counter = RefusalCounter(limit=3)
+    for version in range(5):   # a new version each time: never stops
+        counter.constant(version, [0.0] * 4)
+        counter.constant(version, [0.0] * 4)
+    for _ in range(5):         # an accepted group in between: never stops
+        counter.constant(7, [1.0] * 4)
+        counter.constant(7, [1.0] * 4)
+        counter.accepted()
+    counter.constant(7, [0.0] * 4)
+    counter.constant(7, [0.0] * 4)
+    with pytest.raises(GroupsRefused, match=r"the last 3 groups, all sampled from policy version 7, were dropped by "
+                                            r"dynamic sampling .*the last group: 0.5 for all 4") as info:
+        counter.constant(7, [0.5] * 4)
+    assert info.value.exit_code == 2 and "generator.drop_constant_groups: false" in str(info.value)
+    unlimited = RefusalCounter(limit=0)
+    for _ in range(500):
+        unlimited.constant(0, [0.0, 0.0])

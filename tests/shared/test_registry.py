@@ -107,6 +107,43 @@ def test_the_names_read_from_the_source_are_the_registries_names():
     assert declared_names("shared.grpo.kl", "NO_SUCH_REGISTRY") == frozenset()
 
 
+def _registered_fields() -> list[tuple[type, str, str, str]]:
+    """``(schema class, field, registry module, registry name)`` for every field a ``field_validator`` checks with
+    ``check_registered``."""
+    import ast
+    import importlib
+    from pathlib import Path
+
+    found = []
+    for path in sorted((Path(__file__).resolve().parents[2] / "shared" / "config" / "schema").glob("*.py")):
+        module = importlib.import_module("shared.config.schema" + ("" if path.stem == "__init__" else f".{path.stem}"))
+        for cls in (n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef)):
+            for fn in (n for n in cls.body if isinstance(n, ast.FunctionDef)):
+                fields = [a.value for d in fn.decorator_list if isinstance(d, ast.Call)
+                          and getattr(d.func, "id", None) == "field_validator" for a in d.args]
+                for call in ast.walk(fn):
+                    if isinstance(call, ast.Call) and getattr(call.func, "id", None) == "check_registered":
+                        found += [(getattr(module, cls.name), f, call.args[0].value, call.args[1].value)
+                                  for f in fields]
+    return found
+
+
+def test_the_description_of_a_registered_field_names_every_registered_entry():
+    """docs/config.md (the fields' descriptions) names every reward, loss, estimator, dataset kind and environment a
+    config may use: its reward list omitted prm, chain and chain_steps, which the registry held."""
+    import re
+
+    from shared.registry import declared_names
+
+    fields = _registered_fields()
+    assert len(fields) == len(_schema_checks()), fields
+    for cls, field, module, registry in fields:
+        description = cls.model_fields[field].description
+        missing = [name for name in sorted(declared_names(module, registry))
+                   if not re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", description)]
+        assert not missing, f"{cls.__name__}.{field} does not name {missing}"
+
+
 def test_a_name_the_source_does_not_declare_is_asked_of_the_registry(monkeypatch):
     """An entry registered at run time passes (its module is imported); an unknown name lists the known ones."""
     from shared.config.schema.base import check_registered

@@ -55,7 +55,7 @@ class LossConfig(StrictModel):
         description="Surrogate (shared/grpo/policy_losses.py): 'grpo' (PPO's clip, one importance ratio per "
         "token), 'gspo' (one ratio per sequence, the geometric mean of its token ratios), 'cispo' (MiniMax-M1: the "
         "clipped importance weight as a constant on every token's gradient; cispo_eps_low / cispo_eps_high) or "
-        "'sapo' (a soft gate instead of the clip; sapo_tau_pos / sapo_tau_neg).",
+        "'sapo' (a soft gate instead of the clip; sapo_tau_pos / sapo_tau_neg); 'vanilla' is another name of 'grpo'.",
     )
     eps_low: float = Field(0.2, ge=0, lt=1, description="Lower clip range: the ratio is clipped at 1 - eps_low.")
     eps_high: float = Field(
@@ -80,7 +80,8 @@ class LossConfig(StrictModel):
         "its default becomes 0 (the KL is then in the reward, not also in the loss); a beta > 0 set explicitly "
         "together with algorithm.kl.in_reward is an error."
     )
-    kl_estimator: str = Field("k3", description="Per-token KL estimator: 'k1', 'k2' or 'k3' (GRPO uses k3).")
+    kl_estimator: str = Field("k3", description="Per-token KL estimator: 'k1' (also 'kl'), 'k2' (also "
+                              "'mse') or 'k3' (also 'low_var_kl'; GRPO uses k3).")
     kl_log_ratio_clamp: float | None = Field(
         None, gt=0, description="Clamp log(pi_ref/pi_theta) to [-c, c] before the KL estimator. Off when null."
     )

@@ -27,12 +27,19 @@ class SamplingConfig(StrictModel):
 class RewardSpec(StrictModel):
     """One reward function of the weighted sum."""
 
-    name: str = Field(description="Registered reward: format, math, arithmetic, final_number, code, http or "
-                      "python.")
+    name: str = Field(description="Registered reward: format, math, arithmetic, final_number, code, python (a "
+                      "function of yours), http (a reward service), prm (a process reward model, step rewards), "
+                      "chain and chain_steps (the chain task's outcome and steps), reasoning_gym, soft_overlong or "
+                      "group_length (length penalties).")
     label: str | None = Field(None, description="Name used in metrics (default: name); needed when one reward "
                               "appears twice.")
     weight: float = Field(1.0, description="Weight in the total reward.")
     on_error: float = Field(0.0, description="Score given when the reward raises or returns a non-finite value.")
+    timeout_s: float | None = Field(None, ge=0, allow_inf_nan=False, description="Wall-clock limit of one call of "
+                                    "the reward on a group; a call past it fails the group (on_error, under "
+                                    "generator.failures' rule, with the line it was running) and is abandoned. "
+                                    "null: 300 for python (your code), no limit for the built-in rewards (each "
+                                    "bounded by its own timeouts); 0: no limit, called on the generator's thread.")
     args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the reward's factory, "
                                  "e.g. {match: 1.25, mismatch: -1} for format or {function: 'my_reward.py:score'} (or "
                                  "'package.module:score') for python.")
@@ -230,6 +237,15 @@ class EnvironmentConfig(StrictModel):
         at its first '<')."""
         return [value] if isinstance(value, str) else value
 
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop_string(cls, value: list[str] | None) -> list[str] | None:
+        """An empty stop string would end every turn before its first token (the class's own is checked at
+        start: generator.environments.base.stop_strings)."""
+        if value is not None and "" in value:
+            raise ValueError("an empty string is no stop string: it would end every turn before its first token")
+        return value
+
     @field_validator("name")
     @classmethod
     def _known_environment(cls, value: str) -> str:
@@ -324,7 +340,9 @@ class GeneratorConfig(StrictModel):
         64, ge=0, description="Stop (exit 2, with the hub's reason) after this many groups in a row were refused "
         "(by the hub, or by the generator's own check of what the hub would refuse) with none accepted: no group of "
         "this config can be accepted (e.g. an environment's reset() text that fills max_total_tokens). Each "
-        "refused group is counted and dropped, never sent again. 0: never stop.")
+        "refused group is counted and dropped, never sent again. Also the most groups in a row, sampled from one "
+        "policy version, that drop_constant_groups may drop with none accepted (a constant reward would otherwise "
+        "sample forever: the learner gets no batch, so the policy cannot change). 0: never stop.")
     curriculum: CurriculumConfig = Field(default_factory=CurriculumConfig, description="Skip prompts the policy "
                                          "always or never solves (pass rates shared through the hub).")
     failures: FailuresConfig = Field(default_factory=FailuresConfig, description="Rewards and environments that "
