@@ -138,11 +138,15 @@ def install_errors(app: FastAPI, token: str | None) -> None:
         return _error(500, "internal server error (logged by the generator)")
 
 
+def _claim_until(book, deadline: float):
+    """An episode to claim, waiting until ``deadline`` at most (a claim that queued for a thread waits no longer)."""
+    return book.claim(max(deadline - time.monotonic(), 0.0))
+
+
 def build_app(handler: CallHandler, token: str | None, max_bytes: int, body_timeout_s: float) -> FastAPI:
     app = FastAPI(title="grpo-stack agent endpoint", docs_url=None, redoc_url=None, openapi_url=None)
     install_errors(app, token)
-    book = handler.book
-    call_threads, claim_threads = anyio.CapacityLimiter(CALL_THREADS), anyio.CapacityLimiter(CLAIM_THREADS)
+    book, (call_threads, claim_threads) = handler.book, (anyio.CapacityLimiter(CALL_THREADS), anyio.CapacityLimiter(CLAIM_THREADS))
 
     async def episode_call(episode_id: str, request: Request, model: type[BaseModel], answer) -> JSONResponse:
         call = parsed(await _body(request, max_bytes, body_timeout_s), model)
@@ -187,8 +191,7 @@ def build_app(handler: CallHandler, token: str | None, max_bytes: int, body_time
 
     @app.post("/episodes")
     async def claim(request: Request, wait_s: float = 30.0):
-        deadline = time.monotonic() + min(max(wait_s, 0.0), 60.0)   # a claim queued for a thread waits no longer
-        episode = await anyio.to_thread.run_sync(lambda: book.claim(max(deadline - time.monotonic(), 0.0)),
+        episode = await anyio.to_thread.run_sync(_claim_until, book, time.monotonic() + min(max(wait_s, 0.0), 60.0),
                                                  limiter=claim_threads)
         if episode is None:
             return JSONResponse({"id": None, "example": None, "base_url": None}, 200)
