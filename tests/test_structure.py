@@ -329,3 +329,13 @@ def test_the_loss_mask_is_applied_in_one_place():
     assert not written, _report("the loss mask applied by hand (use shared.tensors.masks.model_token_mask)", written)
     assert _loss_mask_cuts(ast.parse("m = v & loss_mask[:, :w].bool()\nk = mb.loss_mask[:, :3]\n"
                                      "x = loss_mask[:, 2:]\ny = other[:, :w]")) == [1, 2]
+
+
+def test_the_vllm_tests_open_their_engines_in_one_place():
+    """tests/vllm/conftest.py's ``served_vllm`` holds how these tests serve a model (settings and close), not a copy
+    per module."""
+    home = ROOT / "tests" / "vllm" / "conftest.py"
+    copies = [f"{path.relative_to(ROOT)}:{node.lineno}" for path in sorted((ROOT / "tests" / "vllm").glob("*.py"))
+              if path != home for node in ast.walk(ast.parse(path.read_text()))
+              if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "VLLMEngine"]
+    assert not copies, _report("VLLMEngine built outside tests/vllm/conftest.py (use the served_vllm fixture)", copies)
