@@ -339,3 +339,11 @@ def test_the_vllm_tests_open_their_engines_in_one_place():
               if path != home for node in ast.walk(ast.parse(path.read_text()))
               if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "VLLMEngine"]
     assert not copies, _report("VLLMEngine built outside tests/vllm/conftest.py (use the served_vllm fixture)", copies)
+
+
+def test_no_bench_script_is_over_400_lines():
+    """The benchmarks keep the product's file limit (a longer one holds two things: split off its child process or
+    its report)."""
+    long_files = [f"{path.relative_to(ROOT)}: {lines} lines" for path in sorted((ROOT / "bench").rglob("*.py"))
+                  if (lines := len(path.read_text().splitlines())) > MAX_FILE_LINES]
+    assert not long_files, _report(f"bench scripts over {MAX_FILE_LINES} lines", long_files)
