@@ -56,8 +56,7 @@ def build_engine(spec: str, model_dir: str, max_model_len: int | None, seed: int
 
 def prompts_of(config, tokenizer, count: int, seed: int) -> list[list[int]]:
     """``count`` of the config's training prompts, rendered and encoded as the generator does."""
-    from generator.datasets import PromptStream, load_examples, render_prompt
-    from generator.main import system_prompt_for
+    from generator.datasets import PromptStream, load_examples, render_prompt, system_prompt_for
 
     dataset = config.generator.dataset
     examples = PromptStream(load_examples(dataset, seed), seed=seed, generator_id="bench").take(count)

@@ -46,8 +46,7 @@ def batch_for(config, model_dir: str):
     import torch
     from transformers import AutoTokenizer
 
-    from generator.datasets import render_prompt
-    from generator.main import load_examples, system_prompt_for
+    from generator.datasets import load_examples, render_prompt, system_prompt_for
     from shared.protocol.records import RolloutGroup, SamplingParams, TrainBatch
 
     gen = config.generator

@@ -101,8 +101,7 @@ def trl_settings(config: GRPOConfig, device: str, out: Path) -> dict:
 def trl_dataset(config: GRPOConfig, tokenizer):
     from datasets import Dataset
 
-    from generator.datasets import render_prompt
-    from generator.main import load_examples, system_prompt_for
+    from generator.datasets import load_examples, render_prompt, system_prompt_for
 
     dataset = config.generator.dataset
     system = system_prompt_for(dataset)

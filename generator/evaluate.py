@@ -31,11 +31,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from generator.datasets import FILE_SPLIT, has_one_split, render_example
+from generator.datasets import FILE_SPLIT, has_one_split, load_examples, render_example, system_prompt_for
 from generator.environments.base import prompt_tools
 from generator.failures import FailureRule, ServicePause
 from generator.loop import environment_rewards
-from generator.main import build_engine, load_examples, system_prompt_for
+from generator.main import build_engine
 from generator.rewards import RewardSet
 from generator.rewards.reward_set import GroupScores
 from shared.config.schema import GRPOConfig

@@ -11,12 +11,12 @@ import threading
 import torch
 
 from generator.curriculum import curriculum_stream
-from generator.datasets import R1_SYSTEM_PROMPT, REASONING_GYM_SYSTEM_PROMPT, PromptStream, load_examples
+from generator.datasets import PromptStream, load_examples, system_prompt_for
 from generator.loop import RolloutLoop
 from generator.progress import Progress
 from generator.rewards import RewardSet
 from generator.stats import LoopStats
-from shared.config.schema import DatasetConfig, GRPOConfig
+from shared.config.schema import GRPOConfig
 from shared.devices import default_dtype, resolve_device
 from shared.errors import UsageError
 from shared.progress import startup_phase
@@ -29,14 +29,6 @@ log = logging.getLogger("grpo.generator")
 
 class GeneratorSetupError(UsageError):
     """The generator cannot start (no model, unknown engine...); the message says which setting."""
-
-
-def system_prompt_for(cfg: DatasetConfig) -> str | None:
-    if cfg.system_prompt is not None:
-        return cfg.system_prompt or None
-    if cfg.kind == "reasoning_gym":
-        return REASONING_GYM_SYSTEM_PROMPT
-    return None if cfg.kind in ("arithmetic", "arithmetic_words", "chain") else R1_SYSTEM_PROMPT
 
 
 def resolve_engine_name(requested: str) -> str:

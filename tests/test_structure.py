@@ -305,3 +305,45 @@ def test_the_hub_and_the_relay_do_not_import_each_other():
                  for target in sorted(targets) if target == other_prefix or target.startswith(other_prefix + ".")]
     assert not offenders, _report("imports between ref_server/hub and ref_server/relay", offenders)
     assert "ref_server.session_routes" in graph["ref_server.hub.routes"] & graph["ref_server.relay.routes"]
+
+
+def _loss_mask_cuts(tree: ast.AST) -> list[int]:
+    """Lines of ``loss_mask[:, :width]`` (on any name ending in ``loss_mask``): the loss mask cut to a mask's width and
+    applied by hand, which :func:`shared.tensors.masks.model_token_mask` does (on the mask's device)."""
+    def named_loss_mask(node: ast.AST) -> bool:
+        name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+        return name.endswith("loss_mask")
+    return sorted(node.lineno for node in ast.walk(tree) if isinstance(node, ast.Subscript) and named_loss_mask(node.value)
+            and isinstance(node.slice, ast.Tuple) and len(node.slice.elts) == 2
+            and all(isinstance(e, ast.Slice) for e in node.slice.elts)
+            and node.slice.elts[0].lower is None and node.slice.elts[0].upper is None
+            and node.slice.elts[1].upper is not None)
+
+
+def test_the_loss_mask_is_applied_in_one_place():
+    """``model_token_mask(loss_mask, valid)`` (or ``completion_mask(lengths, width, loss_mask)``), not
+    ``valid & loss_mask[:, :width].bool()`` written out beside it."""
+    home = ROOT / "shared" / "tensors" / "masks.py"
+    written = [f"{path.relative_to(ROOT)}:{line}" for path in product_modules().values() if path != home
+               for line in _loss_mask_cuts(syntax_tree(path))]
+    assert not written, _report("the loss mask applied by hand (use shared.tensors.masks.model_token_mask)", written)
+    assert _loss_mask_cuts(ast.parse("m = v & loss_mask[:, :w].bool()\nk = mb.loss_mask[:, :3]\n"
+                                     "x = loss_mask[:, 2:]\ny = other[:, :w]")) == [1, 2]
+
+
+def test_the_vllm_tests_open_their_engines_in_one_place():
+    """tests/vllm/conftest.py's ``served_vllm`` holds how these tests serve a model (settings and close), not a copy
+    per module."""
+    home = ROOT / "tests" / "vllm" / "conftest.py"
+    copies = [f"{path.relative_to(ROOT)}:{node.lineno}" for path in sorted((ROOT / "tests" / "vllm").glob("*.py"))
+              if path != home for node in ast.walk(ast.parse(path.read_text()))
+              if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "VLLMEngine"]
+    assert not copies, _report("VLLMEngine built outside tests/vllm/conftest.py (use the served_vllm fixture)", copies)
+
+
+def test_no_bench_script_is_over_400_lines():
+    """The benchmarks keep the product's file limit (a longer one holds two things: split off its child process or
+    its report)."""
+    long_files = [f"{path.relative_to(ROOT)}: {lines} lines" for path in sorted((ROOT / "bench").rglob("*.py"))
+                  if (lines := len(path.read_text().splitlines())) > MAX_FILE_LINES]
+    assert not long_files, _report(f"bench scripts over {MAX_FILE_LINES} lines", long_files)

@@ -25,9 +25,11 @@ from generator.datasets.base import (
     DatasetError,
     Example,
     PromptStream,
+    default_system_prompt,
     example_from_row,
     load_examples,
     prompt_messages,
+    system_prompt_for,
 )
 from generator.datasets.files import (
     DATA_FILE_BUILDERS,
@@ -50,5 +52,6 @@ from generator.datasets.tasks import arithmetic_examples, arithmetic_words_examp
 __all__ = ["DATASETS", "DATA_FILE_BUILDERS", "FILE_SPLIT", "MESSAGE_ROLES", "R1_SYSTEM_PROMPT",
            "REASONING_GYM_SYSTEM_PROMPT", "DatasetError",
            "Example", "PromptStream", "arithmetic_examples", "arithmetic_words_examples", "chain_examples",
+           "default_system_prompt",
            "example_from_row", "has_one_split", "hf_examples", "hf_table", "jsonl_examples", "load_examples",
-           "looks_local", "prompt_messages", "render_example", "render_messages", "render_prompt"]
+           "looks_local", "prompt_messages", "render_example", "render_messages", "render_prompt", "system_prompt_for"]

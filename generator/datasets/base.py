@@ -4,7 +4,7 @@ the ``DATASETS`` registry of sources, and :class:`PromptStream`, the order a gen
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,7 +13,7 @@ from shared.errors import UsageError
 from shared.registry import Registry
 
 # generator.dataset.kind -> fn(cfg: DatasetConfig, seed: int) -> list[Example]: the built-in tasks, files, Hugging Face,
-# reasoning-gym, a verifiers environment's rows
+# reasoning-gym, a verifiers environment's rows; each entry declares its default system prompt (default_system_prompt)
 DATASETS: Registry = Registry("dataset kind", modules=("generator.datasets.tasks", "generator.datasets.files",
                                                     "generator.datasets.reasoning_gym_tasks",
                                                     "generator.datasets.verifiers"))
@@ -37,6 +37,23 @@ class Example:
     # TRL's conversational format: the prompt's messages as given (rendered with the chat template); None for a
     # string prompt. The same list is in ``data["prompt_messages"]``, where rewards read it.
     prompt_messages: list[dict] | None = None
+
+
+def default_system_prompt(prompt: str | None) -> Callable[[Callable], Callable]:
+    """``@default_system_prompt(TEXT)`` under ``@DATASETS.register(kind)``: the system prompt the kind's prompts get
+    when generator.dataset.system_prompt is not set (None: none). Every kind declares it where it is registered, so
+    that a new kind is one entry, not also a line in a table of kinds."""
+    def declare(fn: Callable) -> Callable:
+        fn.system_prompt = prompt
+        return fn
+    return declare
+
+
+def system_prompt_for(cfg: DatasetConfig) -> str | None:
+    """generator.dataset.system_prompt ('' for none), else the default its kind declares."""
+    if cfg.system_prompt is not None:
+        return cfg.system_prompt or None
+    return DATASETS.get(cfg.kind).system_prompt
 
 
 def load_examples(cfg: DatasetConfig, seed: int) -> list[Example]:

@@ -16,7 +16,8 @@ import json
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-from generator.datasets.base import DATASETS, DatasetError, Example, example_from_row
+from generator.datasets.base import DATASETS, DatasetError, Example, default_system_prompt, example_from_row
+from generator.datasets.render import R1_SYSTEM_PROMPT
 from shared.config.schema.generator import DatasetConfig
 
 # a data file's extension -> the ``datasets`` builder that reads it
@@ -129,12 +130,14 @@ def hf_examples(name: str, *, split: str = "train", subset: str | None = None, q
 
 
 @DATASETS.register("jsonl")
+@default_system_prompt(R1_SYSTEM_PROMPT)
 def _jsonl(cfg: DatasetConfig, seed: int) -> list[Example]:
     """A JSONL file, one example per line."""
     return jsonl_examples(cfg.path, cfg.question_field, cfg.answer_field, cfg.columns)
 
 
 @DATASETS.register("hf")
+@default_system_prompt(R1_SYSTEM_PROMPT)
 def _hf(cfg: DatasetConfig, seed: int) -> list[Example]:
     """Hugging Face datasets: a JSONL/JSON/CSV/Parquet/Arrow file or folder, a save_to_disk folder, a cached name."""
     return hf_examples(cfg.path, split=cfg.split, subset=cfg.subset, question_field=cfg.question_field,

@@ -13,7 +13,8 @@ import functools
 import json
 from typing import Any
 
-from generator.datasets.base import DATASETS, DatasetError, Example
+from generator.datasets.base import DATASETS, DatasetError, Example, default_system_prompt
+from generator.datasets.render import REASONING_GYM_SYSTEM_PROMPT
 from shared.config.schema.generator import DatasetConfig
 from shared.config.schema.reasoning_gym import ReasoningGymArgs, reasoning_gym_args
 
@@ -94,6 +95,7 @@ def reasoning_gym_examples(args: ReasoningGymArgs, split: str) -> list[Example]:
 
 
 @DATASETS.register("reasoning_gym")
+@default_system_prompt(REASONING_GYM_SYSTEM_PROMPT)
 def _reasoning_gym(cfg: DatasetConfig, seed: int) -> list[Example]:
     """reasoning-gym's procedural tasks (pip install 'grpo-stack[reasoning-gym]'), split by seed."""
     return reasoning_gym_examples(reasoning_gym_args(cfg.args), cfg.split)

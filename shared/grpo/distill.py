@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from shared.tensors.masks import lengths_to_mask
+from shared.tensors.masks import lengths_to_mask, model_token_mask
 
 
 def distill_token_rewards(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, lengths: torch.Tensor, *,
@@ -48,7 +48,7 @@ def distill_token_rewards(student_logprobs: torch.Tensor, teacher_logprobs: torc
         if loss_mask.dim() != 2 or loss_mask.shape[0] != mask.shape[0] or loss_mask.shape[1] < mask.shape[1]:
             raise ValueError(f"loss_mask must be [N, >= T] = [{mask.shape[0]}, >= {mask.shape[1]}], got "
                              f"{tuple(loss_mask.shape)}")
-        mask = mask & loss_mask[:, :mask.shape[1]].to(device=mask.device, dtype=torch.bool)
+        mask = model_token_mask(loss_mask, mask)
     zero = torch.zeros((), dtype=torch.float64, device=student_logprobs.device)
     student = torch.where(mask, student_logprobs.detach().to(torch.float64), zero)
     teacher = torch.where(mask, teacher_logprobs.detach().to(torch.float64), zero)
@@ -61,9 +61,7 @@ def reverse_kl_mean(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tens
                     loss_mask: torch.Tensor | None = None) -> float:
     """The mean over the model's tokens of ``student - teacher`` (the k1 estimate of KL(student || teacher) per
     token): the ``distill_reverse_kl`` metric, ``distill_token_rewards`` with coef 1 negated and averaged."""
-    mask = lengths_to_mask(torch.as_tensor(lengths).long(), student_logprobs.shape[1])
-    if loss_mask is not None:
-        mask = mask & loss_mask[:, :mask.shape[1]].bool()
+    mask = model_token_mask(loss_mask, lengths_to_mask(torch.as_tensor(lengths).long(), student_logprobs.shape[1]))
     rewards = distill_token_rewards(student_logprobs, teacher_logprobs, lengths, coef=1.0, loss_mask=loss_mask)
     count = int(mask.sum())
     return float(-rewards.double().sum() / count) if count else 0.0

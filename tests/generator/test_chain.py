@@ -176,8 +176,7 @@ def test_the_worded_chain_through_smollm2s_chat_template(smollm2_dir) -> None:
     as a user turn, and each line of a solution ends inside one of SmolLM2's tokens (the step's end token)."""
     from transformers import AutoTokenizer
 
-    from generator.datasets import render_prompt
-    from generator.main import load_examples, system_prompt_for
+    from generator.datasets import load_examples, render_prompt, system_prompt_for
     from shared.config.loader import load_config
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)

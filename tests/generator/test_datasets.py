@@ -5,7 +5,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from generator.datasets import (
+    DATASETS,
     R1_SYSTEM_PROMPT,
+    REASONING_GYM_SYSTEM_PROMPT,
     DatasetError,
     Example,
     PromptStream,
@@ -13,8 +15,10 @@ from generator.datasets import (
     hf_examples,
     jsonl_examples,
     render_prompt,
+    system_prompt_for,
 )
 from generator.tasks.arithmetic import ArithmeticTask
+from shared.config.schema.generator import DatasetConfig
 
 
 def test_jsonl_keeps_every_field_and_maps_the_answer(tmp_path):
@@ -83,3 +87,18 @@ def test_render_prompt_with_and_without_chat_template(tiny_model_dir):
         "{% if add_generation_prompt %}[assistant]{% endif %}")
     assert render_prompt(tokenizer, "q", R1_SYSTEM_PROMPT).startswith("[system]You are a helpful assistant.")
     assert render_prompt(tokenizer, "q", None) == "[user]q[assistant]"
+
+
+def test_each_dataset_kind_declares_its_default_system_prompt_where_it_is_registered():
+    """The default system prompt is an attribute of the kind's entry (default_system_prompt beside
+    @DATASETS.register), not a table of kind names: a new kind that declares none fails here."""
+    undeclared = [kind for kind in DATASETS if not hasattr(DATASETS.get(kind), "system_prompt")]
+    assert undeclared == []
+    defaults = {kind: system_prompt_for(DatasetConfig.model_construct(kind=kind, system_prompt=None))
+                for kind in DATASETS}
+    assert defaults == {"arithmetic": None, "arithmetic_words": None, "chain": None, "jsonl": R1_SYSTEM_PROMPT,
+                        "hf": R1_SYSTEM_PROMPT, "verifiers": R1_SYSTEM_PROMPT,
+                        "reasoning_gym": REASONING_GYM_SYSTEM_PROMPT}
+    chosen = DatasetConfig(kind="arithmetic", system_prompt="Answer.")
+    assert system_prompt_for(chosen) == "Answer."
+    assert system_prompt_for(chosen.model_copy(update={"system_prompt": ""})) is None

@@ -8,8 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from deploy.cli import SHIPPED_CONFIGS
-from generator.datasets import arithmetic_words_examples
-from generator.main import load_examples, system_prompt_for
+from generator.datasets import arithmetic_words_examples, load_examples, system_prompt_for
 from generator.rewards import RewardSet
 from generator.tasks.arithmetic_words import (
     WordsArithmeticTask,

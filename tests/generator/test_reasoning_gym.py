@@ -162,7 +162,7 @@ def test_the_reward_on_an_example_that_is_no_reasoning_gym_item_fails_naming_why
 
 
 def test_the_prompt_asks_for_the_answer_in_the_tags_the_reward_reads(tiny_model_dir, tmp_path):
-    from generator.main import system_prompt_for
+    from generator.datasets import system_prompt_for
 
     assert REASONING_GYM_SYSTEM_PROMPT == reasoning_gym.utils.SYSTEM_PROMPTS["default"]
     cfg = dataset(task="leg_counting", size=1, seed=5)

@@ -2,12 +2,16 @@
 
 These tests run in .venv-vllm (``make test-vllm``); elsewhere each module skips at its ``pytest.importorskip("vllm")``.
 So this file imports only pytest when collected, and the model code inside its fixtures. A module that uses them
-says which model it wants with ``MODEL_SEED``."""
+says which model it wants with ``MODEL_SEED``, and opens its engines with ``served_vllm``."""
+
+import contextlib
 
 import pytest
 
 # vLLM's CPU attention supports head sizes of 32 and up; the default tiny model has 16-dim heads
 VLLM_HEADS = {"num_attention_heads": 6, "num_key_value_heads": 6}
+# how every engine of these tests is served: on the CPU, a 256-token context, seed 0
+VLLM_SETTINGS = {"device": "cpu", "max_model_len": 256, "seed": 0}
 
 
 @pytest.fixture(scope="module")
@@ -25,3 +29,21 @@ def model_dir(vllm_spec, tmp_path_factory):
 
     tokenizer = build_char_tokenizer()
     return save_model_dir(build_tiny_model(tokenizer, vllm_spec), tokenizer, tmp_path_factory.mktemp("vllm-model"))
+
+
+@contextlib.contextmanager
+def _served(model_dir, **extra):
+    from generator.engines.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine(model_dir, **VLLM_SETTINGS, **extra)
+    try:
+        yield engine
+    finally:
+        engine.close()
+
+
+@pytest.fixture(scope="session")
+def served_vllm():
+    """``with served_vllm(model_dir, **extra) as engine``: a :class:`VLLMEngine` of ``model_dir`` with
+    ``VLLM_SETTINGS`` (and ``extra``, e.g. ``lora=``), closed when the block ends."""
+    return _served

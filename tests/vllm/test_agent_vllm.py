@@ -11,7 +11,6 @@ vllm = pytest.importorskip("vllm")
 
 from generator.agent.runner import AgentRollouts  # noqa: E402
 from generator.engines.hf import TransformersEngine  # noqa: E402
-from generator.engines.vllm_engine import VLLMEngine  # noqa: E402
 from shared.config.schema.agent import AgentConfig  # noqa: E402
 from shared.protocol.records import SamplingParams  # noqa: E402
 from tests.calc_model import PROBLEMS, build_calc_model_dir  # noqa: E402
@@ -39,14 +38,11 @@ def episodes(engine, questions):
     return agent.stats, prompts, groups
 
 
-def test_the_calculator_agent_on_vllm_records_the_transformers_engines_episodes_under_greedy(model_dir):
+def test_the_calculator_agent_on_vllm_records_the_transformers_engines_episodes_under_greedy(model_dir, served_vllm):
     questions = [f"{e}=" for e in PROBLEMS][:3] + ["6*7="]
     hf_stats, hf_prompts, expected = episodes(TransformersEngine(model_dir), questions)
-    engine = VLLMEngine(model_dir, device="cpu", max_model_len=256, seed=0)
-    try:
+    with served_vllm(model_dir) as engine:
         stats, prompts, got = episodes(engine, questions)
-    finally:
-        engine.close()
     assert prompts == hf_prompts
     assert [[(c.token_ids, c.mask) for c in g] for g in got] == [[(c.token_ids, c.mask) for c in g] for g in expected]
     tokenizer = engine.tokenizer
@@ -59,16 +55,13 @@ def test_the_calculator_agent_on_vllm_records_the_transformers_engines_episodes_
     assert stats.turns == hf_stats.turns >= 2 * len(questions) and stats.env_errors == 0
 
 
-def test_the_calculator_agent_on_the_continuous_vllm_engine_records_the_batch_episodes(model_dir):
+def test_the_calculator_agent_on_the_continuous_vllm_engine_records_the_batch_episodes(model_dir, served_vllm):
     from tests.generator.test_continuous_agent import drive_agents
 
     questions = [f"{e}=" for e in PROBLEMS][:3] + ["6*7="]
-    engine = VLLMEngine(model_dir, device="cpu", max_model_len=256, seed=0)
-    try:
+    with served_vllm(model_dir) as engine:
         _, prompts, expected = episodes(engine, questions)                # the batch schedule's sampler
         groups, agent, _ = drive_agents(engine, questions, 2, max_in_flight=8)   # each call a vLLM request
-    finally:
-        engine.close()
     assert sorted(groups) == sorted(questions) and agent.stats.env_errors == 0
     for question, prompt, want in zip(questions, prompts, expected):
         got = groups[question]

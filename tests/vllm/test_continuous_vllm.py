@@ -16,7 +16,6 @@ vllm = pytest.importorskip("vllm")
 from generator.engines.base import SequenceRequest  # noqa: E402
 from generator.engines.hf import TransformersEngine  # noqa: E402
 from generator.engines.vllm_continuous import ContinuousVLLM, _Sequence  # noqa: E402
-from generator.engines.vllm_engine import VLLMEngine  # noqa: E402
 from generator.engines.vllm_lora import LoraServing  # noqa: E402
 from shared.protocol.records import SamplingParams  # noqa: E402
 from tests.generator.test_vllm_lora import relay_adapter  # noqa: E402
@@ -39,10 +38,9 @@ def hf(model_dir):
 
 
 @pytest.fixture(scope="module")
-def engine(model_dir):
-    engine = VLLMEngine(model_dir, device="cpu", max_model_len=256, seed=0)
-    yield engine
-    engine.close()
+def engine(model_dir, served_vllm):
+    with served_vllm(model_dir) as engine:
+        yield engine
 
 
 @pytest.fixture(scope="module")
@@ -242,14 +240,12 @@ def test_a_random_schedule_returns_every_sequence_not_aborted_exactly_once(engin
     assert switched >= 3  # sequences did continue across switches
 
 
-def test_a_lora_switch_continues_each_sequence_on_the_new_adapter(model_dir, prompts, tmp_path):
+def test_a_lora_switch_continues_each_sequence_on_the_new_adapter(model_dir, prompts, tmp_path, served_vllm):
     """``learner.lora.publish: adapter``: the engine's newest ``LoRARequest`` serves the resubmitted tails."""
     adapters = [tmp_path / "a1.safetensors", tmp_path / "a2.safetensors"]
     for seed, path in enumerate(adapters, start=1):
         relay_adapter(model_dir, path, seed=seed)
-    engine = VLLMEngine(model_dir, device="cpu", max_model_len=256, seed=0,
-                        lora=LoraServing(max_lora_rank=8, max_loras=2))
-    try:
+    with served_vllm(model_dir, lora=LoraServing(max_lora_rank=8, max_loras=2)) as engine:
         engine.apply_adapter(adapters[0])
         continuous = ContinuousVLLM(engine)
         continuous.weights_changed(1)  # nothing unfinished: only the version tokens carry from now on
@@ -273,8 +269,6 @@ def test_a_lora_switch_continues_each_sequence_on_the_new_adapter(model_dir, pro
             torch.testing.assert_close(torch.tensor(completion.logprobs),
                                        torch.tensor(reference.logprobs[:j] + rest.logprobs), atol=LOGPROBS, rtol=0)
         assert any(returned[r.request_id].token_ids != old[r.request_id].token_ids for r in requests)
-    finally:
-        engine.close()
 
 
 def test_the_schedule_drives_the_vllm_engine_and_takes_a_publish_in_flight(engine, weights, tmp_path):

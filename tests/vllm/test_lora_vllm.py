@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 vllm = pytest.importorskip("vllm")
 
 from generator.engines.hf import TransformersEngine  # noqa: E402
-from generator.engines.vllm_engine import AdapterLoadError, VLLMEngine  # noqa: E402
+from generator.engines.vllm_engine import AdapterLoadError  # noqa: E402
 from generator.engines.vllm_lora import LoraServing, ModelFolder  # noqa: E402
 from shared.forward.logprobs import sequence_logprobs  # noqa: E402
 from shared.protocol.records import SamplingParams  # noqa: E402
@@ -37,11 +37,9 @@ def adapters(model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engine(model_dir):
-    engine = VLLMEngine(model_dir, device="cpu", max_model_len=256, seed=0,
-                        lora=LoraServing(max_lora_rank=8, max_loras=2))
-    yield engine
-    engine.close()
+def engine(model_dir, served_vllm):
+    with served_vllm(model_dir, lora=LoraServing(max_lora_rank=8, max_loras=2)) as engine:
+        yield engine
 
 
 def prompts(tokenizer):

@@ -6,7 +6,6 @@ import pytest
 vllm = pytest.importorskip("vllm")
 
 from generator.engines.hf import TransformersEngine  # noqa: E402
-from generator.engines.vllm_engine import VLLMEngine  # noqa: E402
 from generator.multiturn import MultiTurnRollouts  # noqa: E402
 from shared.config.schema.generator import EnvironmentConfig  # noqa: E402
 from shared.protocol.records import SamplingParams  # noqa: E402
@@ -31,15 +30,12 @@ def trajectories(engine, questions, n):
     return runner.stats, [[(s.token_ids, s.mask, s.finish_reason, s.env_failed) for s in g] for g in groups]
 
 
-def test_vllm_multi_turn_trajectories_equal_the_transformers_engine_under_greedy(model_dir):
+def test_vllm_multi_turn_trajectories_equal_the_transformers_engine_under_greedy(model_dir, served_vllm):
     # a problem the model memorised (two turns) and ones it did not (whatever it writes, both engines must agree)
     questions = [f"{e}=" for e in PROBLEMS][:3] + ["6*7="]
     hf_stats, expected = trajectories(TransformersEngine(model_dir), questions, 2)
-    engine = VLLMEngine(model_dir, device="cpu", max_model_len=256, seed=0)
-    try:
+    with served_vllm(model_dir) as engine:
         vllm_stats, got = trajectories(engine, questions, 2)
-    finally:
-        engine.close()
     assert got == expected
     tokenizer = engine.tokenizer
     first = expected[0][0]
@@ -52,7 +48,7 @@ def test_vllm_multi_turn_trajectories_equal_the_transformers_engine_under_greedy
     assert (vllm_stats.env_calls, vllm_stats.env_tokens) == (hf_stats.env_calls, hf_stats.env_tokens) > (0, 0)
 
 
-def test_vllm_continuous_trajectories_equal_its_call_at_a_time_ones_across_a_weight_switch(model_dir):
+def test_vllm_continuous_trajectories_equal_its_call_at_a_time_ones_across_a_weight_switch(model_dir, served_vllm):
     """generator.schedule.mode: continuous with an environment on vLLM: each turn a request of its own (stop
     strings vLLM's), the environment between them; under greedy decoding the trajectories are the call-at-a-time
     ones. A switch (abort and resubmit, the same weights reloaded) mid-turn keeps them and versions each token."""
@@ -60,8 +56,7 @@ def test_vllm_continuous_trajectories_equal_its_call_at_a_time_ones_across_a_wei
     from tests.generator.test_continuous_multiturn import drive
 
     questions = [f"{e}=" for e in PROBLEMS][:3] + ["6*7="]
-    engine = VLLMEngine(model_dir, device="cpu", max_model_len=256, seed=0)
-    try:
+    with served_vllm(model_dir) as engine:
         _, expected = trajectories(engine, questions, 2)
 
         def switch(step, continuous):
@@ -70,8 +65,6 @@ def test_vllm_continuous_trajectories_equal_its_call_at_a_time_ones_across_a_wei
 
         cfg = EnvironmentConfig(name="calculator", max_turns=3)
         groups, _ = drive(engine, cfg, questions, 2, 8, on_step=switch, continuous=ContinuousVLLM(engine))
-    finally:
-        engine.close()
     got = [[(s.token_ids, s.mask, s.finish_reason, s.env_failed) for s in groups[q].samples] for q in questions]
     assert got == expected
     versions = [s.versions for q in questions for s in groups[q].samples]

@@ -9,7 +9,6 @@ vllm = pytest.importorskip("vllm")
 
 from generator.datasets import render_prompt  # noqa: E402
 from generator.engines.hf import TransformersEngine  # noqa: E402
-from generator.engines.vllm_engine import VLLMEngine  # noqa: E402
 from shared.forward.logprobs import sequence_logprobs  # noqa: E402
 from shared.protocol.records import SamplingParams  # noqa: E402
 
@@ -19,10 +18,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 
 
 @pytest.fixture(scope="module")
-def engines(smollm2_dir):
-    vllm_engine = VLLMEngine(smollm2_dir, device="cpu", max_model_len=256, seed=0)
-    yield vllm_engine, TransformersEngine(smollm2_dir)
-    vllm_engine.close()
+def engines(smollm2_dir, served_vllm):
+    with served_vllm(smollm2_dir) as vllm_engine:
+        yield vllm_engine, TransformersEngine(smollm2_dir)
 
 
 def chat_prompts(tokenizer):

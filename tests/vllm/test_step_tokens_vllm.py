@@ -7,7 +7,6 @@ import pytest
 vllm = pytest.importorskip("vllm")
 
 from generator.datasets import PromptStream, arithmetic_examples  # noqa: E402
-from generator.engines.vllm_engine import VLLMEngine  # noqa: E402
 from generator.loop import RolloutLoop  # noqa: E402
 from generator.rewards import RewardSet  # noqa: E402
 from generator.tasks.arithmetic import ArithmeticTask  # noqa: E402
@@ -23,10 +22,9 @@ MODEL_SEED = 3  # the tiny model of model_dir (tests/vllm/conftest.py)
 
 
 @pytest.fixture(scope="module")
-def engine(model_dir):
-    vllm_engine = VLLMEngine(model_dir, device="cpu", max_model_len=256, seed=0)
-    yield vllm_engine
-    vllm_engine.close()
+def engine(model_dir, served_vllm):
+    with served_vllm(model_dir) as vllm_engine:
+        yield vllm_engine
 
 
 def test_vllm_sampled_step_ends_map_to_the_right_tokens(engine, tmp_path):

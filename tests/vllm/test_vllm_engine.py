@@ -9,7 +9,6 @@ from safetensors.torch import save_file
 vllm = pytest.importorskip("vllm")
 
 from generator.engines.hf import TransformersEngine  # noqa: E402
-from generator.engines.vllm_engine import VLLMEngine  # noqa: E402
 from shared.forward.logprobs import sequence_logprobs  # noqa: E402
 from shared.protocol.records import SamplingParams  # noqa: E402
 
@@ -20,10 +19,9 @@ MODEL_SEED = 3  # the tiny model of model_dir (tests/vllm/conftest.py)
 
 
 @pytest.fixture(scope="module")
-def engines(model_dir):
-    vllm_engine = VLLMEngine(model_dir, device="cpu", max_model_len=256, seed=0)
-    yield vllm_engine, TransformersEngine(model_dir)
-    vllm_engine.close()
+def engines(model_dir, served_vllm):
+    with served_vllm(model_dir) as vllm_engine:
+        yield vllm_engine, TransformersEngine(model_dir)
 
 
 def prompts(tokenizer):

@@ -12,7 +12,6 @@ import torch
 vllm = pytest.importorskip("vllm")
 
 from generator.engines.hf import TransformersEngine  # noqa: E402
-from generator.engines.vllm_engine import VLLMEngine  # noqa: E402
 from shared.config.schema import WeightSyncConfig  # noqa: E402
 from shared.protocol.client import HubClient, RetryPolicy  # noqa: E402
 from shared.protocol.records import SamplingParams  # noqa: E402
@@ -35,11 +34,10 @@ def greedy(engine, ids):
     return engine.generate(ids, GREEDY, n=1)
 
 
-def test_vllm_engine_receives_versions_through_its_worker_extension(model_dir, tmp_path):
+def test_vllm_engine_receives_versions_through_its_worker_extension(model_dir, tmp_path, served_vllm):
     hf = TransformersEngine(model_dir)  # the learner's model and the reference engine
     ids = [hf.tokenizer(t, add_special_tokens=False)["input_ids"] for t in ["12+34=", "99-7=", "I think 3*4 is "]]
-    engine = VLLMEngine(model_dir, device="cpu", max_model_len=256, seed=0)
-    try:
+    with served_vllm(model_dir) as engine:
         with LiveServer(make_config(tmp_path)) as live:
             publisher = WeightPublisher(hf.model, lambda: client(live.url), CFG, rank=0, world=1,
                                         device=torch.device("cpu"), relay_version=None)
@@ -75,5 +73,3 @@ def test_vllm_engine_receives_versions_through_its_worker_extension(model_dir, t
             finally:
                 receiver.close()
                 publisher.close()
-    finally:
-        engine.close()
