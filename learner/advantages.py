@@ -28,7 +28,7 @@ from shared.grpo.advantages import (
     process_advantages,
     step_token_rewards,
 )
-from shared.grpo.distill import distill_token_rewards, reverse_kl_mean
+from shared.grpo.distill import centred_token_rewards, distill_token_rewards, reverse_kl_mean
 from shared.grpo.kl import kl_penalty
 from shared.protocol.records import TrainBatch
 from shared.registry import Registry
@@ -141,7 +141,8 @@ def batch_advantages(batch: TrainBatch, cfg: AdvantageConfig, kl: KLConfig | Non
       ``p`` = the supervision's token rewards (the outcome advantage at the completion's last token, or each step's
       r~ at its end); ``k`` from the behaviour (sampler's) logprobs and the reference logprobs;
     * ``distill``: plus, on each model token, ``-coef * (student - teacher)`` (``distill_token_rewards``) with
-      ``student`` the ``[B, L]`` logprobs :func:`distill_student` chose, ``[B, L]``; no return to go (discount 0).
+      ``student`` the ``[B, L]`` logprobs :func:`distill_student` chose, ``[B, L]``; no return to go (discount 0);
+      with ``distill.baseline: mean`` less their mean over the batch's model tokens (``centred_token_rewards``).
     """
     advantages = _task_advantages(batch, cfg, kl)
     if distill is None:
@@ -152,6 +153,8 @@ def batch_advantages(batch: TrainBatch, cfg: AdvantageConfig, kl: KLConfig | Non
     lengths = batch.completion_lengths.long()
     rewards = distill_token_rewards(student, batch.teacher_logprobs, lengths, coef=distill.coef,
                                     loss_mask=batch.completion_mask)
+    if distill.baseline == "mean":
+        rewards = centred_token_rewards(rewards, lengths, batch.completion_mask)
     if advantages.dim() == 1:
         advantages = torch.where(lengths_to_mask(lengths, rewards.shape[1]), advantages.unsqueeze(1), 0.0)
     return advantages + torch.nn.functional.pad(rewards, (0, advantages.shape[1] - rewards.shape[1]))

@@ -57,6 +57,29 @@ def distill_token_rewards(student_logprobs: torch.Tensor, teacher_logprobs: torc
     return torch.where(mask, -coef * (student - teacher), zero).float()
 
 
+def centred_token_rewards(rewards: torch.Tensor, lengths: torch.Tensor,
+                          loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``rewards - b`` on the model's tokens (0 elsewhere), ``b`` the mean of ``rewards`` over every model token of
+    the batch: a baseline for :func:`distill_token_rewards` (``algorithm.distill.baseline: mean``).
+
+    .. math::  \\tilde r_t = r_t - \\frac{1}{|M|}\\sum_{(i, s) \\in M} r_{i, s}
+
+    Any baseline that does not depend on the token's own choice leaves the policy gradient's expectation unchanged
+    (``E[grad log pi(o_t)] = 0``); the batch mean depends on it through one term in ``|M|`` (a bias of order
+    ``1/|M|``). Why it matters: when the teacher finds most of the student's samples unlikely (a sharp teacher),
+    every ``r_t`` is negative, and without a baseline each update pushes down every sampled token; with it, tokens
+    the teacher agrees with more than the batch's average are pushed up and the rest down.
+
+    Example: rewards ``[[0.5, -1, 0], [-2, 0, 0]]``, lengths ``[2, 1]`` (model tokens 0.5, -1, -2; mean -5/6) give
+    ``[[4/3, -1/6, 0], [-7/6, 0, 0]]``."""
+    mask = model_token_mask(loss_mask, lengths_to_mask(torch.as_tensor(lengths).long(), rewards.shape[1]))
+    count = int(mask.sum())
+    if count == 0:
+        return torch.zeros_like(rewards)
+    mean = rewards.double()[mask].sum() / count
+    return torch.where(mask, rewards.double() - mean, 0.0).to(rewards.dtype)
+
+
 def reverse_kl_mean(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, lengths: torch.Tensor,
                     loss_mask: torch.Tensor | None = None) -> float:
     """The mean over the model's tokens of ``student - teacher`` (the k1 estimate of KL(student || teacher) per

@@ -35,6 +35,10 @@ def test_the_teacher_reward_is_added_to_each_token_by_hand():
     alone = batch_advantages(b, AdvantageConfig(supervision="none"), None, DistillConfig(coef=0.5),
                              b.behaviour_logprobs)
     torch.testing.assert_close(alone, torch.tensor([[0.25, -1.0, 0.0], [-0.5, 0.0, 0.0]]))
+    # baseline mean: the five model tokens' rewards [0.25, -1, 0, -0.5, 0] less their mean -0.25
+    centred = batch_advantages(b, AdvantageConfig(supervision="none"), None,
+                               DistillConfig(coef=0.5, baseline="mean"), b.behaviour_logprobs)
+    torch.testing.assert_close(centred, torch.tensor([[0.5, -0.75, 0.25], [-0.25, 0.25, 0.0]]))
     assert distill_metrics(b, b.behaviour_logprobs) == {"distill_reverse_kl": pytest.approx((-0.5 + 2 + 0 + 1) / 5)}
     assert distill_metrics(b, None) == {}
     # supervision none without distillation teaches nothing; distillation without a teacher in the batch is named

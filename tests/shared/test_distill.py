@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.grpo.distill import distill_token_rewards, reverse_kl_mean
+from shared.grpo.distill import centred_token_rewards, distill_token_rewards, reverse_kl_mean
 
 t = torch.tensor
 
@@ -78,3 +78,25 @@ def test_each_token_is_its_own_reward_and_zero_elsewhere(case, with_mask):
             counted = j < int(lengths[i]) and (not with_mask or bool(mask[i, j]))
             expected = -coef * (float(student[i, j]) - float(teacher[i, j])) if counted else 0.0
             assert float(rewards[i, j]) == pytest.approx(expected, rel=1e-5, abs=1e-4)
+
+
+def test_the_baselines_worked_example():
+    got = centred_token_rewards(torch.tensor([[0.5, -1.0, 0.0], [-2.0, 0.0, 0.0]]), torch.tensor([2, 1]))
+    torch.testing.assert_close(got, torch.tensor([[4 / 3, -1 / 6, 0.0], [-7 / 6, 0.0, 0.0]]))
+    assert torch.equal(centred_token_rewards(torch.ones(2, 3), torch.tensor([0, 0])), torch.zeros(2, 3))
+
+
+@settings(max_examples=150, deadline=None)
+@given(_cases(), st.booleans())
+def test_the_baseline_centres_the_model_tokens_and_keeps_their_differences(case, with_mask):
+    student, teacher, lengths, mask, coef = case
+    loss_mask = mask if with_mask else None
+    rewards = distill_token_rewards(student, teacher, lengths, coef=coef, loss_mask=loss_mask)
+    centred = centred_token_rewards(rewards, lengths, loss_mask)
+    counted = [(i, j) for i in range(student.shape[0]) for j in range(student.shape[1])
+               if j < int(lengths[i]) and (not with_mask or bool(mask[i, j]))]
+    mean = sum(float(rewards[i, j]) for i, j in counted) / len(counted) if counted else 0.0
+    for i in range(student.shape[0]):
+        for j in range(student.shape[1]):
+            expected = float(rewards[i, j]) - mean if (i, j) in counted else 0.0
+            assert float(centred[i, j]) == pytest.approx(expected, rel=1e-5, abs=1e-3)

@@ -226,6 +226,11 @@ class DistillConfig(StrictModel):
                         "(discount 0, as slime's --use-opd and Thinking Machines' recipe do).")
     mode: Literal["reverse_kl"] = Field("reverse_kl", description="The divergence: 'reverse_kl', the per-token k1 "
                                         "estimate of KL(student || teacher) at the sampled token.")
+    baseline: Literal["none", "mean"] = Field(
+        "none", description="Subtracted from the per-token rewards: 'none' (as slime's and Thinking Machines' "
+        "recipes do), or 'mean': their mean over the batch's model tokens (shared.grpo.distill."
+        "centred_token_rewards), so that with a sharp teacher, who finds most of the student's samples unlikely, an "
+        "update does not push every sampled token down (docs/distillation.md).")
     student: Literal["behaviour", "recompute"] = Field(
         "recompute", description="Where log pi_student comes from. 'recompute' (the default): the learner's own "
         "forward with the weights before the batch's update (no gradient), the policy being trained; 'behaviour': "
