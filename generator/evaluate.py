@@ -29,9 +29,8 @@ import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from pathlib import Path
 
-from generator.datasets import FILE_SPLIT, has_one_split, load_examples, render_example, system_prompt_for
+from generator.datasets import kind_traits, load_examples, path_kinds, render_example, system_prompt_for
 from generator.environments.base import prompt_tools
 from generator.failures import FailureRule, ServicePause
 from generator.loop import environment_rewards
@@ -40,7 +39,6 @@ from generator.rewards import RewardSet
 from generator.rewards.reward_set import GroupScores
 from shared.config.schema import GRPOConfig
 from shared.config.schema.generator import DatasetConfig, FailuresConfig
-from shared.config.schema.reasoning_gym import reasoning_gym_args
 from shared.errors import UsageError
 from shared.progress import Ticker
 from shared.protocol.records import SamplingParams
@@ -218,38 +216,31 @@ def multi_turn_runner(engine, config: GRPOConfig, sampling: SamplingParams):
 
 def eval_dataset(config: GRPOConfig) -> DatasetConfig:
     """The dataset ``grpo eval`` reads: the training dataset's ``eval.split``, or the file/dataset ``eval.path``
-    names. A JSONL training file has no held-out part: evaluating its first lines as if they were test examples
-    would report training accuracy, so without ``eval.path`` it is refused, naming the key."""
+    names (for the kinds that read a path: their :class:`DatasetKind` checks it). A source without a held-out part
+    (a JSONL training file: its first lines as test examples would report training accuracy) needs ``eval.path``:
+    without it, it is refused, naming the key."""
     cfg, dataset = config.eval, config.generator.dataset
+    kind = kind_traits(dataset.kind)
     update: dict = {"split": cfg.split, "arithmetic_pool": min(dataset.arithmetic_pool, cfg.num_examples)}
     if cfg.path is not None:
-        if dataset.kind not in ("jsonl", "hf"):
-            raise UsageError(f"eval.path applies to generator.dataset.kind jsonl or hf, not {dataset.kind!r}: the "
-                             f"{dataset.kind} task's held-out examples are eval.split (now {cfg.split!r})")
-        if dataset.kind == "jsonl" and not Path(cfg.path).is_file():
-            raise UsageError(f"eval.path {cfg.path} is not a file (a JSONL file of evaluation examples)")
-        update["path"] = cfg.path
-        if dataset.kind == "hf" and has_one_split(cfg.path):
-            update["split"] = FILE_SPLIT   # an evaluation file or Dataset is read whole, whatever eval.split
-    elif dataset.kind == "jsonl":
-        raise UsageError(f"generator.dataset is the JSONL file {dataset.path}, which has no held-out split: set "
-                         "eval.path to a JSONL file of evaluation examples (grpo eval --path FILE, or --set "
+        if kind.eval_path is None:
+            raise UsageError(f"eval.path applies to generator.dataset.kind {' or '.join(path_kinds())}, not "
+                             f"{dataset.kind!r}: the {dataset.kind} task's held-out examples are eval.split (now "
+                             f"{cfg.split!r})")
+        update.update(kind.eval_path(dataset, cfg.path))
+    elif not kind.heldout_split:
+        raise UsageError(f"generator.dataset is the {dataset.kind} source {dataset.path}, which has no held-out split: "
+                         "set eval.path to a file of evaluation examples (grpo eval --path FILE, or --set "
                          f"eval.path=FILE); --path {dataset.path} evaluates the training file's first lines")
     return dataset.model_copy(update=update)
 
 
 def describe(dataset: DatasetConfig, count: int, training: DatasetConfig) -> str:
-    """What is evaluated, for the progress line and the result: the file, or the dataset and split, and how many."""
-    if dataset.kind == "jsonl":
-        same = " (the training file)" if Path(dataset.path).resolve() == Path(training.path).resolve() else ""
-        return f"the first {count} examples of {dataset.path}{same}"
-    if dataset.kind == "hf":
-        subset = f" ({dataset.subset})" if dataset.subset else ""
-        return f"{count} examples of {dataset.path}{subset}, split {dataset.split!r}"
-    if dataset.kind == "reasoning_gym":
-        args = reasoning_gym_args(dataset.args)
-        seed, _ = args.seed_and_size(dataset.split)
-        return f"{count} examples of reasoning-gym {', '.join(args.weights())}, split {dataset.split!r} (seeds from {seed})"
+    """What is evaluated, for the progress line and the result: the file, or the dataset and split, and how many
+    (each kind's own words where it declares them)."""
+    kind = kind_traits(dataset.kind)
+    if kind.describe is not None:
+        return kind.describe(dataset, count, training)
     return f"{count} examples of the {dataset.kind} task's {dataset.split!r} split"
 
 

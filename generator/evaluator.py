@@ -41,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from generator.datasets import kind_traits
 from generator.eval_files import BEST_JSON, last_evaluated
 from generator.evaluate import EvalPlan, EvalResult, eval_engine, evaluate_engine, plan_eval
 from shared.config.schema import GRPOConfig
@@ -61,7 +62,8 @@ class VersionRefused(RuntimeError):
 def dataset_name(config: GRPOConfig) -> str:
     """The ``<dataset>`` of the metric names: eval.path's or the training dataset's name (its file's stem)."""
     dataset = config.generator.dataset
-    path = config.eval.path or (dataset.path if dataset.kind in ("jsonl", "hf") else None)
+    reads_path = kind_traits(dataset.kind).eval_path is not None
+    path = config.eval.path or (dataset.path if reads_path else None)
     return dataset.kind if path is None else Path(str(path).rstrip("/")).name.removesuffix(".jsonl")
 
 

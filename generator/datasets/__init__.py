@@ -23,11 +23,14 @@ from generator.datasets.base import (
     DATASETS,
     MESSAGE_ROLES,
     DatasetError,
+    DatasetKind,
     Example,
     PromptStream,
-    default_system_prompt,
+    dataset_kind,
     example_from_row,
+    kind_traits,
     load_examples,
+    path_kinds,
     prompt_messages,
     system_prompt_for,
 )
@@ -52,6 +55,6 @@ from generator.datasets.tasks import arithmetic_examples, arithmetic_words_examp
 __all__ = ["DATASETS", "DATA_FILE_BUILDERS", "FILE_SPLIT", "MESSAGE_ROLES", "R1_SYSTEM_PROMPT",
            "REASONING_GYM_SYSTEM_PROMPT", "DatasetError",
            "Example", "PromptStream", "arithmetic_examples", "arithmetic_words_examples", "chain_examples",
-           "default_system_prompt",
+           "DatasetKind", "dataset_kind", "kind_traits", "path_kinds",
            "example_from_row", "has_one_split", "hf_examples", "hf_table", "jsonl_examples", "load_examples",
            "looks_local", "prompt_messages", "render_example", "render_messages", "render_prompt", "system_prompt_for"]

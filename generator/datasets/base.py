@@ -13,7 +13,7 @@ from shared.errors import UsageError
 from shared.registry import Registry
 
 # generator.dataset.kind -> fn(cfg: DatasetConfig, seed: int) -> list[Example]: the built-in tasks, files, Hugging Face,
-# reasoning-gym, a verifiers environment's rows; each entry declares its default system prompt (default_system_prompt)
+# reasoning-gym, a verifiers environment's rows; each entry declares its traits (dataset_kind: the default system prompt, held-out examples)
 DATASETS: Registry = Registry("dataset kind", modules=("generator.datasets.tasks", "generator.datasets.files",
                                                     "generator.datasets.reasoning_gym_tasks",
                                                     "generator.datasets.verifiers"))
@@ -39,21 +39,49 @@ class Example:
     prompt_messages: list[dict] | None = None
 
 
-def default_system_prompt(prompt: str | None) -> Callable[[Callable], Callable]:
-    """``@default_system_prompt(TEXT)`` under ``@DATASETS.register(kind)``: the system prompt the kind's prompts get
-    when generator.dataset.system_prompt is not set (None: none). Every kind declares it where it is registered, so
-    that a new kind is one entry, not also a line in a table of kinds."""
+@dataclass(frozen=True)
+class DatasetKind:
+    """What code outside a kind's loader knows of the kind (the prompts' system prompt, how ``grpo eval`` finds and
+    names its held-out examples), declared where the kind is registered (:func:`dataset_kind`), so that a new kind
+    is one entry, not also a line in each table of kinds."""
+
+    # the system prompt the kind's prompts get when generator.dataset.system_prompt is not set (None: none)
+    system_prompt: str | None = None
+    # a kind that reads generator.dataset.path: eval.path checked -> the evaluation dataset config's changes;
+    # None: the kind's examples come from its settings, eval.path does not apply
+    eval_path: Callable[[DatasetConfig, str], dict] | None = None
+    # False: the source has no held-out part (a training file): grpo eval needs eval.path
+    heldout_split: bool = True
+    # what grpo eval says it evaluates: (the evaluation dataset, count, the training dataset) -> text
+    describe: Callable[[DatasetConfig, int, DatasetConfig], str] | None = None
+
+
+def dataset_kind(**traits: Any) -> Callable[[Callable], Callable]:
+    """``@dataset_kind(system_prompt=..., ...)`` under ``@DATASETS.register(kind)``: the kind's
+    :class:`DatasetKind`, read back by :func:`kind_traits`."""
+    declared = DatasetKind(**traits)
+
     def declare(fn: Callable) -> Callable:
-        fn.system_prompt = prompt
+        fn.traits = declared
         return fn
     return declare
+
+
+def kind_traits(kind: str) -> DatasetKind:
+    """The :class:`DatasetKind` a registered kind declared (a kind registered without one: the defaults)."""
+    return getattr(DATASETS.get(kind), "traits", DatasetKind())
+
+
+def path_kinds() -> list[str]:
+    """The kinds that read generator.dataset.path (so eval.path applies to them), for messages."""
+    return [name for name in DATASETS.names() if kind_traits(name).eval_path is not None]
 
 
 def system_prompt_for(cfg: DatasetConfig) -> str | None:
     """generator.dataset.system_prompt ('' for none), else the default its kind declares."""
     if cfg.system_prompt is not None:
         return cfg.system_prompt or None
-    return DATASETS.get(cfg.kind).system_prompt
+    return kind_traits(cfg.kind).system_prompt
 
 
 def load_examples(cfg: DatasetConfig, seed: int) -> list[Example]:

@@ -16,7 +16,7 @@ import json
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-from generator.datasets.base import DATASETS, DatasetError, Example, default_system_prompt, example_from_row
+from generator.datasets.base import DATASETS, DatasetError, Example, dataset_kind, example_from_row
 from generator.datasets.render import R1_SYSTEM_PROMPT
 from shared.config.schema.generator import DatasetConfig
 
@@ -129,15 +129,38 @@ def hf_examples(name: str, *, split: str = "train", subset: str | None = None, q
     return examples
 
 
+def _jsonl_eval_path(dataset: DatasetConfig, path: str) -> dict:
+    if not Path(path).is_file():
+        raise DatasetError(f"eval.path {path} is not a file (a JSONL file of evaluation examples)")
+    return {"path": path}
+
+
+def _hf_eval_path(dataset: DatasetConfig, path: str) -> dict:
+    # an evaluation file or Dataset is read whole, whatever eval.split
+    return {"path": path, **({"split": FILE_SPLIT} if has_one_split(path) else {})}
+
+
+def _describe_jsonl(dataset: DatasetConfig, count: int, training: DatasetConfig) -> str:
+    same = " (the training file)" if Path(dataset.path).resolve() == Path(training.path).resolve() else ""
+    return f"the first {count} examples of {dataset.path}{same}"
+
+
+def _describe_hf(dataset: DatasetConfig, count: int, training: DatasetConfig) -> str:
+    subset = f" ({dataset.subset})" if dataset.subset else ""
+    return f"{count} examples of {dataset.path}{subset}, split {dataset.split!r}"
+
+
+# a JSONL file has no held-out part: evaluating its first lines as test examples would report training accuracy
 @DATASETS.register("jsonl")
-@default_system_prompt(R1_SYSTEM_PROMPT)
+@dataset_kind(system_prompt=R1_SYSTEM_PROMPT, eval_path=_jsonl_eval_path, heldout_split=False,
+              describe=_describe_jsonl)
 def _jsonl(cfg: DatasetConfig, seed: int) -> list[Example]:
     """A JSONL file, one example per line."""
     return jsonl_examples(cfg.path, cfg.question_field, cfg.answer_field, cfg.columns)
 
 
 @DATASETS.register("hf")
-@default_system_prompt(R1_SYSTEM_PROMPT)
+@dataset_kind(system_prompt=R1_SYSTEM_PROMPT, eval_path=_hf_eval_path, describe=_describe_hf)
 def _hf(cfg: DatasetConfig, seed: int) -> list[Example]:
     """Hugging Face datasets: a JSONL/JSON/CSV/Parquet/Arrow file or folder, a save_to_disk folder, a cached name."""
     return hf_examples(cfg.path, split=cfg.split, subset=cfg.subset, question_field=cfg.question_field,

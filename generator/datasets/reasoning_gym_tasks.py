@@ -13,7 +13,7 @@ import functools
 import json
 from typing import Any
 
-from generator.datasets.base import DATASETS, DatasetError, Example, default_system_prompt
+from generator.datasets.base import DATASETS, DatasetError, Example, dataset_kind
 from generator.datasets.render import REASONING_GYM_SYSTEM_PROMPT
 from shared.config.schema.generator import DatasetConfig
 from shared.config.schema.reasoning_gym import ReasoningGymArgs, reasoning_gym_args
@@ -94,8 +94,14 @@ def reasoning_gym_examples(args: ReasoningGymArgs, split: str) -> list[Example]:
     return examples
 
 
+def _describe(dataset: DatasetConfig, count: int, training: DatasetConfig) -> str:
+    args = reasoning_gym_args(dataset.args)
+    seed, _ = args.seed_and_size(dataset.split)
+    return f"{count} examples of reasoning-gym {', '.join(args.weights())}, split {dataset.split!r} (seeds from {seed})"
+
+
 @DATASETS.register("reasoning_gym")
-@default_system_prompt(REASONING_GYM_SYSTEM_PROMPT)
+@dataset_kind(system_prompt=REASONING_GYM_SYSTEM_PROMPT, describe=_describe)
 def _reasoning_gym(cfg: DatasetConfig, seed: int) -> list[Example]:
     """reasoning-gym's procedural tasks (pip install 'grpo-stack[reasoning-gym]'), split by seed."""
     return reasoning_gym_examples(reasoning_gym_args(cfg.args), cfg.split)

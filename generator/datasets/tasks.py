@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from generator.datasets.base import DATASETS, Example, default_system_prompt
+from generator.datasets.base import DATASETS, Example, dataset_kind
 from generator.tasks.arithmetic import ArithmeticTask
 from generator.tasks.arithmetic_words import WordsArithmeticTask
 from generator.tasks.chain import ChainTask
@@ -34,21 +34,21 @@ def chain_examples(task: ChainTask, split: str, count: int, seed: int) -> list[E
 
 
 @DATASETS.register("arithmetic")
-@default_system_prompt(None)   # the answer is the bare number the prompt asks for
+@dataset_kind(system_prompt=None)   # the answer is the bare number the prompt asks for
 def _arithmetic(cfg: DatasetConfig, seed: int) -> list[Example]:
     """The built-in task: ``23+58=`` -> ``81`` (generator/tasks/arithmetic.py)."""
     return arithmetic_examples(ArithmeticTask(**cfg.arithmetic), cfg.split, cfg.arithmetic_pool, seed)
 
 
 @DATASETS.register("arithmetic_words")
-@default_system_prompt(None)   # the answer is the bare number the prompt asks for
+@dataset_kind(system_prompt=None)   # the answer is the bare number the prompt asks for
 def _arithmetic_words(cfg: DatasetConfig, seed: int) -> list[Example]:
     """The built-in task in words for chat models (generator/tasks/arithmetic_words.py)."""
     return arithmetic_words_examples(WordsArithmeticTask(**cfg.arithmetic), cfg.split, cfg.arithmetic_pool, seed)
 
 
 @DATASETS.register("chain")
-@default_system_prompt(None)   # the answer is the bare number the prompt asks for
+@dataset_kind(system_prompt=None)   # the answer is the bare number the prompt asks for
 def _chain(cfg: DatasetConfig, seed: int) -> list[Example]:
     """The built-in multi-step task, one running total per line (generator/tasks/chain.py)."""
     return chain_examples(ChainTask(**cfg.chain.model_dump()), cfg.split, cfg.arithmetic_pool, seed)

@@ -5,7 +5,7 @@ episode's rollout receives the row as the environment built it."""
 
 from __future__ import annotations
 
-from generator.datasets.base import DATASETS, DatasetError, Example, default_system_prompt, example_from_row
+from generator.datasets.base import DATASETS, DatasetError, Example, dataset_kind, example_from_row
 from generator.datasets.render import R1_SYSTEM_PROMPT
 from shared.config.schema.generator import DatasetConfig
 
@@ -13,7 +13,7 @@ EVAL_SPLITS = ("eval", "test")
 
 
 @DATASETS.register("verifiers")
-@default_system_prompt(R1_SYSTEM_PROMPT)   # a row's own system message wins (render_messages)
+@dataset_kind(system_prompt=R1_SYSTEM_PROMPT)   # a row's own system message wins (render_messages)
 def verifiers_examples(cfg: DatasetConfig, seed: int) -> list[Example]:
     """A verifiers environment's rows (its dataset, or its eval_dataset for split eval/test)."""
     from generator.agent.verifiers_env import load_environment

@@ -90,9 +90,9 @@ def test_render_prompt_with_and_without_chat_template(tiny_model_dir):
 
 
 def test_each_dataset_kind_declares_its_default_system_prompt_where_it_is_registered():
-    """The default system prompt is an attribute of the kind's entry (default_system_prompt beside
-    @DATASETS.register), not a table of kind names: a new kind that declares none fails here."""
-    undeclared = [kind for kind in DATASETS if not hasattr(DATASETS.get(kind), "system_prompt")]
+    """The default system prompt is a trait of the kind's entry (@dataset_kind beside @DATASETS.register), not a
+    table of kind names: a new kind that declares none fails here."""
+    undeclared = [kind for kind in DATASETS if not hasattr(DATASETS.get(kind), "traits")]
     assert undeclared == []
     defaults = {kind: system_prompt_for(DatasetConfig.model_construct(kind=kind, system_prompt=None))
                 for kind in DATASETS}

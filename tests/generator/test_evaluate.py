@@ -148,7 +148,7 @@ def test_eval_on_a_jsonl_dataset_takes_an_eval_file_and_says_what_it_evaluates(t
     # no eval file: refused before any model loads, naming the key, never the training lines as "test examples"
     refused = forks.run(base, capture_output=True, text=True, timeout=300)
     assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
-    assert f"generator.dataset is the JSONL file {train}, which has no held-out split: set eval.path" in refused.stderr
+    assert f"generator.dataset is the jsonl source {train}, which has no held-out split: set eval.path" in refused.stderr
     assert refused.stdout == ""
     done = forks.run([*base, "--path", str(held_out), "--num-examples", "10"], capture_output=True, text=True,
                      timeout=300)
@@ -163,7 +163,7 @@ def test_eval_path_is_checked_against_the_dataset_kind(tmp_path):
     from generator.evaluate import eval_dataset
 
     arithmetic = GRPOConfig.model_validate({"eval": {"path": str(tmp_path / "x.jsonl")}})
-    with pytest.raises(UsageError, match="eval.path applies to generator.dataset.kind jsonl or hf, not 'arithmetic'"):
+    with pytest.raises(UsageError, match="eval.path applies to generator.dataset.kind hf or jsonl, not 'arithmetic'"):
         eval_dataset(arithmetic)
     train = write_jsonl(tmp_path / "train.jsonl", ["1+1="])
     missing = GRPOConfig.model_validate({"generator": {"dataset": {"kind": "jsonl", "path": str(train)}},
