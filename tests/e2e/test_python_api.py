@@ -92,7 +92,8 @@ def test_train_runs_the_tiny_model_with_a_callable_reward_and_a_dataset(tmp_path
 
         assert len(datasets.load_from_disk(written["eval"]["path"])) == 4
     assert written["generator"]["rewards"] == [{"name": "python", "label": "digits_right", "weight": 1.0,
-                                                "on_error": 0.0, "args": {"function": written["generator"]["rewards"]
+                                                "on_error": 0.0, "timeout_s": None,
+                                                "args": {"function": written["generator"]["rewards"]
                                                                           [0]["args"]["function"]}}]
     assert stray_processes(str(run_dir)) == []
 
