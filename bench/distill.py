@@ -14,7 +14,8 @@ Every run is a real ``grpo run`` (launcher, three services, a fresh run folder),
 3. Three arms from the same student, per seed, ``--arm-steps`` steps each, the same batch (the config's groups
    per step): ``grpo`` (the config as it is), ``distill`` (``supervision: none``, the teacher's reward alone) and
    ``grpo+distill`` (outcome advantages plus the teacher's reward). The distillation arms serve the teacher as
-   ``ref_server.teacher_model`` with ``algorithm.distill`` {coef ``--coef``, ``student: recompute``} and
+   ``ref_server.teacher_model`` with ``algorithm.distill`` {coef ``--coef``, baseline ``--baseline`` (default
+   ``mean``: the batch's mean per-token reward subtracted), ``student: recompute``} and
    ``generator.drop_constant_groups`` false (refused with a teacher: a group of equal rewards still carries its
    signal).
 
@@ -53,13 +54,14 @@ from bench.vs_trl import (  # noqa: E402
 ARMS = ("grpo", "distill", "grpo+distill")
 
 
-def arm_settings(arm: str, teacher: Path, coef: float) -> dict:
-    """The config changes of one arm (``grpo_config``'s dotted keys); ``grpo`` is the config unchanged."""
+def arm_settings(arm: str, teacher: Path, coef: float, baseline: str = "mean") -> dict:
+    """The config changes of one arm (``grpo_config``'s dotted keys); ``grpo`` is the config unchanged (no distill
+    block: one without a teacher is refused)."""
     if arm == "grpo":
         return {}
     supervision = "none" if arm == "distill" else "outcome"
     return {"algorithm__advantage__supervision": supervision,
-            "algorithm__distill": {"coef": coef, "mode": "reverse_kl", "student": "recompute"},
+            "algorithm__distill": {"coef": coef, "mode": "reverse_kl", "student": "recompute", "baseline": baseline},
             "ref_server__teacher_model": str(teacher), "generator__drop_constant_groups": False}
 
 
@@ -94,7 +96,7 @@ def run_arm(config, model_dir: str, ev, arm: str, seed: int, teacher: Path, args
     steps = eval_steps(config.learner.max_steps, args.eval_every)
     print(f"[bench] {name} ...", flush=True)
     run = run_grpo(config, model_dir, "cpu", steps, args.eval_every, out / name, args.port, tree, seed=seed,
-                   **arm_settings(arm, teacher, args.coef))
+                   **arm_settings(arm, teacher, args.coef, args.baseline))
     finish_run(name, run, ev, out)
     metrics = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
     shutil.rmtree(out / name / "checkpoints", ignore_errors=True)
@@ -102,7 +104,8 @@ def run_arm(config, model_dir: str, ev, arm: str, seed: int, teacher: Path, args
     return {"arm": arm, "seed": seed, "accuracy": {str(k): v for k, v in run["accuracy"].items()},
             "clock": {str(k): v for k, v in run["clock"].items()}, "total_s": run["total_s"],
             "load_avg_at_start": run["load_avg_at_start"],
-            "distill_reverse_kl": [m.get("distill_reverse_kl") for m in metrics]}
+            "distill_reverse_kl": [m.get("distill_reverse_kl") for m in metrics],
+            "completion_len_mean": [m.get("completion_len_mean") for m in metrics]}
 
 
 def cell(value, unit: str = "") -> str:
@@ -158,6 +161,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="Seeds; every arm runs once per seed.")
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS, help="Arms to run.")
     parser.add_argument("--coef", type=float, default=1.0, help="algorithm.distill.coef of the distillation arms.")
+    parser.add_argument("--baseline", choices=("none", "mean"), default="mean",
+                        help="algorithm.distill.baseline of the distillation arms (mean: the batch's mean per-token "
+                        "reward subtracted; none: the raw reverse-KL rewards).")
     parser.add_argument("--target-fraction", type=float, default=0.9, help="Target: this fraction of the teacher.")
     parser.add_argument("--out", default="runs/bench/distill", help="Work folder (emptied first).")
     parser.add_argument("--figure", help="Write the accuracy figure to this PNG.")
@@ -176,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     tree = Path(__file__).resolve().parents[1]
     model_dir = start_model(config)
     ev = eval_config(config, "cpu")
-    summary: dict = {"config": args.config, "arm_steps": args.arm_steps, "coef": args.coef,
+    summary: dict = {"config": args.config, "arm_steps": args.arm_steps, "coef": args.coef, "baseline": args.baseline,
                      "eval_steps": eval_steps(args.arm_steps, args.eval_every), "target_fraction": args.target_fraction,
                      "heldout_examples": config.eval.num_examples, "machine_before": machine(), "runs": {}}
     summary["student_accuracy"] = evaluate_points(ev, {0: Path(model_dir)})[0]

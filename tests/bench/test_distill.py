@@ -19,7 +19,7 @@ def test_every_arm_is_a_config_the_run_accepts(tmp_path, arm):
     teacher = tmp_path / "teacher"
     (tmp_path / "run").mkdir()
     path = grpo_config(config, tmp_path / "run", 8487, "cpu", str(tmp_path / "student"), seed=3,
-                       **arm_settings(arm, teacher, 0.5))
+                       **arm_settings(arm, teacher, 0.5, "none"))
     loaded = load_config(str(path), [])
     assert loaded.seed == 3
     distill = loaded.algorithm.distill
@@ -28,7 +28,7 @@ def test_every_arm_is_a_config_the_run_accepts(tmp_path, arm):
         assert loaded.generator.drop_constant_groups is config.generator.drop_constant_groups
         assert loaded.algorithm.advantage.supervision == "outcome"
         return
-    assert (distill.coef, distill.mode, distill.student) == (0.5, "reverse_kl", "recompute")
+    assert (distill.coef, distill.mode, distill.student, distill.baseline) == (0.5, "reverse_kl", "recompute", "none")
     assert Path(loaded.ref_server.teacher_model) == teacher and not loaded.generator.drop_constant_groups
     assert loaded.algorithm.advantage.supervision == ("none" if arm == "distill" else "outcome")
 
@@ -55,3 +55,13 @@ def test_arguments_and_their_defaults():
     assert parse(["--teacher", "t/teacher-model"]).teacher == "t/teacher-model"
     with pytest.raises(SystemExit):
         parse(["--arms", "kd"])
+
+
+def test_baseline_defaults_to_mean_for_the_distillation_arms_only(tmp_path):
+    assert parse([]).baseline == "mean" and parse(["--baseline", "none"]).baseline == "none"
+    with pytest.raises(SystemExit):
+        parse(["--baseline", "median"])
+    teacher = tmp_path / "teacher"
+    assert arm_settings("distill", teacher, 1.0)["algorithm__distill"]["baseline"] == "mean"
+    assert arm_settings("grpo+distill", teacher, 1.0, "none")["algorithm__distill"]["baseline"] == "none"
+    assert arm_settings("grpo", teacher, 1.0, "mean") == {}
