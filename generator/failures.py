@@ -90,8 +90,10 @@ class Failure:
         return cls(f"{context}{type(exc).__name__}: {exc}", user_place(frames), trace)
 
     @classmethod
-    def hung(cls, what: str, frame: FrameType | None) -> Failure:
-        """A call still running after its timeout: where it was at that moment (its thread's current frame)."""
+    def hung(cls, limit: str, timeout_s: float, frame: FrameType | None) -> Failure:
+        """A call still running ``timeout_s`` after it began (``limit``: the setting that set it, for the message):
+        where it was at that moment (its thread's current frame)."""
+        what = f"took longer than {limit} = {timeout_s:g}s"
         if frame is None:
             return cls(what)
         frames = traceback.extract_stack(frame)
@@ -143,7 +145,7 @@ def call_within(call: Callable[[], T], timeout_s: float | None, limit: str) -> T
     thread.start()
     thread.join(timeout_s)
     if thread.is_alive():
-        raise CallHung(Failure.hung(f"took longer than {limit} = {timeout_s:g}s", thread_frame(thread.ident)))
+        raise CallHung(Failure.hung(limit, timeout_s, thread_frame(thread.ident)))
     if "error" in box:
         raise box["error"]
     return box["value"]
@@ -155,7 +157,7 @@ def _call_on_main(call: Callable[[], T], timeout_s: float, limit: str) -> T:
     def interrupt(signum: int, frame: FrameType | None) -> None:
         if running[0]:   # a signal that arrives as the call returns is ignored
             running[0] = False
-            raise CallHung(Failure.hung(f"took longer than {limit} = {timeout_s:g}s", frame))
+            raise CallHung(Failure.hung(limit, timeout_s, frame))
 
     previous = signal.signal(signal.SIGUSR2, interrupt)
     timer = threading.Timer(timeout_s, signal.pthread_kill, (threading.main_thread().ident, signal.SIGUSR2))

@@ -134,7 +134,7 @@ def call_all(calls: list[Callable[[], Any]], timeout_s: float) -> list[tuple[Any
     results: list[tuple[Any, Failure | None]] = []
     for thread, box in zip(threads, boxes):
         if thread.is_alive():
-            results.append((None, Failure.hung(f"took longer than timeout_s = {timeout_s}", thread_frame(thread.ident))))
+            results.append((None, Failure.hung("generator.environment.timeout_s", timeout_s, thread_frame(thread.ident))))
         elif "error" in box:
             results.append((None, box["error"]))
         elif "value" not in box:

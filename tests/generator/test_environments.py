@@ -53,7 +53,7 @@ def test_call_all_contains_raise_hang_and_value():
     assert raised.what == "raised RuntimeError: broken tool" and raised.where == f"{__file__}:{line} in boom"
     assert "Traceback (most recent call last)" in raised.trace
     # a call that hangs: where it was when its time ran out (the sleep in hang, the user's line)
-    assert hung.what == "took longer than timeout_s = 0.5"
+    assert hung.what == "took longer than generator.environment.timeout_s = 0.5s"
     assert hung.where == f"{__file__}:{hang.__code__.co_firstlineno + 1} in hang"
 
 
