@@ -15,7 +15,16 @@ pi_old. The drift metrics are the learner's (``shared.grpo.off_policy.mismatch_s
 the share of tokens ``token_mask`` and of rows ``seq_geo_mask`` would drop at the bounds ``--low`` / ``--high``.
 
 ``transformers:float32`` is the control: the same code and dtype as the learner, so what remains is batch shape
-and sampling kernels (expected ~0). Writes ``--out`` (JSON: every number, the machine, the versions) and prints a
+and sampling kernels (expected ~0).
+
+``--update-lr L`` first moves the start model as a training step does (``--update-steps`` AdamW steps at lr ``L``
+raising the logprobs of its own samples, kept in float32 as the learner keeps them) and measures every engine on
+the moved weights: an engine in a lower precision holds each published version rounded to its dtype, and the part
+of an update smaller than half its rounding step is lost (docs/off-policy.md "Precision")::
+
+    .venv/bin/python bench/engine_mismatch.py --config deploy/configs/smollm2-reasoning-gym-arithmetic-cpu.yaml \
+        --max-tokens 8 --engines transformers:float32 transformers:bfloat16 transformers:float16 --update-lr 1e-5
+ Writes ``--out`` (JSON: every number, the machine, the versions) and prints a
 table and one ``BENCH_JSON`` line.
 """
 
@@ -129,6 +138,42 @@ def measure(spec: str, config, model_dir: str, learner, args) -> dict:
     return {"engine": spec, "sample_s": round(sample_s, 2), **drift(old, behaviour, args.low, args.high)}
 
 
+def moved_model(model_dir: str, config, args) -> str:
+    """The start model after ``--update-steps`` AdamW steps at ``--update-lr`` (float32, as the learner keeps its
+    weights), saved to a folder the engines load: a policy that moved the way a training step moves it (every
+    weight by about the learning rate, all in a direction that raises the logprobs of the model's own samples),
+    so that each engine's rounding of the moved weights to its dtype is measured, not only of the shipped ones.
+    The loss is the mean logprob of ``--prompts`` x ``--group`` float32 samples of the config's prompts."""
+    from transformers import AutoModelForCausalLM
+
+    from generator.engines.hf import TransformersEngine
+    from shared.forward.logprobs import sequence_logprobs
+
+    sampler = TransformersEngine(model_dir, device=args.device, dtype=torch.float32)
+    prompts = prompts_of(config, sampler.tokenizer, args.prompts, args.seed)
+    sampling = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=args.max_tokens)
+    rows = [(p, list(c.token_ids)) for p, group in zip(prompts, sampler.generate(prompts, sampling, n=args.group))
+            for c in group if c.token_ids]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(args.device).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.update_lr, weight_decay=0.0)
+    for _ in range(args.update_steps):
+        for start in range(0, len(rows), args.micro_batch):
+            chunk = rows[start:start + args.micro_batch]
+            width = max(len(p) + len(c) for p, c in chunk)
+            ids = torch.zeros(len(chunk), width, dtype=torch.long, device=args.device)
+            for i, (p, c) in enumerate(chunk):
+                ids[i, :len(p) + len(c)] = torch.tensor(p + c)
+            out = sequence_logprobs(model, ids, [len(p) for p, _ in chunk], [len(c) for _, c in chunk])
+            tokens = sum(len(c) for _, c in rows)
+            (-(out.logprobs.sum()) / tokens).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    folder = Path(args.out).with_suffix("") / f"moved-lr{args.update_lr:g}-steps{args.update_steps}"
+    model.save_pretrained(folder)
+    sampler.tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
 def table(results: list[dict]) -> str:
     lines = ["| engine | mismatch_kl | mean abs logprob diff | ratio min / max | token_mask drops | "
              "seq_geo_mask drops rows | tokens |", "|---|---|---|---|---|---|---|"]
@@ -154,6 +199,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--low", type=float, default=0.5)
     parser.add_argument("--high", type=float, default=2.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--update-lr", type=float, default=0.0,
+                        help="move the start model first: --update-steps AdamW steps at this learning rate on its "
+                             "own samples (0: measure the start model as it is)")
+    parser.add_argument("--update-steps", type=int, default=1)
     parser.add_argument("--out", default="runs/bench/engine-mismatch.json")
     args = parser.parse_args(argv)
     from transformers import AutoModelForCausalLM
@@ -163,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     config = load_config(args.config)
     model_dir = args.model or start_model(config)
     torch.manual_seed(args.seed)
+    if args.update_lr > 0:
+        model_dir = moved_model(model_dir, config, args)
+        torch.manual_seed(args.seed)
     learner = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(args.device).eval()
     results = [measure(spec, config, model_dir, learner, args) for spec in args.engines]
     summary = {"config": args.config, "model": model_dir, "machine": machine(), "settings": vars(args),

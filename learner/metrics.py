@@ -88,11 +88,21 @@ def progress_line(step: int, total: int | None, metrics: dict[str, float], eta_s
 
 
 def drift_warning(metrics: dict[str, float], threshold: float | None) -> str | None:
-    """The warning a step whose ``mismatch_kl`` is above ``threshold`` gets on the console (None: below, or off)."""
+    """The warning a step whose ``mismatch_kl`` is above ``threshold`` gets on the console (None: below, or off),
+    with where the drift comes from when the metrics tell: rows sampled by the learner's current version
+    (``mismatch_kl/lag_0``) above the threshold on their own drift through the generator's numerics, not staleness
+    (typically a bfloat16 generator against a float32 learner, which rounds most of a small update away:
+    docs/off-policy.md "Precision")."""
     drift = metrics.get("mismatch_kl")
     if threshold is None or drift is None or not drift > threshold:
         return None
-    return f"WARNING mismatch_kl {drift:.3g} > {threshold:g} (rollouts drift from the learner: docs/off-policy.md)"
+    lag0 = metrics.get("mismatch_kl/lag_0")
+    if lag0 is not None and lag0 > threshold:
+        cause = (f"lag 0 alone {lag0:.3g}: the generator's precision or kernels, not staleness: "
+                 "docs/off-policy.md#precision")
+    else:
+        cause = "rollouts drift from the learner: docs/off-policy.md"
+    return f"WARNING mismatch_kl {drift:.3g} > {threshold:g} ({cause})"
 
 
 class MetricsLogger:

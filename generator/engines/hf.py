@@ -134,6 +134,11 @@ class TransformersEngine(TurnSampling):
         self.pad_id = pad if pad is not None else next(iter(self.eos_ids))
         self._adapters = AdapterApplier(self.model, model_dir)  # learner.lora.publish: adapter
 
+    @property
+    def weights_dtype(self) -> torch.dtype:
+        """What each received version is rounded to (shared/weight_sync/precision.py)."""
+        return self.model.dtype
+
     def load_weights(self, path: Path) -> None:
         count = load_safetensors_into(self.model, path)
         self._adapters.full_weights_loaded()

@@ -130,6 +130,13 @@ class VLLMEngine:
         self.tokenizer = self.llm.get_tokenizer()
         self.weight_sync_workers = tensor_parallel_size  # ranks this engine brings to a weight-sync group
 
+    @property
+    def weights_dtype(self):
+        """The dtype vLLM holds the weights in (its model config's, after ``auto`` was resolved), or None where the
+        installed version does not say (shared/weight_sync/precision.py)."""
+        config = getattr(getattr(self.llm, "llm_engine", None), "model_config", None)
+        return getattr(config, "dtype", None)
+
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, n: int,
                  seed: int | None = None) -> list[list[SampledCompletion]]:
         from vllm.inputs import TokensPrompt

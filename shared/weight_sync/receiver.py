@@ -43,10 +43,12 @@ from pathlib import Path
 
 from shared.config.schema.weight_sync import WeightSyncConfig
 from shared.protocol.client import HubClient, HubError, HubUnavailable
+from shared.protocol.safetensors_header import DTYPES
 from shared.protocol.weight_sync_messages import JoinRequest, MemberPoll, Offer, SenderSummary
 from shared.weight_sync.download_dir import DownloadDir
 from shared.weight_sync.engine_load import NonFiniteWeights, WeightSyncError, load_version_file
 from shared.weight_sync.layout import KIND_ADAPTER
+from shared.weight_sync.precision import file_dtype, rounding_note
 
 log = logging.getLogger("grpo.generator.weights")
 RELOAD_POLL_S = 1.0  # how often a generator holding partly updated weights asks the relay for a whole version
@@ -78,6 +80,7 @@ class WeightReceiver:
         self.last_load_s = 0.0
         self.connected = False              # the engine holds a group with the learner
         self.offer: Offer | None = None     # ... formed from this offer
+        self.precision_noted = False        # warned that the engine rounds the learner's weights (once)
 
     # -- the loop's entry point ----------------------------------------------------------------------------
     def sync(self, have: int) -> int | None:
@@ -175,7 +178,17 @@ class WeightReceiver:
             return loaded
         self.connected, self.offer = True, offer
         log.info("weight sync: connected to %s (%s)", offer.group_id, offer.backend)
+        self._note_precision(DTYPES.get(offer.layout[0][1]) if offer.layout else None)
         return loaded
+
+    def _note_precision(self, published) -> None:
+        """Warn once when this engine holds the weights in fewer bits than the learner publishes them in."""
+        if self.precision_noted:
+            return
+        note = rounding_note(published, getattr(self.engine, "weights_dtype", None))
+        if note is not None:
+            self.precision_noted = True
+            log.warning("weight sync: %s", note)
 
     def _disconnect(self) -> None:
         self.member_id = None
@@ -272,6 +285,7 @@ class WeightReceiver:
             started = time.perf_counter()
             try:
                 load_version_file(self.engine, path, version)
+                self._note_precision(file_dtype(path))
             except NonFiniteWeights as exc:
                 self.refused.add(version)
                 self.refused_nonfinite += 1

@@ -70,3 +70,13 @@ def test_progress_line_warns_when_the_drift_crosses_the_threshold():
         "| WARNING mismatch_kl 0.034 > 0.01 (rollouts drift from the learner: docs/off-policy.md)")
     assert "WARNING" not in progress_line(3, None, {**metrics, "mismatch_kl": 0.005}, None, 0.01)
     assert "WARNING" not in progress_line(3, None, metrics, None, None)
+
+
+def test_the_drift_warning_names_the_generators_numerics_when_lag_0_rows_drift_alone():
+    stale = {"mismatch_kl": 0.05, "mismatch_kl/lag_0": 0.002, "mismatch_kl/lag_1": 0.09}
+    assert progress_line(3, None, stale, None, 0.01).endswith(
+        "| WARNING mismatch_kl 0.05 > 0.01 (rollouts drift from the learner: docs/off-policy.md)")
+    fresh = {"mismatch_kl": 0.05, "mismatch_kl/lag_0": 0.046}
+    assert progress_line(3, None, fresh, None, 0.01).endswith(
+        "| WARNING mismatch_kl 0.05 > 0.01 (lag 0 alone 0.046: the generator's precision or kernels, not "
+        "staleness: docs/off-policy.md#precision)")
