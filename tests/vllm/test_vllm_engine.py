@@ -67,3 +67,10 @@ def test_sampled_groups_carry_processed_logprobs(engines):
             torch.testing.assert_close(torch.tensor(sample.logprobs), ref.logprobs[0], atol=1e-4, rtol=1e-4)
     again = vllm_engine.generate(ids, sampling, n=4, seed=5)
     assert [[s.token_ids for s in g] for g in again] == [[s.token_ids for s in g] for g in groups]
+
+
+def test_the_engine_reports_the_dtype_it_holds_the_weights_in(engines):
+    """What the weight receiver compares with the learner's published dtype (shared/weight_sync/precision.py): on
+    the CPU, dtype auto is float32, as the transformers engine's default."""
+    vllm_engine, hf_engine = engines
+    assert vllm_engine.weights_dtype == torch.float32 == hf_engine.weights_dtype
