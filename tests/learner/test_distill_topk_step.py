@@ -139,3 +139,29 @@ def test_grpo_steps_log_a_falling_forward_kl(distributed, tiny_model_dir, teache
         values.append(outcome.metrics["distill_forward_kl"])
     print("distill_forward_kl per step:", [round(v, 4) for v in values])
     assert values[-1] < 0.8 * values[0], values
+
+
+def test_the_learner_refuses_a_hub_that_sends_another_top_k():
+    from learner.engine import LearnerSetupError
+    from learner.session import check_hub
+
+    class Hub:
+        def __init__(self, top_k):
+            self.top_k = top_k
+
+        def health(self):
+            return {"reference_model_loaded": False, "teacher_model": "teacher", "teacher_top_k": self.top_k}
+
+        def weights_version(self):
+            return None
+
+        def hub_stats(self):
+            return {"learner_version": 0}
+
+    config = GRPOConfig.model_validate({"algorithm": {"loss": {"beta": 0.0},
+                                                      "distill": {"mode": "topk_forward_kl", "top_k": 4}},
+                                        "ref_server": {"teacher_model": "t"}, "generator": {"drop_constant_groups": False}})
+    assert check_hub(Hub(4), config, resume=False, version=0) == (None, 0)
+    for other in (0, 16):
+        with pytest.raises(LearnerSetupError, match=f"top_k 4, but the ref server .* sends the teacher's top {other}"):
+            check_hub(Hub(other), config, resume=False, version=0)

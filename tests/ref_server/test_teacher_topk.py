@@ -137,3 +137,36 @@ def test_a_hub_with_a_topk_teacher_batches_the_teachers_own_topk(tiny_model_dir)
         torch.testing.assert_close(batch.teacher_logprobs[i, :n], want.logprobs[i, :n], atol=1e-6, rtol=0)
     assert torch.equal(batch.ref_logprobs, batch.teacher_logprobs)
     assert (batch.teacher_topk_logprobs[:, :, :-1] >= batch.teacher_topk_logprobs[:, :, 1:]).all()  # most likely first
+
+
+def test_a_joined_teacher_scorer_gets_top_k_jobs_and_a_malformed_answer_is_refused():
+    """The teacher's pool without a local model (``grpo scorer --teacher`` processes): the hub's job asks for the
+    top-k; a result without its top-k tensors, or of the wrong k, is a BadResult (the route's 422, the job back in
+    the queue); a right one lands in the batch."""
+    from ref_server.scorer_pool.job_wire import BadResult, encode_result
+    from ref_server.scorer_pool.pool import ScorerPool
+
+    pool = ScorerPool(local=None, vocab_size=40, role="teacher", reaper=False)
+    hub = RolloutHub(capacity=8, max_staleness=4, scorer=None, vocab_size=40, teacher=pool, teacher_top_k=K)
+    try:
+        group = make_group(seed=5)
+        hub.report_version(0)
+        hub.put(group.to_bytes())
+        scorer = pool.register("t1")
+        job = pool.take(scorer, wait_s=5)
+        assert job.top_k == K
+        rows = _top_rows(group, 9)
+        plain = encode_result(job.job_id, [r.logprobs for r in rows])
+        with pytest.raises(BadResult, match="the job needs"):
+            pool.finish(scorer, job.job_id, plain)
+        narrow = encode_result(job.job_id, [TopRow(r.logprobs, r.top_logprobs[:, :2], r.top_ids[:, :2]) for r in rows])
+        with pytest.raises(BadResult, match="top_logprobs has shape"):
+            pool.finish(scorer, job.job_id, narrow)
+        job = pool.take(scorer, wait_s=5)  # back in the queue after the bad results
+        assert pool.finish(scorer, job.job_id, encode_result(job.job_id, rows)) == "scored"
+        batch = hub.take(1, timeout=10)
+    finally:
+        pool.close()
+    n = int(group.completion_lengths[0])
+    assert torch.equal(batch.teacher_topk_ids[0, :n], rows[0].top_ids[:n].int())
+    assert torch.equal(batch.teacher_topk_logprobs[0, :n], rows[0].top_logprobs[:n])
