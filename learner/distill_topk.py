@@ -28,6 +28,7 @@ from shared.grpo.distill import forward_kl_mean, topk_forward_kl_loss_terms
 from shared.grpo.losses import AGGREGATIONS, PolicyLossOutput
 from shared.protocol.records import TrainBatch
 from shared.tensors.masks import completion_mask, model_token_mask
+from shared.tensors.transfers import to_device
 
 
 def micro_batch_topk(batch: TrainBatch, rows: torch.Tensor, width: int,
@@ -57,7 +58,7 @@ def add_forward_kl(result: PolicyLossOutput, student_topk: torch.Tensor, teacher
     ``student_topk`` ``[b, w, k]`` with its gradient, ``teacher_topk`` the teacher's logprobs there, ``loss_lengths``
     the host lengths in the loss, ``loss_mask`` the model-token mask (None: all)."""
     terms = topk_forward_kl_loss_terms(student_topk, teacher_topk, loss_lengths, loss_mask=loss_mask)
-    mask = model_token_mask(loss_mask, completion_mask(torch.as_tensor(loss_lengths), terms.shape[1]).to(terms.device))
+    mask = model_token_mask(loss_mask, completion_mask(to_device(loss_lengths, terms.device), terms.shape[1]))
     aggregate = partial(AGGREGATIONS.get(cfg.aggregation), num_tokens=num_tokens, num_seqs=num_seqs,
                         norm_len=cfg.norm_len)
     term = aggregate(terms.to(result.loss.dtype), mask)

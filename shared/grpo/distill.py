@@ -18,7 +18,8 @@ import math
 
 import torch
 
-from shared.tensors.masks import lengths_to_mask, model_token_mask
+from shared.tensors.masks import completion_mask, lengths_to_mask, model_token_mask
+from shared.tensors.transfers import to_device
 
 
 def distill_token_rewards(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, lengths: torch.Tensor, *,
@@ -121,10 +122,7 @@ def topk_forward_kl_loss_terms(student_topk_logprobs: torch.Tensor, teacher_topk
         raise ValueError(f"student_topk_logprobs and teacher_topk_logprobs must both be [N, T, k], got "
                          f"{tuple(student_topk_logprobs.shape)} and {tuple(teacher_topk_logprobs.shape)}")
     n, width, _ = student_topk_logprobs.shape
-    lengths = torch.as_tensor(lengths)  # a host list (the learner's) is checked on the host: no device read
-    if lengths.shape != (n,) or lengths.dtype.is_floating_point:
-        raise ValueError(f"lengths must be [N] = [{n}] integers, got {tuple(lengths.shape)} {lengths.dtype}")
-    mask = lengths_to_mask(lengths.long(), width).to(student_topk_logprobs.device)  # raises: a length < 0 or > T
+    mask = _host_checked_mask(lengths, n, width, student_topk_logprobs.device)
     if loss_mask is not None:
         if loss_mask.dim() != 2 or loss_mask.shape[0] != n or loss_mask.shape[1] < width:
             raise ValueError(f"loss_mask must be [N, >= T] = [{n}, >= {width}], got {tuple(loss_mask.shape)}")
@@ -138,8 +136,20 @@ def topk_forward_kl_loss_terms(student_topk_logprobs: torch.Tensor, teacher_topk
     return torch.where(mask, terms, 0.0)
 
 
+def _host_checked_mask(lengths, n: int, width: int, device: torch.device) -> torch.Tensor:
+    """``[n, width]`` validity from ``lengths``, checked on the host (a length < 0 or > width raises); host lengths
+    (a list: the learner's) reach the device without waiting for it (:func:`shared.tensors.transfers.to_device`)."""
+    host = torch.as_tensor(lengths)
+    if host.shape != (n,) or host.dtype.is_floating_point:
+        raise ValueError(f"lengths must be [N] = [{n}] integers, got {tuple(host.shape)} {host.dtype}")
+    if host.device.type != "cpu":
+        return lengths_to_mask(host.long(), width).to(device)
+    lengths_to_mask(host.long(), width)  # the checks
+    return completion_mask(to_device(host.long(), device), width)
+
+
 def forward_kl_mean(terms: torch.Tensor, lengths: torch.Tensor, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
     """The mean of :func:`topk_forward_kl_loss_terms` over the model's tokens (a detached 0-d tensor; 0 for none):
     the ``distill_forward_kl`` metric, before coef."""
-    mask = model_token_mask(loss_mask, lengths_to_mask(torch.as_tensor(lengths).long(), terms.shape[1]).to(terms.device))
+    mask = model_token_mask(loss_mask, _host_checked_mask(lengths, terms.shape[0], terms.shape[1], terms.device))
     return (terms.detach().double().sum() / mask.sum().clamp(min=1)).float()

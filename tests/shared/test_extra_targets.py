@@ -98,3 +98,19 @@ def test_bad_extra_targets_are_refused():
         sequence_logprobs(model, ids, prompts, completions, extra_targets=extra[:, :5])
     with pytest.raises(ValueError, match="extra_targets must be"):
         sequence_logprobs(model, ids, prompts, completions, extra_targets=extra[..., 0])
+
+
+def test_extra_logprobs_with_a_shared_prompt_pass():
+    """Rows continuing one prompt share one pass of it (learner.prefix_sharing): the same extra logprobs."""
+    from shared.forward.prefix_sharing import prefix_rows
+
+    model = _tiny()
+    ids, _, completions, extra = _batch()
+    ids[:, :4] = ids[0, :4]
+    prompts = torch.tensor([4, 4, 4])
+    completions = torch.tensor([16, 0, 11])
+    with torch.no_grad():
+        got = sequence_logprobs(model, ids, prompts, completions, extra_targets=extra,
+                                prefix=prefix_rows(ids, prompts))
+        want = _naive(model, ids, prompts, completions, extra, 1.0)
+    torch.testing.assert_close(got.extra_logprobs, want[:, :16], atol=1e-5, rtol=0)
