@@ -247,7 +247,8 @@ class Intake:
                 for i, n in enumerate(group.completion_lengths)]
         # the teacher's submission asks for its top-k (one submission when it is the reference's pool: the reference
         # logprobs are then the TopRows' own, the same logits expression)
-        futures = {id(s): s.submit(rows, group.sampling.temperature, self.teacher_top_k if s is self.teacher else 0)
+        futures = {id(s): s.submit(rows, group.sampling.temperature, *([self.teacher_top_k] if s is self.teacher
+                                                                        and self.teacher_top_k else []))
                    for s in scorers}
         remaining, lock = [len(futures)], threading.Lock()
         for role, scorer in (("reference", self.scorer), ("teacher", self.teacher)):
