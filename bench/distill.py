@@ -3,6 +3,7 @@
     .venv/bin/python bench/distill.py --figure docs/distillation.png      # the tiny demo, one seed (~6 min on 2 cores)
     .venv/bin/python bench/distill.py --arm-steps 40 --eval-every 5 --seeds 0 1
     .venv/bin/python bench/distill.py --teacher runs/bench/distill/teacher-model --set learner.lr=3e-4 --out OTHER
+    .venv/bin/python bench/distill.py --teacher runs/bench/distill/teacher-model --distill-mode topk_forward_kl --out TOPK
 
 Every run is a real ``grpo run`` (launcher, three services, a fresh run folder), one at a time:
 
@@ -15,7 +16,9 @@ Every run is a real ``grpo run`` (launcher, three services, a fresh run folder),
    per step): ``grpo`` (the config as it is), ``distill`` (``supervision: none``, the teacher's reward alone) and
    ``grpo+distill`` (outcome advantages plus the teacher's reward). The distillation arms serve the teacher as
    ``ref_server.teacher_model`` with ``algorithm.distill`` {coef ``--coef``, baseline ``--baseline`` (default
-   ``mean``: the batch's mean per-token reward subtracted), ``student: recompute``} and
+   ``mean``: the batch's mean per-token reward subtracted), ``mode`` ``--distill-mode`` (default ``reverse_kl``;
+   ``topk_forward_kl``: the forward-KL loss term over the teacher's ``--top-k`` next tokens per position instead
+   of the reward), ``student: recompute``} and
    ``generator.drop_constant_groups`` false (refused with a teacher: a group of equal rewards still carries its
    signal).
 
@@ -54,14 +57,17 @@ from bench.vs_trl import (  # noqa: E402
 ARMS = ("grpo", "distill", "grpo+distill")
 
 
-def arm_settings(arm: str, teacher: Path, coef: float, baseline: str = "mean") -> dict:
+def arm_settings(arm: str, teacher: Path, coef: float, baseline: str = "mean", mode: str = "reverse_kl",
+                 top_k: int = 16) -> dict:
     """The config changes of one arm (``grpo_config``'s dotted keys); ``grpo`` is the config unchanged (no distill
-    block: one without a teacher is refused)."""
+    block: one without a teacher is refused). ``mode``/``top_k``: algorithm.distill's (``--distill-mode``,
+    ``--top-k``) for the distillation arms."""
     if arm == "grpo":
         return {}
     supervision = "none" if arm == "distill" else "outcome"
     return {"algorithm__advantage__supervision": supervision,
-            "algorithm__distill": {"coef": coef, "mode": "reverse_kl", "student": "recompute", "baseline": baseline},
+            "algorithm__distill": {"coef": coef, "mode": mode, "top_k": top_k, "student": "recompute",
+                                   "baseline": baseline},
             "ref_server__teacher_model": str(teacher), "generator__drop_constant_groups": False}
 
 
@@ -96,7 +102,7 @@ def run_arm(config, model_dir: str, ev, arm: str, seed: int, teacher: Path, args
     steps = eval_steps(config.learner.max_steps, args.eval_every)
     print(f"[bench] {name} ...", flush=True)
     run = run_grpo(config, model_dir, "cpu", steps, args.eval_every, out / name, args.port, tree, seed=seed,
-                   **arm_settings(arm, teacher, args.coef, args.baseline))
+                   **arm_settings(arm, teacher, args.coef, args.baseline, args.distill_mode, args.top_k))
     finish_run(name, run, ev, out)
     metrics = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
     shutil.rmtree(out / name / "checkpoints", ignore_errors=True)
@@ -105,6 +111,7 @@ def run_arm(config, model_dir: str, ev, arm: str, seed: int, teacher: Path, args
             "clock": {str(k): v for k, v in run["clock"].items()}, "total_s": run["total_s"],
             "load_avg_at_start": run["load_avg_at_start"],
             "distill_reverse_kl": [m.get("distill_reverse_kl") for m in metrics],
+            "distill_forward_kl": [m.get("distill_forward_kl") for m in metrics],
             "completion_len_mean": [m.get("completion_len_mean") for m in metrics]}
 
 
@@ -164,6 +171,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--baseline", choices=("none", "mean"), default="mean",
                         help="algorithm.distill.baseline of the distillation arms (mean: the batch's mean per-token "
                         "reward subtracted; none: the raw reverse-KL rewards).")
+    parser.add_argument("--distill-mode", choices=("reverse_kl", "topk_forward_kl"), default="reverse_kl",
+                        help="algorithm.distill.mode of the distillation arms: the reverse-KL reward on the sampled "
+                        "token, or the forward-KL loss term over the teacher's top-k (docs/distillation.md).")
+    parser.add_argument("--top-k", type=int, default=16,
+                        help="algorithm.distill.top_k of the distillation arms (mode topk_forward_kl only).")
     parser.add_argument("--target-fraction", type=float, default=0.9, help="Target: this fraction of the teacher.")
     parser.add_argument("--out", default="runs/bench/distill", help="Work folder (emptied first).")
     parser.add_argument("--figure", help="Write the accuracy figure to this PNG.")
@@ -183,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = start_model(config)
     ev = eval_config(config, "cpu")
     summary: dict = {"config": args.config, "arm_steps": args.arm_steps, "coef": args.coef, "baseline": args.baseline,
+                     "distill_mode": args.distill_mode, "top_k": args.top_k,
                      "eval_steps": eval_steps(args.arm_steps, args.eval_every), "target_fraction": args.target_fraction,
                      "heldout_examples": config.eval.num_examples, "machine_before": machine(), "runs": {}}
     summary["student_accuracy"] = evaluate_points(ev, {0: Path(model_dir)})[0]

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from learner.distill_topk import require_topk
 from learner.lora import reference_logprobs
 from learner.step import all_reduce
 from shared.config.schema import AdvantageConfig, AlgorithmConfig, DistillConfig, GRPOConfig, KLConfig
@@ -142,10 +143,13 @@ def batch_advantages(batch: TrainBatch, cfg: AdvantageConfig, kl: KLConfig | Non
       r~ at its end); ``k`` from the behaviour (sampler's) logprobs and the reference logprobs;
     * ``distill``: plus, on each model token, ``-coef * (student - teacher)`` (``distill_token_rewards``) with
       ``student`` the ``[B, L]`` logprobs :func:`distill_student` chose, ``[B, L]``; no return to go (discount 0);
-      with ``distill.baseline: mean`` less their mean over the batch's model tokens (``centred_token_rewards``).
+      with ``distill.baseline: mean`` less their mean over the batch's model tokens (``centred_token_rewards``);
+      ``distill.mode: topk_forward_kl`` adds nothing here (a loss term instead, :mod:`learner.distill_topk`).
     """
     advantages = _task_advantages(batch, cfg, kl)
-    if distill is None:
+    if distill is not None and distill.mode == "topk_forward_kl":
+        require_topk(batch)  # a loss term (learner.distill_topk), nothing in the advantages
+    if distill is None or distill.mode != "reverse_kl":
         return advantages
     if batch.teacher_logprobs is None or student is None:
         raise ValueError(f"algorithm.distill needs the teacher's logprobs, but batch {batch.batch_id!r} has none: "

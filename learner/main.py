@@ -273,6 +273,7 @@ class Learner:
         counts as trained (before any checkpoint, so that a checkpoint holding its update also holds its ids)."""
         cfg, algorithm, clock = self.cfg, self.config.algorithm, self.clock
         student = learner_logprobs(self.engine.module, batch, self.device, self.config, clock)
+        topk_coef = algorithm.distill.coef if algorithm.distill_top_k else 0.0  # top-k distillation: a loss term
         advantages = batch_advantages(batch, algorithm.advantage, algorithm.kl, algorithm.distill, student)
         rollout_metrics = {**batch_metrics(batch, advantages, self.version, algorithm, accuracy_judge(self.config)),
                            **distill_metrics(batch, student)}
@@ -298,7 +299,7 @@ class Learner:
             outcome = grpo_step(self.timed_engine, micro, algorithm.loss, temperature=batch.temperature,
                                 old_mode=old_mode, world_size=self.world, log_entropy=cfg.log_entropy,
                                 chunk_tokens=cfg.logprob_chunk_tokens, lag_buckets=self.lag_buckets,
-                                entropy_coef=self.entropy.coef)
+                                entropy_coef=self.entropy.coef, distill_coef=topk_coef)
             clock.lap("step_reduce")
             if not outcome.finite:
                 self._skip_nonfinite()

@@ -20,8 +20,8 @@ from shared.tensors.masks import completion_mask
 log = logging.getLogger("grpo.learner")
 
 # What the terminal's progress bar shows, in order (the JSONL/TensorBoard get everything).
-CONSOLE_KEYS = ("loss", "reward_mean", "kl_mean", "distill_reverse_kl", "entropy", "clip_frac_high", "mismatch_kl",
-                "tokens_per_s")
+CONSOLE_KEYS = ("loss", "reward_mean", "kl_mean", "distill_reverse_kl", "distill_forward_kl", "entropy",
+                "clip_frac_high", "mismatch_kl", "tokens_per_s")
 
 # Where a learner step's wall time goes, in the order the training thread spends it. ``metrics`` is writing the
 # previous step's record (it cannot time its own write). Compute is what a faster control plane cannot remove.

@@ -43,6 +43,11 @@ def check_hub(client: HubClient, config: GRPOConfig, *, resume: bool, version: i
         raise LearnerSetupError(
             f"algorithm.distill is set but the ref server at {config.learner.hub_url} scores no teacher (no "
             "ref_server.teacher_model): start both with the same config")
+    if algorithm.distill_top_k and health.get("teacher_top_k", 0) != algorithm.distill_top_k:
+        raise LearnerSetupError(
+            f"algorithm.distill.mode is topk_forward_kl with top_k {algorithm.distill_top_k}, but the ref server at "
+            f"{config.learner.hub_url} sends the teacher's top {health.get('teacher_top_k', 0)} (0: none): start "
+            "both with the same config")
     # the newest version the hub knows: on its relay, or reported by a learner (the relay may lag behind the
     # reports: weights reach it only when a generator needs them there)
     relay = client.weights_version()

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from learner.distill_topk import add_forward_kl, micro_batch_topk
 from shared.config.schema import LossConfig, OffPolicyConfig
 from shared.forward.logprobs import sequence_logprobs
 from shared.forward.packing import PackingMode, split_by_token_budget
@@ -69,6 +70,7 @@ class MicroBatch:
     # the (kept tokens, sequences with a kept token) on the device: the loss's normalisers then come from these
     correction: tuple[torch.Tensor, torch.Tensor] | None = None
     kept_counts: tuple[torch.Tensor, torch.Tensor] | None = None
+    teacher_topk: tuple[torch.Tensor, torch.Tensor] | None = None  # [b, width_c, k] ids, logprobs (learner.distill_topk)
 
 
 @dataclass
@@ -157,7 +159,8 @@ def split_micro_batches(batch: TrainBatch, advantages: torch.Tensor, parts: int,
             prefix=prefix, normalizers=loss_normalizers(loss_lengths[rows], mask_rows(batch, rows, width_c)),
             host_prompt_lengths=batch.prompt_lengths[rows].tolist(), host_completion_lengths=completion.tolist(),
             host_loss_lengths=loss_lengths[rows].tolist(), loss_mask=take(batch.completion_mask, width_c),
-            lags=take(lags), token_lags=take(token_lags, width_c)))
+            lags=take(lags), token_lags=take(token_lags, width_c),
+            teacher_topk=micro_batch_topk(batch, rows, width_c, device)))
     return pieces
 
 
@@ -180,15 +183,18 @@ def ranks_agree(flag: bool, device: torch.device, op=dist.ReduceOp.MAX) -> bool:
     return bool(all_reduce(torch.tensor([1.0 if flag else 0.0], device=device), op).item() > 0.5)
 
 
-def policy_logprobs(model, mb: MicroBatch, temperature: float, *, with_entropy: bool, chunk_tokens: int | None):
+def policy_logprobs(model, mb: MicroBatch, temperature: float, *, with_entropy: bool, chunk_tokens: int | None,
+                    with_topk: bool = False):
+    """``(logprobs, entropy or None, the student's logprobs at mb.teacher_topk's ids [b, w, k] with with_topk)``."""
+    extra = mb.teacher_topk[0] if with_topk else None
     out = sequence_logprobs(model, mb.input_ids, mb.host_prompt_lengths, mb.host_completion_lengths,
                             temperature=temperature, with_entropy=with_entropy, chunk_tokens=chunk_tokens,
-                            layout=mb.layout, prefix=mb.prefix)
+                            layout=mb.layout, prefix=mb.prefix, extra_targets=extra)
     width = mb.behaviour_logprobs.shape[1]
     pad = width - out.logprobs.shape[1]  # a micro-batch of empty completions still has width >= 1
     logprobs = torch.nn.functional.pad(out.logprobs, (0, pad))
     entropy = torch.nn.functional.pad(out.entropy, (0, pad)) if out.entropy is not None else None
-    return logprobs, entropy
+    return logprobs, entropy, torch.nn.functional.pad(out.extra_logprobs, (0, 0, 0, pad)) if with_topk else None
 
 
 @torch.no_grad()
@@ -196,7 +202,7 @@ def recompute_old_logprobs(model, micro_batches: list[MicroBatch], temperature: 
                            chunk_tokens: int | None) -> None:
     """pi_old from the current weights, before the first update of the batch (kept fixed for all mu updates)."""
     for mb in micro_batches:
-        mb.old_logprobs, _ = policy_logprobs(model, mb, temperature, with_entropy=False, chunk_tokens=chunk_tokens)
+        mb.old_logprobs, _, _ = policy_logprobs(model, mb, temperature, with_entropy=False, chunk_tokens=chunk_tokens)
 
 
 def apply_off_policy(micro_batches: list[MicroBatch], cfg: OffPolicyConfig) -> None:
@@ -216,15 +222,19 @@ def apply_off_policy(micro_batches: list[MicroBatch], cfg: OffPolicyConfig) -> N
 def micro_batch_loss(model, mb: MicroBatch, loss_cfg: LossConfig, *, temperature: float, old_mode: str,
                      num_tokens: float | torch.Tensor, num_seqs: float | torch.Tensor, log_entropy: bool = False,
                      chunk_tokens: int | None = None, lag_buckets: int = 1,
-                     entropy_coef: float = 0.0) -> tuple[PolicyLossOutput, torch.Tensor | None]:
+                     entropy_coef: float = 0.0, distill_coef: float = 0.0) -> tuple[PolicyLossOutput, torch.Tensor | None]:
     """The loss of one micro-batch, normalised by the global counts. ``old_mode`` 'behaviour' (bypass): pi_old is
     the behaviour logprobs; 'recompute': the recomputed ones, with the micro-batch's off-policy correction
     (:func:`apply_off_policy`). The drift metrics (:func:`shared.grpo.off_policy.mismatch_sums`, ``lag_buckets``
     version lags) compare the behaviour logprobs with the recomputed old logprobs, or in bypass with this forward's
     (which are pi_old at the batch's only update). ``entropy_coef`` != 0: the entropy bonus is in the loss (the
-    entropy is then computed with its gradient whatever ``log_entropy`` says)."""
-    logprobs, entropy = policy_logprobs(model, mb, temperature, with_entropy=log_entropy or entropy_coef != 0.0,
-                                        chunk_tokens=chunk_tokens)
+    entropy is then computed with its gradient whatever ``log_entropy`` says). ``distill_coef`` > 0: plus top-k
+    distillation's term (:func:`learner.distill_topk.add_forward_kl`; the micro-batch must carry the teacher's top-k)."""
+    with_topk = distill_coef > 0
+    if with_topk and mb.teacher_topk is None:
+        raise ValueError("algorithm.distill.mode topk_forward_kl: this micro-batch has no teacher top-k")
+    logprobs, entropy, topk = policy_logprobs(model, mb, temperature, with_entropy=log_entropy or entropy_coef != 0.0,
+                                              chunk_tokens=chunk_tokens, with_topk=with_topk)
     if old_mode == "behaviour":
         old, learner_old = mb.behaviour_logprobs, logprobs.detach()
     else:
@@ -236,6 +246,9 @@ def micro_batch_loss(model, mb: MicroBatch, loss_cfg: LossConfig, *, temperature
                                  ref_logprobs=mb.ref_logprobs,
                                  num_tokens=num_tokens, num_seqs=num_seqs, token_mask=mb.loss_mask,
                                  entropy=entropy, entropy_coef=entropy_coef)
+    if topk is not None:
+        add_forward_kl(result, topk, mb.teacher_topk[1], mb.host_loss_lengths, mb.loss_mask, loss_cfg,
+                       coef=distill_coef, num_tokens=num_tokens, num_seqs=num_seqs)
     result.metrics.update(behaviour_logprob_gap(logprobs, mb.behaviour_logprobs, mb.completion_lengths,
                                                 mb.loss_mask))
     valid = completion_mask(mb.loss_lengths, logprobs.shape[1], mb.loss_mask)
@@ -267,7 +280,7 @@ def behaviour_logprob_gap(logprobs: torch.Tensor, behaviour: torch.Tensor, compl
 
 def grpo_step(engine, micro_batches: list[MicroBatch], loss_cfg: LossConfig, *, temperature: float,
               old_mode: str, world_size: int, log_entropy: bool, chunk_tokens: int | None,
-              lag_buckets: int = 1, entropy_coef: float = 0.0) -> StepOutcome:
+              lag_buckets: int = 1, entropy_coef: float = 0.0, distill_coef: float = 0.0) -> StepOutcome:
     """Forward/backward over the micro-batches, then one optimizer step (skipped if any loss is not finite).
 
     One host synchronisation per step: losses, finiteness flags and metrics stay on the device while the
@@ -289,7 +302,7 @@ def grpo_step(engine, micro_batches: list[MicroBatch], loss_cfg: LossConfig, *, 
         result, entropy = micro_batch_loss(model, mb, loss_cfg, temperature=temperature, old_mode=old_mode,
                                            num_tokens=num_tokens, num_seqs=num_seqs, log_entropy=log_entropy,
                                            chunk_tokens=chunk_tokens, lag_buckets=lag_buckets,
-                                           entropy_coef=entropy_coef)
+                                           entropy_coef=entropy_coef, distill_coef=distill_coef)
         loss = result.loss.detach().double()
         nonfinite = nonfinite + (~torch.isfinite(loss)).double()
         engine.backward(result.loss * world_size, scale_wrt_gas=False)

@@ -124,7 +124,10 @@ def build_state(config: GRPOConfig) -> ServerState:
                      max_deliveries=cfg.max_deliveries,
                      # 0 is greedy decoding, for evaluation only: no training group is sampled that way
                      temperature=temperature if temperature > 0 else None,
-                     published_version=lambda: weights.current, max_context=max_context, teacher=teacher)
+                     published_version=lambda: weights.current, max_context=max_context, teacher=teacher,
+                     # top-k distillation: the hub learns it from the config it is started with (grpo run hands the
+                     # learner and the ref server the same one; learner/session.py checks /health agrees)
+                     teacher_top_k=config.algorithm.distill_top_k)
     if session.learner_version is not None:  # the registered learner's last version survives a hub restart
         hub.report_version(session.learner_version)
     return ServerState(

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ref_server.scoring.scorer import TopRow
 from shared.protocol.records import RolloutGroup, TrainBatch
 from shared.tensors.masks import completion_mask
 
@@ -28,12 +29,21 @@ class GroupRows:
     completion_width: int            # longest completion of the group
     mask: torch.Tensor | None = None  # [G, C] bool, the group's completion_mask (None: a single-turn group)
     teacher: torch.Tensor | None = None  # float32, None without a teacher (ref_server.teacher_model)
+    # [G, C, k] int32 / float32: the teacher's top-k next tokens per completion token (shared.protocol.teacher_topk);
+    # None unless algorithm.distill.mode is topk_forward_kl
+    topk_ids: torch.Tensor | None = None
+    topk_logprobs: torch.Tensor | None = None
 
     @classmethod
     def of(cls, group: RolloutGroup, ref_logprobs: list[torch.Tensor] | None,
-           teacher_logprobs: list[torch.Tensor] | None = None) -> GroupRows:
+           teacher_logprobs: list[torch.Tensor] | list[TopRow] | None = None) -> GroupRows:
         """``ref_logprobs``, ``teacher_logprobs``: the scorers' per-row tensors (row i has ``completion_lengths[i]``
-        entries)."""
+        entries); a teacher scored with top-k gives :class:`TopRow` s (their ``[C + 1, k]`` top-k keep the first C
+        rows: the distributions that predict the completion's tokens)."""
+        topk = None
+        if teacher_logprobs and isinstance(teacher_logprobs[0], TopRow):
+            topk = _topk_of(teacher_logprobs, group.group_size, group.completion_ids.shape[1])
+            teacher_logprobs = [row.logprobs for row in teacher_logprobs]
         size, prompt = group.group_size, group.prompt_ids.long()
         lengths = group.completion_lengths.long()
         columns = group.completion_ids.shape[1]
@@ -44,7 +54,8 @@ class GroupRows:
                    behaviour=group.behaviour_logprobs.float().masked_fill(~valid, 0.0),
                    ref=_rows_of(ref_logprobs, size, columns), teacher=_rows_of(teacher_logprobs, size, columns),
                    width=prompt.numel() + longest, completion_width=longest,
-                   mask=None if group.completion_mask is None else completion_mask(lengths, columns, group.completion_mask))
+                   mask=None if group.completion_mask is None else completion_mask(lengths, columns, group.completion_mask),
+                   topk_ids=topk[0] if topk else None, topk_logprobs=topk[1] if topk else None)
 
 
 def _rows_of(scored: list[torch.Tensor] | None, size: int, columns: int) -> torch.Tensor | None:
@@ -55,6 +66,35 @@ def _rows_of(scored: list[torch.Tensor] | None, size: int, columns: int) -> torc
     for i, row in enumerate(scored):
         out[i, :row.numel()] = row.float()
     return out
+
+
+def _topk_of(rows: list[TopRow], size: int, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher's top-k of each row as ``[size, columns, k]`` int32 ids and float32 logprobs, 0 past each row."""
+    k = rows[0].top_ids.shape[1]
+    ids = torch.zeros(size, columns, k, dtype=torch.int32)
+    logprobs = torch.zeros(size, columns, k, dtype=torch.float32)
+    for i, row in enumerate(rows):
+        c = row.logprobs.numel()
+        ids[i, :c] = row.top_ids[:c].to(torch.int32)
+        logprobs[i, :c] = row.top_logprobs[:c].float()
+    return ids, logprobs
+
+
+def _assemble_topk(groups: list[RolloutGroup], rows: list[GroupRows], width: int) -> dict[str, torch.Tensor | None]:
+    """The batch's ``teacher_topk_ids`` / ``teacher_topk_logprobs`` ``[B, width, k]`` from the groups' rows (None
+    when the groups have none)."""
+    if any(r.topk_ids is None for r in rows) or len({r.topk_ids.shape[2] for r in rows}) != 1:
+        return {"teacher_topk_ids": None, "teacher_topk_logprobs": None}
+    total, k = sum(g.group_size for g in groups), rows[0].topk_ids.shape[2]
+    ids = torch.zeros(total, width, k, dtype=torch.int32)
+    logprobs = torch.zeros(total, width, k, dtype=torch.float32)
+    start = 0
+    for group, r in zip(groups, rows):
+        end = start + group.group_size
+        ids[start:end, :r.completion_width] = r.topk_ids[:, :r.completion_width]
+        logprobs[start:end, :r.completion_width] = r.topk_logprobs[:, :r.completion_width]
+        start = end
+    return {"teacher_topk_ids": ids, "teacher_topk_logprobs": logprobs}
 
 
 def assemble_batch(groups: list[RolloutGroup], rows: list[GroupRows], *, batch_id: str) -> TrainBatch:
@@ -84,4 +124,5 @@ def assemble_batch(groups: list[RolloutGroup], rows: list[GroupRows], *, batch_i
             mask[start:end, :r.completion_width] = r.mask[:, :r.completion_width]
         start = end
     return TrainBatch(input_ids=input_ids, behaviour_logprobs=behaviour, ref_logprobs=ref, batch_id=batch_id,
-                      completion_mask=mask, teacher_logprobs=teacher, **fields)
+                      completion_mask=mask, teacher_logprobs=teacher, **fields,
+                      **_assemble_topk(groups, rows, completion_width))

@@ -33,7 +33,7 @@ from ref_server.hub.batching import GroupRows
 from ref_server.hub.queue import QueuedGroup, RolloutQueue
 from ref_server.hub.spool import SpooledLease
 from ref_server.scoring.context import ContextTooLong, check_group
-from ref_server.scoring.scorer import ReferenceScorer, Row
+from ref_server.scoring.scorer import ReferenceScorer, Row, TopRow
 from shared.protocol import strict_json
 from shared.protocol.errors import ProtocolError
 from shared.protocol.records import RolloutGroup
@@ -54,11 +54,15 @@ class GroupRejected(ValueError):
 class Intake:
     def __init__(self, queue: RolloutQueue, *, scorer: ReferenceScorer | None, vocab_size: int | None = None,
                  published_version: Callable[[], int | None] = lambda: None, max_context: int | None = None,
-                 teacher: ReferenceScorer | None = None) -> None:
+                 teacher: ReferenceScorer | None = None, teacher_top_k: int = 0) -> None:
+        """``teacher_top_k`` >= 1: the teacher also gives its top-k next tokens at every completion position (top-k
+        distillation; the ref server reads it from the config it was started with, ``algorithm.distill``:
+        ``GRPOConfig.algorithm.distill_top_k``), 0: only the sampled tokens' logprobs."""
         self.queue = queue
         self.max_context = max_context
         self.scorer = scorer
         self.teacher = teacher
+        self.teacher_top_k = teacher_top_k if teacher is not None else 0
         self.vocab_size = vocab_size
         self._published_version = published_version
         self._seen: OrderedDict[str, None] = OrderedDict()
@@ -241,7 +245,11 @@ class Intake:
         prompt = group.prompt_ids.tolist()
         rows = [Row(prompt + group.completion_ids[i, :int(n)].tolist(), len(prompt))
                 for i, n in enumerate(group.completion_lengths)]
-        futures = {id(s): s.submit(rows, group.sampling.temperature) for s in scorers}
+        # the teacher's submission asks for its top-k (one submission when it is the reference's pool: the reference
+        # logprobs are then the TopRows' own, the same logits expression)
+        futures = {id(s): s.submit(rows, group.sampling.temperature, *([self.teacher_top_k] if s is self.teacher
+                                                                        and self.teacher_top_k else []))
+                   for s in scorers}
         remaining, lock = [len(futures)], threading.Lock()
         for role, scorer in (("reference", self.scorer), ("teacher", self.teacher)):
             if scorer is not None:  # counted down before the group is laid out (callbacks run in their order)
@@ -276,11 +284,13 @@ class Intake:
             elif (error := future.exception()) is not None:
                 error = f"{what}: {error}"
                 break
-            elif not all(bool(torch.isfinite(r).all()) for r in future.result()):
+            elif not all(_finite(r) for r in future.result()):
                 error = f"{what} logprobs are not finite"
                 break
             else:
                 results.append(future.result())
+        if results and results[0] and isinstance(results[0][0], TopRow):  # the reference is the teacher's pool
+            results[0] = [row.logprobs for row in results[0]]
         if error is None:
             self._mark_ready(entry, *results)
             return
@@ -335,6 +345,13 @@ class Intake:
         if not self.queue.same_temperature(group):
             raise ProtocolError(f"sampled at temperature {group.sampling.temperature}, the hub now batches "
                                 f"{self.queue.temperature}")
+
+
+def _finite(row: torch.Tensor | TopRow) -> bool:
+    """A scored row's logprobs (and top-k logprobs) all finite."""
+    if isinstance(row, TopRow):
+        return bool(torch.isfinite(row.logprobs).all() and torch.isfinite(row.top_logprobs).all())
+    return bool(torch.isfinite(row).all())
 
 
 def _group_id_in_header(data: bytes) -> str | None:

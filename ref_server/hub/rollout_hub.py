@@ -37,11 +37,12 @@ class RolloutHub:
         published_version: Callable[[], int | None] = lambda: None,
         max_context: int | None = None,
         teacher: ReferenceScorer | None = None,
+        teacher_top_k: int = 0,
     ) -> None:
         self.queue = RolloutQueue(capacity=capacity, max_staleness=max_staleness, temperature=temperature,
                                   spool_dir=spool_dir)
         self.intake = Intake(self.queue, scorer=scorer, vocab_size=vocab_size, published_version=published_version,
-                             max_context=max_context, teacher=teacher)
+                             max_context=max_context, teacher=teacher, teacher_top_k=teacher_top_k)
         self.leases = Leases(self.queue, lease_timeout_s=lease_timeout_s, max_deliveries=max_deliveries)
         if self.queue.spool is not None:
             self.intake.reload_spool(self.leases.triage, self.leases.restore)

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from shared.forward.extra_targets import logprobs_with_extra_targets
 from shared.forward.lm_head import LinearHeadLogprobs, final_logit_transform, fused_head_weight
 from shared.forward.model_parts import split_model
 from shared.forward.packing import PackingMode, choose_layout, pack_rows
@@ -55,6 +56,7 @@ class TokenLogprobs:
     logprobs: torch.Tensor
     entropy: torch.Tensor | None
     completion_lengths: torch.Tensor
+    extra_logprobs: torch.Tensor | None = None  # [B, L, k] with ``extra_targets`` (sequence_logprobs), else None
 
     @property
     def mask(self) -> torch.Tensor:
@@ -225,6 +227,7 @@ def sequence_logprobs(
     chunk_tokens: int | None = None,
     layout: PackingMode = "padded",
     prefix: PrefixRows | None = None,
+    extra_targets: torch.Tensor | None = None,
 ) -> TokenLogprobs:
     """Per-token logprobs of each row's completion under ``model`` (see the module docstring for layout).
 
@@ -233,6 +236,10 @@ def sequence_logprobs(
     GPU; tensors on the device come to the host in one copy (:func:`shared.forward.row_lengths.row_lengths`).
     ``prefix`` (shared.forward.prefix_sharing.prefix_rows): rows that continue one prompt share one pass of it (exact; the
     layout is then padded). Gradients flow when autograd is on; wrap in ``torch.no_grad()`` for scoring.
+    ``extra_targets`` ``[B, >= max(completion), k]`` int ids, left-aligned like the result: also the logprobs of
+    those ``k`` ids at each completion position (the distribution that predicts that position's token), returned as
+    ``extra_logprobs [B, max(completion), k]`` (0 at padding), from the same chunks
+    (:mod:`shared.forward.extra_targets`; gradients flow through them too).
     """
     lengths = row_lengths(input_ids, prompt_lengths, completion_lengths)
     if prefix is not None:
@@ -245,18 +252,25 @@ def sequence_logprobs(
     rows, cols = ragged_positions(lengths.completion, lengths.completion_on_device)
     # The token at position p is predicted by the hidden state at p - 1.
     target_positions = lengths.prompt_on_device[rows] + cols
-    logp, entropy = logprobs_from_hidden(
-        out.hidden_at(rows, target_positions - 1),
-        out.head,
-        input_ids[rows, target_positions],
-        temperature=temperature,
-        with_entropy=with_entropy,
-        chunk_tokens=chunk_tokens,
-        logit_transform=final_logit_transform(model),
-    )
+    hidden, targets = out.hidden_at(rows, target_positions - 1), input_ids[rows, target_positions]
+    extra = None
+    if extra_targets is None:
+        logp, entropy = logprobs_from_hidden(hidden, out.head, targets, temperature=temperature,
+                                             with_entropy=with_entropy, chunk_tokens=chunk_tokens,
+                                             logit_transform=final_logit_transform(model))
+    else:
+        if extra_targets.dim() != 3 or extra_targets.shape[0] != shape[0] or extra_targets.shape[1] < shape[1]:
+            raise ValueError(f"extra_targets must be [B, >= L, k] = [{shape[0]}, >= {shape[1]}, k], got "
+                             f"{tuple(extra_targets.shape)}")
+        logp, entropy, extra = logprobs_with_extra_targets(
+            hidden, out.head, targets, extra_targets[rows, cols], temperature=temperature, with_entropy=with_entropy,
+            chunk_tokens=chunk_tokens or _head_chunk_tokens(out.head, hidden.device),
+            logit_transform=final_logit_transform(model))
+        extra = extra.new_zeros(*shape, extra.shape[1]).index_put((rows, cols), extra)
     logprobs = logp.new_zeros(shape).index_put((rows, cols), logp)
     entropies = entropy.new_zeros(shape).index_put((rows, cols), entropy) if entropy is not None else None
-    return TokenLogprobs(logprobs=logprobs, entropy=entropies, completion_lengths=lengths.completion_on_device)
+    return TokenLogprobs(logprobs=logprobs, entropy=entropies, completion_lengths=lengths.completion_on_device,
+                         extra_logprobs=extra)
 
 
 def naive_sequence_logprobs(

@@ -80,6 +80,10 @@ def batch_problem(batch: Any, vocab_size: int | None) -> str | None:
             if values is not None:   # [B, L]: only the completion tokens count, padding means nothing
                 valid = completion_mask(batch.completion_lengths.reshape(-1), values.shape[-1])
                 as_float32(name, values, mask=valid if valid.shape == values.shape else None)
+        if getattr(batch, "teacher_topk_ids", None) is not None:  # top-k distillation: ids in the vocabulary
+            from shared.protocol.teacher_topk import topk_problem
+
+            topk_problem(batch, vocab_size)
         if batch.step_rewards is not None:
             as_float32("step_rewards", batch.step_rewards)
         if batch.completion_mask is not None:  # multi-turn: aligned with the completion tokens

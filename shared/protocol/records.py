@@ -16,6 +16,7 @@ import torch
 
 from shared.protocol import loss_mask, numbers
 from shared.protocol import steps as step_fields
+from shared.protocol import teacher_topk as topk_field
 from shared.protocol import token_versions as versions_field
 from shared.protocol.errors import require as _require
 from shared.protocol.sampling import MIN_TEMPERATURE, SamplingParams, check_temperature  # noqa: F401 - re-exported
@@ -264,6 +265,9 @@ class TrainBatch:
     # on-policy distillation: [B, L] float32 like behaviour_logprobs, the teacher's logprobs of the same tokens
     # (ref_server.teacher_model); None without a teacher
     teacher_logprobs: torch.Tensor | None = None
+    # top-k distillation: [B, L, k] int32 / float32, the teacher's k likeliest next tokens (shared.protocol.teacher_topk)
+    teacher_topk_ids: torch.Tensor | None = None
+    teacher_topk_logprobs: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -349,6 +353,7 @@ class TrainBatch:
             completion_mask=self.completion_mask[rows, :width_c] if self.completion_mask is not None else None,
             token_versions=self.token_versions[rows, :width_c] if self.token_versions is not None else None,
             teacher_logprobs=self.teacher_logprobs[rows, :width_c] if self.teacher_logprobs is not None else None,
+            **topk_field.select_topk(self, rows, width_c),
             **step_fields.select_steps(vars(self), rows, self.batch_size))
 
     def to_bytes(self) -> bytes:
@@ -364,7 +369,7 @@ class TrainBatch:
             tensors["teacher_logprobs"] = self.teacher_logprobs.float()
         tensors.update({f"reward/{k}": v.float() for k, v in self.reward_components.items()})
         tensors.update(step_fields.step_tensors(self))
-        tensors.update(loss_mask.mask_tensors(self))
+        tensors.update(loss_mask.mask_tensors(self) | topk_field.topk_tensors(self))
         tensors.update(versions_field.version_tensors(self))
         return encode("train_batch/v2", tensors, {"group_ids": self.group_ids, "generator_ids": self.generator_ids,
                                                   "temperature": self.temperature, "batch_id": self.batch_id})
@@ -386,6 +391,7 @@ class TrainBatch:
                 generator_ids=[str(g) for g in fields["generator_ids"]], temperature=float(fields["temperature"]),
                 batch_id=str(fields.get("batch_id", "")), **step_fields.take_steps(dict(tensors)),
                 **loss_mask.take_mask(dict(tensors)), **versions_field.take_versions(dict(tensors)),
+                **topk_field.take_topk(dict(tensors), tensors["behaviour_logprobs"].shape),
             )
         except KeyError as exc:
             raise WireError(f"train batch is missing {exc}") from None

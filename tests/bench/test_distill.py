@@ -33,6 +33,19 @@ def test_every_arm_is_a_config_the_run_accepts(tmp_path, arm):
     assert loaded.algorithm.advantage.supervision == ("none" if arm == "distill" else "outcome")
 
 
+@pytest.mark.parametrize("arm", ["distill", "grpo+distill"])
+def test_the_topk_mode_makes_arms_the_run_accepts(tmp_path, arm):
+    config = prepare_config(str(ROOT / "deploy/configs/tiny-cpu.yaml"), 10, [])
+    (tmp_path / "run").mkdir()
+    args = parse(["--distill-mode", "topk_forward_kl", "--top-k", "8"])
+    path = grpo_config(config, tmp_path / "run", 8487, "cpu", str(tmp_path / "student"),
+                       **arm_settings(arm, tmp_path / "teacher", 0.5, "none", args.distill_mode, args.top_k))
+    distill = load_config(str(path), []).algorithm.distill
+    assert (distill.mode, distill.top_k, distill.coef) == ("topk_forward_kl", 8, 0.5)
+    assert parse([]).distill_mode == "reverse_kl" and parse([]).top_k == 16
+    assert arm_settings("grpo", tmp_path, 0.5, "none", "topk_forward_kl", 8) == {}
+
+
 def test_reached_reads_the_first_evaluated_step_at_the_target_and_its_clock():
     run = {"accuracy": {"5": 0.6, "10": None, "15": 0.83, "20": 0.9}, "clock": {"5": 20.0, "15": 61.5, "20": 80.0}}
     assert reached(run, 0.83) == {"steps": 15, "wall_s": 61.5}

@@ -1,6 +1,8 @@
 """End to end, on-policy distillation (issue 42 item 4): `grpo run` on the tiny model with a teacher (the same tiny
 model trained longer on the arithmetic task) served by the ref server, pure distillation (``supervision: none``):
-the learner logs distill_reverse_kl every step and it falls as the student moves towards the teacher."""
+the learner logs distill_reverse_kl every step and it falls as the student moves towards the teacher; with
+``mode: topk_forward_kl`` (the teacher's top-k per token on the wire, a forward-KL loss term) distill_forward_kl
+falls too."""
 
 import json
 import math
@@ -27,11 +29,11 @@ def warmed(path: Path, steps: int) -> Path:
     return path
 
 
-def write_config(tmp_path, student: Path, teacher: Path, port: int) -> Path:
+def write_config(tmp_path, student: Path, teacher: Path, port: int, mode: str = "reverse_kl") -> Path:
     config = {
         "seed": 0,
         "algorithm": {"advantage": {"supervision": "none"}, "loss": {"beta": 0.0},
-                      "distill": {"coef": 1.0, "student": "recompute"}},
+                      "distill": {"coef": 1.0, "student": "recompute", "mode": mode, "top_k": 8}},
         "ref_server": {"port": port, "spool_dir": str(tmp_path / "spool"), "weights_dir": str(tmp_path / "relay"),
                        "queue_capacity": 16, "teacher_model": str(teacher), "device": "cpu", "dtype": "float32"},
         "generator": {"model": str(student), "engine": "transformers", "group_size": 4, "prompts_per_batch": 8,
@@ -49,9 +51,10 @@ def write_config(tmp_path, student: Path, teacher: Path, port: int) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_grpo_run_distils_towards_the_teacher(tmp_path):
+@pytest.mark.parametrize("mode", ["reverse_kl", "topk_forward_kl"])
+def test_grpo_run_distils_towards_the_teacher(tmp_path, mode):
     student, teacher = warmed(tmp_path / "student", 20), warmed(tmp_path / "teacher", 200)
-    config = write_config(tmp_path, student, teacher, free_port())
+    config = write_config(tmp_path, student, teacher, free_port(), mode)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = forks.run([GRPO, "run", str(config)], capture_output=True, text=True, timeout=800, env=env)
     assert result.returncode == 0, result.stdout[-4000:]
@@ -62,4 +65,9 @@ def test_grpo_run_distils_towards_the_teacher(tmp_path):
     print("distill_reverse_kl per step:", [round(v, 3) for v in kl])
     first, last = sum(kl[:8]) / 8, sum(kl[-8:]) / 8
     assert first > 0.1 and last < 0.8 * first, kl  # the student moved towards the teacher on its own samples
+    if mode == "topk_forward_kl":  # the loss term's own measure, logged every step, falls as well
+        forward = [m["distill_forward_kl"] for m in metrics]
+        print("distill_forward_kl per step:", [round(v, 3) for v in forward])
+        assert all(math.isfinite(v) for v in forward)
+        assert sum(forward[-8:]) / 8 < 0.85 * sum(forward[:8]) / 8, forward  # measured 0.40 -> 0.30
     assert stray_processes(str(config)) == []

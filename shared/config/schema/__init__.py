@@ -98,7 +98,9 @@ class GRPOConfig(StrictModel):
     @model_validator(mode="after")
     def _distill_needs_a_teacher(self) -> GRPOConfig:
         if self.algorithm.distill is not None and self.ref_server.teacher_model is None:
-            raise ValueError("algorithm.distill needs a teacher to score the student's samples: set "
+            topk = " (algorithm.distill.mode topk_forward_kl: the teacher's top-k next tokens at every position)" \
+                if self.algorithm.distill_top_k else ""
+            raise ValueError(f"algorithm.distill needs a teacher to score the student's samples{topk}: set "
                              "ref_server.teacher_model (a model folder sharing the student's tokenizer)")
         if self.algorithm.distill is not None and self.generator.drop_constant_groups:
             raise ValueError("generator.drop_constant_groups drops groups whose rewards are all equal, but with "

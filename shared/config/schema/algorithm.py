@@ -219,13 +219,21 @@ class EntropyConfig(StrictModel):
 
 class DistillConfig(StrictModel):
     """On-policy distillation (docs/distillation.md): a teacher scores the student's own samples and each model
-    token gets the reward -coef * (log pi_student - log pi_teacher) (shared.grpo.distill.distill_token_rewards)."""
+    token gets the reward -coef * (log pi_student - log pi_teacher) (shared.grpo.distill.distill_token_rewards), or
+    (mode topk_forward_kl) the loss gets coef * the forward KL from the teacher's top-k to the student per token."""
 
     coef: float = Field(1.0, ge=0, allow_inf_nan=False, description="c in the per-token reward -c * (log "
                         "pi_student - log pi_teacher), added to each model token's advantage without a return to go "
                         "(discount 0, as slime's --use-opd and Thinking Machines' recipe do).")
-    mode: Literal["reverse_kl"] = Field("reverse_kl", description="The divergence: 'reverse_kl', the per-token k1 "
-                                        "estimate of KL(student || teacher) at the sampled token.")
+    mode: Literal["reverse_kl", "topk_forward_kl"] = Field(
+        "reverse_kl", description="The divergence: 'reverse_kl', the per-token k1 estimate of KL(student || teacher) "
+        "at the sampled token, as a reward; 'topk_forward_kl', a loss term: at every completion position the "
+        "forward KL from the teacher's top_k next tokens (renormalised over them) to the student's logprobs at "
+        "those ids, coef times it aggregated like the policy loss (shared.grpo.distill.topk_forward_kl_loss_terms; "
+        "the hub sends top_k ids and logprobs per token, docs/distillation.md). baseline does not apply to it.")
+    top_k: int = Field(16, ge=1, le=256, description="mode 'topk_forward_kl': how many of the teacher's most likely "
+                       "next tokens the hub sends per completion position (k int32 ids and k float32 logprobs per "
+                       "token on the wire: 8 k bytes); ignored by 'reverse_kl'.")
     baseline: Literal["none", "mean"] = Field(
         "none", description="Subtracted from the per-token rewards: 'none' (as slime's and Thinking Machines' "
         "recipes do), or 'mean': their mean over the batch's model tokens (shared.grpo.distill."
@@ -261,7 +269,17 @@ class AlgorithmConfig(StrictModel):
     @property
     def token_advantages(self) -> bool:
         """Whether the advantages are per token (``[B, T]``) rather than per completion (``[B]``)."""
-        return self.advantage.supervision == "process" or self.kl.in_reward or self.distill is not None
+        return self.advantage.supervision == "process" or self.kl.in_reward or self.distill_reward
+
+    @property
+    def distill_reward(self) -> bool:
+        """Whether distillation adds a per-token reward (mode reverse_kl) rather than a loss term (topk_forward_kl)."""
+        return self.distill is not None and self.distill.mode == "reverse_kl"
+
+    @property
+    def distill_top_k(self) -> int:
+        """The teacher's top-k the hub sends per completion token: distill.top_k in mode topk_forward_kl, else 0."""
+        return self.distill.top_k if self.distill is not None and self.distill.mode == "topk_forward_kl" else 0
 
     @model_validator(mode="after")
     def _tis_cap_is_token_tis(self) -> AlgorithmConfig:
