@@ -15,16 +15,19 @@ pi_old. The drift metrics are the learner's (``shared.grpo.off_policy.mismatch_s
 the share of tokens ``token_mask`` and of rows ``seq_geo_mask`` would drop at the bounds ``--low`` / ``--high``.
 
 ``transformers:float32`` is the control: the same code and dtype as the learner, so what remains is batch shape
-and sampling kernels (expected ~0).
+and sampling kernels (expected ~0). ``rounded:DTYPE`` computes in float32 on the weights rounded to DTYPE: the
+weights' share of ``transformers:DTYPE``'s drift.
 
 ``--update-lr L`` first moves the start model as a training step does (``--update-steps`` AdamW steps at lr ``L``
 raising the logprobs of its own samples, kept in float32 as the learner keeps them) and measures every engine on
-the moved weights: an engine in a lower precision holds each published version rounded to its dtype, and the part
-of an update smaller than half its rounding step is lost (docs/off-policy.md "Precision")::
+the moved weights: an engine in a lower precision holds each published version rounded to its dtype, and an update
+smaller than its rounding step is lost or carried by a few whole steps (docs/off-policy.md "Precision")::
 
-    .venv/bin/python bench/engine_mismatch.py --config deploy/configs/smollm2-reasoning-gym-arithmetic-cpu.yaml \
-        --max-tokens 8 --engines transformers:float32 transformers:bfloat16 transformers:float16 --update-lr 1e-5
- Writes ``--out`` (JSON: every number, the machine, the versions) and prints a
+    .venv/bin/python bench/engine_mismatch.py --config deploy/configs/smollm2-reasoning-gym-arithmetic-cpu.yaml \\
+        --max-tokens 8 --engines transformers:float32 transformers:bfloat16 rounded:bfloat16 transformers:float16 \\
+        rounded:float16 --update-lr 1e-5
+
+Writes ``--out`` (JSON: every number, the machine, the versions) and prints a
 table and one ``BENCH_JSON`` line.
 """
 
@@ -47,20 +50,31 @@ DEFAULT_CONFIG = "deploy/configs/tiny-cpu.yaml"
 
 
 def build_engine(spec: str, model_dir: str, max_model_len: int | None, seed: int, device: str):
-    """``transformers:bfloat16`` -> the transformers engine in that dtype on ``device``; ``vllm:float32`` -> vLLM
-    (on the GPU when there is one)."""
+    """``transformers:bfloat16`` -> the transformers engine in that dtype on ``device``; ``rounded:bfloat16`` -> the
+    transformers engine in float32 with its weights rounded to bfloat16 (the weights' share of the drift, without
+    the kernels'); ``vllm:float32`` -> vLLM (on the GPU when there is one)."""
     kind, _, dtype = spec.partition(":")
     dtype = dtype or "float32"
     if kind == "transformers":
         from generator.engines.hf import TransformersEngine
 
         return TransformersEngine(model_dir, device=device, dtype=getattr(torch, dtype))
+    if kind == "rounded":
+        # the weights rounded to DTYPE and computed in float32: what the rounding of the weights alone costs
+        from generator.engines.hf import TransformersEngine
+
+        engine = TransformersEngine(model_dir, device=device, dtype=torch.float32)
+        with torch.no_grad():
+            for param in engine.model.parameters():
+                param.copy_(param.to(getattr(torch, dtype)).float())
+        return engine
     if kind == "vllm":
         from generator.engines.vllm_engine import VLLMEngine
 
         return VLLMEngine(model_dir, device="cuda" if torch.cuda.is_available() else "cpu", dtype=dtype,
                           max_model_len=max_model_len, seed=seed)
-    raise SystemExit(f"--engines: unknown engine {kind!r} in {spec!r} (transformers:DTYPE or vllm:DTYPE)")
+    raise SystemExit(f"--engines: unknown engine {kind!r} in {spec!r} (transformers:DTYPE, rounded:DTYPE or "
+                     "vllm:DTYPE)")
 
 
 def prompts_of(config, tokenizer, count: int, seed: int) -> list[list[int]]:
@@ -138,6 +152,21 @@ def measure(spec: str, config, model_dir: str, learner, args) -> dict:
     return {"engine": spec, "sample_s": round(sample_s, 2), **drift(old, behaviour, args.low, args.high)}
 
 
+def snapped_model(model_dir: str, dtype: str, args) -> str:
+    """The start model with every weight rounded to ``dtype`` and stored in float32: a model released in that dtype
+    and loaded in float32 to train (most models are released in bfloat16), whose weights all sit on its grid."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(param.to(getattr(torch, dtype)).float())
+    folder = Path(args.out).with_suffix("") / f"snapped-{dtype}"
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(folder)
+    return str(folder)
+
+
 def moved_model(model_dir: str, config, args) -> str:
     """The start model after ``--update-steps`` AdamW steps at ``--update-lr`` (float32, as the learner keeps its
     weights), saved to a folder the engines load: a policy that moved the way a training step moves it (every
@@ -203,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="move the start model first: --update-steps AdamW steps at this learning rate on its "
                              "own samples (0: measure the start model as it is)")
     parser.add_argument("--update-steps", type=int, default=1)
+    parser.add_argument("--snap", choices=("bfloat16", "float16"), default=None,
+                        help="round the start model's weights to this dtype first (kept in float32): a model "
+                             "released in that dtype")
     parser.add_argument("--out", default="runs/bench/engine-mismatch.json")
     args = parser.parse_args(argv)
     from transformers import AutoModelForCausalLM
@@ -212,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     config = load_config(args.config)
     model_dir = args.model or start_model(config)
     torch.manual_seed(args.seed)
+    if args.snap:
+        model_dir = snapped_model(model_dir, args.snap, args)
     if args.update_lr > 0:
         model_dir = moved_model(model_dir, config, args)
         torch.manual_seed(args.seed)

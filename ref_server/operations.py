@@ -28,7 +28,7 @@ async def healthz(state: State) -> dict:
             "teacher_model": (state.teacher_identity or {}).get("model"),
             "teacher_scoring": state.teacher.status() if state.teacher is not None else None,
             # top-k distillation (algorithm.distill.mode topk_forward_kl): the teacher's top-k per token; 0: none
-            "teacher_top_k": state.hub.intake.teacher_top_k,
+            "teacher_top_k": state.hub.teacher_top_k,
             "teacher_scoring_jobs_waiting": state.teacher.queue_depth() if state.teacher is not None else 0,
             # per model scored: scoring, jobs_waiting, oldest_job_wait_s, down_s (nobody to score) and groups (the
             # hub's groups waiting for its logprobs); the same rule for the reference's and the teacher's scorers

@@ -148,6 +148,11 @@ class RolloutHub:
         return self.queue.max_staleness
 
     @property
+    def teacher_top_k(self) -> int:
+        """The teacher's top-k the hub adds to every batch (algorithm.distill.mode topk_forward_kl); 0: none."""
+        return self.intake.teacher_top_k
+
+    @property
     def temperature(self) -> float | None:
         return self.queue.temperature
 

@@ -22,7 +22,7 @@ from tests.weight_sync.test_weight_sync import CFG, client, make_publisher, pert
 FLOATS = list(SIGNIFICANT_BITS)
 
 
-@pytest.mark.parametrize("published, held", itertools.product(FLOATS, FLOATS))
+@pytest.mark.parametrize("published, held", list(itertools.product(FLOATS, FLOATS)))
 def test_a_note_exactly_when_the_engine_keeps_fewer_significant_bits(published, held):
     note = rounding_note(published, held)
     assert (note is not None) == (SIGNIFICANT_BITS[held] < SIGNIFICANT_BITS[published])
