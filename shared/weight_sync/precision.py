@@ -37,7 +37,8 @@ def rounding_note(published: torch.dtype | None, held: torch.dtype | None) -> st
     step = 2.0 ** (1 - kept)  # the rounding step of a weight in [1, 2): relative precision of the held dtype
     remedy = f"generator.dtype {_name(published)}"
     if held == torch.bfloat16:
-        remedy += " (float16 keeps 11 bits and loses much less), or learner.precision: bf16 (the same weights)"
+        remedy += (" or learner.precision: bf16 (the same weights on both sides); float16 keeps 11 bits and helps "
+                   "only in part")
     return (f"the learner publishes {_name(published)} weights and this engine holds {_name(held)}: every version "
             f"is rounded to {kept} significant bits (steps of {100 * step:.2g}% of a weight's size), so most of an "
             "update smaller than that rounds away and the generator samples from a policy the learner never had; "
