@@ -52,6 +52,7 @@ from deploy.run_state import finish_run, prepare_run_dir
 from deploy.startup_report import StartupReport
 from shared.config.schema import GRPOConfig
 from shared.errors import UsageError
+from shared.ports import hold_port, release_port
 from shared.protocol.health import HealthTimeout, ServerExited, wait_healthy
 
 
@@ -346,10 +347,13 @@ def run_to_end(config: GRPOConfig, *, resume: bool = False, fresh: bool = False,
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     end = RunEnd(0)
+    # the hub's port, held until the hub listens: the forked services' ephemeral ports never take it meanwhile
+    held = hold_port(config.ref_server.host, config.ref_server.port)
     try:
         ref, learner = services[0], services[1]
         start_services(services, console_lock, startup)
         wait_ref_server(config.ref_server.url, ref, config.run.health_timeout_s)
+        release_port(held)   # the hub listens now: nothing else can take its port
         startup.ready(ref.name)   # also where its log level hides its own start-up lines
         while True:
             if stop_signal:
@@ -375,6 +379,7 @@ def run_to_end(config: GRPOConfig, *, resume: bool = False, fresh: bool = False,
         _say(console_lock, f"error: {exc}")
         end = RunEnd(2, "the run could not start", [str(exc)])
     finally:
+        release_port(held)
         startup.close()
         # generators first (they finish their upload), then the learner, the ref server last
         for service in reversed(services):

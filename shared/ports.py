@@ -14,7 +14,7 @@ from pathlib import Path
 
 from shared.errors import UsageError
 
-__all__ = ["bind_port", "listening_inodes", "port_owner", "port_problem"]
+__all__ = ["bind_port", "hold_port", "listening_inodes", "port_owner", "port_problem", "release_port"]
 
 _LISTEN = "0A"  # TCP state LISTEN in /proc/net/tcp
 
@@ -100,6 +100,33 @@ def bind_port(host: str, port: int, key: str) -> socket.socket:
             raise UsageError(f"{key}: {host} is not an address of this machine, cannot bind port {port}") from None
         raise UsageError(f"{key}: cannot bind {host}:{port}: {exc.strerror or exc}") from None
     return sock
+
+
+def hold_port(host: str, port: int) -> socket.socket | None:
+    """Keep ``host:port`` from every other program's ephemeral ports while the service that will serve on it
+    starts: a socket bound with SO_REUSEADDR and never listening. The service's own bind (SO_REUSEADDR, as
+    :func:`bind_port` and uvicorn set it) and its listen still succeed beside it, but a ``bind(0)`` elsewhere (the
+    learner's process-group and weight-sync stores, started at the same moment by ``grpo run``) never gets this
+    port, which it otherwise can between the launcher's check and the service's bind. Close it once the service
+    listens. None when it cannot be bound (the service's own bind then says why)."""
+    try:
+        family, address = _address(host, port)
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    except OSError:
+        return None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        return None
+    return sock
+
+
+def release_port(held: socket.socket | None) -> None:
+    """Let go of a port :func:`hold_port` held (None: it held nothing); closing twice is harmless."""
+    if held is not None:
+        held.close()
 
 
 def port_problem(host: str, port: int, key: str) -> str | None:

@@ -12,7 +12,7 @@ import pytest
 from ref_server.server import serve
 from shared.config.schema import GRPOConfig
 from shared.errors import UsageError
-from shared.ports import bind_port, port_owner
+from shared.ports import bind_port, hold_port, port_owner
 
 
 def test_a_port_in_use_fails_before_the_model_loads_and_before_ready(tmp_path, caplog):
@@ -41,3 +41,26 @@ def test_bind_port_names_a_foreign_address_and_frees_the_port_on_close():
     assert port_owner(port).startswith(f"pid {os.getpid()} (")
     sock.close()
     bind_port("127.0.0.1", port, "k").close()
+
+
+def test_a_held_port_is_left_to_its_service_and_kept_from_everyone_elses_ephemeral_ports():
+    """``grpo run`` holds the hub's port while the services start (shared/ports.py hold_port): the ref server's own
+    bind and listen succeed beside the hold, a plain bind of that port is refused, and no ``bind(0)`` (how the
+    learner's stores pick their ports) is given it, over as many tries as the ephemeral range has ports."""
+    held = hold_port("127.0.0.1", 0)
+    port = held.getsockname()[1]
+    try:
+        service = bind_port("127.0.0.1", port, "ref_server.port")
+        service.listen()
+        service.close()
+        with socket.socket() as plain, pytest.raises(OSError):
+            plain.bind(("127.0.0.1", port))
+        low, high = (int(v) for v in open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+        for _ in range(high - low + 1):
+            with socket.socket() as other:
+                other.bind(("127.0.0.1", 0))
+                assert other.getsockname()[1] != port
+    finally:
+        held.close()
+    with socket.socket() as plain:  # released: anyone may have it again
+        plain.bind(("127.0.0.1", port))
