@@ -64,9 +64,7 @@ def build_engine(spec: str, model_dir: str, max_model_len: int | None, seed: int
         from generator.engines.hf import TransformersEngine
 
         engine = TransformersEngine(model_dir, device=device, dtype=torch.float32)
-        with torch.no_grad():
-            for param in engine.model.parameters():
-                param.copy_(param.to(getattr(torch, dtype)).float())
+        round_weights(engine.model, dtype)
         return engine
     if kind == "vllm":
         from generator.engines.vllm_engine import VLLMEngine
@@ -88,6 +86,14 @@ def prompts_of(config, tokenizer, count: int, seed: int) -> list[list[int]]:
                       add_special_tokens=not chat)["input_ids"] for e in examples]
 
 
+def right_padded(rows: list[tuple[list[int], list[int]]], device) -> torch.Tensor:
+    """``prompt + completion`` of each row, right-padded with 0 into one ``[B, longest]`` batch on ``device``."""
+    ids = torch.zeros(len(rows), max(len(p) + len(c) for p, c in rows), dtype=torch.long, device=device)
+    for i, (p, c) in enumerate(rows):
+        ids[i, :len(p) + len(c)] = torch.tensor(p + c)
+    return ids
+
+
 @torch.no_grad()
 def learner_logprobs(model, rows: list[tuple[list[int], list[int]]], micro_batch: int) -> list[list[float]]:
     """The learner's float32 logprobs of each row's completion tokens, in padded micro-batches (right padding)."""
@@ -96,10 +102,7 @@ def learner_logprobs(model, rows: list[tuple[list[int], list[int]]], micro_batch
     out = []
     for start in range(0, len(rows), micro_batch):
         chunk = rows[start:start + micro_batch]
-        width = max(len(p) + len(c) for p, c in chunk)
-        ids = torch.zeros(len(chunk), width, dtype=torch.long, device=next(model.parameters()).device)
-        for i, (p, c) in enumerate(chunk):
-            ids[i, :len(p) + len(c)] = torch.tensor(p + c)
+        ids = right_padded(chunk, next(model.parameters()).device)
         result = sequence_logprobs(model, ids, [len(p) for p, _ in chunk], [len(c) for _, c in chunk])
         out += [result.logprobs[i, :len(c)].tolist() for i, (_, c) in enumerate(chunk)]
     return out
@@ -152,15 +155,20 @@ def measure(spec: str, config, model_dir: str, learner, args) -> dict:
     return {"engine": spec, "sample_s": round(sample_s, 2), **drift(old, behaviour, args.low, args.high)}
 
 
+@torch.no_grad()
+def round_weights(model, dtype: str) -> None:
+    """Every weight of ``model`` rounded to ``dtype`` (a name: ``bfloat16``) and kept in the model's own dtype."""
+    for param in model.parameters():
+        param.copy_(param.to(getattr(torch, dtype)).to(param.dtype))
+
+
 def snapped_model(model_dir: str, dtype: str, args) -> str:
     """The start model with every weight rounded to ``dtype`` and stored in float32: a model released in that dtype
     and loaded in float32 to train (most models are released in bfloat16), whose weights all sit on its grid."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.copy_(param.to(getattr(torch, dtype)).float())
+    round_weights(model, dtype)
     folder = Path(args.out).with_suffix("") / f"snapped-{dtype}"
     model.save_pretrained(folder)
     AutoTokenizer.from_pretrained(model_dir).save_pretrained(folder)
@@ -185,15 +193,12 @@ def moved_model(model_dir: str, config, args) -> str:
             for c in group if c.token_ids]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(args.device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.update_lr, weight_decay=0.0)
+    tokens = sum(len(c) for _, c in rows)
     for _ in range(args.update_steps):
         for start in range(0, len(rows), args.micro_batch):
             chunk = rows[start:start + args.micro_batch]
-            width = max(len(p) + len(c) for p, c in chunk)
-            ids = torch.zeros(len(chunk), width, dtype=torch.long, device=args.device)
-            for i, (p, c) in enumerate(chunk):
-                ids[i, :len(p) + len(c)] = torch.tensor(p + c)
-            out = sequence_logprobs(model, ids, [len(p) for p, _ in chunk], [len(c) for _, c in chunk])
-            tokens = sum(len(c) for _, c in rows)
+            out = sequence_logprobs(model, right_padded(chunk, args.device), [len(p) for p, _ in chunk],
+                                    [len(c) for _, c in chunk])
             (-(out.logprobs.sum()) / tokens).backward()
         optimizer.step()
         optimizer.zero_grad()

@@ -80,7 +80,7 @@ class WeightReceiver:
         self.last_load_s = 0.0
         self.connected = False              # the engine holds a group with the learner
         self.offer: Offer | None = None     # ... formed from this offer
-        self.precision_noted = False        # warned that the engine rounds the learner's weights (once)
+        self.precision_checked = False      # compared the published dtype with the engine's (once)
 
     # -- the loop's entry point ----------------------------------------------------------------------------
     def sync(self, have: int) -> int | None:
@@ -182,12 +182,13 @@ class WeightReceiver:
         return loaded
 
     def _note_precision(self, published) -> None:
-        """Warn once when this engine holds the weights in fewer bits than the learner publishes them in."""
-        if self.precision_noted:
+        """Warn when this engine holds the weights in fewer bits than the learner publishes them in; checked once
+        (a run publishes every version in one dtype)."""
+        if self.precision_checked or published is None:
             return
+        self.precision_checked = True
         note = rounding_note(published, getattr(self.engine, "weights_dtype", None))
         if note is not None:
-            self.precision_noted = True
             log.warning("weight sync: %s", note)
 
     def _disconnect(self) -> None:
@@ -285,7 +286,8 @@ class WeightReceiver:
             started = time.perf_counter()
             try:
                 load_version_file(self.engine, path, version)
-                self._note_precision(file_dtype(path))
+                if not self.precision_checked:
+                    self._note_precision(file_dtype(path))
             except NonFiniteWeights as exc:
                 self.refused.add(version)
                 self.refused_nonfinite += 1
