@@ -240,6 +240,9 @@ def test_grpo_scorers_loop_reports_a_job_it_cannot_score_and_goes_on(server_fact
         assert long_rows.status_code == 503 and "CUDA out of memory" in long_rows.json()["detail"], long_rows.text
         short = live.post("/v1/logprobs", json={"input_ids": [[1, 2, 3]], "prompt_lengths": [1]})
         assert short.status_code == 200 and short.json()["logprobs"] == [[-0.5, -0.5]]
+        deadline = time.monotonic() + 10   # the worker counts a job after the hub has taken its answer
+        while (worker.jobs_failed, worker.jobs_scored) != (2, 1) and time.monotonic() < deadline:
+            time.sleep(0.02)
         assert thread.is_alive() and worker.jobs_failed == 2 and worker.jobs_scored == 1
         assert metric(live, "jobs_failed_by_scorer") == 2 and metric(live, "jobs_given_up") == 1
     finally:
