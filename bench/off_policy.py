@@ -41,7 +41,8 @@ from bench.vs_trl import (  # noqa: E402
 
 MODES = ("none", "token_tis", "token_mask", "seq_geo_mask")
 DRIFT_KEYS = ("mismatch_kl", "mismatch_abs_logprob_diff", "mismatch_ratio_max", "off_policy_masked_token_frac",
-              "off_policy_masked_row_frac", "staleness_mean", "reward_mean", "is_weight_mean")
+              "off_policy_masked_row_frac", "staleness_mean", "reward_mean", "is_weight_mean",
+              "mismatch_ess", "mismatch_ess_seq")
 
 
 def off_policy_settings(mode: str, low: float, high: float) -> dict:

@@ -168,6 +168,9 @@ def log_ratio(old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, vali
 # ---- measuring the drift ---------------------------------------------------------------------------------------
 
 MISMATCH_SUM_PREFIX = "mismatch_sum/"   # step.py sums every key with this prefix over micro-batches and ranks
+# ESS and chi-square read exp(gap) and exp(2 gap): the log ratios are clamped to +-this first, so that one absurd
+# token (a gap of hundreds of nats) saturates the metrics instead of turning them into inf / NaN (verl's bound)
+RATIO_LOG_BOUND = 20.0
 MISMATCH_MAX_KEY = "mismatch_ratio_max"  # step.py takes the max of this one
 TOKEN_SPREAD_MAX_KEY = "token_version_spread_max"  # and of this one
 
@@ -180,7 +183,9 @@ def mismatch_sums(old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, 
     tokens and rows the correction dropped (``valid & ~keep``; a row counts when it lost any token) and the rows
     with a valid token; the same three first sums per version lag (``lags`` ``[N]``: the learner's version minus
     the row's, clamped into ``0..lag_buckets-1``, so every rank reports the same keys); and the largest ratio under
-    :data:`MISMATCH_MAX_KEY`. :func:`mismatch_metrics` turns the reduced sums into the metrics."""
+    :data:`MISMATCH_MAX_KEY`; for the effective sample size and chi-square, ``sum r`` and ``sum r^2`` over the valid
+    tokens and ``sum s`` and ``sum s^2`` over the rows with one (``s = exp(sum of d over the row)``), the log
+    ratios clamped to +-:data:`RATIO_LOG_BOUND`. :func:`mismatch_metrics` turns the reduced sums into the metrics."""
     zero = torch.zeros((), dtype=torch.float64, device=old_logprobs.device)
     gap = log_ratio(old_logprobs, behaviour_logprobs, valid)
     ratio = torch.exp(gap)
@@ -194,6 +199,10 @@ def mismatch_sums(old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, 
         "masked_tokens": dropped.sum().double(), "masked_rows": (dropped.any(dim=1) & has_valid).sum().double(),
         "rows": has_valid.sum().double(),
     }
+    bounded = torch.exp(gap.clamp(-RATIO_LOG_BOUND, RATIO_LOG_BOUND))
+    row_ratio = torch.where(has_valid, torch.exp(gap.sum(dim=1).clamp(-RATIO_LOG_BOUND, RATIO_LOG_BOUND)), zero)
+    out.update({"ratio": torch.where(valid, bounded, zero).sum(), "ratio_sq": torch.where(valid, bounded ** 2, zero).sum(),
+                "seq_ratio": row_ratio.sum(), "seq_ratio_sq": (row_ratio ** 2).sum()})
     bucket = lags.to(old_logprobs.device).long().clamp(0, lag_buckets - 1)
     for name, per_row in (("kl", row_k3), ("abs_diff", row_abs), ("tokens", row_tokens)):
         by_lag = torch.zeros(lag_buckets, dtype=torch.float64, device=old_logprobs.device)
@@ -227,7 +236,14 @@ def mismatch_metrics(sums: Mapping[str, float]) -> dict[str, float]:
     ``mismatch_abs_logprob_diff`` (mean ``|old - behaviour|``), ``off_policy_masked_token_frac`` and
     ``off_policy_masked_row_frac``, and per version lag present in the batch ``mismatch_kl/lag_K``,
     ``mismatch_abs_logprob_diff/lag_K`` and ``mismatch_tokens/lag_K``; with :func:`version_lag_sums`
-    ``token_version_lag_mean`` (mean version lag of the tokens)."""
+    ``token_version_lag_mean`` (mean version lag of the tokens). And how much an importance-sampling estimate at
+    the learner's policy is worth, over the n valid tokens' ratios r (and, ``_seq``, the m rows' ``s``):
+
+        mismatch_ess   = (sum r)^2 / (n * sum r^2)      in (0, 1]: 1 when every r is equal (on-policy: all 1)
+        mismatch_chi2  = sum r^2 / n - 1                 the chi-square divergence estimate E_behaviour[r^2] - 1
+
+    (``mismatch_ess_seq``, ``mismatch_chi2_seq`` the same over ``s``): an ESS of 0.5 means the batch's tokens are
+    worth half as many on-policy ones to an unbiased correction; the chi-square bounds that correction's variance."""
     def total(key: str) -> float:
         return float(sums.get(MISMATCH_SUM_PREFIX + key, 0.0))
 
@@ -237,6 +253,8 @@ def mismatch_metrics(sums: Mapping[str, float]) -> dict[str, float]:
     metrics = {"mismatch_kl": total("kl") / tokens, "mismatch_abs_logprob_diff": total("abs_diff") / tokens,
                "off_policy_masked_token_frac": total("masked_tokens") / tokens,
                "off_policy_masked_row_frac": total("masked_rows") / max(total("rows"), 1.0)}
+    metrics.update(_effective_sample_size("", total("ratio"), total("ratio_sq"), tokens))
+    metrics.update(_effective_sample_size("_seq", total("seq_ratio"), total("seq_ratio_sq"), total("rows")))
     if MISMATCH_SUM_PREFIX + "token_lag" in sums:
         metrics["token_version_lag_mean"] = total("token_lag") / tokens
     lag = 0
@@ -248,3 +266,12 @@ def mismatch_metrics(sums: Mapping[str, float]) -> dict[str, float]:
             metrics[f"mismatch_tokens/lag_{lag}"] = count
         lag += 1
     return metrics
+
+
+def _effective_sample_size(suffix: str, ratio_sum: float, ratio_sq_sum: float, count: float) -> dict[str, float]:
+    """``mismatch_ess{suffix}`` and ``mismatch_chi2{suffix}`` of ``count`` ratios from their sum and sum of squares
+    (none when nothing was summed: sums of an older learner, or no rows)."""
+    if count <= 0 or ratio_sq_sum <= 0:
+        return {}
+    return {f"mismatch_ess{suffix}": ratio_sum ** 2 / (count * ratio_sq_sum),
+            f"mismatch_chi2{suffix}": ratio_sq_sum / count - 1.0}

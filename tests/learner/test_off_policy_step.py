@@ -31,17 +31,20 @@ def drifted_batch(model_dir):
 
 
 def hand_drift(old, batch):
-    """mismatch_kl, |d| and per-lag kl by hand from the recomputed logprobs (Python floats, row by row)."""
-    kl, diff, count, by_lag = 0.0, 0.0, 0, {}
+    """mismatch_kl, |d|, per-lag kl and the token ESS by hand from the recomputed logprobs (Python floats, row by
+    row)."""
+    kl, diff, count, by_lag, ratios = 0.0, 0.0, 0, {}, []
     for i in range(batch.batch_size):
         lag = 3 - int(batch.policy_versions[i])
         for t in range(int(batch.completion_lengths[i])):
             d = float(old[i, t]) - float(batch.behaviour_logprobs[i, t])
             k3 = math.exp(d) - 1 - d
             kl, diff, count = kl + k3, diff + abs(d), count + 1
+            ratios.append(math.exp(d))
             total, n = by_lag.get(lag, (0.0, 0))
             by_lag[lag] = (total + k3, n + 1)
-    return kl / count, diff / count, {lag: total / n for lag, (total, n) in by_lag.items()}
+    ess = sum(ratios) ** 2 / (count * sum(r * r for r in ratios))
+    return kl / count, diff / count, {lag: total / n for lag, (total, n) in by_lag.items()}, ess
 
 
 @pytest.mark.parametrize("mode", OFF_POLICY_CORRECTIONS.names())
@@ -61,8 +64,9 @@ def test_each_mode_trains_and_reports_the_drift(distributed, tiny_model_dir, mod
     outcome = grpo_step(engine, micro, LossConfig(beta=0.0), temperature=1.0, old_mode="recompute", world_size=1,
                         log_entropy=False, chunk_tokens=None, lag_buckets=4)
     assert outcome.finite and math.isfinite(outcome.loss)
-    kl, diff, by_lag = hand_drift(old, batch)
+    kl, diff, by_lag, ess = hand_drift(old, batch)
     metrics = outcome.metrics
+    assert metrics["mismatch_ess"] == pytest.approx(ess, rel=1e-5) and 0 < ess < 1   # the lags' shift costs samples
     assert metrics["mismatch_kl"] == pytest.approx(kl, rel=1e-5)
     assert metrics["mismatch_abs_logprob_diff"] == pytest.approx(diff, rel=1e-5)
     for lag, value in by_lag.items():
@@ -90,7 +94,7 @@ def test_bypass_trusts_the_behaviour_logprobs_and_measures_from_the_update(distr
     micro[0].old_logprobs = None
     outcome = grpo_step(engine, micro, LossConfig(beta=0.0), temperature=1.0, old_mode="behaviour", world_size=1,
                         log_entropy=False, chunk_tokens=None, lag_buckets=4)
-    kl, _, _ = hand_drift(old, batch)
+    kl, _, _, _ = hand_drift(old, batch)
     assert outcome.metrics["mismatch_kl"] == pytest.approx(kl, rel=1e-5)
     assert outcome.metrics["ratio_max"] > 2.0 and outcome.metrics["off_policy_masked_token_frac"] == 0.0
     assert torch.equal(micro[0].behaviour_logprobs, reference)

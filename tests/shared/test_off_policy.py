@@ -214,7 +214,42 @@ def test_mismatch_metrics_by_hand():
     assert metrics["mismatch_kl/lag_0"] == pytest.approx((k3[0] + k3[1]) / 2)
     assert metrics["mismatch_kl/lag_2"] == pytest.approx(k3[2])
     assert metrics["mismatch_tokens/lag_2"] == 1 and "mismatch_kl/lag_1" not in metrics
+    # token ratios r = 2, 1, 0.5: sum 3.5, squares 5.25; rows s = exp(ln 2 + 0) = 2 and 0.5: sum 2.5, squares 4.25
+    assert metrics["mismatch_ess"] == pytest.approx(3.5**2 / (3 * 5.25))
+    assert metrics["mismatch_chi2"] == pytest.approx(5.25 / 3 - 1)
+    assert metrics["mismatch_ess_seq"] == pytest.approx(2.5**2 / (2 * 4.25))
+    assert metrics["mismatch_chi2_seq"] == pytest.approx(4.25 / 2 - 1)
     assert mismatch_metrics({}) == {}
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=cases(), split=st.integers(0, 6), scale=st.sampled_from([1.0, 1e2, 1e4]))
+def test_ess_and_chi2_are_bounded_finite_and_add_up_over_micro_batches(case, split, scale):
+    """Any gaps (up to 1e4 nats: the clamp): ESS in (0, 1] and chi-square >= -1, both finite; on-policy (old equal
+    to behaviour) exactly 1 and 0; and the sums of two micro-batches give the metrics of the whole batch."""
+    old, behaviour, lengths, loss_mask, _, _ = case
+    old_t, behaviour_t = torch.tensor(old) * scale / 50, torch.tensor(behaviour) * scale / 50
+    lengths_t = torch.tensor(lengths)
+    mask_t = None if loss_mask is None else torch.tensor(loss_mask, dtype=torch.bool)
+    valid = completion_mask(lengths_t, old_t.shape[1], mask_t)
+    lags = torch.zeros(len(lengths), dtype=torch.long)
+
+    def metrics_of(rows):
+        sums = [mismatch_sums(old_t[r], behaviour_t[r], valid[r], valid[r], lags[r], lag_buckets=1) for r in rows]
+        return mismatch_metrics({k: float(sum(s[k] for s in sums)) for k in sums[0]})
+
+    whole = metrics_of([slice(None)])
+    if not valid.any():
+        assert whole == {}
+        return
+    cut = min(split, len(lengths))
+    parts = metrics_of([slice(0, cut), slice(cut, None)])
+    for name in ("mismatch_ess", "mismatch_chi2", "mismatch_ess_seq", "mismatch_chi2_seq"):
+        assert math.isfinite(whole[name]) and whole[name] == pytest.approx(parts[name], rel=1e-9), name
+    assert 0 < whole["mismatch_ess"] <= 1 + 1e-12 and 0 < whole["mismatch_ess_seq"] <= 1 + 1e-12
+    assert whole["mismatch_chi2"] >= -1 and whole["mismatch_chi2_seq"] >= -1   # E[r^2] >= 0
+    same = mismatch_metrics({k: float(v) for k, v in mismatch_sums(old_t, old_t, valid, valid, lags, 1).items()})
+    assert same["mismatch_ess"] == 1.0 and same["mismatch_chi2"] == 0.0 and same["mismatch_ess_seq"] == 1.0
 
 
 @settings(max_examples=40, deadline=None)
