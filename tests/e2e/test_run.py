@@ -101,7 +101,8 @@ def check_startup_lines(console: list[str], startup: list[str]) -> None:
     """The start-up lines come before the first step's line, each naming what the learner and the generator do, in
     the order they do it, with the time since the run started growing."""
     first_step = next(i for i, line in enumerate(console) if line.startswith("[learner] step 1/"))
-    assert len(startup) >= 3 and console.index(startup[-1]) < first_step, console
+    # at least one line, all before the first step (how many is timing: a loaded machine gave two, both at 12 s)
+    assert len(startup) >= 1 and console.index(startup[-1]) < first_step, console
     seen: dict[str, list[int]] = {name: [] for name in STARTUP_ORDER}
     totals = []
     for line in startup:
@@ -116,11 +117,13 @@ def check_startup_lines(console: list[str], startup: list[str]) -> None:
     assert seconds == sorted(seconds), startup
     for name, phases in seen.items():
         assert phases == sorted(phases), (name, startup)   # never back to an earlier phase
-    # more than the first phase of each: the lines follow what the services say they do (how far the learner got
-    # before its first step is a matter of timing: the lines come every 0.5 s, and a fast start-up passes
-    # DeepSpeed's set-up and the registration between two of them, as a CI run did)
-    assert max(seen["learner"]) >= STARTUP_ORDER["learner"].index("loading the model"), startup
-    assert max(seen["gen-0"], default=99) >= 1, startup
+    # more than the first phase of each when the lines span the start-up: they follow what the services say they do
+    # (how far the learner got before its first step is a matter of timing: the lines come every 0.5 s, and a fast
+    # start-up passes DeepSpeed's set-up and the registration between two of them, as a CI run did; a loaded one
+    # may show only the first 0.5 s; the phases themselves are tested with a clock in tests/deploy)
+    if len(startup) >= 3:
+        assert max(seen["learner"]) >= STARTUP_ORDER["learner"].index("loading the model"), startup
+        assert max(seen["gen-0"], default=99) >= 1, startup
 
 
 @pytest.mark.slow
