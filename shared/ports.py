@@ -83,14 +83,11 @@ def bind_port(host: str, port: int, key: str) -> socket.socket:
     can be found, the process holding the port."""
     try:
         family, address = _address(host, port)
-        sock = socket.socket(family, socket.SOCK_STREAM)
     except OSError as exc:
         raise UsageError(f"{key}: cannot bind {host}:{port}: {exc.strerror or exc}") from None
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
+        return _reusable_bound(family, address)
     except OSError as exc:
-        sock.close()
         if exc.errno == errno.EADDRINUSE:
             owner = port_owner(port)
             held = f"held by {owner}" if owner else "in use by another process"
@@ -99,6 +96,17 @@ def bind_port(host: str, port: int, key: str) -> socket.socket:
         if exc.errno == errno.EADDRNOTAVAIL:
             raise UsageError(f"{key}: {host} is not an address of this machine, cannot bind port {port}") from None
         raise UsageError(f"{key}: cannot bind {host}:{port}: {exc.strerror or exc}") from None
+
+
+def _reusable_bound(family: int, address: tuple) -> socket.socket:
+    """A stream socket with SO_REUSEADDR bound to ``address`` (closed again when the bind fails: OSError)."""
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
     return sock
 
 
@@ -110,17 +118,9 @@ def hold_port(host: str, port: int) -> socket.socket | None:
     port, which it otherwise can between the launcher's check and the service's bind. Close it once the service
     listens. None when it cannot be bound (the service's own bind then says why)."""
     try:
-        family, address = _address(host, port)
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        return _reusable_bound(*_address(host, port))
     except OSError:
         return None
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-    except OSError:
-        sock.close()
-        return None
-    return sock
 
 
 def release_port(held: socket.socket | None) -> None:

@@ -199,9 +199,9 @@ def mismatch_sums(old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, 
         "masked_tokens": dropped.sum().double(), "masked_rows": (dropped.any(dim=1) & has_valid).sum().double(),
         "rows": has_valid.sum().double(),
     }
-    bounded = torch.exp(gap.clamp(-RATIO_LOG_BOUND, RATIO_LOG_BOUND))
+    bounded = torch.where(valid, ratio.clamp(math.exp(-RATIO_LOG_BOUND), math.exp(RATIO_LOG_BOUND)), zero)
     row_ratio = torch.where(has_valid, torch.exp(gap.sum(dim=1).clamp(-RATIO_LOG_BOUND, RATIO_LOG_BOUND)), zero)
-    out.update({"ratio": torch.where(valid, bounded, zero).sum(), "ratio_sq": torch.where(valid, bounded ** 2, zero).sum(),
+    out.update({"ratio": bounded.sum(), "ratio_sq": (bounded ** 2).sum(),
                 "seq_ratio": row_ratio.sum(), "seq_ratio_sq": (row_ratio ** 2).sum()})
     bucket = lags.to(old_logprobs.device).long().clamp(0, lag_buckets - 1)
     for name, per_row in (("kl", row_k3), ("abs_diff", row_abs), ("tokens", row_tokens)):

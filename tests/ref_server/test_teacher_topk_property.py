@@ -87,12 +87,12 @@ def _wire_ok(ids, logprobs) -> bool:
 @given(data=st.data())
 def test_any_topk_fields_round_trip_exactly_or_are_refused_with_a_reason(breakage, data):
     ids, logprobs = data.draw(topk_fields(breakage))
-    data = _bytes(ids, logprobs)
+    wire = _bytes(ids, logprobs)
     if not _wire_ok(ids, logprobs):
         with pytest.raises(WireError, match="teacher_topk"):
-            TrainBatch.from_bytes(data)
+            TrainBatch.from_bytes(wire)
         return
-    batch = TrainBatch.from_bytes(data)
+    batch = TrainBatch.from_bytes(wire)
     if ids is None:
         assert batch.teacher_topk_ids is None and batch.teacher_topk_logprobs is None
         assert batch_problem(batch, VOCAB) is None
