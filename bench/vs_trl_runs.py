@@ -192,8 +192,11 @@ def run_grpo(config: GRPOConfig, model_dir: str, device: str, steps: list[int], 
     for r in records:  # a checkpoint's time is charged to the next step's record (time_checkpoint_s)
         snapshot_s += r.get("time_checkpoint_s", 0.0)
         clock[r["step"]] = r["time"] - wall_start - snapshot_s
-    folders = {step: checkpoint_folder(model_dir, run_dir / "checkpoints", step,
-                                       run_dir / "snapshots" / f"step{step:06d}") for step in steps}
+    folders = {}
+    for step in steps:  # each DeepSpeed checkpoint (weights and optimizer: GBs for a real model) dropped once converted
+        folders[step] = checkpoint_folder(model_dir, run_dir / "checkpoints", step,
+                                          run_dir / "snapshots" / f"step{step:06d}")
+        shutil.rmtree(run_dir / "checkpoints" / f"step{step:08d}", ignore_errors=True)
     return {"clock": clock, "folders": folders, "total_s": total, "first_step_s": clock[min(clock)],
             "rewards": [r["reward_mean"] for r in records], "step_time_ms": step_breakdown(records[1:]),
             "snapshot_s": snapshot_s, "exit_status": status, "load_avg_at_start": load, "missing_snapshots": [s for s, f in folders.items() if f is None]}

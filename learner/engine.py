@@ -18,6 +18,7 @@ import torch
 from learner import schedule
 from shared.config.schema import LearnerConfig
 from shared.errors import ServiceError, UsageError
+from shared.forward.logit_transform import final_logit_transform
 
 log = logging.getLogger("grpo.learner")
 
@@ -100,6 +101,7 @@ def load_engine(cfg: LearnerConfig, dtype: torch.dtype, device: torch.device, sa
 
     say(f"loading the model {cfg.model}")
     model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype)
+    final_logit_transform(model)  # probed before DeepSpeed: a model whose logits cannot be reproduced fails the start
     say(f"setting up DeepSpeed (ZeRO-{cfg.zero_stage}, {device.type})")
     return create_engine(cfg, model, device)
 

@@ -11,6 +11,7 @@ from ref_server.scoring.scorer import ReferenceScorer
 from shared.config.schema import RefServerConfig
 from shared.devices import default_dtype, resolve_device
 from shared.errors import UsageError
+from shared.forward.logit_transform import final_logit_transform
 
 
 class ModelLoadError(UsageError):
@@ -28,6 +29,7 @@ def load_reference_model(path: str, device: torch.device, dtype: torch.dtype):
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load reference model from {path!r}: {exc}") from None
     model.to(device).eval().requires_grad_(False)
+    final_logit_transform(model)  # probed now: an architecture whose logits cannot be reproduced fails the start
     return model
 
 

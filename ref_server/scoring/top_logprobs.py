@@ -14,7 +14,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from shared.forward.logprobs import chunk_tokens_for, final_logit_transform, fused_head_weight, run_backbone
+from shared.forward.lm_head import fused_head_weight
+from shared.forward.logit_transform import final_logit_transform
+from shared.forward.logprobs import chunk_tokens_for, run_backbone
 from shared.forward.packing import PackingMode
 from shared.tensors.masks import lengths_to_mask
 

@@ -1,37 +1,13 @@
 """The LM head applied outside the model's ``forward`` (shared.forward.logprobs and the ref server's top-k take
-the backbone's hidden states and apply the head themselves, in chunks): the logit transforms some architectures
-apply inside ``forward``, and the fused chunked logprob of a plain linear head with its hand-written backward.
+the backbone's hidden states and apply the head themselves, in chunks): the fused chunked logprob of a plain linear
+head with its hand-written backward. What an architecture's ``forward`` does to the head's output is found in
+:mod:`shared.forward.logit_transform`.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-
-
-def final_logit_transform(model: nn.Module):
-    """Scalings some architectures apply to the LM head's output inside ``forward`` (we bypass ``forward``).
-
-    Gemma 2/3 soft-cap the logits, Cohere multiplies them and Granite divides them; without this the logprobs
-    of those models would silently differ from ``model(...).logits``.
-    """
-    config = getattr(model, "config", None)
-    softcap = getattr(config, "final_logit_softcapping", None)
-    multiply = getattr(config, "logit_scale", None)
-    divide = getattr(config, "logits_scaling", None)
-    if softcap is None and multiply is None and divide is None:
-        return None
-
-    def transform(logits: torch.Tensor) -> torch.Tensor:
-        if multiply is not None:
-            logits = logits * multiply
-        if divide is not None:
-            logits = logits / divide
-        if softcap is not None:
-            logits = torch.tanh(logits / softcap) * softcap
-        return logits
-
-    return transform
 
 
 class LinearHeadLogprobs(torch.autograd.Function):

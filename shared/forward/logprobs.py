@@ -18,9 +18,10 @@ Layout of the backbone's forward (``layout``): ``padded`` runs the ``[B, T]`` ro
 Chunk size: :func:`default_chunk_bytes` per device, 128 MiB of fp32 logits on CPU and more on a GPU (where the
 LM-head matmul needs bigger chunks to run at matmul speed, and memory allows them).
 
-The LM head itself (the fused linear-head path with its hand-written backward, the architectures' logit
-transforms) is in :mod:`shared.forward.lm_head`. Top-k next-token logprobs (inference only) are in :mod:`ref_server.scoring.top_logprobs`, built on the same backbone pass
-(:func:`run_backbone`) and chunked head.
+The LM head itself (the fused linear-head path with its hand-written backward) is in :mod:`shared.forward.lm_head`;
+what each architecture's forward does to the head's output, probed on the model, in
+:mod:`shared.forward.logit_transform`. Top-k next-token logprobs (inference only) are in
+:mod:`ref_server.scoring.top_logprobs`, built on the same backbone pass (:func:`run_backbone`) and chunked head.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from shared.forward.extra_targets import logprobs_with_extra_targets
-from shared.forward.lm_head import LinearHeadLogprobs, final_logit_transform, fused_head_weight
+from shared.forward.lm_head import LinearHeadLogprobs, fused_head_weight
+from shared.forward.logit_transform import final_logit_transform
 from shared.forward.model_parts import split_model
 from shared.forward.packing import PackingMode, choose_layout, pack_rows
 from shared.forward.prefix_sharing import PrefixRows, shared_prefix_hidden

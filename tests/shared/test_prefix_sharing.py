@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, Qwen2Config
 
+from shared.forward.logit_transform import final_logit_transform
 from shared.forward.logprobs import sequence_logprobs
 from shared.forward.prefix_sharing import prefix_rows
 from tests.shared.test_packing import VOCAB, _tiny  # the same tiny Llama / Qwen2 shapes
@@ -69,6 +70,7 @@ def test_shared_prefix_saves_the_repeated_prompt_passes():
     """The body sees each prompt once: token positions run = prompts + completions, not rows x (prompt + ...)."""
     model = _tiny(LlamaConfig)
     ids, prompts, completions, groups = _groups(num_groups=2, group_size=8)
+    final_logit_transform(model)  # the once-per-model probe of its logits (two 8-token passes), not counted here
     seen = []
     hook = model.model.embed_tokens.register_forward_hook(lambda m, args, out: seen.append(args[0].numel()))
     try:
@@ -106,6 +108,7 @@ def test_the_reference_scorer_shares_prefixes_with_the_same_results():
     from ref_server.scoring.scorer import ReferenceScorer, Row
 
     model = _tiny(Qwen2Config).eval()
+    final_logit_transform(model)  # the once-per-model probe (done at load in the hub), not counted here
     ids, prompts, completions, _ = _groups(num_groups=2, group_size=6, seed=3)
     rows = [Row(ids[r, :int(prompts[r] + completions[r])].tolist(), int(prompts[r])) for r in range(len(ids))]
     results, passes = {}, {}
