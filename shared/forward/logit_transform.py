@@ -165,6 +165,9 @@ def probe_logit_transform(model: nn.Module) -> LogitTransform:
         raise UnsupportedHeadError(
             f"{name}: its forward returns {tuple(want.shape)} logits for {len(chosen)} tokens where its LM head "
             f"gives {tuple(raw.shape)}: the chunked logprobs (which apply the head themselves) cannot reproduce it")
+    if not (torch.isfinite(want).all() and torch.isfinite(raw).all()):
+        raise UnsupportedHeadError(f"{name}: its logits on {len(chosen)} probe tokens are not finite (NaN or inf "
+                                   "weights?): it cannot be trained or scored")
     target = torch.log_softmax(want, dim=-1)
     gaps = [float((torch.log_softmax(c(raw), dim=-1) - target).abs().max()) for c in candidates]
     # fp32 agrees to rounding; bf16/fp16 round the head's output and a transform applied in that dtype by forward

@@ -189,6 +189,14 @@ def test_a_forward_of_another_width_is_refused_naming_both_shapes():
         final_logit_transform(_llama_like(_Truncated))
 
 
+def test_a_model_with_non_finite_logits_is_refused_as_such():
+    model = _llama_like(LlamaForCausalLM)
+    with torch.no_grad():
+        model.get_output_embeddings().weight[3, 0] = float("nan")
+    with pytest.raises(UnsupportedHeadError, match="not finite"):
+        probe_logit_transform(model)
+
+
 def test_probed_once_per_model():
     model = _tiny("cohere", **ARCHITECTURES["cohere"])
     calls = []
