@@ -86,7 +86,10 @@ def candidate_transforms(model: nn.Module) -> list[LogitTransform]:
     config = getattr(model, "config", None)
     configs = [config]
     if callable(getattr(config, "get_text_config", None)):
-        configs.append(config.get_text_config())
+        try:
+            configs.append(config.get_text_config())
+        except (ValueError, AttributeError):  # a composite config with no text part, or an odd one
+            pass
     found: list[LogitTransform] = []
     for candidate in [*(transform_from_config(c) for c in configs if c is not None), LogitTransform()]:
         if candidate not in found:
@@ -111,7 +114,7 @@ def named_token_ids(model: nn.Module) -> set[int]:
     named: set[int] = set()
     config = getattr(model, "config", None)
     for each in (config, getattr(config, "text_config", None)):
-        for key, value in (vars(each).items() if each is not None else ()):
+        for key, value in getattr(each, "__dict__", {}).items():  # a sub-config may be absent or a plain dict
             if key.endswith(("token_id", "token_index", "token_ids")):
                 named.update(v for v in (value if isinstance(value, (list, tuple)) else [value])
                              if isinstance(v, int) and not isinstance(v, bool))
