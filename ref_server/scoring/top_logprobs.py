@@ -17,6 +17,7 @@ from torch import nn
 from shared.forward.lm_head import fused_head_weight
 from shared.forward.logit_transform import final_logit_transform
 from shared.forward.logprobs import chunk_tokens_for, run_backbone
+from shared.forward.model_parts import head_vocab_size
 from shared.forward.packing import PackingMode
 from shared.tensors.masks import lengths_to_mask
 
@@ -63,8 +64,7 @@ def top_logprobs_from_hidden(
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
         raise ValueError(f"hidden must be [N, H] and targets [N], got {tuple(hidden.shape)}, {tuple(targets.shape)}")
     weight = fused_head_weight(lm_head, logit_transform)
-    head_weight = getattr(lm_head, "weight", None)
-    vocab = getattr(lm_head, "out_features", None) or (head_weight.shape[0] if head_weight is not None else None)
+    vocab = head_vocab_size(lm_head)
     if vocab is None:
         raise TypeError(f"cannot tell the vocabulary size of {type(lm_head).__name__}")
     if chunk_tokens is None:

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from shared.errors import UsageError
-from shared.forward.model_parts import split_model
+from shared.forward.model_parts import head_vocab_size, probing, split_model
 
 log = logging.getLogger("grpo.forward")
 
@@ -144,25 +144,21 @@ def probe_logit_transform(model: nn.Module) -> LogitTransform:
     candidates = candidate_transforms(model)
     body, head = split_model(model)
     param = next(model.parameters())
-    vocab = int(getattr(head, "out_features", 0) or getattr(getattr(head, "weight", None), "shape", [0])[0] or 0)
+    vocab = int(head_vocab_size(head) or 0)
     if vocab < 2:
         return candidates[0]
     chosen = probe_ids(vocab, named_token_ids(model))
     if not chosen:
         return candidates[0]
     ids = torch.tensor([chosen], device=param.device)
-    was_training = model.training
-    model.eval()
     try:
-        with torch.no_grad():
+        with probing(model):
             want = model(input_ids=ids, use_cache=False).logits[0].float()
             raw = head(body(input_ids=ids, use_cache=False).last_hidden_state)[0].float()
     except (TypeError, ValueError, RuntimeError, AttributeError) as exc:
         log.warning("%s: could not probe how its forward makes logits (%s); using its config's (%s)",
                     type(model).__name__, exc, candidates[0])
         return candidates[0]
-    finally:
-        model.train(was_training)
     name = f"{type(model).__name__} ({getattr(getattr(model, 'config', None), 'model_type', '?')})"
     if want.shape != raw.shape:
         raise UnsupportedHeadError(

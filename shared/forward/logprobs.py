@@ -36,7 +36,7 @@ from torch.utils.checkpoint import checkpoint
 from shared.forward.extra_targets import logprobs_with_extra_targets
 from shared.forward.lm_head import LinearHeadLogprobs, fused_head_weight
 from shared.forward.logit_transform import final_logit_transform
-from shared.forward.model_parts import split_model
+from shared.forward.model_parts import head_vocab_size, split_model
 from shared.forward.packing import PackingMode, choose_layout, pack_rows
 from shared.forward.prefix_sharing import PrefixRows, shared_prefix_hidden
 from shared.forward.row_lengths import RowLengths, ragged_positions, row_lengths
@@ -127,9 +127,7 @@ def logprobs_from_hidden(
 
 def _head_chunk_tokens(lm_head: nn.Module, device: torch.device) -> int:
     """Tokens per chunk for ``lm_head``'s vocabulary (its ``out_features``, its weight's rows, else 2^17)."""
-    weight = getattr(lm_head, "weight", None)
-    vocab = getattr(lm_head, "out_features", None) or (weight.shape[0] if weight is not None else 2**17)
-    return chunk_tokens_for(vocab, device=device)
+    return chunk_tokens_for(head_vocab_size(lm_head) or 2**17, device=device)
 
 
 def tempered_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float,

@@ -6,6 +6,10 @@ boundaries from position ids. Both need the split, so it lives below both.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
 from torch import nn
 
 
@@ -18,3 +22,21 @@ def split_model(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     if head is None or body is None:
         raise TypeError(f"{type(model).__name__} does not expose a decoder body and an LM head")
     return body, head
+
+
+def head_vocab_size(head: nn.Module) -> int | None:
+    """The LM head's vocabulary: its ``out_features``, else its weight's rows (None: it has neither)."""
+    weight = getattr(head, "weight", None)
+    return getattr(head, "out_features", None) or (weight.shape[0] if weight is not None else None)
+
+
+@contextmanager
+def probing(model: nn.Module) -> Iterator[None]:
+    """A probe forward of ``model``: eval mode (no dropout) and no gradients, its training mode given back after."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(was_training)

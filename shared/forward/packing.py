@@ -25,7 +25,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from shared.forward.model_parts import split_model
+from shared.forward.model_parts import probing, split_model
 from shared.forward.row_lengths import ragged_positions
 from shared.tensors.transfers import host_values, to_device
 
@@ -96,10 +96,8 @@ def supports_packing(model: nn.Module, body: nn.Module | None = None) -> bool:
     row = (torch.arange(4, device=param.device) * 7 + 3) % max(vocab, 2)
     ids = row.repeat(2)[None]
     positions = torch.arange(4, device=param.device).repeat(2)[None]
-    was_training = model.training
-    model.eval()
     try:
-        with torch.no_grad():
+        with probing(model):
             hidden = body(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state[0].float()
     except (TypeError, ValueError, RuntimeError) as exc:
         log.warning("packed rows: probe forward failed (%s); batches stay padded", exc)
@@ -108,8 +106,6 @@ def supports_packing(model: nn.Module, body: nn.Module | None = None) -> bool:
         first, second = hidden[:4], hidden[4:]
         scale = first.abs().max().clamp_min(1e-6)
         supported = bool(((first - second).abs().max() / scale) < 0.02)
-    finally:
-        model.train(was_training)
     log.info("packed rows: %s with %s attention", "supported" if supported else "NOT supported (padding instead)",
              attention_implementation(model))
     _support[model] = supported
