@@ -3,6 +3,7 @@
     .venv/bin/python bench/off_policy.py                       # the tiny demo, the full grid (~40 min on 2 cores)
     .venv/bin/python bench/off_policy.py --staleness 0 8 --modes none token_tis --steps 40
     .venv/bin/python bench/off_policy.py --config deploy/configs/smollm2-arithmetic-cpu.yaml --steps 20 --eval-every 10
+    .venv/bin/python bench/off_policy.py --staleness 0 8 --modes token_tis --seeds 0 1 2 --set run.num_generators=2
 
 Every cell is one real ``grpo run`` (launcher, three services, a fresh run folder) of the config with
 ``ref_server.max_staleness`` = S (the generator samples ahead of the learner, up to S versions: the hub's budget lets
@@ -53,8 +54,9 @@ def off_policy_settings(mode: str, low: float, high: float) -> dict:
     return {"mode": mode, "low": low, "high": high, "bypass": False}  # bypass left null would be true with mu 1
 
 
-def cell_name(staleness: int, mode: str) -> str:
-    return f"stale{staleness}-{mode}"
+def cell_name(staleness: int, mode: str, seed: int | None = None) -> str:
+    """``stale8-token_tis``; with ``--seeds``, ``stale8-token_tis-seed3``."""
+    return f"stale{staleness}-{mode}" + ("" if seed is None else f"-seed{seed}")
 
 
 def drift_per_step(run_dir: Path) -> dict[str, list]:
@@ -85,6 +87,57 @@ def table(summary: dict) -> str:
                      f"{final:.1%} |" if None not in (kl, stale, masked, final) else
                      f"| {cell['staleness']} | `{cell['mode']}` | - | - | - | {points} | - |")
     return "\n".join(lines)
+
+
+def by_seed(summary: dict) -> str:
+    """Markdown: one row per (staleness, mode) over its seeds: each seed's final accuracy, their mean and the
+    standard error of the mean (sample standard deviation / sqrt(n)); and, per staleness, the gap of each mode's mean
+    to the same mode's mean at the lowest staleness (the issue's "within 2 points of staleness 0")."""
+    groups: dict[tuple[int, str], dict[int, float]] = {}
+    for cell in summary["cells"].values():
+        final = list(cell["accuracy"].values())[-1]
+        if final is not None:
+            groups.setdefault((cell["staleness"], cell["mode"]), {})[cell.get("seed", 0)] = final
+    lowest = min((s for s, _ in groups), default=None)
+    lines = ["| max_staleness | mode | seeds | final accuracy per seed | mean | standard error | "
+             "mean - lowest staleness |", "|---|---|---|---|---|---|---|"]
+    for (staleness, mode), finals in sorted(groups.items()):
+        values = [finals[s] for s in sorted(finals)]
+        avg = sum(values) / len(values)
+        sem = (sum((v - avg) ** 2 for v in values) / (len(values) - 1) / len(values)) ** 0.5 \
+            if len(values) > 1 else None
+        base = groups.get((lowest, mode))
+        gap = avg - sum(base.values()) / len(base) if base and staleness != lowest else None
+        lines.append(f"| {staleness} | `{mode}` | {len(values)} | "
+                     f"{' / '.join(f'{v:.1%}' for v in values)} | {avg:.1%} | "
+                     f"{'-' if sem is None else f'{100 * sem:.1f} points'} | "
+                     f"{'-' if gap is None else f'{100 * gap:+.1f} points'} |")
+    return "\n".join(lines)
+
+
+def read_summary(out: Path) -> dict:
+    """``OUT/summary.json``; a cell from before the bench recorded its seed gets the one its run's config had."""
+    import yaml
+
+    summary = json.loads((out / "summary.json").read_text())
+    for name, cell in summary["cells"].items():
+        if "seed" not in cell:
+            config = out / name / "bench-config.yaml"
+            cell["seed"] = (yaml.safe_load(config.read_text()) or {}).get("seed", 0) if config.exists() else 0
+    return summary
+
+
+def merge_summaries(summaries: list[dict]) -> dict:
+    """One summary of several invocations' cells (a cell named twice, same seed in two folders, is an error: the
+    grid would count it twice)."""
+    cells: dict = {}
+    for summary in summaries:
+        for cell in summary["cells"].values():
+            key = cell_name(cell["staleness"], cell["mode"], cell.get("seed", 0))
+            if key in cells:
+                raise SystemExit(f"--report: {key} is in two of the folders; give each seed once")
+            cells[key] = cell
+    return {**summaries[0], "cells": cells}
 
 
 def figure(summary: dict, path: Path) -> None:
@@ -130,7 +183,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=8483, help="Ref server port of the runs.")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="Override a config key for every run (repeatable).")
+    parser.add_argument("--seeds", type=int, nargs="+",
+                        help="Run every cell once per seed (the runs' `seed`: sampling and prompt order); the start "
+                             "model stays the config's (the demo's is built with the config's seed). Default: one "
+                             "run per cell with the config's seed.")
+    parser.add_argument("--report", nargs="+", metavar="OUT",
+                        help="Run nothing: print the tables of these earlier --out folders' summary.json together "
+                             "(grids split over several invocations, e.g. seeds run side by side).")
     args = parser.parse_args(argv)
+    if args.report:
+        merged = merge_summaries([read_summary(Path(d)) for d in args.report])
+        print(table(merged) + "\n\n" + by_seed(merged), flush=True)
+        return 0
     config = prepare_config(args.config, args.steps, args.set)
     out = Path(args.out).resolve()
     shutil.rmtree(out, ignore_errors=True)
@@ -144,25 +208,30 @@ def main(argv: list[str] | None = None) -> int:
                      "heldout_examples": config.eval.num_examples, "machine_before": machine(), "cells": {}}
     summary["start_accuracy"] = evaluate_points(ev, {0: Path(model_dir)})[0]
     print(f"[bench] start model: greedy accuracy {summary['start_accuracy']:.1%}", flush=True)
-    for staleness in args.staleness:
-        for mode in args.modes:
-            name = cell_name(staleness, mode)
-            print(f"[bench] {name} ...", flush=True)
-            run = run_grpo(config, model_dir, "cpu", steps, args.eval_every, out / name, args.port, tree,
-                           ref_server__max_staleness=staleness, generator__dtype=args.generator_dtype,
-                           algorithm__off_policy=off_policy_settings(mode, args.low, args.high))
-            finish_run(name, run, ev, out)
-            summary["cells"][name] = {"staleness": staleness, "mode": mode,
-                                      "accuracy": {str(k): v for k, v in run["accuracy"].items()},
-                                      "total_s": run["total_s"], "drift": drift_per_step(out / name)}
-            shutil.rmtree(out / name / "checkpoints", ignore_errors=True)  # GBs for a real model; numbers are kept
-            shutil.rmtree(out / name / "snapshots", ignore_errors=True)
-            (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    for seed in args.seeds or [None]:  # seed-major: a grid stopped early has whole seeds, not half a grid
+        for staleness in args.staleness:
+            for mode in args.modes:
+                name = cell_name(staleness, mode, seed)
+                print(f"[bench] {name} ...", flush=True)
+                seeded = {} if seed is None else {"seed": seed}
+                run = run_grpo(config, model_dir, "cpu", steps, args.eval_every, out / name, args.port, tree,
+                               ref_server__max_staleness=staleness, generator__dtype=args.generator_dtype,
+                               algorithm__off_policy=off_policy_settings(mode, args.low, args.high), **seeded)
+                finish_run(name, run, ev, out)
+                summary["cells"][name] = {"staleness": staleness, "mode": mode,
+                                          "seed": config.seed if seed is None else seed,
+                                          "accuracy": {str(k): v for k, v in run["accuracy"].items()},
+                                          "total_s": run["total_s"], "drift": drift_per_step(out / name)}
+                shutil.rmtree(out / name / "checkpoints", ignore_errors=True)  # GBs for a real model; numbers kept
+                shutil.rmtree(out / name / "snapshots", ignore_errors=True)
+                (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     summary["machine_after"] = machine()
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     if args.figure:
         figure(summary, Path(args.figure))
     print(table(summary), flush=True)
+    if args.seeds:
+        print(by_seed(summary), flush=True)
     final = {name: {"final_accuracy": list(cell["accuracy"].values())[-1]} for name, cell in summary["cells"].items()}
     print("BENCH_JSON " + json.dumps({"start_accuracy": summary["start_accuracy"], **final}), flush=True)
     return 0
