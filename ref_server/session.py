@@ -93,8 +93,15 @@ class LearnerSessionStore:
 
     def check(self, session: str | None) -> None:
         """Refuse (:class:`NotTheLearner`) a report or upload from anyone but the registered learner session, once
-        one is registered (before that, anyone may: a hub used without a learner, by tools and tests). The
-        registered learner's requests keep its session live."""
+        one is registered (before that, any request without a session id may: a hub used without a learner, by
+        tools and tests; one naming a session this hub never issued may not). The registered learner's requests keep
+        its session live."""
+        if self.id is None and session is not None:
+            # a learner of another hub (this port's earlier run, a hub restarted on empty folders) would otherwise
+            # set this one's version and weights before its own learner registers
+            raise NotTheLearner("this hub has no learner session registered, and the request names one it never "
+                                "issued (a learner of an earlier hub on this address, or the hub restarted "
+                                "with an empty ref_server.weights_dir): restart the learner to register")
         if self.id is not None and session != self.id:
             raise NotTheLearner("not the registered learner session (another learner registered since, or the "
                                 "request did not come from the learner): restart the learner to register again")

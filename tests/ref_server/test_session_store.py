@@ -67,3 +67,16 @@ def test_a_new_layout_drops_the_stored_weights_that_do_not_match_it_before_it_is
 
     session.register(0, Layout.from_json(ROWS), resume=session.id, adopt_layout=adopt)
     assert seen == [None] and weights.versions == [1] and not (tmp_path / "v0000000002.safetensors").exists()
+
+
+def test_before_any_registration_a_request_without_a_session_passes_and_one_naming_a_session_does_not(tmp_path):
+    """A fresh hub serves tools (no session id) before its learner registers, but not a learner of another hub (a
+    session id this store never issued): that one would set the fresh hub's version and weights."""
+    store = LearnerSessionStore(tmp_path)
+    store.check(None)
+    with pytest.raises(NotTheLearner, match="names one it never issued"):
+        store.check("a" * 32)
+    session, _ = store.register(0, None)
+    store.check(session)
+    with pytest.raises(NotTheLearner, match="not the registered learner session"):
+        store.check(None)

@@ -222,3 +222,30 @@ def test_a_resumed_learner_behind_the_relay_is_still_refused(live, tiny_model):
     finally:
         after.close()
     assert live.state.weights.current == 5
+
+
+def test_a_learner_of_an_earlier_hub_cannot_set_a_fresh_hubs_version_or_weights(tmp_path, tiny_model):
+    """One address, two runs: the first run's hub is gone, a fresh hub (empty folders) serves the next run on the
+    same port, and the first run's learner, still shutting down, reports and uploads with its old session. The fresh
+    hub registered no learner yet; before, it took both (its version and relay then named an earlier run's weights,
+    and the new run's learner refused to start on them). Now both are refused naming the reason, the hub stays
+    at nothing, and the new run's learner registers and publishes as usual; tools without a session still report."""
+    with LiveServer(make_config(tmp_path / "first", max_version_ahead=AHEAD)) as first:
+        old, old_publisher = registered_publisher(first, tiny_model)
+        old_publisher.close()
+    with LiveServer(make_config(tmp_path / "second", max_version_ahead=AHEAD)) as fresh:
+        old.base_url = fresh.url
+        with pytest.raises(HubError) as refused:
+            old.report_version(3)
+        assert refused.value.status == 409 and "names one it never issued" in str(refused.value.detail)
+        answer = put(fresh.url, 3, save({n: p.detach() for n, p in tiny_model.named_parameters()}), old.learner.id)
+        assert answer.status_code == 409 and "names one it never issued" in answer.json()["detail"]
+        assert fresh.state.hub.learner_version == 0 and fresh.state.weights.current is None
+        assert client(fresh.url).report_version(0)["version"] == 0   # no session named: a tool, as before
+        _, publisher = registered_publisher(fresh, tiny_model)
+        try:
+            publisher.publish(1)
+            assert publisher.sender.wait_idle(30) and publisher.sender.error is None
+        finally:
+            publisher.close()
+        assert fresh.state.weights.current == 1
