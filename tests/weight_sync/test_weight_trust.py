@@ -74,13 +74,7 @@ def test_hostile_weights_are_refused_and_generators_started_afterwards_load_the_
     assert put(live.url, AHEAD + 1, right, session).status_code == 409
     assert live.state.weights.current is None and not list((tmp_path / "weights").glob("*.partial"))
     # the learner's own publish goes through, and a generator started now loads it
-    publisher = WeightPublisher(tiny_model, lambda: client(live.url, learner.learner), HTTP, rank=0, world=1,
-                                device=torch.device("cpu"), relay_version=None)
-    try:
-        publisher.publish(1)
-        assert publisher.sender.wait_idle(30) and publisher.sender.error is None
-    finally:
-        publisher.close()
+    publish_and_close(registered_publisher(live, tiny_model, learner)[1], 1)
     assert live.state.weights.current == 1
     engine = TransformersEngine(tiny_model_dir)
     with torch.no_grad():
@@ -157,6 +151,15 @@ def registered_publisher(live, model, learner: HubClient | None = None) -> tuple
                                     device=torch.device("cpu"), relay_version=None)
 
 
+def publish_and_close(publisher: WeightPublisher, version: int) -> None:
+    """One version published and delivered without a refusal, then the publisher closed."""
+    try:
+        publisher.publish(version)
+        assert publisher.sender.wait_idle(30) and publisher.sender.error is None
+    finally:
+        publisher.close()
+
+
 def _refused_after_takeover(live, tiny_model):
     learner, publisher = registered_publisher(live, tiny_model)
     try:
@@ -203,11 +206,7 @@ def test_a_resumed_learner_behind_the_relay_is_still_refused(live, tiny_model):
     """The other 409: the relay holds version 5 from before the learner's crash; the resumed learner (the same
     session, a new process) uploads version 3, which it never superseded itself: refused, the learner stops."""
     first, before = registered_publisher(live, tiny_model)
-    try:
-        before.publish(5)
-        assert before.sender.wait_idle(30) and before.sender.error is None
-    finally:
-        before.close()
+    publish_and_close(before, 5)
     resumed = client(live.url)
     resumed.register_learner(2, 2, resume_session=first.learner.id)
     assert resumed.learner.id == first.learner.id   # the same session: only the process tells them apart
@@ -242,10 +241,5 @@ def test_a_learner_of_an_earlier_hub_cannot_set_a_fresh_hubs_version_or_weights(
         assert answer.status_code == 409 and "names one it never issued" in answer.json()["detail"]
         assert fresh.state.hub.learner_version == 0 and fresh.state.weights.current is None
         assert client(fresh.url).report_version(0)["version"] == 0   # no session named: a tool, as before
-        _, publisher = registered_publisher(fresh, tiny_model)
-        try:
-            publisher.publish(1)
-            assert publisher.sender.wait_idle(30) and publisher.sender.error is None
-        finally:
-            publisher.close()
+        publish_and_close(registered_publisher(fresh, tiny_model)[1], 1)
         assert fresh.state.weights.current == 1
