@@ -119,7 +119,10 @@ def read_summary(out: Path) -> dict:
     """``OUT/summary.json``; a cell from before the bench recorded its seed gets the one its run's config had."""
     import yaml
 
-    summary = json.loads((out / "summary.json").read_text())
+    path = out / "summary.json"
+    if not path.is_file():
+        raise SystemExit(f"--report: {path} does not exist (not a finished --out folder of this bench)")
+    summary = json.loads(path.read_text())
     for name, cell in summary["cells"].items():
         if "seed" not in cell:
             config = out / name / "bench-config.yaml"

@@ -60,3 +60,8 @@ def test_an_older_summary_takes_each_cells_seed_from_its_runs_config(tmp_path):
     (tmp_path / "stale8-token_tis").mkdir()
     (tmp_path / "stale8-token_tis" / "bench-config.yaml").write_text(yaml.safe_dump({"seed": 2}))
     assert read_summary(tmp_path)["cells"]["stale8-token_tis"]["seed"] == 2
+
+
+def test_a_folder_without_a_summary_is_named_in_the_error(tmp_path):
+    with pytest.raises(SystemExit, match=f"{tmp_path / 'summary.json'} does not exist"):
+        read_summary(tmp_path)
