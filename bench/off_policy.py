@@ -68,6 +68,11 @@ def drift_per_step(run_dir: Path) -> dict[str, list]:
     return series
 
 
+def final_accuracy(cell: dict) -> float | None:
+    """A cell's held-out accuracy at its last evaluation (None: that evaluation failed)."""
+    return list(cell["accuracy"].values())[-1]
+
+
 def mean(values: list) -> float | None:
     values = [v for v in values if v is not None]
     return sum(values) / len(values) if values else None
@@ -80,7 +85,7 @@ def table(summary: dict) -> str:
     for cell in summary["cells"].values():
         drift = cell["drift"]
         points = " / ".join(f"{a:.1%}" if a is not None else "-" for a in cell["accuracy"].values())
-        final = list(cell["accuracy"].values())[-1]
+        final = final_accuracy(cell)
         kl, stale, masked = mean(drift["mismatch_kl"]), mean(drift["staleness_mean"]), \
             mean(drift["off_policy_masked_token_frac"])
         lines.append(f"| {cell['staleness']} | `{cell['mode']}` | {stale:.2f} | {kl:.2e} | {masked:.1%} | {points} | "
@@ -95,7 +100,7 @@ def by_seed(summary: dict) -> str:
     to the same mode's mean at the lowest staleness (the issue's "within 2 points of staleness 0")."""
     groups: dict[tuple[int, str], dict[int, float]] = {}
     for cell in summary["cells"].values():
-        final = list(cell["accuracy"].values())[-1]
+        final = final_accuracy(cell)
         if final is not None:
             groups.setdefault((cell["staleness"], cell["mode"]), {})[cell.get("seed", 0)] = final
     lowest = min((s for s, _ in groups), default=None)
@@ -235,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(summary), flush=True)
     if args.seeds:
         print(by_seed(summary), flush=True)
-    final = {name: {"final_accuracy": list(cell["accuracy"].values())[-1]} for name, cell in summary["cells"].items()}
+    final = {name: {"final_accuracy": final_accuracy(cell)} for name, cell in summary["cells"].items()}
     print("BENCH_JSON " + json.dumps({"start_accuracy": summary["start_accuracy"], **final}), flush=True)
     return 0
 
