@@ -139,9 +139,14 @@ class VLLMEngine:
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, n: int,
                  seed: int | None = None) -> list[list[SampledCompletion]]:
+        """``n`` completions of each prompt. With a ``seed``, prompt ``i`` is seeded ``seed + i * n``: vLLM seeds a
+        request's ``n`` samples ``seed + j`` (its parallel sampling), so one seed for the whole call would draw the
+        same random stream for the ``j``-th sample of every prompt (correlated completions across prompts; copies
+        where their logits agree)."""
         from vllm.inputs import TokensPrompt
 
-        params = vllm_sampling_params(sampling, n=n, seed=seed)
+        params = [vllm_sampling_params(sampling, n=n, seed=None if seed is None else seed + i * n)
+                  for i in range(len(prompts))]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False,
                                     lora_request=self.adapter)
         return [[SampledCompletion(*sampled_tokens(c), finish_reason(c))

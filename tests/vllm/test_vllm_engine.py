@@ -69,6 +69,20 @@ def test_sampled_groups_carry_processed_logprobs(engines):
     assert [[s.token_ids for s in g] for g in again] == [[s.token_ids for s in g] for g in groups]
 
 
+def test_every_prompt_of_a_seeded_call_draws_its_own_samples(engines):
+    """One seed per call must not mean one random stream per sample index: the same prompt given twice in a call
+    (equal logits) gets two different groups, each reproducible from the call's seed, and no prompt's group is
+    a copy of another's (vLLM seeds a request's n samples seed + j: one seed for every prompt made copies)."""
+    vllm_engine, hf_engine = engines
+    ids = prompts(hf_engine.tokenizer)[:1] * 3
+    sampling = SamplingParams(temperature=1.0, max_tokens=16)
+    groups = [[tuple(s.token_ids) for s in g] for g in vllm_engine.generate(ids, sampling, n=4, seed=11)]
+    assert len({tuple(g) for g in groups}) == 3, groups
+    assert len({s for g in groups for s in g}) >= 10   # 12 samples of 16 tokens at temperature 1: nearly all apart
+    again = [[tuple(s.token_ids) for s in g] for g in vllm_engine.generate(ids, sampling, n=4, seed=11)]
+    assert again == groups
+
+
 def test_the_engine_reports_the_dtype_it_holds_the_weights_in(engines):
     """What the weight receiver compares with the learner's published dtype (shared/weight_sync/precision.py): on
     the CPU, dtype auto is float32, as the transformers engine's default."""
