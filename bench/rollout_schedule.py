@@ -239,7 +239,8 @@ def run_arm(args, workload: str, schedule: str, model: Path, url: str) -> dict:
         wrapped.step = lambda: (probe.engine_used(1), step())[1]
         runner = lambda: ContinuousRollouts(loop, wrapped, max_in_flight=slots,  # noqa: E731
                                             upload_interval_s=args.upload_interval_s,
-                                            recompute=schedule != "continuous_keep").run(
+                                            recompute=schedule != "continuous_keep",
+                                            max_switch_share=args.max_switch_share).run(
             threading.Event(), max_groups=args.groups)
     publisher.start()
     try:
@@ -264,6 +265,7 @@ def run_arm(args, workload: str, schedule: str, model: Path, url: str) -> dict:
             "version_lag_mean": round(statistics.fmean(probe.lags), 2) if probe.lags else None,
             "token_version_lag_mean": round(statistics.fmean(probe.token_lags), 2) if probe.token_lags else None,
             "weight_swap_s": round(stats.schedule.weight_swap_s, 2) if stats.schedule is not None else None,
+            "switch_s": round(stats.schedule.switch_s, 2) if stats.schedule is not None else None,
             **({"turns_per_trajectory": round(stats.environment.turns / max(stats.environment.trajectories, 1), 2),
                 "env_s": round(stats.environment.env_time_s, 2), "failed_trajectories": stats.environment.env_errors,
                 **({"diverged": stats.environment.diverged} if hasattr(stats.environment, "diverged") else {})}
@@ -324,6 +326,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--publish-every-s", type=float, default=2.0)
     p.add_argument("--upload-interval-s", type=float, default=0.5)
+    p.add_argument("--max-switch-share", type=float, default=None,
+                   help="continuous: generator.schedule.max_switch_share (default: the config's)")
     p.add_argument("--figure", type=Path, help="write the bar chart here (PNG)")
     return p.parse_args(argv)
 
@@ -334,11 +338,16 @@ def main(argv=None) -> int:
     from bench.hub_process import HubProcess
 
     args = parse_args(argv)
+    if args.max_switch_share is None:
+        from generator.continuous.schedule import DEFAULT_SWITCH_SHARE
+
+        args.max_switch_share = DEFAULT_SWITCH_SHARE
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     # the agent sends its text back: special tokens (BOS, padding) would not survive decoding, so it never samples them
     specials = tuple(t for t in tokenizer.all_special_ids if t != tokenizer.eos_token_id)
     out = {"engine": args.engine, "max_tokens": args.max_tokens, "slots": args.prompts_per_batch * args.group_size,
-           "groups": args.groups, "publish_every_s": args.publish_every_s, "workloads": {}}
+           "groups": args.groups, "publish_every_s": args.publish_every_s,
+           "max_switch_share": args.max_switch_share, "workloads": {}}
     schedules = SCHEDULES if args.engine == "transformers" else SCHEDULES[:2]
     for workload in args.workloads.split(","):
         stop = args.stop_prob if workload in ("multi_turn", "agent") else 0.0

@@ -132,7 +132,8 @@ def continuous_rollouts(loop: RolloutLoop, engine, config: GRPOConfig):
     return ContinuousRollouts(loop, continuous_engine(engine, max_in_flight), max_in_flight=max_in_flight,
                               upload_interval_s=schedule.upload_interval_s,
                               check_interval_s=schedule.check_interval_s,
-                              recompute=schedule.on_weights == "recompute")
+                              recompute=schedule.on_weights == "recompute",
+                              max_switch_share=schedule.max_switch_share)
 
 
 def run_generator(config: GRPOConfig, stop: threading.Event | None = None) -> LoopStats:

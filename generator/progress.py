@@ -97,9 +97,9 @@ class Progress:
             schedule = stats.schedule
             if schedule is not None and schedule.steps:
                 log.info("continuous schedule: %d engine steps, %.1f sequences in the engine per step, %.1fs "
-                         "stepping, %.1fs with the engine empty, %.1fs swapping weights", schedule.steps,
-                         schedule.slot_steps / schedule.steps, schedule.step_s, schedule.idle_s,
-                         schedule.weight_swap_s)
+                         "stepping, %.1fs with the engine empty, %.1fs swapping weights (%.1fs switching with the "
+                         "recompute after each)", schedule.steps, schedule.slot_steps / schedule.steps,
+                         schedule.step_s, schedule.idle_s, schedule.weight_swap_s, schedule.switch_s)
             if stats.prompts_skipped:
                 drawn = stats.prompts_skipped + stats.prompts
                 log.info("curriculum: %d of %d drawn prompts passed over (%.1f%%): solved always or never lately",

@@ -24,14 +24,17 @@ from dataclasses import dataclass
 from generator.agent.runner import AgentRollouts
 from generator.continuous.episodes import EpisodesInFlight
 from generator.continuous.groups import GroupsInFlight
+from generator.continuous.switches import SwitchBudget
 from generator.continuous.trajectories import TrajectoriesInFlight
 from generator.continuous.uploader import GroupUploader
 from generator.engines.base import ContinuousEngine
 from generator.failures import FailureRateExceeded
 from generator.refusals import GroupsRefused
+from shared.config.schema.generator import ScheduleConfig
 from shared.protocol.client import HubUnavailable
 
 log = logging.getLogger("grpo.generator")
+DEFAULT_SWITCH_SHARE = ScheduleConfig.model_fields["max_switch_share"].default
 
 
 @dataclass
@@ -42,13 +45,16 @@ class ScheduleStats:
     step_s: float = 0.0             # seconds inside engine.step()
     idle_s: float = 0.0             # seconds with nothing in the engine (no budget, a service down, start/end)
     weight_swap_s: float = 0.0      # seconds swapping weights between steps
+    switch_s: float = 0.0           # the switches' measured cost: the swaps and the recompute in the step after each
     slot_steps: int = 0             # sum over steps of the sequences unfinished in the engine (its occupancy)
 
 
 class ContinuousRollouts:
     def __init__(self, loop, engine: ContinuousEngine, *, max_in_flight: int, upload_interval_s: float = 0.5,
-                 check_interval_s: float = 0.2, recompute: bool = True) -> None:
-        """``loop``: the RolloutLoop whose prompts, rewards, client, weight receiver, rules and stats this uses."""
+                 check_interval_s: float = 0.2, recompute: bool = True, max_switch_share: float = DEFAULT_SWITCH_SHARE) -> None:
+        """``loop``: the RolloutLoop whose prompts, rewards, client, weight receiver, rules and stats this uses;
+        ``max_switch_share``: the most of the wall time weight switches may take (generator/continuous/switches.py;
+        1: every new version at the next check; the default is the config's)."""
         self.loop, self.engine = loop, engine
         self.max_in_flight = max(max_in_flight, loop.group_size)   # room for one whole group at least
         self.upload_interval_s, self.check_interval_s = upload_interval_s, check_interval_s
@@ -62,6 +68,7 @@ class ContinuousRollouts:
             self.groups = TrajectoriesInFlight(loop.multiturn, loop.group_size, loop.seed, loop.generator_id,
                                                loop.stats, max_workers=self.max_in_flight)
         self.stats = loop.stats.schedule = ScheduleStats()
+        self.switches = SwitchBudget(max_switch_share)
         self._budget = 0            # prompts the hub's last answer allows, less those submitted since
         self._next_check = 0.0
 
@@ -71,7 +78,9 @@ class ContinuousRollouts:
         started = time.perf_counter()
         if self.loop.sync_weights():
             self.engine.weights_changed(self.loop.policy_version, self.recompute)
-            self.stats.weight_swap_s += time.perf_counter() - started
+            swap_s = time.perf_counter() - started
+            self.stats.weight_swap_s += swap_s
+            self.switches.switched(swap_s)
 
     # -- pacing ---------------------------------------------------------------------------------------------
     def free_groups(self) -> int:
@@ -144,8 +153,9 @@ class ContinuousRollouts:
         next_sync = 0.0
         while not self._done(stop, max_groups):
             self.uploader.raise_if_failed()
-            if time.monotonic() >= next_sync:
-                next_sync = time.monotonic() + self.check_interval_s
+            now = time.monotonic()
+            if now >= next_sync and self.switches.allowed(now):
+                next_sync = now + self.check_interval_s
                 self.sync_weights()
             self.top_up(max_groups)
             self._collect()
@@ -161,7 +171,10 @@ class ContinuousRollouts:
         started = time.perf_counter()
         unfinished = self.engine.num_unfinished()
         finished = self.engine.step()
-        self.stats.step_s += time.perf_counter() - started
+        step_s = time.perf_counter() - started
+        self.stats.step_s += step_s
+        self.switches.stepped(step_s, time.monotonic())
+        self.stats.switch_s = self.switches.switch_s
         self.stats.steps += 1
         self.stats.slot_steps += unfinished
         for sequence in finished:

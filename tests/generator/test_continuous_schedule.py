@@ -9,6 +9,7 @@ tests/e2e/."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -178,3 +179,56 @@ def test_a_stop_uploads_the_complete_groups_and_aborts_the_rest(engine, tmp_path
         stats = schedule(loop, scripted).run(stop)
         assert live.state.hub.depth() == stats.groups_uploaded == 2   # the short groups done by step 10
     assert {r.partition("/")[0] for r in scripted.aborted} >= {"0"} and scripted.num_unfinished() == 0
+
+
+@pytest.mark.parametrize("share", [1.0, 0.2])
+def test_a_learner_publishing_at_every_step_gets_at_most_the_switch_share(engine, tmp_path, tiny_model_dir,  # noqa: F811
+                                                                         share):
+    """A new version before every step and switches that cost more than a step (a 40 ms recompute stand-in):
+    with share 1 every check switches; with 0.2 the switches' measured cost stays within a fifth of the run (plus
+    the last one's), and the engine still takes the newest version after each wait."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    path = tmp_path / "weights.safetensors"
+    save_file({k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}, str(path))
+    with LiveServer(make_config(tmp_path)) as live:
+        loop = make_loop(engine, live.url, tmp_path, wait_for_budget=False)
+        loop.sampling = loop.sampling.__class__(temperature=1.0, max_tokens=6)
+        scripted = ScriptedEngine(engine, max_in_flight=8, length=lambda request: 6)
+        publisher, step, changed = HubClient(live.url), scripted.step, scripted.weights_changed
+
+        def publish_then_step():
+            publisher.upload_weights(scripted.steps + 1, path)
+            time.sleep(0.005)
+            return step()
+
+        def slow_switch(version, recompute=True):
+            time.sleep(0.04)
+            changed(version, recompute)
+
+        scripted.step, scripted.weights_changed = publish_then_step, slow_switch
+        rollouts = ContinuousRollouts(loop, scripted, max_in_flight=8, upload_interval_s=0.0, check_interval_s=0.0,
+                                      max_switch_share=share)
+        costs, stepped = [], rollouts.switches.stepped
+
+        def recording(step_s, now):   # each switch's measured cost (load + the step after it over a usual one)
+            before = rollouts.switches.switch_s
+            stepped(step_s, now)
+            if rollouts.switches.switch_s > before:
+                costs.append(rollouts.switches.switch_s - before)
+
+        rollouts.switches.stepped = recording
+        started = time.perf_counter()
+        stats = rollouts.run(threading.Event(), max_groups=30)
+        wall = time.perf_counter() - started
+    switches = [version for step_, version in scripted.switches if step_ > 0]
+    steps = scripted.steps
+    seen = f"{steps} steps, switches to {switches}, costs {costs}, {wall:.2f}s"
+    assert stats.groups_uploaded == 30 and steps >= 40, seen
+    assert switches == sorted(switches) and len(set(switches)) == len(switches), seen
+    assert all(cost >= 0.04 for cost in costs), seen   # each switch measured at least its 40 ms
+    if share == 1.0:
+        assert len(switches) >= steps - 2, seen        # every check found a newer version and took it
+    else:
+        assert sum(costs) <= 0.2 * wall + max(costs), seen   # a fifth of the run, plus the last switch's cost
+        assert 1 <= len(switches) <= steps / 3, seen
+        assert all(later - earlier >= 2 for earlier, later in zip(switches, switches[1:])), seen   # skipped some

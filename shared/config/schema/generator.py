@@ -281,6 +281,12 @@ class ScheduleConfig(StrictModel):
     check_interval_s: float = Field(
         0.2, gt=0, description="continuous: how often the hub is asked for a new weights version and for its "
         "budget while the engine runs (each is one small request).")
+    max_switch_share: float = Field(
+        0.25, gt=0, le=1, description="continuous: the most of the wall time weight switches may take. A switch "
+        "costs its load and, with on_weights recompute, one prefill of the unfinished prefixes (both measured); "
+        "after one that cost c seconds the next waits c x (1 - share) / share seconds and then takes the newest "
+        "version, so a learner publishing faster than the generator can load cannot turn it into a weight loader. "
+        "1: every version at the next check.")
 
 
 class GeneratorConfig(StrictModel):

@@ -1,0 +1,62 @@
+"""How often the continuous schedule takes a new weights version: at most a share of the wall time goes to switching.
+
+A switch costs the load (download and copy into the engine) and, with ``on_weights: recompute``, one prefill of
+every unfinished prefix, which both engines run in the first step after the switch. When the learner publishes
+faster than that cost can be paid back (a small model, a fast learner, a slow relay, a loaded machine), taking every
+version turns the generator into a weight loader: on a 2-core CPU with a publish every 2 s the vLLM engine spent
+558 s of a 685 s run switching and sampled 72 tokens/s where call-at-a-time sampled 909. So after a switch whose
+cost was ``c`` seconds the next one waits until ``c * (1 - s) / s`` seconds have passed (``s``:
+``generator.schedule.max_switch_share``): switching then takes at most the share ``s`` of the time however often
+versions come, and the version taken is the newest one at that moment (the ones between are skipped, as the
+call-at-a-time loop skips those published during a call). When versions come slower than that, nothing waits.
+
+The cost of a switch is measured, not assumed: the seconds the loop spent loading, plus how much longer than a usual
+step the first step after it took (the recompute; a usual step is an exponential average of the steps that followed
+no switch; before one is known, that whole step).
+"""
+
+from __future__ import annotations
+
+STEP_AVERAGE = 0.1   # weight of the newest step in the usual step's exponential average
+
+
+def wait_after_switch(cost_s: float, max_share: float) -> float:
+    """Seconds of generating owed after a switch that cost ``cost_s``: ``cost_s * (1 - s) / s``, so that the switch
+    takes at most the share ``s`` of its own cost plus the wait (0 when ``s`` is 1: every version at once)."""
+    if not 0 < max_share <= 1:
+        raise ValueError(f"max_share must be in (0, 1], got {max_share}")
+    return max(cost_s, 0.0) * (1 - max_share) / max_share
+
+
+class SwitchBudget:
+    """When the continuous schedule may take the next version (:meth:`allowed`), from the switches and steps it
+    reports (:meth:`switched`, :meth:`stepped`)."""
+
+    def __init__(self, max_share: float) -> None:
+        wait_after_switch(0.0, max_share)   # checks the share
+        self.max_share = max_share
+        self.next_at = float("-inf")        # monotonic time from which a switch is allowed
+        self.usual_step_s: float | None = None
+        self.switch_s = 0.0                 # measured cost of every switch so far (load + recompute)
+        self._pending: float | None = None  # a switch's load time, until the step after it adds its recompute
+
+    def allowed(self, now: float) -> bool:
+        """May the loop ask the hub for a new version now (no switch waiting for its step, the last one paid back)?"""
+        return self._pending is None and now >= self.next_at
+
+    def switched(self, load_s: float) -> None:
+        """A switch happened and its load took ``load_s``; the next step completes its cost."""
+        self._pending = (self._pending or 0.0) + load_s
+
+    def stepped(self, step_s: float, now: float) -> None:
+        """A step took ``step_s`` and ended at ``now``: after a switch, the first step's excess over a usual step is
+        the switch's recompute, and the next switch is allowed once the whole cost is paid back."""
+        if self._pending is None:
+            self.usual_step_s = step_s if self.usual_step_s is None else (
+                (1 - STEP_AVERAGE) * self.usual_step_s + STEP_AVERAGE * step_s)
+            return
+        # before any usual step is known, the whole step counts (a switch before every step would else cost 0)
+        cost = self._pending + max(0.0, step_s - (self.usual_step_s or 0.0))
+        self._pending = None
+        self.switch_s += cost
+        self.next_at = now + wait_after_switch(cost, self.max_share)
