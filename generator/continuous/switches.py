@@ -11,13 +11,16 @@ versions come, and the version taken is the newest one at that moment (the ones 
 call-at-a-time loop skips those published during a call). When versions come slower than that, nothing waits.
 
 The cost of a switch is measured, not assumed: the seconds the loop spent loading, plus how much longer than a usual
-step the first step after it took (the recompute; a usual step is an exponential average of the steps that followed
-no switch; before one is known, that whole step).
+step each of the :data:`SETTLING_STEPS` steps after it took (the recompute: on the transformers engine it is the
+first step; vLLM's engine core runs a step ahead of the loop and may take the resubmitted prefixes over two steps).
+A usual step is an exponential average of the steps outside those windows; before one is known, a step after a
+switch counts whole.
 """
 
 from __future__ import annotations
 
 STEP_AVERAGE = 0.1   # weight of the newest step in the usual step's exponential average
+SETTLING_STEPS = 3   # steps after a switch whose excess over a usual step is the switch's recompute
 
 
 def wait_after_switch(cost_s: float, max_share: float) -> float:
@@ -38,25 +41,31 @@ class SwitchBudget:
         self.next_at = float("-inf")        # monotonic time from which a switch is allowed
         self.usual_step_s: float | None = None
         self.switch_s = 0.0                 # measured cost of every switch so far (load + recompute)
-        self._pending: float | None = None  # a switch's load time, until the step after it adds its recompute
+        self._pending: float | None = None  # a switch's cost so far, while the steps after it add their excess
+        self._settling = 0                  # steps seen since that switch
 
     def allowed(self, now: float) -> bool:
-        """May the loop ask the hub for a new version now (no switch waiting for its step, the last one paid back)?"""
+        """May the loop ask the hub for a new version now (the last switch's cost known and paid back)?"""
         return self._pending is None and now >= self.next_at
 
     def switched(self, load_s: float) -> None:
-        """A switch happened and its load took ``load_s``; the next step completes its cost."""
+        """A switch happened and its load took ``load_s``; the next steps complete its cost."""
         self._pending = (self._pending or 0.0) + load_s
+        self._settling = 0
 
     def stepped(self, step_s: float, now: float) -> None:
-        """A step took ``step_s`` and ended at ``now``: after a switch, the first step's excess over a usual step is
-        the switch's recompute, and the next switch is allowed once the whole cost is paid back."""
+        """A step took ``step_s`` and ended at ``now``: after a switch, the excess over a usual step of each of the
+        next :data:`SETTLING_STEPS` steps is the switch's recompute; then the next switch is allowed once the whole
+        cost is paid back."""
         if self._pending is None:
             self.usual_step_s = step_s if self.usual_step_s is None else (
                 (1 - STEP_AVERAGE) * self.usual_step_s + STEP_AVERAGE * step_s)
             return
         # before any usual step is known, the whole step counts (a switch before every step would else cost 0)
-        cost = self._pending + max(0.0, step_s - (self.usual_step_s or 0.0))
-        self._pending = None
+        self._pending += max(0.0, step_s - (self.usual_step_s or 0.0))
+        self._settling += 1
+        if self._settling < SETTLING_STEPS and self.usual_step_s is not None:
+            return
+        cost, self._pending = self._pending, None
         self.switch_s += cost
         self.next_at = now + wait_after_switch(cost, self.max_share)
