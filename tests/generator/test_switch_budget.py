@@ -27,13 +27,16 @@ def test_the_step_after_a_switch_adds_its_excess_over_a_usual_step():
     assert budget.usual_step_s == pytest.approx(0.1) and budget.allowed(1.0)
     budget.switched(0.3)                        # loaded in 0.3 s ...
     assert not budget.allowed(1.3)              # ... and its recompute not yet stepped: no second switch
-    budget.stepped(0.1, 1.4)                    # a step the engine had in flight (vLLM's core runs ahead)
-    budget.stepped(0.5, 1.9)                    # the recompute: 0.4 s more than usual
-    assert not budget.allowed(1.9) and budget.switch_s == 0.0
-    budget.stepped(0.2, 2.1)                    # the last of the window: 0.1 s more
-    assert budget.switch_s == pytest.approx(0.8)
+    now = 1.3
+    for step_s in (0.0, 0.0, 0.5, 0.2, 0.1):    # outputs vLLM's core had queued, then the recompute over two steps
+        now += step_s
+        budget.stepped(step_s, now)
+        assert not budget.allowed(now) and budget.switch_s == 0.0
+    budget.stepped(0.1, now + 0.1)              # the last of the window
+    assert SETTLING_STEPS == 6 and budget.switch_s == pytest.approx(0.8)   # 0.3 + 0.4 + 0.1
     assert budget.usual_step_s == pytest.approx(0.1)   # the steps after a switch do not move the usual step
-    assert not budget.allowed(2.1 + 2.39) and budget.allowed(2.1 + 2.4)   # 0.8 x 3 = 2.4 s later
+    end = now + 0.1
+    assert not budget.allowed(end + 2.39) and budget.allowed(end + 2.4)   # 0.8 x 3 = 2.4 s later
 
 
 def simulate(share: float, step_s: float, loads: list[float], excesses: list[float], publish_every_s: float | None,
