@@ -45,7 +45,8 @@ def test_the_agent_workload_samples_like_the_multi_turn_one():
 def test_the_engine_alone_samples_every_token_of_the_uniform_workload_on_both_schedules(tiny_model_dir, tmp_path):
     """``--engine-only``: with EOS never sampled every completion runs to the cap, so both schedules count exactly
     groups x G x max_tokens tokens (the continuous one stops at as many finished sequences, aborting the rest)."""
-    from bench.rollout_schedule import build_length_model, engine_only_arm, parse_args
+    from bench.rollout_engines import engine_only_arm
+    from bench.rollout_schedule import build_length_model, parse_args
 
     model = build_length_model(tiny_model_dir, tmp_path / "uniform", WORKLOADS["uniform"], hidden=64, layers=1)
     args = parse_args(["--model", str(tiny_model_dir), "--groups", "4", "--prompts-per-batch", "2",
