@@ -46,13 +46,16 @@ class SwitchBudget:
         self._settling = 0                  # steps seen since that switch
 
     def allowed(self, now: float) -> bool:
-        """May the loop ask the hub for a new version now (the last switch's cost known and paid back)?"""
-        return self._pending is None and now >= self.next_at
+        """May the loop ask the hub for a new version now (the last switch's cost known and paid back; always with
+        a share of 1)?"""
+        return self.max_share >= 1 or (self._pending is None and now >= self.next_at)
 
     def switched(self, load_s: float) -> None:
-        """A switch happened and its load took ``load_s``; the next steps complete its cost."""
-        self._pending = (self._pending or 0.0) + load_s
-        self._settling = 0
+        """A switch happened and its load took ``load_s``; the next steps complete its cost. (A switch before the
+        last one's window ended, which a share of 1 allows, closes that window: its cost is what was seen.)"""
+        if self._pending is not None:
+            self.switch_s += self._pending
+        self._pending, self._settling = load_s, 0
 
     def stepped(self, step_s: float, now: float) -> None:
         """A step took ``step_s`` and ended at ``now``: after a switch, the excess over a usual step of each of the

@@ -79,6 +79,17 @@ def test_switching_never_takes_more_than_its_share_however_often_versions_come(s
         assert len(costs) == steps          # share 1: a new version at every check
 
 
+def test_a_share_of_one_takes_a_new_version_at_every_check():
+    budget = SwitchBudget(1.0)
+    budget.stepped(0.1, 0.1)                         # a usual step is known
+    for k in range(10):                              # a switch before every step, each loading 0.2 s
+        assert budget.allowed(0.1 + k)
+        budget.switched(0.2)
+        budget.stepped(0.1, 0.2 + k)
+    budget.switched(0.2)
+    assert budget.switch_s == pytest.approx(10 * 0.2)   # every cut-short window counted (the last still open)
+
+
 @settings(max_examples=100, deadline=None)
 @given(share=st.floats(0.05, 1.0), load=st.floats(0.0, 0.5), excess=st.floats(0.0, 0.5),
        step_s=st.floats(0.01, 0.1))
