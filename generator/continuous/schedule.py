@@ -45,7 +45,7 @@ class ScheduleStats:
     step_s: float = 0.0             # seconds inside engine.step()
     idle_s: float = 0.0             # seconds with nothing in the engine (no budget, a service down, start/end)
     weight_swap_s: float = 0.0      # seconds swapping weights between steps
-    switch_s: float = 0.0           # the switches' measured cost: the swaps and the recompute in the step after each
+    switch_s: float = 0.0           # the switches' measured cost: the swaps and the recompute in the steps after each
     slot_steps: int = 0             # sum over steps of the sequences unfinished in the engine (its occupancy)
 
 
