@@ -44,11 +44,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.rollout_engines import build_engine, engine_only_arm  # noqa: E402
+from bench.rollout_report import SCHEDULES, draw, summarize  # noqa: E402
 
 WORKLOADS = {"long_tail": None, "uniform": -50.0, "multi_turn": None, "agent": None}   # eos_logit; None: --eos-prob
 MULTI_TURN_STOP = "!"   # the multi-turn workload's stop string: one token of the tiny model's tokenizer
-# continuous: on_weights recompute (the default); continuous_keep: on_weights keep (the transformers engine only)
-SCHEDULES = ("batch", "continuous", "continuous_keep")
 
 
 def build_length_model(base: Path, out: Path, eos_logit: float, hidden: int, layers: int,
@@ -275,32 +274,6 @@ def run_arm(args, workload: str, schedule: str, model: Path, url: str) -> dict:
                if stats.environment is not None else {})}
 
 
-def draw(out: dict, path: Path) -> None:
-    """Tokens/s and publish-to-first-use of each schedule, per workload: two bar panels."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    workloads = list(out["workloads"])
-    schedules = [s for s in SCHEDULES if s in out["workloads"][workloads[0]]]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    width = 0.8 / len(schedules)
-    for k, schedule in enumerate(schedules):
-        xs = [i + k * width for i in range(len(workloads))]
-        axes[0].bar(xs, [out["workloads"][w][schedule]["tokens_per_s"] for w in workloads], width, label=schedule)
-        axes[1].bar(xs, [out["workloads"][w][schedule]["publish_to_first_use_s"] or 0 for w in workloads], width,
-                    label=schedule)
-    for ax, title in zip(axes, ("completion tokens/s", "publish -> first step using it (s, median)")):
-        ax.set_xticks([i + width * (len(schedules) - 1) / 2 for i in range(len(workloads))], workloads)
-        ax.set_title(title, fontsize=10)
-    axes[0].legend(fontsize=8)
-    fig.suptitle(f"rollout schedules, {out['engine']} engine, {out['slots']} sequence slots, cap "
-                 f"{out['max_tokens']} tokens, a publish every {out['publish_every_s']}s", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="the tiny model folder (its tokenizer and shape are used)")
@@ -322,6 +295,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-switch-share", type=float, default=None,
                    help="continuous: generator.schedule.max_switch_share (default: the config's)")
     p.add_argument("--figure", type=Path, help="write the bar chart here (PNG)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run the arms this many times, alternating; each arm reports its median run and each ratio "
+                   "the median of the repeats' own ratios (with the range)")
     p.add_argument("--engine-only", action="store_true",
                    help="the engine alone (no hub, rewards, uploads or weights): batch calls against sequences kept "
                    "in flight, long_tail and uniform workloads only")
@@ -344,7 +320,7 @@ def main(argv=None) -> int:
     out = {"engine": args.engine, "engine_only": args.engine_only, "max_tokens": args.max_tokens,
            "slots": args.prompts_per_batch * args.group_size,
            "groups": args.groups, "publish_every_s": args.publish_every_s,
-           "max_switch_share": args.max_switch_share, "workloads": {}}
+           "max_switch_share": args.max_switch_share, "repeats": args.repeats, "workloads": {}}
     schedules = SCHEDULES if args.engine == "transformers" else SCHEDULES[:2]
     for workload in args.workloads.split(","):
         stop = args.stop_prob if workload in ("multi_turn", "agent") else 0.0
@@ -355,23 +331,22 @@ def main(argv=None) -> int:
         with tempfile.TemporaryDirectory(prefix="length-model-") as folder:
             model = build_length_model(Path(args.model), Path(folder), logit, args.hidden, args.layers,
                                        eos_logit_for(stop, vocab, args.eos_prob) if stop else None, mute)
-            arms = {}
-            for schedule in schedules:
-                if args.engine_only:
-                    if schedule == "continuous_keep" or workload not in ("long_tail", "uniform"):
-                        continue
-                    arms[schedule] = engine_only_arm(args, schedule, model)
-                    print(json.dumps({workload: arms[schedule]}), flush=True)
-                    continue
-                hub = HubProcess(None, capacity=100_000, max_staleness=1_000_000)
-                try:
-                    arms[schedule] = run_arm(args, workload, schedule, model, hub.url)
-                finally:
-                    hub.stop()
-                print(json.dumps({workload: arms[schedule]}), flush=True)
-        ratios = {f"tokens_per_s_{name}_over_batch": round(arms[name]["tokens_per_s"] / arms["batch"]["tokens_per_s"], 2)
-                  for name in schedules[1:] if name in arms}
-        out["workloads"][workload] = {**arms, **ratios}
+            runs = {}   # schedule -> one result per repeat; the arms alternate, so each repeat's pair ran side by side
+            for _ in range(args.repeats):
+                for schedule in schedules:
+                    if args.engine_only:
+                        if schedule == "continuous_keep" or workload not in ("long_tail", "uniform"):
+                            continue
+                        result = engine_only_arm(args, schedule, model)
+                    else:
+                        hub = HubProcess(None, capacity=100_000, max_staleness=1_000_000)
+                        try:
+                            result = run_arm(args, workload, schedule, model, hub.url)
+                        finally:
+                            hub.stop()
+                    runs.setdefault(schedule, []).append(result)
+                    print(json.dumps({workload: result}), flush=True)
+        out["workloads"][workload] = summarize(runs)
     if args.figure is not None:
         draw(out, args.figure)
     print("BENCH_JSON " + json.dumps(out), flush=True)

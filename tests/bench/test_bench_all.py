@@ -22,7 +22,8 @@ def test_every_entry_is_a_script_of_bench_and_every_script_an_entry():
     # standalone studies of many minutes of real runs each (their docs pages give the commands)
     assert scripts - set(names) <= {"procmem", "vs_trl_trl", "vs_trl_runs", "lora_curves", "scorers", "hub_load",
                                     "hub_process", "learner_throughput_child", "weight_sync_processes",
-                                    "training_controls", "distill", "calc_agent", "rollout_engines"}
+                                    "training_controls", "distill", "calc_agent", "rollout_engines",
+                                    "rollout_report"}
 
 
 def test_the_gpu_command_fits_the_lent_machine_and_the_cpu_run_is_bounded():

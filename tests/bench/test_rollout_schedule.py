@@ -54,3 +54,19 @@ def test_the_engine_alone_samples_every_token_of_the_uniform_workload_on_both_sc
     for schedule in ("batch", "continuous"):
         arm = engine_only_arm(args, schedule, model)
         assert arm["sequences"] == 8 and arm["completion_tokens"] == 4 * 2 * 8, arm
+
+
+def test_repeats_report_each_arms_median_run_and_the_median_of_the_paired_ratios():
+    from bench.rollout_report import summarize
+
+    runs = {"batch": [{"tokens_per_s": 100.0, "k": 1}, {"tokens_per_s": 200.0, "k": 2}, {"tokens_per_s": 150.0, "k": 3}],
+            "continuous": [{"tokens_per_s": 300.0}, {"tokens_per_s": 260.0}, {"tokens_per_s": 150.0}]}
+    out = summarize(runs)
+    assert out["batch"]["k"] == 3 and out["batch"]["tokens_per_s_runs"] == [100.0, 200.0, 150.0]
+    assert out["continuous"]["tokens_per_s"] == 260.0
+    # each repeat's own ratio (3.0, 1.3, 1.0), not the ratio of the medians (260 / 150 = 1.73)
+    assert out["tokens_per_s_continuous_over_batch"] == 1.3
+    assert out["tokens_per_s_continuous_over_batch_range"] == [1.0, 3.0]
+    single = summarize({"batch": [{"tokens_per_s": 80.0}], "continuous": [{"tokens_per_s": 100.0}]})
+    assert single == {"batch": {"tokens_per_s": 80.0}, "continuous": {"tokens_per_s": 100.0},
+                      "tokens_per_s_continuous_over_batch": 1.25}   # one run: the format of before
