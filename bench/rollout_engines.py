@@ -40,7 +40,6 @@ def engine_only_arm(args, schedule: str, model: Path) -> dict:
                 groups = engine.generate([prompt] * args.prompts_per_batch, sampling, args.group_size, seed=call)
                 tokens += sum(len(c.token_ids) for group in groups for c in group)
                 done += args.prompts_per_batch * args.group_size
-            wall = time.perf_counter() - started
         else:
             wrapped, ids = continuous_engine(engine, slots), iter(range(10**9))
             new = lambda count: [SequenceRequest(f"{i}/0", prompt, sampling, i)  # noqa: E731
@@ -52,7 +51,8 @@ def engine_only_arm(args, schedule: str, model: Path) -> dict:
                 done += len(finished)
                 if finished:
                     wrapped.submit(new(len(finished)))
-            wall = time.perf_counter() - started
+        wall = time.perf_counter() - started
+        if schedule != "batch":   # the sequences still running when enough were done
             wrapped.abort([f"{i}/0" for i in range(next(ids))])
     finally:
         engine.close()

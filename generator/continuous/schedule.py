@@ -51,7 +51,8 @@ class ScheduleStats:
 
 class ContinuousRollouts:
     def __init__(self, loop, engine: ContinuousEngine, *, max_in_flight: int, upload_interval_s: float = 0.5,
-                 check_interval_s: float = 0.2, recompute: bool = True, max_switch_share: float = DEFAULT_SWITCH_SHARE) -> None:
+                 check_interval_s: float = 0.2, recompute: bool = True,
+                 max_switch_share: float = DEFAULT_SWITCH_SHARE) -> None:
         """``loop``: the RolloutLoop whose prompts, rewards, client, weight receiver, rules and stats this uses;
         ``max_switch_share``: the most of the wall time weight switches may take (generator/continuous/switches.py;
         1: every new version at the next check; the default is the config's)."""
@@ -133,6 +134,7 @@ class ContinuousRollouts:
             finally:
                 self.engine.abort(self.groups.abandon())   # sequences of groups never completed: nothing to upload
                 self.uploader.close()
+                self.stats.switch_s = self.switches.switch_s   # the budget measures it; the stats report it
             self.uploader.raise_if_failed()   # what failed on the upload thread, raised here
         except HubUnavailable as exc:
             if not stop.is_set():
@@ -174,7 +176,6 @@ class ContinuousRollouts:
         step_s = time.perf_counter() - started
         self.stats.step_s += step_s
         self.switches.stepped(step_s, time.monotonic())
-        self.stats.switch_s = self.switches.switch_s
         self.stats.steps += 1
         self.stats.slot_steps += unfinished
         for sequence in finished:
